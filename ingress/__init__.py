@@ -1,0 +1,1 @@
+"""Ingress: the FastAPI app that authenticates, validates and publishes inference requests to Kafka."""

@@ -1,0 +1,1 @@
+"""Shared runtime for Sluicegate services: settings, Kafka and Redis clients, telemetry, the CLI and the local dev stack."""
