@@ -1,0 +1,33 @@
+"""The interface every attention backend implements: write this step's K/V into the paged cache,
+then attend each query token over its sequence's cached context."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """One instance per engine; called once per layer per step.
+
+    Shapes: ``q`` is ``[num_tokens, num_heads, head_dim]``; ``k`` and ``v`` are
+    ``[num_tokens, num_kv_heads, head_dim]``; caches follow ``metadata.py``. A slot of ``-1`` in
+    ``meta.slot_mapping`` means "do not store" (padding rows of a CUDA-graph batch). Returns a
+    ``[num_tokens, num_heads, head_dim]`` tensor in ``q``'s dtype.
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,42 @@
+"""The per-step description of a flat, unpadded token batch that every attention backend reads.
+
+Layout contract shared by all backends (torch reference, Triton, flash-attn):
+
+* The KV cache of one layer is two tensors ``k_cache`` and ``v_cache`` of shape
+  ``[num_blocks, block_size, num_kv_heads, head_dim]`` (flash-attn's paged layout).
+* A token's *slot* is ``block_id * block_size + offset_in_block``.
+* The batch holds ``num_seqs`` sequences; sequence ``i`` contributes the query tokens
+  ``query_start_loc[i]:query_start_loc[i + 1]`` of the flat ``q``/``k``/``v`` tensors. Those are
+  the *last* ``q_len_i`` tokens of a context of ``seq_lens[i]`` tokens (prefix-cache hits and
+  earlier chunks/decode steps are already in the cache), so query ``j`` of sequence ``i`` sits at
+  absolute position ``seq_lens[i] - q_len_i + j`` and attends causally to positions ``<=`` that.
+* ``block_tables[i, b]`` is the physical block holding positions ``b*block_size ..`` of sequence
+  ``i``; rows are padded with ``0`` past the sequence's last block (never read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs to write this step's K/V into the cache and attend over it."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot for each new token's K/V
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length per sequence, new tokens included
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+    # True when every sequence contributes exactly one query token (pure decode step).
+    is_decode_only: bool = False
+    # Host copies, so backends that loop in Python do not sync the device per sequence.
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])

@@ -1,0 +1,76 @@
+"""Control-plane messages: cancellations, worker heartbeats, final results and dead letters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AwareDatetime, Field
+
+from .common import SCHEMA_VERSION, Message, RequestId, utcnow
+from .events import FinishReason, Usage
+
+
+class CancelRequest(Message):
+    """Asks the worker that owns (or will pick up) a request to stop it and free its KV blocks."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    request_id: RequestId
+    tenant: str = "default"
+    reason: str = Field("client_cancelled", max_length=256)
+    created_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+class PartitionRef(Message):
+    """One topic partition."""
+
+    topic: str
+    partition: int = Field(ge=0)
+
+
+class WorkerHeartbeat(Message):
+    """What a worker reports every few seconds: ownership, load and cache state."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    worker_id: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    partitions: list[PartitionRef] = Field(default_factory=list)
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    free_kv_blocks: int = Field(ge=0)
+    total_kv_blocks: int = Field(ge=0)
+    prefix_cache_hit_rate: float = Field(ge=0.0, le=1.0)
+    device: str = "cpu"
+    draining: bool = False
+    sent_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+class FinalResult(Message):
+    """A finished request, as written to the durable ``llm.results`` topic."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    request_id: RequestId
+    model: str
+    tenant: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    error_code: str | None = None
+    error_message: str | None = None
+    worker_id: str
+    created_at: AwareDatetime
+    finished_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+class DeadLetter(Message):
+    """A message that could not be served, kept on ``llm.dlq`` for inspection and replay."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    reason: str = Field(min_length=1, description="Machine-readable cause, also in the 'reason' header.")
+    detail: str = ""
+    source_topic: str
+    source_partition: int | None = None
+    source_offset: int | None = None
+    payload: str = Field(description="The original message value, decoded as UTF-8 with replacement.")
+    request_id: str | None = None
+    failed_at: AwareDatetime = Field(default_factory=utcnow)

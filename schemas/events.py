@@ -1,0 +1,90 @@
+"""Stream events a worker appends to ``llm:stream:<request_id>`` and the result service relays.
+
+Each event carries the request id and a per-request ``seq`` starting at 0. The Redis entry id is
+derived from ``seq`` (:func:`stream_entry_id`), so a replayed append is refused by Redis itself.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from .common import Message, RequestId
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+#: Field name holding the JSON event in every stream entry.
+STREAM_FIELD = "event"
+
+
+class Usage(Message):
+    """Token accounting, OpenAI-shaped, plus how much of the prompt the prefix cache served."""
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(0, ge=0)
+
+
+class _Event(Message):
+    request_id: RequestId
+    seq: int = Field(ge=0)
+
+
+class TokenEvent(_Event):
+    """New text (may be empty while a multi-byte character is incomplete) and its token ids."""
+
+    type: Literal["token"] = "token"
+    text: str
+    token_ids: list[Annotated[int, Field(ge=0)]]
+
+
+class DoneEvent(_Event):
+    """The last event of a finished request."""
+
+    type: Literal["done"] = "done"
+    finish_reason: FinishReason
+    usage: Usage
+
+
+class ErrorEvent(_Event):
+    """The request failed; ``code`` is machine-readable (e.g. ``deadline_exceeded``)."""
+
+    type: Literal["error"] = "error"
+    code: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_]+$")
+    message: str
+
+
+class RestartEvent(_Event):
+    """Generation starts over: clients discard every event with ``seq > discard_after_seq``."""
+
+    type: Literal["restart"] = "restart"
+    discard_after_seq: int = Field(ge=-1)
+
+
+StreamEvent = Annotated[TokenEvent | DoneEvent | ErrorEvent | RestartEvent, Field(discriminator="type")]
+stream_event_adapter: TypeAdapter[StreamEvent] = TypeAdapter(StreamEvent)
+
+TERMINAL_TYPES = frozenset({"done", "error"})
+
+
+def stream_entry_id(seq: int) -> str:
+    """The explicit Redis stream entry id for event ``seq`` (ids must start above ``0-0``)."""
+    if seq < 0:
+        raise ValueError("seq must be >= 0")
+    return f"0-{seq + 1}"
+
+
+def seq_from_entry_id(entry_id: str | bytes) -> int:
+    """Inverse of :func:`stream_entry_id`."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, counter = text.partition("-")
+    if ms != "0" or not counter.isdigit() or int(counter) < 1:
+        raise ValueError(f"not a Sluicegate stream entry id: {text!r}")
+    return int(counter) - 1
+
+
+def parse_stream_event(raw: str | bytes) -> StreamEvent:
+    """Validate one JSON event."""
+    return stream_event_adapter.validate_json(raw)

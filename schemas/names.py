@@ -1,0 +1,118 @@
+"""Every Kafka topic and Redis key name Sluicegate uses, in one place.
+
+Services and tests build names only through :class:`Names`, so a deployment (or a test) can isolate
+itself with a prefix and no topic or key string is spelled anywhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Tier = Literal["interactive", "standard", "batch"]
+#: Tiers in the order a worker drains them.
+TIERS: tuple[Tier, ...] = ("interactive", "standard", "batch")
+
+_TOPIC_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+# Kafka caps topic names at 249 characters; keep room for prefix and tier.
+_MAX_MODEL_TOKEN = 120
+
+
+def model_token(model: str) -> str:
+    """The model name as it appears inside topic names and keys.
+
+    Characters Kafka does not allow in a topic (``/`` in hub ids, spaces...) become ``_``; when any
+    were replaced, a short hash of the original keeps two different models from colliding.
+    """
+    if not model:
+        raise ValueError("model name must not be empty")
+    safe = _TOPIC_SAFE.sub("_", model)
+    if safe != model or len(safe) > _MAX_MODEL_TOKEN:
+        digest = hashlib.sha256(model.encode()).hexdigest()[:8]
+        safe = f"{safe[: _MAX_MODEL_TOKEN - 9]}-{digest}"
+    return safe
+
+
+@dataclass(frozen=True)
+class Names:
+    """Topic and key names under an optional prefix (``SLUICEGATE_TOPIC_PREFIX``)."""
+
+    prefix: str = ""
+
+    # --- Kafka topics -----------------------------------------------------------------------
+    @property
+    def inbound_topic(self) -> str:
+        """Where Kafka-native producers put requests for the router to validate and route."""
+        return f"{self.prefix}llm.inbound"
+
+    def request_topic(self, model: str, tier: Tier) -> str:
+        """The topic workers serving ``model`` consume for ``tier``: ``llm.<model>.<tier>``."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+        return f"{self.prefix}llm.{model_token(model)}.{tier}"
+
+    def request_topics(self, model: str) -> list[str]:
+        """All of a model's request topics, highest tier first."""
+        return [self.request_topic(model, tier) for tier in TIERS]
+
+    @property
+    def results_topic(self) -> str:
+        """Durable final results, for batch collectors and audit."""
+        return f"{self.prefix}llm.results"
+
+    @property
+    def dlq_topic(self) -> str:
+        """Messages that could not be routed or served, with a ``reason`` header."""
+        return f"{self.prefix}llm.dlq"
+
+    @property
+    def control_topic(self) -> str:
+        """Cancellations fanned out to every worker."""
+        return f"{self.prefix}llm.control"
+
+    @property
+    def heartbeats_topic(self) -> str:
+        """Worker heartbeats (also mirrored to Redis for quick lookups)."""
+        return f"{self.prefix}llm.heartbeats"
+
+    def worker_group(self, model: str) -> str:
+        """The consumer group of the workers serving ``model``."""
+        return f"{self.prefix}sluicegate-workers.{model_token(model)}"
+
+    # --- Redis keys -----------------------------------------------------------------------------
+    def stream_key(self, request_id: str) -> str:
+        """The Redis stream of one request's events."""
+        return f"{self.prefix}llm:stream:{request_id}"
+
+    def request_key(self, request_id: str) -> str:
+        """Hash with a request's status, owner and final result."""
+        return f"{self.prefix}llm:request:{request_id}"
+
+    def cancel_key(self, request_id: str) -> str:
+        """Marker that a request was cancelled (honoured even if it is still queued in Kafka)."""
+        return f"{self.prefix}llm:cancel:{request_id}"
+
+    def workers_key(self, model: str) -> str:
+        """Hash of live workers' latest heartbeats for ``model``, field = worker id."""
+        return f"{self.prefix}llm:workers:{model_token(model)}"
+
+    @property
+    def models_key(self) -> str:
+        """Set of model names that have had a live worker."""
+        return f"{self.prefix}llm:models"
+
+    def rate_key(self, key_id: str, window: str) -> str:
+        """Counter for one API key's rate limit in one window."""
+        return f"{self.prefix}llm:rate:{key_id}:{window}"
+
+
+# --- Kafka header names ---------------------------------------------------------------------------
+#: Why a message went to the DLQ.
+HEADER_REASON = "reason"
+#: W3C trace context headers.
+HEADER_TRACEPARENT = "traceparent"
+HEADER_TRACESTATE = "tracestate"
+#: The request id, so consumers can skip cancelled requests without parsing the body.
+HEADER_REQUEST_ID = "request_id"

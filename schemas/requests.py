@@ -1,0 +1,89 @@
+"""The inference request every producer puts on Kafka, and the chat message shape it may carry."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import AwareDatetime, Field, field_validator, model_validator
+
+from .common import SCHEMA_VERSION, Message, RequestId, utcnow
+from .names import Tier
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class TextPart(Message):
+    """One text part of an OpenAI-style content array."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Message):
+    """One OpenAI chat message; content may be a string or an array of text parts."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SamplingOptions(Message):
+    """How to sample: the OpenAI fields plus top_k, stop token ids, seed and ignore_eos."""
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1, description="None disables top-k.")
+    max_tokens: int = Field(256, ge=1, le=1_000_000)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: bool = False
+
+
+class TraceContext(Message):
+    """W3C trace context; it also travels in Kafka headers, this copy survives re-publishing."""
+
+    traceparent: str = Field(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+    tracestate: str | None = None
+
+
+class InferenceRequest(Message):
+    """One generation request as it travels on ``llm.inbound`` and ``llm.<model>.<tier>``."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    request_id: RequestId
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        None, description="Text, or token ids. Exactly one of prompt and messages."
+    )
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    priority: Tier = "standard"
+    tenant: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")
+    deadline: AwareDatetime | None = Field(None, description="Absolute time after which not to start.")
+    created_at: AwareDatetime = Field(default_factory=utcnow)
+    trace: TraceContext | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if isinstance(value, str) and not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> InferenceRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' and 'messages' must be given")
+        return self
+
+    def expired(self, now: datetime | None = None) -> bool:
+        """True when the request carries a deadline that has passed."""
+        return self.deadline is not None and (now or utcnow()) >= self.deadline

@@ -1,0 +1,111 @@
+"""The ``sluicegate`` command: local stack, services, schemas and model tools.
+
+Each subcommand imports what it needs lazily, so ``sluicegate schemas export`` does not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .logs import configure_logging
+from .settings import get_settings
+
+
+class CliError(Exception):
+    """An error reported to the user as one line, exit code 2."""
+
+
+def _schemas_export(args: argparse.Namespace) -> int:
+    from schemas.export import export_schemas
+
+    for path in export_schemas(Path(args.dir)):
+        print(path)
+    return 0
+
+
+def _dev(args: argparse.Namespace) -> int:
+    from . import devstack
+
+    settings = get_settings()
+    if args.action == "up":
+        info = devstack.up(settings)
+        print(f"kafka_bootstrap={info.kafka_bootstrap}")
+        print(f"redis_url={info.redis_url}")
+    elif args.action == "status":
+        state = devstack.status(settings)
+        print(state.describe())
+        return 0 if state.healthy else 1
+    else:
+        devstack.down(settings)
+        print("local stack stopped")
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from gpu_workers.engine.tiny_model import make_tiny_model
+
+    path = make_tiny_model(
+        Path(args.out),
+        arch=args.arch,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        tie_word_embeddings=args.tie_embeddings,
+        seed=args.seed,
+    )
+    print(path)
+    return 0
+
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluicegate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    schemas = sub.add_parser("schemas", help="message contracts").add_subparsers(dest="action", required=True)
+    export = schemas.add_parser("export", help="write the JSON Schema of every message into DIR")
+    export.add_argument("dir")
+    export.set_defaults(handler=_schemas_export)
+
+    dev = sub.add_parser("dev", help="local Kafka (KRaft) + Redis stack")
+    dev.add_argument("action", choices=["up", "status", "down"])
+    dev.set_defaults(handler=_dev)
+
+    model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
+    tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")
+    tiny.add_argument("out")
+    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--hidden", type=int, default=64)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--vocab", type=int, default=1024)
+    tiny.add_argument("--tie-embeddings", action="store_true")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(handler=_make_tiny)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_format)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except (CliError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"sluicegate: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Process settings for every Sluicegate service, read from the environment (prefix ``SLUICEGATE_``).
+
+One flat model on purpose: the README's configuration table lists each field, and a service reads
+only the fields it needs. Nested values use JSON (e.g. ``SLUICEGATE_TOPIC_PARTITIONS``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """All knobs, with defaults that work for the local stack started by ``sluicegate dev up``."""
+
+    model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", extra="ignore")
+
+    # --- backbone -----------------------------------------------------------------------------
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers, comma-separated.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL for streams, limits, state.")
+    topic_prefix: str = Field(
+        "", description="Prefix for every Kafka topic and Redis key (isolates tests and deployments)."
+    )
+    topic_partitions: int = Field(6, ge=1, description="Partitions per request topic created.")
+    topic_replication: int = Field(1, ge=1, description="Replication factor for topics Sluicegate creates.")
+
+    # --- local dev stack ----------------------------------------------------------------------
+    state_dir: Path = Field(
+        Path(".sluicegate"), description="Folder for the local stack: Kafka jars, data, logs, pid files."
+    )
+    kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
+    redis_port: int = Field(6379, description="Port of the local Redis server.")
+
+    # --- services -------------------------------------------------------------------------------
+    ingress_port: int = Field(8000, description="HTTP port of the ingress API.")
+    result_port: int = Field(8001, description="HTTP/WebSocket port of the result service.")
+    public_stream_url: str = Field(
+        "ws://127.0.0.1:8001", description="Base URL clients use to reach the result service."
+    )
+    api_keys: str = Field("", description="Comma-separated API keys accepted by ingress.")
+    api_keys_file: Path | None = Field(None, description="File with one API key per line.")
+    stream_token_secret: str = Field(
+        "", description="HMAC secret for stream tokens; generated per `sluicegate up` when empty."
+    )
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (413 above).")
+    stream_ttl_s: int = Field(3600, ge=1, description="Seconds a finished Redis stream is kept.")
+
+    # --- worker -----------------------------------------------------------------------------------
+    model: str = Field("", description="Model folder (or hub id) the worker serves.")
+    model_name: str = Field("", description="Public model name (defaults to the folder name).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device the worker's engine runs on.")
+    worker_id: str = Field("", description="Worker identity in heartbeats (defaults to host-pid).")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
+
+    # --- telemetry ----------------------------------------------------------------------------------
+    log_level: str = Field("INFO", description="Log level for every service.")
+    log_format: Literal["json", "kv"] = Field("kv", description="Structured log line format.")
+    otlp_endpoint: str = Field("", description="OTLP endpoint for traces; empty disables export.")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()
