@@ -4,7 +4,15 @@ Topic and Redis key names live in :mod:`schemas.names`; nothing else spells them
 """
 
 from .common import SCHEMA_VERSION, utcnow
-from .control import CancelRequest, DeadLetter, FinalResult, PartitionRef, WorkerHeartbeat
+from .control import (
+    CancelRequest,
+    DeadLetter,
+    FinalResult,
+    PartitionRef,
+    RequestRecord,
+    RequestStatus,
+    WorkerHeartbeat,
+)
 from .events import (
     STREAM_FIELD,
     TERMINAL_TYPES,
@@ -38,6 +46,8 @@ __all__ = [
     "InferenceRequest",
     "Names",
     "PartitionRef",
+    "RequestRecord",
+    "RequestStatus",
     "RestartEvent",
     "SamplingOptions",
     "StreamEvent",

@@ -74,3 +74,23 @@ class DeadLetter(Message):
     payload: str = Field(description="The original message value, decoded as UTF-8 with replacement.")
     request_id: str | None = None
     failed_at: AwareDatetime = Field(default_factory=utcnow)
+
+
+RequestStatus = Literal["queued", "running", "finished", "cancelled", "failed"]
+
+
+class RequestRecord(Message):
+    """A request's status as kept in Redis under ``Names.request_key`` (JSON), for ``GET /v1/requests/{id}``.
+
+    Ingress writes it ``queued`` when it accepts the request; the owning worker moves it on.
+    """
+
+    request_id: RequestId
+    model: str
+    tenant: str
+    priority: str
+    status: RequestStatus
+    created_at: AwareDatetime
+    updated_at: AwareDatetime = Field(default_factory=utcnow)
+    worker_id: str | None = None
+    result: FinalResult | None = None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter
 
-from .control import CancelRequest, DeadLetter, FinalResult, WorkerHeartbeat
+from .control import CancelRequest, DeadLetter, FinalResult, RequestRecord, WorkerHeartbeat
 from .events import StreamEvent
 from .requests import InferenceRequest
 
@@ -19,6 +19,7 @@ EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
     "WorkerHeartbeat": WorkerHeartbeat,
     "FinalResult": FinalResult,
     "DeadLetter": DeadLetter,
+    "RequestRecord": RequestRecord,
 }
 
 #: Where the checked-in copies live.
