@@ -1,0 +1,107 @@
+"""Entry points the engine calls: validate a quantization method for a device, then swap every
+``nn.Linear`` of a loaded float model for its quantised counterpart in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import bnb, fp8
+
+SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ("bnb-int8", "bnb-nf4", "fp8")
+
+
+class QuantizationUnsupportedError(RuntimeError):
+    """The method is known but this device (or this torch build) cannot run it."""
+
+
+def check_quantization_supported(method: str, device: torch.device) -> None:
+    """Raise a clear error unless ``method`` can run on ``device``.
+
+    ValueError for an unknown method; ``BitsAndBytesUnavailableError`` (a RuntimeError naming the
+    pip command) when bitsandbytes is missing; ``QuantizationUnsupportedError`` for FP8 on a CUDA GPU
+    below compute capability 8.9 or a device whose torch has no row-wise FP8 ``_scaled_mm``.
+    """
+    if method not in SUPPORTED_QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization method {method!r}; supported: {', '.join(SUPPORTED_QUANTIZATIONS)} "
+            f"(or None for unquantised weights)"
+        )
+    device = torch.device(device)
+    if method.startswith("bnb-"):
+        bnb.import_bitsandbytes(method)
+        return
+    reason = fp8.scaled_mm_error(device)
+    if reason is not None:
+        raise QuantizationUnsupportedError(reason)
+
+
+def skip_lm_head(name: str) -> bool:
+    """Default skip rule: keep the output projection in full precision (it sets the logits directly)."""
+    return name.rsplit(".", 1)[-1] == "lm_head"
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    if isinstance(module, fp8.Fp8Linear):
+        return True
+    return type(module).__module__.startswith("bitsandbytes")
+
+
+def _model_dtype(linears: list[tuple[str, nn.Linear]]) -> torch.dtype:
+    dtypes = {lin.weight.dtype for _, lin in linears}
+    if len(dtypes) != 1:
+        found = ", ".join(sorted(map(str, dtypes)))
+        raise ValueError(f"quantize_model expects one float dtype across linear layers, found {found}")
+    dtype = dtypes.pop()
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise ValueError(f"quantize_model expects float weights (fp32/fp16/bf16), found {dtype}")
+    return dtype
+
+
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    *,
+    skip: Callable[[str], bool] | None = None,
+) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` whose qualified name ``skip`` rejects with its quantised
+    equivalent, converting the float weights it already holds on the device they are on.
+
+    ``skip`` defaults to ``skip_lm_head``. Biases are kept. Methods: ``"bnb-int8"`` (bitsandbytes
+    ``Linear8bitLt``), ``"bnb-nf4"`` (bitsandbytes ``Linear4bit``, NF4, compute dtype = model dtype),
+    ``"fp8"`` (``Fp8Linear``). Returns ``model`` for chaining.
+    """
+    skip = skip_lm_head if skip is None else skip
+    targets: list[tuple[str, nn.Linear]] = []
+    for name, module in model.named_modules():
+        if _is_quantized(module):
+            raise ValueError(f"model is already quantized ({name or 'root'} is {type(module).__name__})")
+        if isinstance(module, nn.Linear) and not skip(name):
+            if not name:
+                raise ValueError("quantize_model needs a model holding linear layers, not a bare nn.Linear")
+            targets.append((name, module))
+    if not targets:
+        # Still validate, so a typo in `method` is never silently ignored.
+        check_quantization_supported(method, torch.device("cpu"))
+        return model
+
+    dtype = _model_dtype(targets)
+    devices = {lin.weight.device for _, lin in targets}
+    for device in devices:
+        check_quantization_supported(method, device)
+        if method == "fp8":
+            # Probe here, outside any CUDA-graph capture, so forward never has to.
+            fp8.gemm_mode(device, dtype)
+
+    for name, linear in targets:
+        if method == "bnb-int8":
+            new = bnb.to_int8(linear)
+        elif method == "bnb-nf4":
+            new = bnb.to_nf4(linear, compute_dtype=dtype)
+        else:
+            new = fp8.Fp8Linear.from_linear(linear)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    return model
