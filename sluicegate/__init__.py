@@ -1,1 +1,2 @@
-"""Shared runtime for Sluicegate services: settings, Kafka and Redis clients, telemetry, the CLI and the local dev stack."""
+"""Shared runtime for Sluicegate services: settings, Kafka and Redis clients, logging, the CLI
+and the local dev stack."""

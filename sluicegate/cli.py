@@ -30,17 +30,18 @@ def _dev(args: argparse.Namespace) -> int:
     from . import devstack
 
     settings = get_settings()
-    if args.action == "up":
-        info = devstack.up(settings)
-        print(f"kafka_bootstrap={info.kafka_bootstrap}")
-        print(f"redis_url={info.redis_url}")
-    elif args.action == "status":
-        state = devstack.status(settings)
-        print(state.describe())
-        return 0 if state.healthy else 1
-    else:
-        devstack.down(settings)
-        print("local stack stopped")
+    try:
+        if args.action == "up":
+            print("\n".join(devstack.up(settings).lines()))
+        elif args.action == "status":
+            state = devstack.status(settings)
+            print("\n".join(state.lines()))
+            return 0 if state.healthy else 3
+        else:
+            devstack.down(settings)
+            print("local stack stopped")
+    except devstack.DevStackError as exc:
+        raise CliError(str(exc)) from exc
     return 0
 
 

@@ -1,0 +1,127 @@
+"""Writing request events to Redis streams and reading back what a stream already holds.
+
+Appends use explicit entry ids derived from ``seq``, so an append replayed after a crash or a
+retry is refused by Redis itself and a client never sees an event twice. Each flush sends every
+pending event of every request in one pipelined round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from schemas import (
+    STREAM_FIELD,
+    DoneEvent,
+    ErrorEvent,
+    Names,
+    RestartEvent,
+    StreamEvent,
+    TokenEvent,
+    parse_stream_event,
+    stream_entry_id,
+)
+
+log = logging.getLogger(__name__)
+
+# Redis answers this when an explicit id is not above the stream's last one: a replayed append.
+_DUPLICATE_ID = "equal or smaller than the target stream top item"
+
+
+@dataclass
+class StreamState:
+    """What a request's stream already holds, for continuing it after a re-delivery."""
+
+    exists: bool = False
+    next_seq: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+
+    @property
+    def delivered(self) -> int:
+        return len(self.token_ids)
+
+
+async def read_stream_state(redis: aioredis.Redis, names: Names, request_id: str) -> StreamState:
+    """Replay the stream's events (honouring ``restart``) into the tokens a client has received."""
+    entries = await redis.xrange(names.stream_key(request_id))
+    state = StreamState(exists=bool(entries))
+    tokens: list[tuple[int, list[int], str]] = []
+    for _entry_id, fields in entries:
+        event = parse_stream_event(fields[STREAM_FIELD.encode()])
+        state.next_seq = event.seq + 1
+        if isinstance(event, TokenEvent):
+            tokens.append((event.seq, event.token_ids, event.text))
+        elif isinstance(event, RestartEvent):
+            tokens = [t for t in tokens if t[0] <= event.discard_after_seq]
+        elif isinstance(event, DoneEvent | ErrorEvent):
+            state.finished = True
+    state.token_ids = [tid for _, ids, _ in tokens for tid in ids]
+    state.text = "".join(text for _, _, text in tokens)
+    return state
+
+
+class StreamPublisher:
+    """Buffers events from all active requests and appends them in one pipeline per flush.
+
+    A lost Redis connection is retried with backoff while events stay buffered, so a Redis
+    restart delays tokens but loses none.
+    """
+
+    def __init__(self, redis: aioredis.Redis, names: Names, ttl_s: int, max_retry_delay_s: float = 2.0):
+        self._redis = redis
+        self._names = names
+        self._ttl_s = ttl_s
+        self._max_retry_delay_s = max_retry_delay_s
+        self._pending: list[StreamEvent] = []
+        self._lock = asyncio.Lock()
+        self.appended = 0
+        self.duplicates = 0
+
+    def add(self, event: StreamEvent) -> None:
+        self._pending.append(event)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def flush(self) -> None:
+        """Append everything buffered; returns once Redis has it (retrying through outages)."""
+        async with self._lock:
+            if not self._pending:
+                return
+            batch, self._pending = self._pending, []
+            delay = 0.05
+            while True:
+                try:
+                    await self._append(batch)
+                    return
+                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                    log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self._max_retry_delay_s)
+
+    async def _append(self, batch: list[StreamEvent]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for event in batch:
+            key = self._names.stream_key(event.request_id)
+            pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
+            if isinstance(event, DoneEvent | ErrorEvent):
+                pipe.expire(key, self._ttl_s)
+        results = await pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, ResponseError):
+                if _DUPLICATE_ID in str(result):
+                    self.duplicates += 1
+                    continue
+                raise result
+            if isinstance(result, (RedisConnectionError, RedisTimeoutError)):
+                raise result
+        self.appended += len(batch)

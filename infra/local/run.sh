@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The README's two commands: `run.sh up` (the whole local stack) and `run.sh test` (the test suite).
+# Both first install whatever is missing on a fresh Debian machine: Java, Maven and Redis from the OS
+# packages, the project with its dev extra from PyPI, and the Kafka broker jars from Maven Central.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+usage() { echo "usage: bash infra/local/run.sh up [sluicegate up options] | test [pytest options]" >&2; exit 2; }
+[[ $# -ge 1 ]] || usage
+action=$1; shift
+[[ "$action" == up || "$action" == test ]] || usage
+
+missing=()
+command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null 2>&1 || missing+=(maven)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+if ((${#missing[@]})); then
+    if [[ "$(id -u)" -ne 0 ]]; then
+        echo "error: missing ${missing[*]}; run as root or install them (apt-get install ${missing[*]})" >&2
+        exit 1
+    fi
+    echo "setup: installing ${missing[*]}"
+    # RUNLEVEL=1 keeps the redis-server package from starting a system Redis on port 6379.
+    export DEBIAN_FRONTEND=noninteractive RUNLEVEL=1
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+PY=python3
+command -v "$PY" >/dev/null 2>&1 || PY=python
+# Reinstall only when pyproject.toml changed since the last install (pip is slow even when idle).
+stamp=.sluicegate/installed.pyproject
+mkdir -p .sluicegate
+if ! cmp -s pyproject.toml "$stamp" 2>/dev/null || ! "$PY" -c "import sluicegate" 2>/dev/null; then
+    echo "setup: pip install -e '.[dev]'"
+    "$PY" -m pip install -q -e '.[dev]'
+    cp pyproject.toml "$stamp"
+fi
+# Broker jars into .sluicegate/kafka/libs, fetched once.
+"$PY" -m sluicegate.devstack fetch >/dev/null
+
+if [[ "$action" == up ]]; then
+    exec "$PY" -m sluicegate.cli up "$@"
+fi
+exec "$PY" -m pytest -q "$@"

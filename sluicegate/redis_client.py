@@ -1,0 +1,87 @@
+"""Redis client setup shared by every service: one async client factory with timeouts that suit
+blocking stream reads, and a readiness wait.
+
+Values stay bytes (``decode_responses=False``): stream entries carry JSON and token ids that the
+caller decodes once, and entry ids compare correctly as bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import RedisError
+
+from sluicegate.settings import Settings, get_settings
+
+
+def create_redis(
+    settings: Settings | None = None,
+    *,
+    url: str | None = None,
+    socket_timeout: float | None = None,
+    connect_timeout: float = 5.0,
+    health_check_interval: int = 30,
+    client_name: str | None = "sluicegate",
+    max_connections: int | None = None,
+) -> Redis:
+    """An async Redis client for ``url`` (default ``Settings.redis_url``).
+
+    ``socket_timeout`` bounds every read on the socket, so it must exceed the longest ``BLOCK`` of an
+    ``XREAD``/``XREADGROUP`` issued on this client; ``None`` (the default) means no read timeout, which
+    is right for relays that block on streams. Connection setup is always bounded by
+    ``connect_timeout``. Commands are retried three times on connection errors with a short backoff:
+    every write Sluicegate makes is idempotent (stream entry ids derive from a sequence number).
+    """
+    if socket_timeout is not None and socket_timeout <= 0:
+        raise ValueError(f"socket_timeout must be positive or None, got {socket_timeout}")
+    return Redis.from_url(
+        url or (settings or get_settings()).redis_url,
+        decode_responses=False,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=connect_timeout,
+        socket_keepalive=True,
+        health_check_interval=health_check_interval,
+        client_name=client_name,
+        max_connections=max_connections,
+        # Retries connection and timeout errors (Retry's default error set).
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+    )
+
+
+async def wait_for_redis(
+    url: str | None = None,
+    timeout_s: float = 15.0,
+    *,
+    interval_s: float = 0.1,
+    check: Callable[[], None] | None = None,
+) -> str:
+    """Wait until the Redis server at ``url`` answers PING; returns its version.
+
+    ``check`` runs between attempts and may raise to give up early (e.g. the server process exited).
+    Raises ``TimeoutError`` with the last error when it does not answer within ``timeout_s``.
+    """
+    url = url or get_settings().redis_url
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # No retries inside a probe: the loop here is the retry, with its own deadline.
+        client = Redis.from_url(
+            url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), retries=0)
+        )
+        try:
+            await client.ping()
+            info = await client.info("server")
+            return str(info.get("redis_version", "unknown"))
+        except (RedisError, OSError) as exc:
+            last: Exception = exc
+        finally:
+            await client.aclose()
+        if check is not None:
+            check()
+        if time.monotonic() + interval_s > deadline:
+            raise TimeoutError(f"Redis at {url} not ready after {timeout_s:.0f}s: {last}")
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,153 @@
+"""Fixtures shared by every test: where Kafka and Redis are, and per-test names.
+
+Kafka and Redis come, in order, from addresses in the environment (``SLUICEGATE_TEST_KAFKA_BOOTSTRAP``,
+``SLUICEGATE_TEST_REDIS_URL``), from testcontainers when a Docker daemon answers, or from the local dev
+stack (``sluicegate.devstack``) on test ports, sharing the repository's ``.sluicegate`` jar cache.
+They are lazy: a test that asks for neither never starts anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sluicegate.settings import Settings
+
+log = logging.getLogger("tests.backbone")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Not the defaults (9092/6379): a developer's own `sluicegate dev up` stack stays untouched.
+TEST_KAFKA_PORT = 19092
+TEST_REDIS_PORT = 16379
+
+
+def _docker_answers() -> bool:
+    """A quick ping of the Docker daemon; any failure means no Docker."""
+    try:
+        import docker
+    except ImportError:
+        return False
+    try:
+        client = docker.from_env(timeout=2)
+    except Exception:
+        return False
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+    finally:
+        client.close()
+
+
+class Backbone:
+    """Provides Kafka and Redis on first use and tears down only what it started."""
+
+    def __init__(self) -> None:
+        self._kafka: str | None = os.environ.get("SLUICEGATE_TEST_KAFKA_BOOTSTRAP") or None
+        self._redis: str | None = os.environ.get("SLUICEGATE_TEST_REDIS_URL") or None
+        self._docker: bool | None = None
+        self._cleanups: list[Callable[[], None]] = []
+
+    def _use_docker(self) -> bool:
+        if self._docker is None:
+            self._docker = _docker_answers()
+        return self._docker
+
+    def kafka(self) -> str:
+        if self._kafka is None:
+            if self._use_docker():
+                self._kafka = self._kafka_container()
+            else:
+                self._local_stack()
+        assert self._kafka is not None
+        return self._kafka
+
+    def redis(self) -> str:
+        if self._redis is None:
+            if self._use_docker():
+                self._redis = self._redis_container()
+            else:
+                self._local_stack()
+        assert self._redis is not None
+        return self._redis
+
+    def _kafka_container(self) -> str:
+        try:
+            from testcontainers.community.kafka import KafkaContainer
+        except ImportError:  # testcontainers < 4.10 keeps the module at the top level
+            from testcontainers.kafka import KafkaContainer
+
+        container = KafkaContainer().with_kraft().start()
+        self._cleanups.append(container.stop)
+        return str(container.get_bootstrap_server())
+
+    def _redis_container(self) -> str:
+        try:
+            from testcontainers.community.redis import RedisContainer
+        except ImportError:
+            from testcontainers.redis import RedisContainer
+
+        container = RedisContainer("redis:7").start()
+        self._cleanups.append(container.stop)
+        return f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+
+    def _local_stack(self) -> None:
+        from sluicegate import devstack
+
+        settings = Settings(state_dir=REPO_ROOT / ".sluicegate", kafka_port=TEST_KAFKA_PORT, redis_port=TEST_REDIS_PORT)
+        info = devstack.up(settings)
+        log.info(
+            "tests.local_stack bootstrap=%s redis_url=%s started=%s",
+            info.kafka_bootstrap,
+            info.redis_url,
+            ",".join(info.started) or "none",
+        )
+        if info.started:
+            self._cleanups.append(lambda: devstack.down(settings, services=info.started))
+        # One call brings up both; an address from the environment still wins.
+        self._kafka = self._kafka or info.kafka_bootstrap
+        self._redis = self._redis or info.redis_url
+
+    def close(self) -> None:
+        while self._cleanups:
+            cleanup = self._cleanups.pop()
+            with contextlib.suppress(Exception):
+                cleanup()
+
+
+@pytest.fixture(scope="session")
+def backbone() -> Iterator[Backbone]:
+    """The session's Kafka/Redis provider; starts nothing until an address is asked for."""
+    provider = Backbone()
+    yield provider
+    provider.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(backbone: Backbone) -> str:
+    """Bootstrap address of a real Kafka broker for this test session."""
+    return backbone.kafka()
+
+
+@pytest.fixture(scope="session")
+def redis_url(backbone: Backbone) -> str:
+    """URL of a real Redis server for this test session."""
+    return backbone.redis()
+
+
+@pytest.fixture
+def unique_prefix() -> str:
+    """A prefix for this test's topics and keys (``t<8 hex>.``), so tests never share state."""
+    return f"t{uuid.uuid4().hex[:8]}."
+
+
+@pytest.fixture
+def test_settings(kafka_bootstrap: str, redis_url: str, unique_prefix: str) -> Settings:
+    """Settings pointing at the session's Kafka and Redis, with this test's topic/key prefix."""
+    return Settings(kafka_bootstrap=kafka_bootstrap, redis_url=redis_url, topic_prefix=unique_prefix)
