@@ -42,7 +42,9 @@ class Settings(BaseSettings):
         "ws://127.0.0.1:8001", description="Base URL clients use to reach the result service."
     )
     api_keys: str = Field("", description="Comma-separated API keys accepted by ingress.")
-    api_keys_file: Path | None = Field(None, description="File with one API key per line.")
+    api_keys_file: Path | None = Field(
+        None, description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier)."
+    )
     stream_token_secret: str = Field(
         "", description="HMAC secret for stream tokens; generated per `sluicegate up` when empty."
     )
@@ -61,8 +63,48 @@ class Settings(BaseSettings):
     log_format: Literal["json", "kv"] = Field("kv", description="Structured log line format.")
     otlp_endpoint: str = Field("", description="OTLP endpoint for traces; empty disables export.")
 
+    # --- ingress and router ---------------------------------------------------------------------------
+    ingress_host: str = Field("0.0.0.0", description="Address the ingress API binds to.")
+    served_models: str = Field(
+        "", description="Comma-separated models ingress accepts even with no live worker (queued in Kafka)."
+    )
+    allow_anonymous: bool = Field(
+        False, description="Accept requests without an API key (tenant 'default'); for local demos only."
+    )
+    cors_origins: str = Field(
+        "", description="Extra comma-separated CORS origins for ingress (the result service's is always allowed)."
+    )
+    kafka_timeout_s: float = Field(
+        5.0, gt=0, description="Longest ingress waits for Kafka (publish ack, topic creation) before a 503."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest an OpenAI-style call waits for its result before it is cancelled."
+    )
+    request_record_ttl_s: int = Field(
+        86400, ge=1, description="Seconds a request's status record and cancel marker are kept in Redis."
+    )
+    router_group: str = Field("sluicegate-router", description="Consumer group of the router stream processor.")
+    router_prefix_chars: int = Field(2048, ge=1, description="Prompt characters hashed for prefix affinity.")
+    router_prefix_tokens: int = Field(64, ge=1, description="Prompt token ids hashed for prefix affinity.")
+    router_max_waiting: int = Field(
+        8, ge=1, description="Waiting sequences at which a worker counts as overloaded for routing."
+    )
+    router_min_free_kv: float = Field(
+        0.05, ge=0.0, le=1.0, description="Free KV-block fraction below which a worker counts as overloaded."
+    )
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings, read once from the environment."""
     return Settings()
+
+
+def settings_table_markdown() -> str:
+    """The README's configuration table, generated from the fields above so it cannot drift."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        shown = "(empty)" if default in ("", None) else f"`{default}`"
+        rows.append(f"| `SLUICEGATE_{name.upper()}` | {shown} | {field.description or ''} |")
+    return "\n".join(rows)

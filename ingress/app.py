@@ -1,0 +1,502 @@
+"""The ingress FastAPI app: OpenAI-compatible completions, the native submit/status/cancel API, model
+listing, health and metrics. ``create_app(settings)`` builds it; ``serve(settings)`` runs it with uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
+
+import anyio
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, Tracer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.policy import resolve_tier
+from schemas import InferenceRequest, RequestRecord, TraceContext
+from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.settings import Settings
+from sluicegate.stream_tokens import issue_stream_token
+
+from .assembler import StreamAssembler
+from .auth import ApiKey, KeyRing, presented_key
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody, build_request
+from .errors import ApiError, error_body, install_error_handlers, invalid
+from .openai_format import ERROR_STATUS, SSE_DONE, Kind, ResponseIds, sse
+from .service import IngressService
+from .telemetry import IngressMetrics, MetricsMiddleware, build_tracer_provider
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=BaseModel)
+
+# Same alphabet as schemas' RequestId: anything else cannot name a request.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_ANONYMOUS = ApiKey(key_hash="0" * 64, tenant="default")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from ``Content-Length``, or as soon as a streamed
+    (chunked) body grows past it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"Request body exceeds the limit of {self.max_bytes} bytes.", code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                if not value.isdigit():
+                    bad = ApiError(400, "Invalid Content-Length header.", code="invalid_header")
+                    await bad.response()(scope, receive, send)
+                    return
+                if int(value) > self.max_bytes:
+                    await self._too_large().response()(scope, receive, send)
+                    return
+        received = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised inside the endpoint's body read, so the app's error handler answers it.
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _state(request: Request) -> IngressService:
+    service: IngressService = request.app.state.service
+    return service
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The ingress app for ``settings``; connects to Kafka and Redis lazily, on first use.
+
+    Raises ``ValueError`` for a configuration that cannot serve: no API keys (unless
+    ``allow_anonymous``) or no stream token secret.
+    """
+    keyring = KeyRing.load(settings.api_keys, settings.api_keys_file)
+    if not keyring and not settings.allow_anonymous:
+        raise ValueError(
+            "no API keys configured: set SLUICEGATE_API_KEYS or SLUICEGATE_API_KEYS_FILE "
+            "(or SLUICEGATE_ALLOW_ANONYMOUS=true for a local demo)"
+        )
+    if not settings.stream_token_secret:
+        raise ValueError("SLUICEGATE_STREAM_TOKEN_SECRET is empty: ingress needs it to issue stream tokens")
+    metrics = IngressMetrics()
+    tracer_provider = build_tracer_provider("sluicegate-ingress", settings.otlp_endpoint)
+    tracer = tracer_provider.get_tracer("sluicegate.ingress")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = IngressService(settings, metrics)
+        app.state.service = service
+        # Connect to Kafka in the background so the first request does not pay for it; a failure here is
+        # retried by the first publish.
+        warmup = asyncio.create_task(_warm_up(service))
+        try:
+            yield
+        finally:
+            warmup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await warmup
+            await service.close()
+            tracer_provider.shutdown()
+
+    app = FastAPI(
+        title="Sluicegate ingress",
+        summary="OpenAI-compatible and native API in front of a Kafka-queued LLM pipeline.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.keyring = keyring
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors_origins(settings),
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_headers=["authorization", "content-type", "x-api-key", HEADER_TRACEPARENT, HEADER_TRACESTATE],
+        expose_headers=["x-request-id"],
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    _add_routes(app, settings, tracer, metrics)
+    return app
+
+
+def cors_origins(settings: Settings) -> list[str]:
+    """Origins whose pages may call ingress: the result service (which serves the chat page) on the local
+    hosts and at its public address, plus ``cors_origins``."""
+    origins = [f"http://{host}:{settings.result_port}" for host in ("127.0.0.1", "localhost")]
+    public = urlsplit(settings.public_stream_url)
+    if public.scheme in ("ws", "wss", "http", "https") and public.netloc:
+        origins.append(f"{'https' if public.scheme in ('wss', 'https') else 'http'}://{public.netloc}")
+    origins += [o.strip().rstrip("/") for o in settings.cors_origins.split(",") if o.strip()]
+    return list(dict.fromkeys(origins))
+
+
+async def _warm_up(service: IngressService) -> None:
+    try:
+        await service.producer.get()
+    except Exception as exc:
+        log.warning("ingress.kafka_not_ready error=%r; will retry on first publish", exc)
+
+
+def authenticate(request: Request) -> ApiKey:
+    """The caller's API key; 401 in OpenAI's shape without a valid one."""
+    presented = presented_key(request.headers)
+    if presented is None:
+        if request.app.state.settings.allow_anonymous:
+            return _ANONYMOUS
+        raise ApiError(
+            401,
+            "Missing API key: pass it as 'Authorization: Bearer <key>' or in the 'x-api-key' header.",
+            code="invalid_api_key",
+            type_="invalid_request_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    key = request.app.state.keyring.lookup(presented)
+    if key is None:
+        raise ApiError(
+            401,
+            "Incorrect API key provided.",
+            code="invalid_api_key",
+            type_="invalid_request_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return key
+
+
+Caller = Annotated[ApiKey, Depends(authenticate)]
+
+
+async def parse_body(request: Request, model: type[B], *, root_field: str) -> B:
+    """The JSON body validated as ``model``: 400 for malformed JSON, 422/400 naming the bad field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ApiError(422, "Request body must be a JSON object.", code="invalid_value")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(exc, root_field=root_field) from exc
+
+
+def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: IngressMetrics) -> None:
+    async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str) -> InferenceRequest:
+        """Check the model, build the pipeline request and publish it under a span whose context travels
+        in the Kafka headers."""
+        service = _state(request)
+        tier = resolve_tier(body.priority, default_tier=caller.default_tier, max_tier=caller.max_tier)
+        heartbeats = await service.model_heartbeats(body.model)
+        parent = propagate.extract(dict(request.headers))
+        with tracer.start_as_current_span(f"ingress {endpoint}", context=parent, kind=SpanKind.SERVER) as span:
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            trace = None
+            if HEADER_TRACEPARENT in carrier:
+                trace = TraceContext(traceparent=carrier[HEADER_TRACEPARENT], tracestate=carrier.get(HEADER_TRACESTATE))
+            try:
+                inference = build_request(
+                    body, request_id=uuid.uuid4().hex, tenant=caller.tenant, tier=tier, trace=trace
+                )
+            except ValidationError as exc:
+                raise invalid(exc) from exc
+            except ValueError as exc:  # the only other refusal: a deadline already past
+                raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
+            span.set_attribute("sluicegate.request_id", inference.request_id)
+            span.set_attribute("sluicegate.model", inference.model)
+            span.set_attribute("sluicegate.tier", tier)
+            route = await service.submit(
+                inference, max_tier=caller.max_tier, heartbeats=heartbeats, trace_carrier=carrier
+            )
+            span.set_attribute("messaging.destination.name", route.topic)
+            span.set_attribute("sluicegate.route_reason", route.reason)
+        return inference
+
+    # --- OpenAI-compatible ----------------------------------------------------------------------
+    async def openai_call(
+        request: Request, caller: ApiKey, body: ChatCompletionBody | CompletionBody, kind: Kind
+    ) -> Response:
+        accepted_at = time.perf_counter()
+        inference = await accept(request, caller, body, f"/v1/{'chat/' if kind == 'chat' else ''}completions")
+        ids = ResponseIds(kind, inference.request_id, inference.model, int(time.time()))
+        headers = {"x-request-id": inference.request_id}
+        service = _state(request)
+        if body.stream:
+            stream = _sse_events(
+                service,
+                ids,
+                tenant=inference.tenant,
+                include_usage=body.include_usage,
+                accepted_at=accepted_at,
+                metrics=metrics,
+            )
+            headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        assembler = await _collect_or_cancel(request, service, inference.request_id, inference.tenant)
+        if assembler is None:
+            # The client left; nobody reads this, 499 is for logs and metrics.
+            return Response(status_code=499)
+        failure = _failure(assembler)
+        if failure is not None:
+            raise failure
+        assert assembler.done is not None
+        payload = ids.response(assembler.text, assembler.done.finish_reason, assembler.done.usage)
+        return JSONResponse(payload, headers=headers)
+
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(request: Request, caller: Caller) -> Response:
+        body = await parse_body(request, ChatCompletionBody, root_field="messages")
+        return await openai_call(request, caller, body, "chat")
+
+    @app.post("/v1/completions", tags=["openai"])
+    async def completions(request: Request, caller: Caller) -> Response:
+        body = await parse_body(request, CompletionBody, root_field="prompt")
+        return await openai_call(request, caller, body, "completion")
+
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
+        models = await _state(request).live_models()
+        return {"object": "list", "data": [_model_card(name, beats) for name, beats in models.items()]}
+
+    @app.get("/v1/models/{model:path}", tags=["openai"])
+    async def get_model(request: Request, caller: Caller, model: str) -> dict[str, Any]:
+        models = await _state(request).live_models()
+        if model not in models:
+            raise ApiError(
+                404, f"The model '{model}' does not exist or has no live worker.", code="model_not_found", param="model"
+            )
+        return _model_card(model, models[model])
+
+    # --- native -----------------------------------------------------------------------------------
+    @app.post("/v1/requests", status_code=202, tags=["native"])
+    async def submit(request: Request, caller: Caller) -> JSONResponse:
+        body = await parse_body(request, NativeRequestBody, root_field="prompt")
+        inference = await accept(request, caller, body, "/v1/requests")
+        rid = inference.request_id
+        payload = {
+            "request_id": rid,
+            "status": "queued",
+            "model": inference.model,
+            "priority": inference.priority,
+            "stream_url": f"{settings.public_stream_url.rstrip('/')}/v1/streams/{rid}",
+            "stream_token": issue_stream_token(settings.stream_token_secret, rid, inference.tenant),
+        }
+        return JSONResponse(payload, status_code=202, headers={"x-request-id": rid})
+
+    async def owned_record(request: Request, caller: ApiKey, request_id: str) -> RequestRecord:
+        record = await _state(request).record(request_id) if _valid_id(request_id) else None
+        # Another tenant's request is indistinguishable from a missing one.
+        if record is None or record.tenant != caller.tenant:
+            raise ApiError(404, f"No request '{request_id}'.", code="request_not_found", param="request_id")
+        return record
+
+    @app.get("/v1/requests/{request_id}", tags=["native"])
+    async def request_status(request: Request, caller: Caller, request_id: str) -> JSONResponse:
+        record = await owned_record(request, caller, request_id)
+        return JSONResponse(record.model_dump(mode="json"))
+
+    @app.delete("/v1/requests/{request_id}", status_code=202, tags=["native"])
+    async def cancel_request(request: Request, caller: Caller, request_id: str) -> JSONResponse:
+        record = await owned_record(request, caller, request_id)
+        if record.status in ("finished", "failed"):
+            raise ApiError(409, f"Request '{request_id}' already {record.status}.", code="request_finished")
+        await _state(request).cancel(request_id, caller.tenant, reason="client_cancelled")
+        return JSONResponse({"request_id": request_id, "status": "cancelling"}, status_code=202)
+
+    # --- operations ------------------------------------------------------------------------------
+    @app.get("/healthz", tags=["ops"])
+    async def healthz(request: Request) -> dict[str, Any]:
+        service = _state(request)
+        return {"status": "ok", "kafka_producer": "started" if service.producer.started else "not_started"}
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz(request: Request) -> JSONResponse:
+        service = _state(request)
+        problems: dict[str, str] = {}
+        try:
+            await service.redis.ping()
+        except (RedisError, OSError) as exc:
+            problems["redis"] = repr(exc)
+        try:
+            await service.producer.get()
+        except Exception as exc:
+            problems["kafka"] = repr(exc)
+        return JSONResponse(
+            {"status": "ok" if not problems else "unavailable", **problems}, status_code=503 if problems else 200
+        )
+
+    @app.get("/metrics", tags=["ops"])
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _valid_id(request_id: str) -> bool:
+    return _REQUEST_ID.fullmatch(request_id) is not None
+
+
+def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
+    created = min((int(b.sent_at.timestamp()) for b in beats), default=int(time.time()))
+    return {"id": name, "object": "model", "created": created, "owned_by": "sluicegate", "workers": len(beats)}
+
+
+def _failure(assembler: StreamAssembler) -> ApiError | None:
+    """The error to answer for a stream that ended badly, or None."""
+    if assembler.error is not None:
+        code = assembler.error.code
+        return ApiError(ERROR_STATUS.get(code, 500), assembler.error.message, code=code)
+    if assembler.done is not None and assembler.done.finish_reason == "error":
+        return ApiError(500, "The request failed on the worker.", code="worker_error")
+    return None
+
+
+async def _collect_or_cancel(
+    request: Request, service: IngressService, request_id: str, tenant: str
+) -> StreamAssembler | None:
+    """Wait for the whole result; cancel the request when the client leaves (returns None) or the
+    request timeout passes (504)."""
+
+    async def collect() -> StreamAssembler:
+        assembler = StreamAssembler()
+        async for event in service.events(request_id, timeout_s=service.settings.request_timeout_s):
+            assembler.feed(event)
+        return assembler
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result = asyncio.create_task(collect())
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not result.done():
+            result.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    if not result.done() or result.cancelled():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await result
+        await service.cancel(request_id, tenant, reason="client_disconnected")
+        return None
+    try:
+        return result.result()
+    except TimeoutError as exc:
+        await service.cancel(request_id, tenant, reason="timeout")
+        raise ApiError(504, str(exc), code="timeout") from exc
+
+
+async def _sse_events(
+    service: IngressService,
+    ids: ResponseIds,
+    *,
+    tenant: str,
+    include_usage: bool,
+    accepted_at: float,
+    metrics: IngressMetrics,
+) -> AsyncIterator[str]:
+    """OpenAI server-sent events for one request; cancels it when the client goes away mid-stream (or the
+    relay cannot go on)."""
+    cancel_reason: str | None = "client_disconnected"
+    first_text = True
+    try:
+        if ids.kind == "chat":
+            yield sse(ids.chunk(role=True, include_usage=include_usage))
+        assembler = StreamAssembler()
+        try:
+            async for event in service.events(ids.request_id, timeout_s=service.settings.request_timeout_s):
+                delta = assembler.feed(event)
+                if assembler.diverged:
+                    cancel_reason = "stream_diverged"
+                    message = "The worker restarted this request and produced different text."
+                    yield sse(error_body(message, type_="server_error", code="stream_diverged"))
+                    return
+                if delta:
+                    if first_text:
+                        metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
+                        first_text = False
+                    yield sse(ids.chunk(text=delta, include_usage=include_usage))
+        except TimeoutError as exc:
+            cancel_reason = "timeout"
+            yield sse(error_body(str(exc), type_="server_error", code="timeout"))
+            return
+        except ApiError as exc:
+            cancel_reason = "relay_failed"
+            yield sse(exc.body())
+            return
+        cancel_reason = None
+        failure = _failure(assembler)
+        if failure is not None:
+            yield sse(failure.body())
+            return
+        assert assembler.done is not None
+        yield sse(ids.chunk(finish_reason=assembler.done.finish_reason, include_usage=include_usage))
+        if include_usage:
+            yield sse(ids.usage_chunk(assembler.done.usage))
+        yield SSE_DONE
+    finally:
+        if cancel_reason is not None:
+            # Free the worker. Shielded, because after a disconnect this runs inside the response's
+            # cancelled scope, where any unshielded await would be cancelled at once.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(service.settings.kafka_timeout_s + 1):
+                try:
+                    await service.cancel(ids.request_id, tenant, reason=cancel_reason)
+                except Exception as exc:
+                    log.warning("ingress.cancel_failed request_id=%s error=%r", ids.request_id, exc)
+
+
+def _server(settings: Settings) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.ingress_host,
+        port=settings.ingress_port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return uvicorn.Server(config)
+
+
+async def serve_async(settings: Settings) -> None:
+    """Run ingress on the current event loop until the server is told to exit (SIGINT/SIGTERM)."""
+    log.info("ingress.starting host=%s port=%d", settings.ingress_host, settings.ingress_port)
+    await _server(settings).serve()
+
+
+def serve(settings: Settings) -> None:
+    """Run ingress with uvicorn on ``settings.ingress_host:ingress_port`` until interrupted (blocking)."""
+    asyncio.run(serve_async(settings))

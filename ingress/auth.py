@@ -1,0 +1,136 @@
+"""API keys: loading them (environment or a keys file), keeping only their SHA-256 hashes, and finding the
+key a request presents in ``Authorization: Bearer`` or ``x-api-key``.
+
+Keys file format, one entry per line (blank lines and ``#`` comments ignored): either a bare key, or a
+JSON object ``{"key": ..., "tenant": ..., "default_tier": ..., "max_tier": ...}`` where ``key_hash``
+(hex SHA-256) may replace ``key`` so the file itself need not hold secrets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from router.policy import TIER_RANK
+from router.validation import summarize
+from schemas import Tier
+
+_TENANT_PATTERN = r"^[A-Za-z0-9._:@-]+$"
+
+
+def hash_key(key: str) -> str:
+    """Hex SHA-256 of an API key: all that is kept in memory."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def derived_tenant(key_hash: str) -> str:
+    """Tenant of a key given without one: stable, and reveals nothing usable about the key."""
+    return f"key-{key_hash[:8]}"
+
+
+class ApiKey(BaseModel):
+    """One accepted key: its hash, the tenant it acts for, and the tiers it may use."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tenant: str = Field(min_length=1, max_length=128, pattern=_TENANT_PATTERN)
+    default_tier: Tier = "standard"
+    max_tier: Tier = "interactive"
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> ApiKey:
+        if TIER_RANK[self.default_tier] > TIER_RANK[self.max_tier]:
+            raise ValueError(f"default_tier {self.default_tier!r} is above max_tier {self.max_tier!r}")
+        return self
+
+
+class _KeyFileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key: str | None = Field(None, min_length=8)
+    key_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    tenant: str | None = Field(None, min_length=1, max_length=128, pattern=_TENANT_PATTERN)
+    default_tier: Tier = "standard"
+    max_tier: Tier = "interactive"
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> _KeyFileEntry:
+        if (self.key is None) == (self.key_hash is None):
+            raise ValueError("give exactly one of 'key' and 'key_hash'")
+        return self
+
+    def to_api_key(self) -> ApiKey:
+        digest = self.key_hash or hash_key(self.key or "")
+        return ApiKey(
+            key_hash=digest,
+            tenant=self.tenant or derived_tenant(digest),
+            default_tier=self.default_tier,
+            max_tier=self.max_tier,
+        )
+
+
+def parse_keys_file(lines: Iterable[str], *, source: str = "keys file") -> list[ApiKey]:
+    """Parse keys-file lines; a bad line is a ``ValueError`` naming the line and the problem."""
+    keys: list[ApiKey] = []
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            if line.startswith("{"):
+                keys.append(_KeyFileEntry.model_validate_json(line).to_api_key())
+            else:
+                keys.append(_KeyFileEntry(key=line).to_api_key())
+        except ValidationError as exc:
+            raise ValueError(f"{source} line {number}: {summarize(exc)[1]}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source} line {number}: not valid JSON ({exc})") from None
+    return keys
+
+
+class KeyRing:
+    """The accepted keys, by hash."""
+
+    def __init__(self, keys: Iterable[ApiKey] = ()) -> None:
+        self._by_hash: dict[str, ApiKey] = {}
+        for key in keys:
+            self._by_hash[key.key_hash] = key
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, presented: str) -> ApiKey | None:
+        """The key matching a presented secret, or None."""
+        return self._by_hash.get(hash_key(presented)) if presented else None
+
+    @classmethod
+    def load(cls, env_keys: str, keys_file: Path | None) -> KeyRing:
+        """Keys from ``SLUICEGATE_API_KEYS`` (comma-separated) and the keys file; the file wins for a key
+        given in both (it can say more: tenant and tiers)."""
+        keys: list[ApiKey] = []
+        for number, key in enumerate((k.strip() for k in env_keys.split(",") if k.strip()), start=1):
+            try:
+                keys.append(_KeyFileEntry(key=key).to_api_key())
+            except ValidationError as exc:
+                raise ValueError(f"SLUICEGATE_API_KEYS entry {number}: {summarize(exc)[1]}") from None
+        if keys_file is not None:
+            if not keys_file.is_file():
+                raise FileNotFoundError(f"API keys file {keys_file} does not exist")
+            keys += parse_keys_file(keys_file.read_text().splitlines(), source=str(keys_file))
+        return cls(keys)
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key in ``Authorization: Bearer <key>`` or ``x-api-key``, if any."""
+    authorization = headers.get("authorization")
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    key = headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None

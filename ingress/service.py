@@ -1,0 +1,302 @@
+"""What ingress does against Kafka and Redis: decide whether a model is served, publish a routed request
+(status record first, then the Kafka record, acknowledged by every in-sync replica), cancel, read status,
+and tail a request's Redis stream.
+
+Every Kafka wait is bounded by ``kafka_timeout_s`` and surfaces as a 503, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from router.heartbeats import HeartbeatCache
+from router.policy import KeyPolicy, LoadPolicy
+from router.publish import TopicRegistry, request_headers, send_routed
+from router.router import Route, Router
+from schemas import (
+    STREAM_FIELD,
+    TERMINAL_TYPES,
+    CancelRequest,
+    InferenceRequest,
+    Names,
+    RequestRecord,
+    StreamEvent,
+    Tier,
+    WorkerHeartbeat,
+    parse_stream_event,
+)
+from schemas.names import HEADER_REQUEST_ID
+from sluicegate.kafka import create_producer
+from sluicegate.redis_client import create_redis
+from sluicegate.settings import Settings
+
+from .errors import ApiError
+from .telemetry import IngressMetrics
+
+log = logging.getLogger(__name__)
+
+# One XREAD waits at most this long, so timeouts and shutdown are noticed promptly.
+_BLOCK_MS = 2000
+
+
+def unavailable(what: str, exc: BaseException) -> ApiError:
+    """503 for a backbone that did not answer."""
+    detail = str(exc) or type(exc).__name__
+    return ApiError(503, f"{what} is unavailable: {detail}", code="service_unavailable", headers={"Retry-After": "1"})
+
+
+class ProducerHandle:
+    """One idempotent producer, started on first use and restarted after a failed start."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._producer: AIOKafkaProducer | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def started(self) -> bool:
+        """Whether a producer is connected."""
+        return self._producer is not None
+
+    async def get(self) -> AIOKafkaProducer:
+        """The started producer; raises (KafkaError, TimeoutError, OSError) when Kafka does not answer."""
+        if self._producer is not None:
+            return self._producer
+        async with self._lock:
+            if self._producer is None:
+                timeout = self._settings.kafka_timeout_s
+                producer = create_producer(
+                    self._settings,
+                    client_id="sluicegate-ingress",
+                    request_timeout_ms=max(1000, int(timeout * 1000)),
+                )
+                try:
+                    await asyncio.wait_for(producer.start(), timeout)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await producer.stop()
+                    raise
+                self._producer = producer
+        return self._producer
+
+    async def close(self) -> None:
+        """Flush and stop the producer, if started."""
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await producer.stop()
+
+
+class IngressService:
+    """The state one ingress process shares across requests."""
+
+    def __init__(self, settings: Settings, metrics: IngressMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.names = Names(settings.topic_prefix)
+        # Bounded reads: a blocked XREAD returns within _BLOCK_MS, so 10 s means Redis is gone.
+        self.redis: Redis = create_redis(settings, socket_timeout=10.0, connect_timeout=2.0, client_name="ingress")
+        self.router = Router(
+            self.names,
+            default_partitions=settings.topic_partitions,
+            key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
+            load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),
+        )
+        self.topics = TopicRegistry(
+            settings.kafka_bootstrap,
+            self.names,
+            self.router,
+            partitions=settings.topic_partitions,
+            replication=settings.topic_replication,
+            timeout_s=settings.kafka_timeout_s,
+        )
+        self.heartbeats = HeartbeatCache(self.redis, self.names, max_age_s=3 * settings.heartbeat_interval_s)
+        self.producer = ProducerHandle(settings)
+        self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
+        self._control_ready = False
+
+    async def close(self) -> None:
+        """Release Kafka and Redis connections."""
+        try:
+            await self.producer.close()
+        finally:
+            await self.redis.aclose()
+
+    # --- models ---------------------------------------------------------------------------------
+    async def live_models(self) -> dict[str, list[WorkerHeartbeat]]:
+        """Models with a live worker, with their heartbeats."""
+        try:
+            return await self.heartbeats.live_models()
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
+
+    async def model_heartbeats(self, model: str) -> list[WorkerHeartbeat]:
+        """The model's live heartbeats; 404 when it has none and is not configured as served."""
+        try:
+            beats = await self.heartbeats.get(model)
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
+        if not beats and model not in self.served_models:
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist or has no live worker.",
+                code="model_not_found",
+                param="model",
+            )
+        return beats
+
+    # --- publishing -----------------------------------------------------------------------------
+    async def submit(
+        self,
+        request: InferenceRequest,
+        *,
+        max_tier: Tier,
+        heartbeats: list[WorkerHeartbeat],
+        trace_carrier: Mapping[str, str],
+    ) -> Route:
+        """Record the request as queued, then publish it; 503 (and no record left) when Kafka fails."""
+        timeout = self.settings.kafka_timeout_s
+        try:
+            producer = await self.producer.get()
+            await self.topics.ensure_model(request.model)
+        except (KafkaError, TimeoutError, OSError) as exc:
+            self.metrics.publish_failures.labels(request.model).inc()
+            raise unavailable("Kafka", exc) from exc
+        self.router.set_heartbeats(request.model, heartbeats)
+        route = self.router.route(request, max_tier=max_tier)
+        record = RequestRecord(
+            request_id=request.request_id,
+            model=request.model,
+            tenant=request.tenant,
+            priority=route.tier,
+            status="queued",
+            created_at=request.created_at,
+        )
+        # The record goes first: a fast worker moving it to "running" must not be overwritten by "queued".
+        try:
+            await self.redis.set(
+                self.names.request_key(request.request_id),
+                record.model_dump_json(),
+                ex=self.settings.request_record_ttl_s,
+            )
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
+        started = time.perf_counter()
+        try:
+            delivery = await asyncio.wait_for(
+                send_routed(producer, request, route, request_headers(request, trace_carrier)), timeout
+            )
+            await asyncio.wait_for(delivery, max(0.1, timeout - (time.perf_counter() - started)))
+        except (KafkaError, TimeoutError, OSError) as exc:
+            self.metrics.publish_failures.labels(request.model).inc()
+            await self._abandon(request)
+            raise unavailable("Kafka", exc) from exc
+        self.metrics.publish_latency.observe(time.perf_counter() - started)
+        self.metrics.published.labels(request.model, route.tier, route.reason).inc()
+        log.info(
+            "ingress.published request_id=%s model=%s topic=%s partition=%s reason=%s tenant=%s",
+            request.request_id,
+            request.model,
+            route.topic,
+            route.partition,
+            route.reason,
+            request.tenant,
+        )
+        return route
+
+    async def _abandon(self, request: InferenceRequest) -> None:
+        # A send that timed out may still reach Kafka from the producer's buffer: the cancel marker makes
+        # workers drop it, and the record goes because the client was told it failed.
+        with contextlib.suppress(RedisError, OSError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.set(
+                    self.names.cancel_key(request.request_id), b"publish_failed", ex=self.settings.request_record_ttl_s
+                )
+                pipe.delete(self.names.request_key(request.request_id))
+                await pipe.execute()
+
+    # --- status and cancellation ----------------------------------------------------------------
+    async def record(self, request_id: str) -> RequestRecord | None:
+        """The request's status record, or None when unknown or expired."""
+        try:
+            raw = await self.redis.get(self.names.request_key(request_id))
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
+        if raw is None:
+            return None
+        try:
+            return RequestRecord.model_validate_json(raw)
+        except ValidationError:
+            log.error("ingress.bad_record request_id=%s", request_id)
+            return None
+
+    async def cancel(self, request_id: str, tenant: str, *, reason: str) -> None:
+        """Mark the request cancelled in Redis (honoured even while it waits in Kafka) and tell workers
+        over the control topic (the owner aborts it and frees its KV blocks)."""
+        try:
+            await self.redis.set(
+                self.names.cancel_key(request_id), reason.encode(), ex=self.settings.request_record_ttl_s
+            )
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
+        message = CancelRequest(request_id=request_id, tenant=tenant, reason=reason)
+        timeout = self.settings.kafka_timeout_s
+        try:
+            producer = await self.producer.get()
+            if not self._control_ready:
+                await self.topics.ensure({self.names.control_topic: 1})
+                self._control_ready = True
+            await asyncio.wait_for(
+                producer.send_and_wait(
+                    self.names.control_topic,
+                    value=message.model_dump_json().encode(),
+                    key=request_id.encode(),
+                    headers=[(HEADER_REQUEST_ID, request_id.encode())],
+                ),
+                timeout,
+            )
+        except (KafkaError, TimeoutError, OSError) as exc:
+            # The Redis marker already stops the request at its next check; the message only speeds it up.
+            log.warning("ingress.cancel_publish_failed request_id=%s error=%r", request_id, exc)
+        self.metrics.cancellations.labels(reason).inc()
+        log.info("ingress.cancelled request_id=%s reason=%s", request_id, reason)
+
+    # --- results --------------------------------------------------------------------------------
+    async def events(self, request_id: str, *, timeout_s: float) -> AsyncIterator[StreamEvent]:
+        """The request's stream events from the first, following the live tail until a terminal event.
+
+        Raises ``TimeoutError`` when none arrives within ``timeout_s`` overall. Malformed entries are
+        logged and skipped.
+        """
+        key = self.names.stream_key(request_id)
+        deadline = time.monotonic() + timeout_s
+        last_id: bytes | str = "0-0"
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise TimeoutError(f"no result for request {request_id} within {timeout_s:.0f}s")
+            try:
+                response = await self.redis.xread({key: last_id}, count=256, block=max(1, min(_BLOCK_MS, remaining_ms)))
+            except (RedisError, OSError) as exc:
+                raise unavailable("Redis", exc) from exc
+            for _stream, entries in response or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    raw = fields.get(STREAM_FIELD.encode())
+                    try:
+                        event = parse_stream_event(raw or b"")
+                    except ValidationError as exc:
+                        log.error("ingress.bad_stream_event request_id=%s entry=%r error=%s", request_id, entry_id, exc)
+                        continue
+                    yield event
+                    if event.type in TERMINAL_TYPES:
+                        return

@@ -1,0 +1,114 @@
+"""Ingress telemetry: an OpenTelemetry tracer (exporting over OTLP only when an endpoint is configured)
+and Prometheus metrics in a per-app registry, plus the ASGI middleware that counts and times requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def build_tracer_provider(service_name: str, otlp_endpoint: str) -> TracerProvider:
+    """A tracer provider that always makes real span ids (so ``traceparent`` propagates) and exports
+    them over OTLP/HTTP only when ``otlp_endpoint`` is set."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        endpoint = otlp_endpoint.rstrip("/")
+        if not endpoint.endswith("/v1/traces"):
+            endpoint += "/v1/traces"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        log.info("telemetry.otlp_export endpoint=%s", endpoint)
+    return provider
+
+
+class IngressMetrics:
+    """The ingress's Prometheus metrics; one registry per app so several apps can live in one process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sluicegate_ingress_requests_total",
+            "HTTP requests by route and status code.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "sluicegate_ingress_request_seconds",
+            "Time from request start to the end of the response body (streams included).",
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.published = Counter(
+            "sluicegate_ingress_published_total",
+            "Requests published to Kafka, by model, tier and routing reason.",
+            ["model", "tier", "reason"],
+            registry=self.registry,
+        )
+        self.publish_failures = Counter(
+            "sluicegate_ingress_publish_failures_total",
+            "Requests that could not be published (answered 503).",
+            ["model"],
+            registry=self.registry,
+        )
+        self.publish_latency = Histogram(
+            "sluicegate_ingress_publish_seconds",
+            "Time to get a publish acknowledged by every in-sync replica.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "sluicegate_ingress_time_to_first_token_seconds",
+            "From accepting an OpenAI-style request to relaying its first text.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.cancellations = Counter(
+            "sluicegate_ingress_cancellations_total",
+            "Cancellations ingress issued, by cause.",
+            ["cause"],
+            registry=self.registry,
+        )
+
+
+class MetricsMiddleware:
+    """Counts requests and times them until the last body byte, labelled by route template."""
+
+    def __init__(self, app: ASGIApp, metrics: IngressMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            method = scope.get("method", "")
+            self.metrics.requests.labels(template, method, str(status)).inc()
+            self.metrics.latency.labels(template, method).observe(time.perf_counter() - start)

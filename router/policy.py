@@ -1,0 +1,181 @@
+"""Pure routing policy: which tier a request may use, which partition key gives it prefix affinity,
+and whether that partition's owner is too busy so another worker's partition should take it.
+
+Nothing here does I/O; :mod:`router.router` combines these into one routing decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from aiokafka.partitioner import murmur2
+
+from schemas import TIERS, InferenceRequest, Tier, WorkerHeartbeat, utcnow
+
+#: Higher rank = drained first by workers.
+TIER_RANK: dict[str, int] = {"batch": 0, "standard": 1, "interactive": 2}
+
+# Roles whose leading run forms the prompt prefix shared across a deployment's requests.
+_PREAMBLE_ROLES = frozenset({"system", "developer"})
+
+
+def check_tier(tier: str) -> Tier:
+    """``tier`` itself when it names a tier; ``ValueError`` naming the valid ones otherwise."""
+    if tier not in TIER_RANK:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+    return tier  # type: ignore[return-value]
+
+
+def cap_tier(tier: Tier, max_tier: Tier) -> Tier:
+    """``tier``, lowered to ``max_tier`` when it ranks above it."""
+    return tier if TIER_RANK[check_tier(tier)] <= TIER_RANK[check_tier(max_tier)] else max_tier
+
+
+def resolve_tier(requested: str | None, *, default_tier: Tier, max_tier: Tier) -> Tier:
+    """The tier a request gets: what it asked for (or the key's default), capped at the key's maximum.
+
+    A key capped at ``standard`` that asks for ``interactive`` gets ``standard``; an unknown name is a
+    ``ValueError``, not a silent default.
+    """
+    return cap_tier(check_tier(requested if requested is not None else default_tier), max_tier)
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """How much of a prompt decides its partition.
+
+    Long enough to tell different system prompts apart, short enough that requests sharing a preamble
+    agree: a prefix-cache hit needs the same leading blocks on the same worker.
+    """
+
+    prefix_chars: int = 2048
+    prefix_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.prefix_chars < 1 or self.prefix_tokens < 1:
+            raise ValueError("prefix_chars and prefix_tokens must be >= 1")
+
+
+def affinity_prefix(request: InferenceRequest, policy: KeyPolicy) -> bytes:
+    """The leading part of the prompt that the partition key hashes.
+
+    Chat requests use their leading system/developer messages (the part a deployment repeats on every
+    call), or the first message when there is none (so a conversation's turns stay together). Text
+    prompts use their first ``prefix_chars`` characters, token prompts their first ``prefix_tokens`` ids.
+    A one-byte kind tag keeps the three forms from colliding.
+    """
+    if request.messages is not None:
+        preamble = []
+        for message in request.messages:
+            if message.role not in _PREAMBLE_ROLES:
+                break
+            preamble.append(message)
+        chosen = preamble or request.messages[:1]
+        # Record/unit separators cannot be confused with message text boundaries.
+        text = "\x1e".join(f"{m.role}\x1f{m.text()}" for m in chosen)
+        return b"m" + text[: policy.prefix_chars].encode()
+    if isinstance(request.prompt, str):
+        return b"t" + request.prompt[: policy.prefix_chars].encode()
+    assert request.prompt is not None  # guaranteed by InferenceRequest's validator
+    return b"i" + ",".join(map(str, request.prompt[: policy.prefix_tokens])).encode()
+
+
+def partition_key(model: str, prefix: bytes) -> bytes:
+    """The Kafka record key: a hex digest of model and prompt prefix (fixed length, log-friendly)."""
+    digest = hashlib.sha256(model.encode() + b"\x00" + prefix).hexdigest()
+    return digest[:32].encode()
+
+
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition Kafka's default partitioner (Java and aiokafka alike) sends ``key`` to."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be >= 1, got {partitions}")
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """When a worker counts as overloaded, from its latest heartbeat."""
+
+    max_waiting: int = 8
+    min_free_kv_fraction: float = 0.05
+
+    def overloaded(self, heartbeat: WorkerHeartbeat) -> bool:
+        """Draining, too many queued sequences, or almost no free KV blocks left."""
+        if heartbeat.draining or heartbeat.waiting >= self.max_waiting:
+            return True
+        return heartbeat.total_kv_blocks > 0 and free_fraction(heartbeat) < self.min_free_kv_fraction
+
+
+def free_fraction(heartbeat: WorkerHeartbeat) -> float:
+    """Share of the worker's KV blocks that are free (1.0 when it reports none at all)."""
+    if heartbeat.total_kv_blocks == 0:
+        return 1.0
+    return heartbeat.free_kv_blocks / heartbeat.total_kv_blocks
+
+
+def load_score(heartbeat: WorkerHeartbeat) -> tuple[int, float, int, str]:
+    """Sort key, least loaded first: queue length, then KV pressure, then running, then id (ties)."""
+    return (heartbeat.waiting, -free_fraction(heartbeat), heartbeat.running, heartbeat.worker_id)
+
+
+def live_heartbeats(
+    heartbeats: Iterable[WorkerHeartbeat], *, max_age_s: float, now: datetime | None = None
+) -> list[WorkerHeartbeat]:
+    """The heartbeats sent within ``max_age_s``, newest per worker."""
+    cutoff = (now or utcnow()) - timedelta(seconds=max_age_s)
+    newest: dict[str, WorkerHeartbeat] = {}
+    for beat in heartbeats:
+        if beat.sent_at < cutoff:
+            continue
+        seen = newest.get(beat.worker_id)
+        if seen is None or beat.sent_at > seen.sent_at:
+            newest[beat.worker_id] = beat
+    return list(newest.values())
+
+
+@dataclass(frozen=True)
+class PartitionChoice:
+    """An explicit partition (None: let the key decide) and why."""
+
+    partition: int | None
+    reason: str
+
+
+def choose_partition(
+    topic: str,
+    key: bytes,
+    partitions: int,
+    heartbeats: Sequence[WorkerHeartbeat],
+    policy: LoadPolicy,
+) -> PartitionChoice:
+    """Keep the key's partition unless its owner is overloaded and a less loaded worker exists.
+
+    When diverting, the key still picks among the chosen worker's partitions of ``topic``, so a burst
+    sharing one prefix lands on one partition of the relief worker rather than spraying across it.
+    Partitions nobody owns (no live heartbeat claims them) keep the key: Kafka holds the backlog.
+    """
+    home = key_partition(key, partitions)
+    owners: dict[int, WorkerHeartbeat] = {}
+    for beat in heartbeats:
+        for ref in beat.partitions:
+            if ref.topic == topic:
+                owners[ref.partition] = beat
+    owner = owners.get(home)
+    if owner is None:
+        return PartitionChoice(None, "affinity_unowned")
+    if not policy.overloaded(owner):
+        return PartitionChoice(None, "affinity")
+
+    def owned(beat: WorkerHeartbeat) -> list[int]:
+        return sorted({r.partition for r in beat.partitions if r.topic == topic and r.partition < partitions})
+
+    candidates = [b for b in heartbeats if b.worker_id != owner.worker_id and not policy.overloaded(b) and owned(b)]
+    if not candidates:
+        return PartitionChoice(None, "affinity_all_busy")
+    relief = min(candidates, key=load_score)
+    choices = owned(relief)
+    return PartitionChoice(choices[(murmur2(key) & 0x7FFFFFFF) % len(choices)], "overload")

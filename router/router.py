@@ -1,0 +1,112 @@
+"""One routing decision per request: topic ``llm.<model>.<tier>``, a prefix-affinity key, and an explicit
+partition only when the key's partition belongs to an overloaded worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from schemas import InferenceRequest, Names, Tier, WorkerHeartbeat
+
+from .policy import (
+    KeyPolicy,
+    LoadPolicy,
+    affinity_prefix,
+    cap_tier,
+    choose_partition,
+    key_partition,
+    partition_key,
+)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where to publish one request.
+
+    ``partition`` is None when the key alone decides (the normal, affinity case); ``affinity_partition``
+    is where the key hashes to, kept for logs and metrics either way.
+    """
+
+    topic: str
+    key: bytes
+    tier: Tier
+    partition: int | None = None
+    affinity_partition: int = 0
+    reason: str = "affinity"
+
+
+def route(
+    request: InferenceRequest,
+    *,
+    names: Names,
+    partitions: int,
+    key_policy: KeyPolicy | None = None,
+    max_tier: Tier = "interactive",
+    heartbeats: Sequence[WorkerHeartbeat] = (),
+    load_policy: LoadPolicy | None = None,
+) -> Route:
+    """Route ``request``: its priority (capped at ``max_tier``) picks the topic, its prompt prefix the key.
+
+    ``partitions`` is the topic's partition count; ``heartbeats`` are the live workers of the model.
+    """
+    tier = cap_tier(request.priority, max_tier)
+    topic = names.request_topic(request.model, tier)
+    key = partition_key(request.model, affinity_prefix(request, key_policy or KeyPolicy()))
+    choice = choose_partition(topic, key, partitions, heartbeats, load_policy or LoadPolicy())
+    return Route(
+        topic=topic,
+        key=key,
+        tier=tier,
+        partition=choice.partition,
+        affinity_partition=key_partition(key, partitions),
+        reason=choice.reason,
+    )
+
+
+@dataclass
+class Router:
+    """Routing state a long-lived process keeps: names, policies, topic sizes and workers' heartbeats.
+
+    Callers refresh heartbeats (``set_heartbeats``) and partition counts (``set_partitions``) as they
+    learn them; ``route`` itself never blocks.
+    """
+
+    names: Names
+    default_partitions: int = 6
+    key_policy: KeyPolicy = field(default_factory=KeyPolicy)
+    load_policy: LoadPolicy = field(default_factory=LoadPolicy)
+    _partitions: dict[str, int] = field(default_factory=dict)
+    _heartbeats: dict[str, list[WorkerHeartbeat]] = field(default_factory=dict)
+
+    def set_partitions(self, topic: str, count: int) -> None:
+        """Record a topic's actual partition count (from topic creation or metadata)."""
+        if count < 1:
+            raise ValueError(f"topic {topic!r}: partition count must be >= 1, got {count}")
+        self._partitions[topic] = count
+
+    def partitions(self, topic: str) -> int:
+        """The known partition count of ``topic`` (the default until told otherwise)."""
+        return self._partitions.get(topic, self.default_partitions)
+
+    def set_heartbeats(self, model: str, heartbeats: Sequence[WorkerHeartbeat]) -> None:
+        """Replace the live heartbeats known for ``model``."""
+        self._heartbeats[model] = list(heartbeats)
+
+    def heartbeats(self, model: str) -> list[WorkerHeartbeat]:
+        """The live heartbeats last set for ``model``."""
+        return list(self._heartbeats.get(model, ()))
+
+    def route(self, request: InferenceRequest, *, max_tier: Tier = "interactive") -> Route:
+        """Route ``request`` with the state known now."""
+        tier = cap_tier(request.priority, max_tier)
+        topic = self.names.request_topic(request.model, tier)
+        return route(
+            request,
+            names=self.names,
+            partitions=self.partitions(topic),
+            key_policy=self.key_policy,
+            max_tier=max_tier,
+            heartbeats=self._heartbeats.get(request.model, ()),
+            load_policy=self.load_policy,
+        )

@@ -1,0 +1,303 @@
+"""The router stream processor: validates what Kafka-native producers put on ``llm.inbound``, routes each
+valid request for a served model to ``llm.<model>.<tier>`` and sends everything else to ``llm.dlq`` with a
+``reason`` header.
+
+Offsets are committed only after every record of a batch has been acknowledged where it went, so a
+crash re-routes (at least once) rather than loses. A bad message never stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord, RecordMetadata, TopicPartition
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from schemas import DeadLetter, InferenceRequest, Names, WorkerHeartbeat
+from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.kafka import create_consumer, create_producer
+from sluicegate.redis_client import create_redis
+from sluicegate.settings import Settings
+
+from .heartbeats import HeartbeatCache
+from .policy import KeyPolicy, LoadPolicy
+from .publish import Headers, TopicRegistry, request_headers, send_routed
+from .router import Router
+from .validation import summarize
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a record cannot be routed: ``reason`` is machine-readable and goes into the header."""
+
+    reason: str
+    detail: str
+    request_id: str | None = None
+
+
+def _request_id_of(value: bytes) -> str | None:
+    try:
+        body = json.loads(value)
+    except ValueError:
+        return None
+    rid = body.get("request_id") if isinstance(body, dict) else None
+    return rid if isinstance(rid, str) and rid else None
+
+
+def validate_record(value: bytes | None, *, now: datetime | None = None) -> InferenceRequest | Rejection:
+    """Parse one ``llm.inbound`` value: the request, or why it goes to the DLQ.
+
+    Reasons: ``empty_message``, ``invalid_json``, ``not_an_object``, ``schema_violation:<field>`` (the first
+    offending field, e.g. ``schema_violation:priority`` for an unknown tier) and ``deadline_exceeded``; the
+    processor adds its own (see :class:`RouterProcessor`).
+    """
+    if not value:
+        return Rejection("empty_message", "the record has no value")
+    try:
+        body = json.loads(value)
+    except ValueError as exc:
+        return Rejection("invalid_json", f"not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return Rejection("not_an_object", f"expected a JSON object, got {type(body).__name__}")
+    try:
+        request = InferenceRequest.model_validate_json(value)
+    except ValidationError as exc:
+        field, detail = summarize(exc, root_field="prompt")
+        return Rejection(f"schema_violation:{field}", detail, _request_id_of(value))
+    if request.expired(now):
+        assert request.deadline is not None
+        return Rejection("deadline_exceeded", f"deadline {request.deadline.isoformat()} passed", request.request_id)
+    return request
+
+
+def _header(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
+    for key, value in headers:
+        if key == name and value is not None:
+            return value.decode(errors="replace")
+    return None
+
+
+def dead_letter(rejection: Rejection, record: ConsumerRecord) -> tuple[bytes, Headers]:
+    """The DLQ value and headers for a rejected record (original trace context kept)."""
+    letter = DeadLetter(
+        reason=rejection.reason,
+        detail=rejection.detail,
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        payload=(record.value or b"").decode("utf-8", errors="replace"),
+        request_id=rejection.request_id,
+    )
+    headers: Headers = [(HEADER_REASON, rejection.reason.encode())]
+    if rejection.request_id:
+        headers.append((HEADER_REQUEST_ID, rejection.request_id.encode()))
+    for name in (HEADER_TRACEPARENT, HEADER_TRACESTATE):
+        value = _header(record.headers or (), name)
+        if value:
+            headers.append((name, value.encode()))
+    return letter.model_dump_json().encode(), headers
+
+
+def _trace_carrier(record: ConsumerRecord) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    for name in (HEADER_TRACEPARENT, HEADER_TRACESTATE):
+        value = _header(record.headers or (), name)
+        if value:
+            carrier[name] = value
+    return carrier
+
+
+class RouterProcessor:
+    """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
+
+    Besides :func:`validate_record`'s reasons it dead-letters ``unknown_model`` (no live worker, not in
+    ``served_models``) and ``routing_failed`` (an unexpected error routing one record).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        consumer: AIOKafkaConsumer,
+        producer: AIOKafkaProducer,
+        redis: Redis | None,
+        *,
+        retry_backoff_s: float = 1.0,
+    ) -> None:
+        self.settings = settings
+        self.names = Names(settings.topic_prefix)
+        self.consumer = consumer
+        self.producer = producer
+        self.router = Router(
+            self.names,
+            default_partitions=settings.topic_partitions,
+            key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
+            load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),
+        )
+        self.topics = TopicRegistry(
+            settings.kafka_bootstrap,
+            self.names,
+            self.router,
+            partitions=settings.topic_partitions,
+            replication=settings.topic_replication,
+            timeout_s=max(settings.kafka_timeout_s, 10.0),
+        )
+        self.heartbeats = (
+            HeartbeatCache(redis, self.names, max_age_s=3 * settings.heartbeat_interval_s) if redis else None
+        )
+        self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
+        self.retry_backoff_s = retry_backoff_s
+        self.routed = 0
+        self.dead_lettered = 0
+
+    async def _live_heartbeats(self, model: str) -> list[WorkerHeartbeat] | None:
+        """The model's live heartbeats; None when Redis cannot tell."""
+        if self.heartbeats is None:
+            return None
+        try:
+            return await self.heartbeats.get(model)
+        except (RedisError, OSError) as exc:
+            log.warning("router.heartbeats_unavailable model=%s error=%r", model, exc)
+            return None
+
+    async def _check(self, record: ConsumerRecord) -> tuple[InferenceRequest, list[WorkerHeartbeat]] | Rejection:
+        outcome = validate_record(record.value)
+        if isinstance(outcome, Rejection):
+            return outcome
+        beats = await self._live_heartbeats(outcome.model)
+        # Same rule as ingress's 404: creating topics for any model name a producer sends would let a typo
+        # (or a flood of them) litter the cluster. Without Redis the key alone decides: still correct.
+        if beats is not None and not beats and outcome.model not in self.served_models:
+            return Rejection(
+                "unknown_model", f"model {outcome.model!r} has no live worker and is not served", outcome.request_id
+            )
+        return outcome, beats or []
+
+    async def _dispatch(self, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
+        outcome = await self._check(record)
+        if not isinstance(outcome, Rejection):
+            try:
+                return await self._route(record, *outcome)
+            except (KafkaError, TimeoutError, OSError):
+                raise  # the backbone failed, not the record: the batch is retried
+            except Exception as exc:
+                log.exception("router.route_failed offset=%s partition=%s", record.offset, record.partition)
+                outcome = Rejection("routing_failed", repr(exc), outcome[0].request_id)
+        value, headers = dead_letter(outcome, record)
+        log.info(
+            "router.dead_letter reason=%s offset=%s partition=%s detail=%s",
+            outcome.reason,
+            record.offset,
+            record.partition,
+            outcome.detail,
+        )
+        self.dead_lettered += 1
+        return await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
+
+    async def _route(
+        self, record: ConsumerRecord, request: InferenceRequest, beats: list[WorkerHeartbeat]
+    ) -> asyncio.Future[RecordMetadata]:
+        await self.topics.ensure_model(request.model)
+        self.router.set_heartbeats(request.model, beats)
+        route = self.router.route(request)
+        log.debug(
+            "router.routed request_id=%s topic=%s partition=%s reason=%s",
+            request.request_id,
+            route.topic,
+            route.partition,
+            route.reason,
+        )
+        future = await send_routed(self.producer, request, route, request_headers(request, _trace_carrier(record)))
+        self.routed += 1
+        return future
+
+    async def process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+        """Route or dead-letter every record, wait for all acks, then commit past the batch."""
+        futures = []
+        for records in batch.values():
+            for record in records:
+                futures.append(await self._dispatch(record))
+        await asyncio.gather(*futures)
+        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
+        if offsets:
+            await self.consumer.commit(offsets)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Loop until ``stop`` is set; a failed batch is re-read from its first offset after a pause."""
+        while not stop.is_set():
+            batch = await self.consumer.getmany(timeout_ms=500, max_records=500)
+            if not batch:
+                continue
+            try:
+                await self.process(batch)
+            except (KafkaError, TimeoutError, OSError) as exc:
+                log.error("router.batch_failed records=%d error=%r; retrying", sum(map(len, batch.values())), exc)
+                assigned = self.consumer.assignment()
+                for tp, records in batch.items():
+                    # After a rebalance a partition may belong to another router, which resumes it from
+                    # the last commit instead.
+                    if records and tp in assigned:
+                        self.consumer.seek(tp, records[0].offset)
+                try:
+                    await asyncio.wait_for(stop.wait(), self.retry_backoff_s)
+                except TimeoutError:
+                    pass
+
+
+async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
+    """Run the router stream processor until ``stop`` is set (forever when None).
+
+    Creates ``llm.inbound`` and ``llm.dlq`` if missing and joins consumer group
+    ``<prefix><router_group>``, so several routers share the inbound partitions.
+    """
+    stop = stop or asyncio.Event()
+    names = Names(settings.topic_prefix)
+    producer = create_producer(settings, client_id="sluicegate-router")
+    group = f"{names.prefix}{settings.router_group}"
+    consumer = create_consumer(
+        names.inbound_topic,
+        group_id=group,
+        settings=settings,
+        client_id="sluicegate-router",
+    )
+    redis = create_redis(settings, socket_timeout=5.0, client_name="sluicegate-router")
+    processor = RouterProcessor(settings, consumer, producer, redis)
+    await processor.topics.ensure(
+        {names.inbound_topic: settings.topic_partitions, names.dlq_topic: settings.topic_partitions}
+    )
+    await producer.start()
+    try:
+        await consumer.start()
+        try:
+            log.info("router.started inbound=%s group=%s", names.inbound_topic, group)
+            await processor.run(stop)
+        finally:
+            await consumer.stop()
+    finally:
+        await producer.stop()
+        await redis.aclose()
+        log.info("router.stopped routed=%d dead_lettered=%d", processor.routed, processor.dead_lettered)
+
+
+def serve_router(settings: Settings) -> None:
+    """Run the router stream processor until SIGINT or SIGTERM (blocking); for the CLI."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_router(settings, stop=stop)
+
+    asyncio.run(main())

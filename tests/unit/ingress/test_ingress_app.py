@@ -1,0 +1,142 @@
+"""The ingress app's answers that need no backbone: authentication, body limits, validation errors in
+OpenAI's shape, CORS, metrics, and refusing to start misconfigured. Kafka and Redis point at a closed
+port, so anything that reaches them would fail with a 503 instead."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from ingress.app import cors_origins, create_app
+from sluicegate.settings import Settings
+
+KEY = "sk-unit-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def settings(**overrides: object) -> Settings:
+    base: dict[str, object] = {
+        "kafka_bootstrap": "127.0.0.1:1",
+        "redis_url": "redis://127.0.0.1:1/0",
+        "api_keys": KEY,
+        "stream_token_secret": "unit-secret",
+        "max_body_bytes": 4096,
+        "kafka_timeout_s": 1.0,
+        "result_port": 8123,
+        "cors_origins": "https://chat.example.com",
+    }
+    return Settings(**(base | overrides))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ingress") as http:
+            http.app = app  # type: ignore[attr-defined]
+            yield http
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["message"]
+    assert error["param"] == param
+
+
+async def test_missing_or_wrong_key_is_401(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json=CHAT)
+    assert_openai_error(response, 401, "invalid_api_key")
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert_openai_error(
+        await client.post("/v1/completions", json={}, headers={"x-api-key": "nope"}), 401, "invalid_api_key"
+    )
+    assert_openai_error(await client.get("/v1/models"), 401, "invalid_api_key")
+    assert_openai_error(await client.get("/v1/requests/abc"), 401, "invalid_api_key")
+
+
+async def test_oversized_bodies_are_413_by_length_or_by_stream(client: httpx.AsyncClient) -> None:
+    big = b'{"model": "m", "prompt": "' + b"x" * 5000 + b'"}'
+    assert_openai_error(await client.post("/v1/completions", content=big, headers=AUTH), 413, "request_too_large")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(8):
+            yield b"x" * 1000
+
+    # No Content-Length: the limit applies while the body streams in.
+    response = await client.post("/v1/completions", content=chunks(), headers=AUTH)
+    assert_openai_error(response, 413, "request_too_large")
+
+
+async def test_validation_errors_are_422_or_400_naming_the_field(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json=CHAT | {"temperature": 9}, headers=AUTH)
+    assert_openai_error(response, 422, "invalid_value", "temperature")
+    response = await client.post("/v1/chat/completions", json=CHAT | {"n": 3}, headers=AUTH)
+    assert_openai_error(response, 400, "unsupported_parameter", "n")
+    response = await client.post("/v1/requests", json={"model": "m", "prompt": "x", "priority": "gold"}, headers=AUTH)
+    assert_openai_error(response, 422, "invalid_value", "priority")
+    response = await client.post("/v1/completions", content=b"{oops", headers=AUTH)
+    assert_openai_error(response, 400, "invalid_json")
+    response = await client.post("/v1/completions", json=[1, 2], headers=AUTH)
+    assert_openai_error(response, 422, "invalid_value")
+
+
+async def test_unknown_routes_and_ids_answer_in_openai_shape(client: httpx.AsyncClient) -> None:
+    assert_openai_error(await client.get("/v1/nothing-here"), 404, "not_found")
+    assert_openai_error(await client.get("/v1/requests/bad$id", headers=AUTH), 404, "request_not_found", "request_id")
+
+
+async def test_backbone_outage_is_a_quick_503(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert_openai_error(response, 503, "service_unavailable")
+    assert "Redis" in response.json()["error"]["message"]
+
+
+async def test_cors_allows_the_result_service_and_configured_origins(client: httpx.AsyncClient) -> None:
+    for origin in ("http://127.0.0.1:8123", "http://localhost:8123", "https://chat.example.com"):
+        response = await client.options(
+            "/v1/requests",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
+        assert response.status_code == 200
+        assert response.headers["access-control-allow-origin"] == origin
+    refused = await client.options(
+        "/v1/requests", headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    )
+    assert "access-control-allow-origin" not in refused.headers
+
+
+async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/healthz")).json()["status"] == "ok"
+    await client.post("/v1/chat/completions", json=CHAT)
+    text = (await client.get("/metrics")).text
+    assert 'sluicegate_ingress_requests_total{method="POST",route="/v1/chat/completions",status="401"} 1.0' in text
+    assert "sluicegate_ingress_request_seconds_bucket" in text
+
+
+def test_cors_origins_include_the_public_result_service() -> None:
+    origins = cors_origins(settings(public_stream_url="wss://chat.example.org/base", cors_origins=" https://a.b/ ,"))
+    assert origins == [
+        "http://127.0.0.1:8123",
+        "http://localhost:8123",
+        "https://chat.example.org",
+        "https://a.b",
+    ]
+
+
+def test_refuses_to_start_without_keys_or_secret() -> None:
+    with pytest.raises(ValueError, match="no API keys configured"):
+        create_app(settings(api_keys=""))
+    with pytest.raises(ValueError, match="STREAM_TOKEN_SECRET"):
+        create_app(settings(stream_token_secret=""))
+    assert isinstance(create_app(settings(api_keys="", allow_anonymous=True)), FastAPI)

@@ -1,0 +1,84 @@
+"""What the router stream processor does with each inbound record: route it, or dead-letter it with a
+reason that names the problem."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from aiokafka.structs import ConsumerRecord
+
+from router.publish import request_headers
+from router.stream import Rejection, dead_letter, validate_record
+from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
+
+VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
+
+
+def test_valid_record_becomes_a_request() -> None:
+    request = validate_record(json.dumps(VALID).encode())
+    assert isinstance(request, InferenceRequest)
+    assert request.request_id == "r-1"
+
+
+def test_unparseable_and_empty_records_are_rejected() -> None:
+    assert validate_record(b"{not json").reason == "invalid_json"  # type: ignore[union-attr]
+    assert validate_record(b"").reason == "empty_message"  # type: ignore[union-attr]
+    assert validate_record(None).reason == "empty_message"  # type: ignore[union-attr]
+
+
+def test_schema_violations_name_the_field() -> None:
+    bad_tier = validate_record(json.dumps(VALID | {"priority": "urgent"}).encode())
+    assert isinstance(bad_tier, Rejection)
+    assert bad_tier.reason == "schema_violation:priority"
+    assert "'interactive', 'standard' or 'batch'" in bad_tier.detail
+    assert bad_tier.request_id == "r-1"
+
+    bad_temp = validate_record(json.dumps(VALID | {"sampling": {"temperature": 7}}).encode())
+    assert isinstance(bad_temp, Rejection) and bad_temp.reason == "schema_violation:sampling.temperature"
+
+    no_input = validate_record(json.dumps({"request_id": "r", "model": "m"}).encode())
+    assert isinstance(no_input, Rejection) and no_input.reason == "schema_violation:prompt"
+
+    not_object = validate_record(b"[1, 2]")
+    assert isinstance(not_object, Rejection) and not_object.reason == "not_an_object"
+    assert not_object.request_id is None
+
+
+def test_expired_deadline_is_rejected() -> None:
+    past = (utcnow() - timedelta(seconds=1)).isoformat()
+    rejection = validate_record(json.dumps(VALID | {"deadline": past}).encode())
+    assert isinstance(rejection, Rejection) and rejection.reason == "deadline_exceeded"
+    future = (utcnow() + timedelta(hours=1)).isoformat()
+    assert isinstance(validate_record(json.dumps(VALID | {"deadline": future}).encode()), InferenceRequest)
+
+
+def test_dead_letter_keeps_payload_position_and_trace() -> None:
+    record = ConsumerRecord(
+        topic="llm.inbound",
+        partition=2,
+        offset=41,
+        timestamp=0,
+        timestamp_type=0,
+        key=b"k",
+        value=b"\xff{broken",
+        checksum=None,
+        serialized_key_size=1,
+        serialized_value_size=9,
+        headers=[("traceparent", b"00-" + b"a" * 32 + b"-" + b"b" * 16 + b"-01")],
+    )
+    value, headers = dead_letter(Rejection("invalid_json", "bad"), record)
+    letter = DeadLetter.model_validate_json(value)
+    assert (letter.source_topic, letter.source_partition, letter.source_offset) == ("llm.inbound", 2, 41)
+    assert letter.payload.endswith("{broken")
+    assert dict(headers)["reason"] == b"invalid_json"
+    assert "traceparent" in dict(headers)
+
+
+def test_request_headers_prefer_the_carrier_then_the_request_trace() -> None:
+    trace = TraceContext(traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    request = InferenceRequest(request_id="r", model="m", prompt="p", trace=trace)
+    assert dict(request_headers(request)) == {"request_id": b"r", "traceparent": trace.traceparent.encode()}
+    carrier = {"traceparent": "00-" + "3" * 32 + "-" + "4" * 16 + "-01", "tracestate": "v=1"}
+    headers = dict(request_headers(request, carrier))
+    assert headers["traceparent"] == carrier["traceparent"].encode() and headers["tracestate"] == b"v=1"
