@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .logs import configure_logging
-from .settings import get_settings
+from .settings import Settings, get_settings
 
 
 class CliError(Exception):
@@ -63,6 +63,50 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ingress(args: argparse.Namespace) -> int:
+    from ingress.app import serve
+
+    serve(get_settings())
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.stream import serve_router
+
+    serve_router(get_settings())
+    return 0
+
+
+def _result_service(args: argparse.Namespace) -> int:
+    from result_service.server import serve
+
+    serve(get_settings())
+    return 0
+
+
+def _worker_settings(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in {"model": args.model, "device": args.device}.items() if v}
+    settings = get_settings().model_copy(update=overrides)
+    if not settings.model:
+        raise CliError("no model: pass --model PATH or set SLUICEGATE_MODEL")
+    return settings
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from gpu_workers.worker.main import serve_worker
+
+    serve_worker(_worker_settings(args))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .launcher import up
+
+    return up(
+        get_settings(), model=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack
+    )
+
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -78,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("dev", help="local Kafka (KRaft) + Redis stack")
     dev.add_argument("action", choices=["up", "status", "down"])
     dev.set_defaults(handler=_dev)
+
+    up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, one worker")
+    up.add_argument("--model", help="model folder to serve (default: a tiny random-weight demo model)")
+    up.add_argument("--model-name", help="public model name (default: the folder name)")
+    up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
+    up.set_defaults(handler=_up)
+
+    for name, handler, text in (
+        ("ingress", _ingress, "the ingress API (OpenAI-compatible and native)"),
+        ("router", _router, "the llm.inbound stream processor"),
+        ("result-service", _result_service, "the WebSocket/SSE relay and chat page"),
+    ):
+        sub.add_parser(name, help=text).set_defaults(handler=handler)
+    worker = sub.add_parser("worker", help="a GPU worker serving one model")
+    worker.add_argument("--model", help="model folder (default: SLUICEGATE_MODEL)")
+    worker.add_argument("--device", choices=["cpu", "cuda"], help="default: SLUICEGATE_DEVICE")
+    worker.set_defaults(handler=_worker)
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")

@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     model_name: str = Field("", description="Public model name (defaults to the folder name).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device the worker's engine runs on.")
     worker_id: str = Field("", description="Worker identity in heartbeats (defaults to host-pid).")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences the worker's engine runs at once.")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="Engine token budget per step.")
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU workers (GiB).")
+    dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
+    quantization: str = Field("", description="Weight quantization: bnb-int8, bnb-nf4, fp8 or empty.")
+    attention_backend: str = Field("auto", description="Attention backend: auto, torch, triton, flash_attn.")
+    drain_timeout_s: float = Field(30.0, gt=0, description="Seconds a stopping worker waits for in-flight work.")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
 
     # --- telemetry ----------------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""``sluicegate worker``: builds the engine and the Kafka/Redis clients, runs a :class:`Worker`.
+
+SIGTERM (or Ctrl-C) drains: no new requests, in-flight ones finish (bounded), offsets are committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from gpu_workers.engine import AsyncEngine
+from schemas import TIERS, Names
+from sluicegate.kafka import create_consumer, create_producer, ensure_topics
+from sluicegate.redis_client import create_redis
+from sluicegate.settings import Settings
+
+from .service import Worker, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+def model_name_for(settings: Settings) -> str:
+    """The public model name: configured, else the model folder's name."""
+    return settings.model_name or Path(settings.model.rstrip("/")).name
+
+
+def build_engine(settings: Settings) -> AsyncEngine:
+    return AsyncEngine(
+        settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        cpu_kv_cache_gb=settings.kv_cache_gb,
+        attention_backend=settings.attention_backend,
+        quantization=settings.quantization or None,
+    )
+
+
+async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngine | None = None) -> Worker:
+    """Run one worker until ``stop`` is set; returns it (for its counters) after draining."""
+    names = Names(settings.topic_prefix)
+    model_name = model_name_for(settings)
+    engine = engine or build_engine(settings)
+    config = WorkerConfig(
+        model_name=model_name,
+        worker_id=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        max_in_flight=settings.max_num_seqs,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        stream_ttl_s=settings.stream_ttl_s,
+        drain_timeout_s=settings.drain_timeout_s,
+        device=settings.device,
+    )
+    topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
+    topics |= {
+        names.results_topic: settings.topic_partitions,
+        names.dlq_topic: 1,
+        names.control_topic: 1,
+        names.heartbeats_topic: 1,
+    }
+    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication)
+
+    redis = create_redis(settings, client_name=f"worker-{config.worker_id}")
+    producer = create_producer(settings, client_id=f"worker-{config.worker_id}")
+    consumer = create_consumer(
+        group_id=names.worker_group(model_name),
+        settings=settings,
+        client_id=f"worker-{config.worker_id}",
+        session_timeout_ms=config.session_timeout_ms,
+        heartbeat_interval_ms=config.heartbeat_ms,
+        max_poll_interval_ms=300_000,
+    )
+    # Cancels go to every worker: no group, start at the end (older cancels are in Redis keys).
+    control = create_consumer(
+        names.control_topic,
+        group_id=None,
+        settings=settings,
+        auto_offset_reset="latest",
+        client_id=f"worker-control-{config.worker_id}",
+    )
+    worker = Worker(
+        engine, config, names=names, redis=redis, producer=producer, consumer=consumer, control_consumer=control
+    )
+    await engine.start()
+    await producer.start()
+    await control.start()
+    consumer.subscribe(names.request_topics(model_name), listener=worker.rebalance_listener())
+    await consumer.start()
+    log.info(
+        "worker.started",
+        extra={"worker_id": config.worker_id, "model": model_name, "tiers": ",".join(TIERS), "device": settings.device},
+    )
+    try:
+        await worker.run(stop)
+    finally:
+        await consumer.stop()
+        await control.stop()
+        await producer.stop()
+        await engine.shutdown()
+        await redis.aclose()
+        log.info("worker.stopped", extra={"worker_id": config.worker_id, "served": worker.served})
+    return worker
+
+
+def serve_worker(settings: Settings) -> None:
+    """Blocking entry point for the CLI."""
+
+    async def _main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_worker(settings, stop)
+
+    asyncio.run(_main())

@@ -1,0 +1,145 @@
+"""``sluicegate up``: the whole local stack in one command.
+
+Starts Kafka and Redis (through :mod:`sluicegate.devstack`), then the router, ingress, result
+service and one worker as child processes with their logs in one folder; prints the URLs and the
+API key; stops everything on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .settings import Settings
+
+DEMO_MODEL_NAME = "tiny-llama"
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def _demo_model(settings: Settings) -> Path:
+    """The tiny random-weight demo model, built once under the state folder."""
+    path = settings.state_dir / "models" / DEMO_MODEL_NAME
+    if not (path / "config.json").exists():
+        from gpu_workers.engine.tiny_model import make_tiny_model
+
+        print(f"building the demo model in {path} (random weights, trained tokenizer) ...", flush=True)
+        make_tiny_model(path, arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4)
+    return path
+
+
+def _wait_http(url: str, child: Child, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.process.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.process.returncode}; see {child.log_path}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{child.name} did not answer at {url} within {timeout_s:.0f}s; see {child.log_path}")
+
+
+def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Child:
+    log_path = log_dir / f"{name}.log"
+    log_file = log_path.open("ab")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sluicegate.cli", *args],
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # Ctrl-C reaches us once; we stop the children in order
+    )
+    return Child(name, process, log_path)
+
+
+def _stop(children: list[Child]) -> None:
+    for child in reversed(children):
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for child in reversed(children):
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+
+
+def up(settings: Settings, *, model: str | None, device: str, model_name: str | None, keep_stack: bool) -> int:
+    """Run the full stack until interrupted; returns the exit code."""
+    from . import devstack
+
+    info = devstack.up(settings)
+    model_path = model or str(_demo_model(settings))
+    name = model_name or (DEMO_MODEL_NAME if model is None else Path(model).name)
+    api_key = settings.api_keys.split(",")[0].strip() if settings.api_keys else ""
+    generated_key = not api_key
+    if generated_key:
+        api_key = "sg-" + secrets.token_urlsafe(24)
+    env = {
+        **os.environ,
+        "SLUICEGATE_KAFKA_BOOTSTRAP": info.kafka_bootstrap,
+        "SLUICEGATE_REDIS_URL": info.redis_url,
+        "SLUICEGATE_API_KEYS": settings.api_keys or api_key,
+        "SLUICEGATE_STREAM_TOKEN_SECRET": settings.stream_token_secret or secrets.token_hex(32),
+        "SLUICEGATE_MODEL": model_path,
+        "SLUICEGATE_MODEL_NAME": name,
+        "SLUICEGATE_DEVICE": device,
+    }
+    log_dir = settings.state_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    try:
+        children.append(_spawn("worker", ["worker"], env, log_dir))
+        children.append(_spawn("router", ["router"], env, log_dir))
+        children.append(_spawn("ingress", ["ingress"], env, log_dir))
+        children.append(_spawn("result-service", ["result-service"], env, log_dir))
+        ingress_url = f"http://127.0.0.1:{settings.ingress_port}"
+        result_url = f"http://127.0.0.1:{settings.result_port}"
+        _wait_http(f"{ingress_url}/healthz", children[2], 60)
+        _wait_http(f"{result_url}/healthz", children[3], 60)
+        print(
+            "\nSluicegate is up.\n"
+            f"  chat page        {result_url}/\n"
+            f"  OpenAI API       {ingress_url}/v1  (model {name!r})\n"
+            f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
+            f"  Kafka            {info.kafka_bootstrap}\n"
+            f"  Redis            {info.redis_url}\n"
+            f"  logs             {log_dir}/\n"
+            "Press Ctrl-C to stop.",
+            flush=True,
+        )
+        stop = False
+
+        def _on_signal(signum: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+        while not stop:
+            for child in children:
+                if child.process.poll() is not None:
+                    print(f"{child.name} exited with code {child.process.returncode}; see {child.log_path}")
+                    stop = True
+            time.sleep(0.5)
+        return 0
+    finally:
+        print("stopping ...", flush=True)
+        _stop(children)
+        if not keep_stack:
+            devstack.down(settings)
