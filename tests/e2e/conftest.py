@@ -1,0 +1,181 @@
+"""End-to-end harness: the real services as subprocesses on real Kafka and Redis.
+
+Each test module gets its own topic/key prefix and ports; workers are separate processes so tests
+can ``kill -9`` them. The tiny random-weight model is built once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "sk-e2e-test-key"
+MODEL_NAME = "tiny-e2e"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gpu_workers.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+@dataclass
+class Pipeline:
+    """Handles to a running pipeline and helpers to drive it."""
+
+    env: dict[str, str]
+    log_dir: Path
+    ingress_url: str
+    result_url: str
+    prefix: str
+    redis_url: str
+    kafka_bootstrap: str
+    services: list[Service] = field(default_factory=list)
+    api_key: str = API_KEY
+    model: str = MODEL_NAME
+
+    def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Service:
+        log_path = self.log_dir / f"{name}.log"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sluicegate.cli", *args],
+            env={**self.env, **(extra_env or {})},
+            stdout=log_path.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        service = Service(name, process, log_path)
+        self.services.append(service)
+        return service
+
+    def start_worker(self, name: str = "worker", **extra_env: str) -> Service:
+        return self.start(name, "worker", extra_env={"SLUICEGATE_WORKER_ID": name, **extra_env})
+
+    def kill(self, service: Service, sig: int = signal.SIGKILL) -> None:
+        if service.alive():
+            os.kill(service.process.pid, sig)
+        service.process.wait(timeout=60)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def wait_http(self, url: str, service: Service, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert service.alive(), f"{service.name} died:\n{service.log()}"
+            try:
+                if httpx.get(url, timeout=1).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{service.name} not up at {url}:\n{service.log()}")
+
+    def wait_workers(self, count: int = 1, timeout_s: float = 90) -> None:
+        """Until ``count`` workers heartbeat (so they joined the group and own partitions)."""
+        import redis
+
+        from schemas import Names, WorkerHeartbeat
+
+        client = redis.Redis.from_url(self.redis_url)
+        key = Names(self.prefix).workers_key(self.model)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                beats = [WorkerHeartbeat.model_validate_json(v) for v in client.hgetall(key).values()]
+                fresh = [b for b in beats if b.partitions and time.time() - b.sent_at.timestamp() < 10]
+                if len(fresh) >= count and sum(len(b.partitions) for b in fresh) >= 3:
+                    return
+                time.sleep(0.3)
+        finally:
+            client.close()
+        logs = "\n".join(s.log() for s in self.services if s.name.startswith("worker"))
+        raise AssertionError(f"fewer than {count} workers heartbeating:\n{logs}")
+
+    def stop_all(self) -> None:
+        for service in reversed(self.services):
+            if service.alive():
+                service.process.send_signal(signal.SIGTERM)
+        for service in self.services:
+            try:
+                service.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    kafka_bootstrap: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """Router, ingress, result service and one worker, under a prefix of their own."""
+    prefix = f"e{uuid.uuid4().hex[:8]}."
+    ingress_port, result_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "SLUICEGATE_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "SLUICEGATE_REDIS_URL": redis_url,
+        "SLUICEGATE_TOPIC_PREFIX": prefix,
+        "SLUICEGATE_TOPIC_PARTITIONS": "2",
+        "SLUICEGATE_API_KEYS": API_KEY,
+        "SLUICEGATE_STREAM_TOKEN_SECRET": uuid.uuid4().hex,
+        "SLUICEGATE_MODEL": str(tiny_model_dir),
+        "SLUICEGATE_MODEL_NAME": MODEL_NAME,
+        "SLUICEGATE_INGRESS_PORT": str(ingress_port),
+        "SLUICEGATE_RESULT_PORT": str(result_port),
+        "SLUICEGATE_PUBLIC_STREAM_URL": f"ws://127.0.0.1:{result_port}",
+        "SLUICEGATE_HEARTBEAT_INTERVAL_S": "0.5",
+        "SLUICEGATE_KV_CACHE_GB": "0.05",
+        "SLUICEGATE_LOG_LEVEL": "INFO",
+    }
+    log_dir = tmp_path_factory.mktemp("pipeline-logs")
+    pipe = Pipeline(
+        env=env,
+        log_dir=log_dir,
+        ingress_url=f"http://127.0.0.1:{ingress_port}",
+        result_url=f"http://127.0.0.1:{result_port}",
+        prefix=prefix,
+        redis_url=redis_url,
+        kafka_bootstrap=kafka_bootstrap,
+    )
+    try:
+        pipe.start_worker("worker-a")
+        router = pipe.start("router", "router")
+        ingress = pipe.start("ingress", "ingress")
+        results = pipe.start("result-service", "result-service")
+        pipe.wait_http(f"{pipe.ingress_url}/healthz", ingress)
+        pipe.wait_http(f"{pipe.result_url}/healthz", results)
+        pipe.wait_workers(1)
+        assert router.alive(), router.log()
+        yield pipe
+    finally:
+        pipe.stop_all()
