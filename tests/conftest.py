@@ -8,6 +8,15 @@ They are lazy: a test that asks for neither never starts anything.
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton fixes its language helpers at first import, so interpreter mode (the Triton kernels run on
+# CPU tensors) must be chosen before anything imports the engine. On a GPU the kernels compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import contextlib
 import logging
 import os

@@ -1,0 +1,37 @@
+"""The "triton" attention backend: FlashAttention-style Triton kernels over the paged KV cache, for
+any block size, mixed prefill/decode batches in one launch, and GQA.
+
+Importing this module raises ImportError when the ``triton`` package is not installed, so the
+backend selector can fall back to another backend.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton  # noqa: F401  (imported first to turn a missing package into one clear error)
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the 'triton' attention backend needs the triton package (pip install triton)") from exc
+
+import torch
+
+from .metadata import AttentionMetadata
+from .triton_kernels import paged_attention, store_kvcache
+
+
+class TritonAttentionBackend:
+    """Writes this step's K/V into the paged cache, then runs the unified paged-attention kernel."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

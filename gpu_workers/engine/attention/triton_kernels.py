@@ -1,0 +1,776 @@
+"""Triton kernels for paged attention: writing new K/V rows into the paged cache, and one
+FlashAttention-style kernel that attends a mixed batch of prefills and decodes over that cache.
+
+Layout and batch conventions are those of ``metadata.py``. The attention kernel is "unified":
+one launch covers every sequence of the step. Its grid is ``(query tiles, kv heads, kv splits)``.
+A query tile holds ``BLOCK_Q`` consecutive query tokens of one sequence times the ``GROUP`` query
+heads that share one KV head (GQA), flattened into ``BLOCK_M`` rows, so each K/V tile is read once
+per group rather than once per query head. Programs locate their sequence by a binary search over
+``query_start_loc``, so the launch needs no host-side index and no device-to-host sync (CUDA-graph
+friendly). The KV context is walked in tiles of ``TILE_N`` tokens that are independent of the
+cache's block size: each token position is translated to ``(block, offset)`` in the kernel.
+
+For decode steps with few sequences and long contexts, the KV range of each program can be cut
+into ``num_splits`` segments (flash-decoding); every segment writes a normalised partial output
+and its log-sum-exp, and a merge kernel combines them. The same partial/merge machinery gives the
+cascade path, :func:`cascade_paged_attention`, which attends all queries of a batch whose
+sequences share a common prefix against that prefix once, then merges with each sequence's own
+suffix attention.
+
+Launchers accept CUDA tensors (compiled) or, with ``TRITON_INTERPRET=1`` set before triton is
+first imported, CPU tensors (Triton's interpreter, used by the unit tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import AttentionMetadata
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+# Decode steps get split-KV only when the unsplit grid would leave the GPU mostly idle and each
+# segment still has this many KV tiles of work (fewer makes the merge cost dominate).
+_MIN_TILES_PER_SPLIT = 4
+_MAX_SPLITS = 64
+# Split-KV scratch is ``num_splits * num_tokens * num_heads * head_dim`` floats; above this many
+# query tokens the grid is large enough without splitting.
+_MAX_SPLIT_TOKENS = 512
+# Heads merged per program by merge_attn_states (bounds the fp32 accumulator's registers).
+_MERGE_BLOCK_H = 16
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache write
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    block_size,
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
+    stride_vcd,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block = slot // block_size
+        offset = slot % block_size
+        heads = tl.arange(0, HEADS_PAD)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
+
+        src_k = k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd
+        dst_k = k_cache_ptr + block * stride_kcb + offset * stride_kco
+        dst_k += heads[:, None] * stride_kch + dims[None, :] * stride_kcd
+        tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
+
+        src_v = v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
+        dst_v = v_cache_ptr + block * stride_vcb + offset * stride_vco
+        dst_v += heads[:, None] * stride_vch + dims[None, :] * stride_vcd
+        tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+
+
+# True when these kernels can run on CPU tensors through Triton's interpreter. ``triton.jit``
+# picks interpreter or compiler from TRITON_INTERPRET when a function is defined, and
+# triton.language's own jit helpers (tl.max, tl.sum, tl.cdiv...) are defined when triton is first
+# imported: the variable must be set before that import, not merely before this module's.
+_KERNELS_INTERPRETED = not isinstance(_store_kvcache_kernel, triton.runtime.jit.JITFunction)
+INTERPRETED: bool = _KERNELS_INTERPRETED and not isinstance(tl.cdiv, triton.runtime.jit.JITFunction)
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write row ``i`` of ``k``/``v`` (``[num_tokens, num_kv_heads, head_dim]``) into cache slot
+    ``slot_mapping[i]`` of ``k_cache``/``v_cache`` (``[num_blocks, block_size, num_kv_heads,
+    head_dim]``); rows whose slot is ``-1`` are skipped. Values are cast to the cache's dtype."""
+    if k.dim() != 3 or v.shape != k.shape:
+        shapes = f"{tuple(k.shape)}, {tuple(v.shape)}"
+        raise ValueError(f"k and v must both be [num_tokens, num_kv_heads, head_dim]; got {shapes}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
+            f"got {k_cache.shape}, {v_cache.shape}"
+        )
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k rows {tuple(k.shape[1:])} do not match cache rows {tuple(k_cache.shape[2:])}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}]; got {tuple(slot_mapping.shape)}")
+    _check_device(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_cache.shape[1],
+        num_kv_heads,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Last sequence ``i`` whose first query tile slot ``query_start_loc[i] // BLOCK_Q + i`` is
+    ``<= pid``. That slot numbering gives every sequence at least ``cdiv(q_len, BLOCK_Q)``
+    consecutive program ids, so the grid size only needs host-known bounds."""
+    # Annotated so both stay tensors even when num_seqs == 1 is specialised to a constant.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_slot = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_slot <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    lse_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    num_seqs,
+    num_tokens,
+    kv_start,
+    prefix_len,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    stride_vd,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    stride_bts,
+    stride_btb,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MODE: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # MODE 0: mixed batch (binary search for the sequence), causal.
+    # MODE 1: decode-only batch, one program per sequence, causal.
+    # MODE 2: shared-prefix pass of cascade attention: every query token of the batch attends,
+    #         without a causal mask, to positions [0, prefix_len) of block table row 0.
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if MODE == 2:
+        seq_idx = 0
+        q_start = 0
+        q_len = num_tokens
+        seq_len = prefix_len
+        q_block = pid_q
+    else:
+        if MODE == 1:
+            seq_idx = pid_q
+        else:
+            seq_idx = _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq_idx)
+        q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq_idx)
+        if MODE == 1:
+            q_block = 0
+        else:
+            q_block = pid_q - (q_start // BLOCK_Q + seq_idx)
+    if q_block * BLOCK_Q >= q_len:
+        return
+
+    # Row r of the tile is query token r // GROUP of the tile and query head r % GROUP of the group.
+    rows = tl.arange(0, BLOCK_M)
+    tok_in_tile = rows // GROUP
+    q_idx = q_block * BLOCK_Q + tok_in_tile
+    row_valid = (tok_in_tile < BLOCK_Q) & (q_idx < q_len)
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = seq_len - q_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0).to(DOT_DTYPE)
+
+    # KV positions this tile needs: [kv_start, kv_end), where kv_end stops after the last query
+    # position of the tile (causal), then this program's share of that range when split.
+    if MODE == 2:
+        kv_end = prefix_len
+    else:
+        kv_end = seq_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(tl.maximum(kv_end - kv_start, 0), TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_row = block_tables_ptr + seq_idx * stride_bts
+    cols = tl.arange(0, TILE_N)
+
+    for tile in range(tile_lo, tile_hi):
+        pos = kv_start + tile * TILE_N + cols
+        pos_valid = pos < kv_end
+        block = tl.load(block_row + (pos // block_size) * stride_btb, mask=pos_valid, other=0).to(tl.int64)
+        offset = pos % block_size
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+
+        k_ptrs = k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
+        k = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+
+        if MODE == 2:
+            keep = pos_valid[None, :]
+        else:
+            keep = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+
+        # Online softmax in base 2; a row that has seen only masked keys keeps m = -inf, and the
+        # shift by 0 then turns its -inf scores into zero weights instead of NaNs.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_ptrs = v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo + kv_head * stride_vh
+        v = tl.load(v_ptrs + dims[None, :] * stride_vd, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        # P is rounded to the query dtype as on the tensor cores, whatever DOT_DTYPE is.
+        p_dot = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_mass = l_i > 0.0
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh
+    o_mask = row_valid[:, None] & dim_valid[None, :]
+    tl.store(o_ptrs + dims[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    if WRITE_LSE:
+        # Natural-log LSE of the scaled scores; -inf for an empty segment so the merge ignores it.
+        lse = tl.where(has_mass, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        lse_ptrs = lse_ptr + split * stride_ls + token * stride_lt + head * stride_lh
+        tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_states_kernel(
+    parts_ptr,
+    parts_lse_ptr,
+    out_ptr,
+    out_lse_ptr,
+    num_valid_ptr,
+    num_parts,
+    num_heads,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_pd,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_olt,
+    stride_olh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    LIMIT_TOKENS: tl.constexpr,
+):
+    # One program merges BLOCK_H heads of one token: first the LSE maximum over all parts, then
+    # a pass over the parts accumulating their weighted outputs.
+    token = tl.program_id(0).to(tl.int64)
+    if LIMIT_TOKENS:
+        # Padding rows of the batch have no partial results to merge.
+        if token >= tl.load(num_valid_ptr):
+            return
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    parts = tl.arange(0, PARTS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    head_valid = heads < num_heads
+    dim_valid = dims < HEAD_DIM
+
+    lse_base = parts_lse_ptr + token * stride_lt
+    all_lse = tl.load(
+        lse_base + parts[:, None] * stride_ls + heads[None, :] * stride_lh,
+        mask=(parts[:, None] < num_parts) & head_valid[None, :],
+        other=float("-inf"),
+    )
+    lse_max = tl.max(all_lse, 0)
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], dtype=tl.float32)
+    tile_mask = head_valid[:, None] & dim_valid[None, :]
+    for part in range(num_parts):
+        lse = tl.load(lse_base + part * stride_ls + heads * stride_lh, mask=head_valid, other=float("-inf"))
+        weight = tl.exp(lse - shift)
+        part_ptrs = parts_ptr + part * stride_ps + token * stride_pt + heads[:, None] * stride_ph
+        o = tl.load(part_ptrs + dims[None, :] * stride_pd, mask=tile_mask, other=0.0)
+        # An empty part (weight 0) may hold anything; where() keeps a 0 * x product out.
+        acc += tl.where((weight > 0.0)[:, None], o * weight[:, None], 0.0)
+        total += weight
+
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    merged = acc / total_safe[:, None]
+    out_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
+    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    if WRITE_LSE:
+        merged_lse = tl.where(total > 0.0, tl.log(total_safe) + shift, float("-inf"))
+        tl.store(out_lse_ptr + token * stride_olt + heads * stride_olh, merged_lse, mask=head_valid)
+
+
+def merge_attn_states(
+    parts: torch.Tensor,
+    parts_lse: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+    *,
+    num_valid_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Combine attention results over disjoint KV segments into attention over their union.
+
+    ``parts`` is ``[num_parts, num_tokens, num_heads, head_dim]`` (each part normalised over its
+    own segment) and ``parts_lse`` ``[num_parts, num_tokens, num_heads]`` the natural-log
+    log-sum-exp of each part's scaled scores (``-inf`` for an empty segment). Writes and returns
+    ``out`` (``[num_tokens, num_heads, head_dim]``, allocated in ``parts``' dtype if not given);
+    fills ``out_lse`` (``[num_tokens, num_heads]`` float32) with the merged LSE when given.
+    ``num_valid_tokens`` (a one-element integer tensor on the same device, e.g.
+    ``query_start_loc[-1:]``) restricts the merge to the first that many tokens.
+    """
+    if parts.dim() != 4 or parts_lse.shape != parts.shape[:3]:
+        raise ValueError(
+            "parts must be [num_parts, num_tokens, num_heads, head_dim] and parts_lse "
+            f"[num_parts, num_tokens, num_heads]; got {tuple(parts.shape)}, {tuple(parts_lse.shape)}"
+        )
+    num_parts, num_tokens, num_heads, head_dim = parts.shape
+    if num_parts < 1:
+        raise ValueError("merge_attn_states needs at least one part")
+    if out is None:
+        out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
+    elif out.shape != parts.shape[1:]:
+        raise ValueError(f"out must be {tuple(parts.shape[1:])}; got {tuple(out.shape)}")
+    if out_lse is not None and out_lse.shape != parts_lse.shape[1:]:
+        raise ValueError(f"out_lse must be {tuple(parts_lse.shape[1:])}; got {tuple(out_lse.shape)}")
+    extra = [t for t in (out_lse, num_valid_tokens) if t is not None]
+    if num_valid_tokens is not None and num_valid_tokens.numel() != 1:
+        raise ValueError(f"num_valid_tokens must hold one element; got shape {tuple(num_valid_tokens.shape)}")
+    _check_device(parts, parts_lse, out, *extra)
+    if num_tokens == 0 or num_heads == 0:
+        return out
+    lse_target = out_lse if out_lse is not None else parts_lse  # never written when WRITE_LSE is off
+    block_h = min(triton.next_power_of_2(num_heads), _MERGE_BLOCK_H)
+    _merge_states_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        parts,
+        parts_lse,
+        out,
+        lse_target,
+        num_valid_tokens if num_valid_tokens is not None else parts_lse,
+        num_parts,
+        num_heads,
+        *parts.stride(),
+        *parts_lse.stride(),
+        *out.stride(),
+        *lse_target.stride()[-2:],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_H=block_h,
+        PARTS_PAD=triton.next_power_of_2(num_parts),
+        WRITE_LSE=out_lse is not None,
+        LIMIT_TOKENS=num_valid_tokens is not None,
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of every query token of ``meta``'s batch over its sequence's paged KV.
+
+    ``q`` is ``[num_tokens, num_heads, head_dim]`` (any strides); ``num_heads`` must be a multiple
+    of the cache's ``num_kv_heads``. Returns ``out`` (``[num_tokens, num_heads, head_dim]`` in
+    ``q``'s dtype, allocated if not given). Rows past ``query_start_loc[-1]`` are left untouched.
+    ``num_splits`` cuts each program's KV range into that many segments merged afterwards
+    (flash-decoding); ``None`` picks it from the batch shape and the GPU.
+    """
+    out, cfg = _prepare(q, k_cache, v_cache, meta, out)
+    num_tokens = q.shape[0]
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    grid_q = _grid_q(meta, num_tokens, cfg)
+    splits = num_splits if num_splits is not None else _auto_splits(q, meta, grid_q * cfg.num_kv_heads, cfg)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {splits}")
+    if splits == 1:
+        _launch(q, k_cache, v_cache, meta, scale, cfg, out, None, grid_q, 1, kv_start=0)
+        return out
+    parts, parts_lse = _scratch(q, splits)
+    _launch(q, k_cache, v_cache, meta, scale, cfg, parts, parts_lse, grid_q, splits, kv_start=0)
+    return merge_attn_states(parts, parts_lse, out, num_valid_tokens=meta.query_start_loc[-1:])
+
+
+def cascade_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    shared_prefix_len: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int = 1,
+    prefix_splits: int = 1,
+) -> torch.Tensor:
+    """Same result as :func:`paged_attention` for a batch whose sequences all start with the same
+    ``shared_prefix_len`` tokens stored in the same physical blocks, reading that prefix's KV once
+    per query tile of the whole batch instead of once per sequence.
+
+    Preconditions: ``shared_prefix_len`` is a positive multiple of the block size (checked); the
+    first ``shared_prefix_len // block_size`` entries of every block table row are identical, and
+    every sequence's cached context ``seq_len - q_len`` is at least ``shared_prefix_len`` (no query
+    sits inside the prefix). The last two would need a device sync or a per-sequence loop per
+    layer to check, so compute the length once per step with :func:`common_prefix_len`, which
+    guarantees them. ``num_splits``/``prefix_splits`` split the suffix and prefix passes' KV
+    ranges as in :func:`paged_attention`.
+    """
+    out, cfg = _prepare(q, k_cache, v_cache, meta, out)
+    block_size = k_cache.shape[1]
+    if shared_prefix_len <= 0 or shared_prefix_len % block_size != 0:
+        bad = shared_prefix_len
+        raise ValueError(f"shared_prefix_len must be a positive multiple of block_size={block_size}; got {bad}")
+    if num_splits < 1 or prefix_splits < 1:
+        raise ValueError(f"num_splits and prefix_splits must be >= 1; got {num_splits}, {prefix_splits}")
+    num_tokens = q.shape[0]
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    parts, parts_lse = _scratch(q, prefix_splits + num_splits)
+
+    # Shared prefix: all tokens of the batch form one query stream, so use the largest tile.
+    prefix_cfg = cfg.with_block_m(_prefill_block_m(cfg.group))
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        prefix_cfg,
+        parts[:prefix_splits],
+        parts_lse[:prefix_splits],
+        triton.cdiv(num_tokens, prefix_cfg.block_q),
+        prefix_splits,
+        kv_start=0,
+        prefix_len=shared_prefix_len,
+    )
+    _launch(
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        cfg,
+        parts[prefix_splits:],
+        parts_lse[prefix_splits:],
+        _grid_q(meta, num_tokens, cfg),
+        num_splits,
+        kv_start=shared_prefix_len,
+    )
+    return merge_attn_states(parts, parts_lse, out, num_valid_tokens=meta.query_start_loc[-1:])
+
+
+def common_prefix_len(block_tables: Sequence[Sequence[int]], context_lens: Sequence[int], block_size: int) -> int:
+    """Longest ``shared_prefix_len`` that :func:`cascade_paged_attention` may use for a batch:
+    the whole blocks that every row of ``block_tables`` (host lists of physical block ids) starts
+    with identically, capped by the shortest cached context (``context_lens[i] = seq_len_i -
+    q_len_i``, rounded down to whole blocks). 0 for fewer than two sequences."""
+    if len(block_tables) != len(context_lens):
+        raise ValueError(f"{len(block_tables)} block table rows but {len(context_lens)} context lengths")
+    if len(block_tables) < 2:
+        return 0
+    num_blocks = min(context_lens) // block_size
+    first = block_tables[0]
+    for rank in range(num_blocks):
+        block = first[rank]
+        if any(row[rank] != block for row in block_tables[1:]):
+            return rank * block_size
+    return num_blocks * block_size
+
+
+# --------------------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Shape-derived launch parameters shared by the attention launchers."""
+
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+    block_m: int  # rows per program: block_q tokens x group heads, a power of two >= 16
+    decode_only: bool
+
+    @property
+    def head_dim_pad(self) -> int:
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+    @property
+    def block_q(self) -> int:
+        return self.block_m // self.group
+
+    @property
+    def tile_n(self) -> int:
+        # KV tokens per inner-loop step, independent of the cache's block size.
+        return 64 if self.head_dim_pad <= 128 else 32
+
+    def with_block_m(self, block_m: int) -> _Config:
+        return replace(self, block_m=block_m, decode_only=False)
+
+
+def _prefill_block_m(group: int) -> int:
+    return max(64, triton.next_power_of_2(group))
+
+
+def _decode_block_m(group: int) -> int:
+    # tl.dot needs at least 16 rows; the GQA group fills them instead of padding.
+    return max(16, triton.next_power_of_2(group))
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device; got {device} and {t.device}")
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            "Triton kernels need CUDA tensors; CPU tensors run only under Triton's interpreter "
+            "(set TRITON_INTERPRET=1 before triton is first imported in the process)"
+        )
+
+
+def _prepare(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, _Config]:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim]; got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
+            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if meta.query_start_loc.shape[0] != meta.num_seqs + 1 or meta.block_tables.shape[0] != meta.num_seqs:
+        raise ValueError(
+            f"metadata disagrees on num_seqs: seq_lens {meta.num_seqs}, query_start_loc "
+            f"{meta.query_start_loc.shape[0]} (want num_seqs + 1), block_tables {meta.block_tables.shape[0]}"
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype must be float16, bfloat16 or float32; got {q.dtype}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must be {tuple(q.shape)}; got {tuple(out.shape)}")
+    _check_device(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    group = num_heads // num_kv_heads
+    decode_only = meta.max_query_len <= 1
+    block_m = _decode_block_m(group) if decode_only else _prefill_block_m(group)
+    return out, _Config(num_kv_heads, group, head_dim, block_m, decode_only)
+
+
+def _grid_q(meta: AttentionMetadata, num_tokens: int, cfg: _Config) -> int:
+    if cfg.decode_only:
+        return meta.num_seqs
+    # Upper bound of the slot numbering used by _find_seq; surplus programs exit at once.
+    return num_tokens // cfg.block_q + meta.num_seqs
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _auto_splits(q: torch.Tensor, meta: AttentionMetadata, programs: int, cfg: _Config) -> int:
+    if q.device.type != "cuda" or q.shape[0] > _MAX_SPLIT_TOKENS:
+        return 1
+    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    by_occupancy = triton.cdiv(2 * sms, max(programs, 1))
+    by_length = triton.cdiv(meta.max_seq_len, cfg.tile_n) // _MIN_TILES_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Operand dtype of the kernel's tl.dot calls: the query dtype, except that Triton's
+    interpreter multiplies bfloat16 operands as their raw uint16 storage, so interpreted bf16
+    runs feed the dots float32 values (already rounded to bf16, so the result is unchanged)."""
+    if dtype == torch.bfloat16:
+        return tl.float32 if _KERNELS_INTERPRETED else tl.bfloat16
+    return tl.float16 if dtype == torch.float16 else tl.float32
+
+
+def _scratch(q: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, head_dim = q.shape
+    parts = torch.empty((num_parts, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
+    parts_lse = torch.empty((num_parts, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+    return parts, parts_lse
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    cfg: _Config,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    grid_q: int,
+    num_splits: int,
+    *,
+    kv_start: int,
+    prefix_len: int = 0,
+) -> None:
+    """One attention launch; ``out``/``lse`` are ``[splits, tokens, heads, (dim)]`` when ``lse`` is
+    given (partial results for a merge), else ``out`` is the final ``[tokens, heads, dim]``."""
+    if lse is not None:
+        out_strides = out.stride()
+        lse_strides = lse.stride()
+        lse_target = lse
+    else:
+        out_strides = (0, *out.stride())
+        lse_strides = (0, 0, 0)
+        lse_target = out  # placeholder pointer, never written with WRITE_LSE off
+    if prefix_len > 0:
+        mode = 2
+    elif cfg.decode_only:
+        mode = 1
+    else:
+        mode = 0
+    _paged_attention_kernel[(grid_q, cfg.num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        lse_target,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale * _LOG2E,
+        meta.num_seqs,
+        q.shape[0],
+        kv_start,
+        prefix_len,
+        k_cache.shape[1],
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out_strides,
+        *lse_strides,
+        *meta.block_tables.stride(),
+        GROUP=cfg.group,
+        HEAD_DIM=cfg.head_dim,
+        HEAD_DIM_PAD=cfg.head_dim_pad,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        TILE_N=cfg.tile_n,
+        MODE=mode,
+        WRITE_LSE=lse is not None,
+        DOT_DTYPE=_dot_dtype(q.dtype),
+        # fp32 inputs would otherwise run their dots in TF32 (10-bit mantissa).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
