@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 # Attributes every LogRecord has; anything else passed via ``extra=`` is a structured field.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

@@ -1,0 +1,100 @@
+"""Who may read a stream, from where, and whether there is anything left to read.
+
+Shared by the WebSocket and SSE endpoints: both check the request id, the stream token (an HMAC
+bound to request id and tenant) and the resume point, then probe Redis once so that a client
+resuming after the end, or asking for an expired stream, gets an answer instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+from pydantic import TypeAdapter, ValidationError
+
+from schemas import Names, RequestRecord
+from schemas.common import RequestId
+from sluicegate.stream_tokens import verify_stream_token
+
+from .hub import StreamHub
+from .wire import START_SEQ, BadLastId, parse_last_id, to_relayed
+
+log = logging.getLogger(__name__)
+
+_request_id: TypeAdapter[str] = TypeAdapter(RequestId)
+_ENDED_STATUSES = frozenset({"finished", "cancelled", "failed"})
+
+
+class AccessDenied(Exception):
+    """No valid stream token for this request (WebSocket 1008, HTTP 401)."""
+
+
+class BadStreamRequest(ValueError):
+    """A malformed request id or resume point (WebSocket 1008, HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class StreamGrant:
+    """A checked request to read one stream."""
+
+    request_id: str
+    tenant: str
+    #: Seq of the last event the client already has (-1: start from the beginning).
+    after_seq: int
+
+
+def authorise(secret: str, request_id: str, token: str | None, *last_ids: str | None) -> StreamGrant:
+    """Check the request id, the token and every resume point given; the latest resume point wins.
+
+    Raises :class:`BadStreamRequest` or :class:`AccessDenied` with a message fit for the client.
+    """
+    try:
+        _request_id.validate_python(request_id)
+    except ValidationError:
+        raise BadStreamRequest("request id must be 1-128 characters of letters, digits and . _ : -") from None
+    if not token:
+        raise AccessDenied("missing stream token: pass the stream_token from the submit response as ?token=")
+    tenant = verify_stream_token(secret, request_id, token)
+    if tenant is None:
+        raise AccessDenied("invalid stream token for this request")
+    try:
+        after = max((parse_last_id(last_id) for last_id in last_ids), default=START_SEQ)
+    except BadLastId as exc:
+        raise BadStreamRequest(str(exc)) from None
+    return StreamGrant(request_id, tenant, after)
+
+
+class StreamStatus(enum.Enum):
+    #: Events may still come (or the stream does not exist yet because the request is queued).
+    OPEN = "open"
+    #: The client already has the terminal event.
+    FINISHED = "finished"
+    #: The request ended and its stream is gone (its TTL passed).
+    EXPIRED = "expired"
+
+
+async def probe(hub: StreamHub, names: Names, grant: StreamGrant) -> tuple[StreamStatus, str]:
+    """Where the stream stands relative to the client's resume point, with a human-readable reason."""
+    key = names.stream_key(grant.request_id)
+    async with hub.bounded() as redis:
+        pipe = redis.pipeline(transaction=False)
+        pipe.xrevrange(key, "+", "-", count=1)
+        pipe.get(names.request_key(grant.request_id))
+        last_entries, raw_record = await pipe.execute()
+    if last_entries:
+        entry_id, fields = last_entries[0]
+        last = to_relayed(key, entry_id, fields)
+        if last is not None and last.terminal and last.seq <= grant.after_seq:
+            return StreamStatus.FINISHED, "stream already finished"
+        return StreamStatus.OPEN, ""
+    if raw_record is None:
+        return StreamStatus.OPEN, ""
+    try:
+        record = RequestRecord.model_validate_json(raw_record)
+    except ValidationError as exc:
+        log.warning("relay.bad_request_record request_id=%s error=%s", grant.request_id, exc.errors()[:1])
+        return StreamStatus.OPEN, ""
+    if record.status in _ENDED_STATUSES:
+        return StreamStatus.EXPIRED, f"request {record.status}; its stream has expired"
+    return StreamStatus.OPEN, ""

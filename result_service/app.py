@@ -1,0 +1,89 @@
+"""The result service application: WebSocket and SSE relays of Redis streams, and the chat page.
+
+``create_app(settings)`` builds it; its lifespan opens the Redis client, the fan-out hub and the
+canceller, and closes them in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+from redis.asyncio import Redis
+
+from schemas import Names
+from sluicegate.kafka import create_producer
+from sluicegate.redis_client import create_redis
+from sluicegate.settings import Settings
+
+from . import page, sse, websocket
+from .cancel import Canceller
+from .context import RelayContext
+from .hub import RelayConfig, StreamHub
+
+
+def create_app(
+    settings: Settings,
+    *,
+    config: RelayConfig | None = None,
+    redis: Redis | None = None,
+    canceller: Canceller | None = None,
+) -> FastAPI:
+    """The result service for ``settings``.
+
+    ``redis`` and ``canceller`` may be injected (e.g. shared with ingress); injected objects are
+    not closed by the app. Raises ``ValueError`` when no stream token secret is configured.
+    """
+    if not settings.stream_token_secret:
+        raise ValueError(
+            "the result service needs SLUICEGATE_STREAM_TOKEN_SECRET (the secret ingress signs stream tokens with)"
+        )
+    config = config or RelayConfig()
+    names = Names(settings.topic_prefix)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = redis if redis is not None else create_redis(settings, client_name=config.client_name)
+        hub = StreamHub(client, names, config)
+        cancel = canceller
+        if cancel is None:
+            cancel = Canceller(
+                client,
+                names,
+                ttl_s=settings.stream_ttl_s,
+                producer_factory=lambda: create_producer(settings, client_id="sluicegate-result-service"),
+                kafka_bootstrap=settings.kafka_bootstrap,
+                topic_replication=settings.topic_replication,
+            )
+        await hub.start()
+        # In the background: relaying never waits for Kafka, but the first Stop should not either.
+        warm_up = asyncio.create_task(cancel.warm_up()) if canceller is None else None
+        app.state.relay = RelayContext(settings=settings, names=names, hub=hub, canceller=cancel)
+        try:
+            yield
+        finally:
+            await hub.close()
+            if warm_up is not None:
+                warm_up.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await warm_up
+            if canceller is None:
+                await cancel.aclose()
+            if redis is None:
+                await client.aclose()
+
+    app = FastAPI(
+        title="Sluicegate result service",
+        description="Relays request token streams from Redis over WebSocket and Server-Sent Events.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.include_router(websocket.router)
+    app.include_router(sse.router)
+    app.include_router(page.router)
+    app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
+    return app

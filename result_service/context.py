@@ -1,0 +1,27 @@
+"""The objects every endpoint of the result service shares, kept on ``app.state.relay``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+
+from schemas import Names
+from sluicegate.settings import Settings
+
+from .cancel import Canceller
+from .hub import StreamHub
+
+
+@dataclass(frozen=True)
+class RelayContext:
+    settings: Settings
+    names: Names
+    hub: StreamHub
+    canceller: Canceller
+
+
+def relay_context(connection: HTTPConnection) -> RelayContext:
+    """The context of the app serving ``connection`` (a Request or a WebSocket)."""
+    context: RelayContext = connection.app.state.relay
+    return context

@@ -1,0 +1,720 @@
+"""The result service against a real Redis: WebSocket and SSE relays, resume, auth, fan-out, cancel.
+
+Each test runs a real uvicorn server in-process on a free port and writes stream entries exactly as
+the worker does (pipelined XADD with explicit ids ``0-<seq + 1>``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from aiokafka import AIOKafkaConsumer
+from redis.asyncio import Redis
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.client import ClientProtocol
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import Opcode
+from websockets.http11 import Response
+from websockets.uri import parse_uri
+
+from result_service.app import create_app
+from result_service.hub import RelayConfig, SlowConsumer, StreamHub
+from schemas import (
+    STREAM_FIELD,
+    CancelRequest,
+    DoneEvent,
+    ErrorEvent,
+    Names,
+    RequestRecord,
+    RestartEvent,
+    StreamEvent,
+    TokenEvent,
+    Usage,
+    stream_entry_id,
+    utcnow,
+)
+from sluicegate.redis_client import create_redis
+from sluicegate.settings import Settings
+from sluicegate.stream_tokens import issue_stream_token
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SECRET = "result-service-test-secret"
+TENANT = "acme"
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def token_events(request_id: str, start: int, count: int) -> list[StreamEvent]:
+    return [
+        TokenEvent(request_id=request_id, seq=seq, text=f"t{seq} ", token_ids=[seq, seq + 1000])
+        for seq in range(start, start + count)
+    ]
+
+
+def done_event(request_id: str, seq: int) -> DoneEvent:
+    usage = Usage(prompt_tokens=3, completion_tokens=seq, total_tokens=3 + seq)
+    return DoneEvent(request_id=request_id, seq=seq, finish_reason="stop", usage=usage)
+
+
+async def append(redis: Redis, names: Names, events: Sequence[StreamEvent]) -> None:
+    """Append like the worker: one pipeline, explicit entry ids derived from seq."""
+    pipe = redis.pipeline(transaction=False)
+    for event in events:
+        key = names.stream_key(event.request_id)
+        pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
+    await pipe.execute()
+
+
+@dataclass
+class Running:
+    settings: Settings
+    names: Names
+    client_name: str
+    http_url: str
+    ws_url: str
+
+    def stream_url(self, request_id: str, token: str | None = None, **params: str) -> str:
+        token = issue_stream_token(SECRET, request_id, TENANT) if token is None else token
+        query = httpx.QueryParams({"token": token, **params})
+        return f"{self.ws_url}/v1/streams/{request_id}?{query}"
+
+
+@dataclass
+class Received:
+    events: list[dict[str, Any]]
+    code: int | None
+    reason: str
+
+
+async def receive_all(ws: ClientConnection, limit: int | None = None) -> Received:
+    """Messages until the server closes (or ``limit`` messages arrived)."""
+    events: list[dict[str, Any]] = []
+    try:
+        while limit is None or len(events) < limit:
+            events.append(json.loads(await ws.recv()))
+    except ConnectionClosed:
+        pass
+    return Received(events, ws.close_code, ws.close_reason)
+
+
+async def read_stream(url: str) -> Received:
+    async with connect(url) as ws:
+        return await receive_all(ws)
+
+
+def expected_token(request_id: str, seq: int) -> dict[str, Any]:
+    return {
+        "type": "token",
+        "seq": seq,
+        "request_id": request_id,
+        "text": f"t{seq} ",
+        "token_ids": [seq, seq + 1000],
+        "id": stream_entry_id(seq),
+    }
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def count_connections(redis: Redis, client_name: str) -> int:
+    clients = await redis.client_list()
+    return sum(1 for c in clients if c.get("name") == client_name)
+
+
+# --- fixtures ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def settings(redis_url: str, unique_prefix: str) -> Settings:
+    return Settings(redis_url=redis_url, topic_prefix=unique_prefix, stream_token_secret=SECRET, ingress_port=1)
+
+
+@pytest.fixture
+def names(settings: Settings) -> Names:
+    return Names(settings.topic_prefix)
+
+
+@pytest.fixture
+async def redis(settings: Settings) -> AsyncIterator[Redis]:
+    client = create_redis(settings, client_name="result-service-tests")
+    yield client
+    keys = [key async for key in client.scan_iter(match=f"{settings.topic_prefix}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def start_server(settings: Settings, config: RelayConfig) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
+    app = create_app(settings, config=config)
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, ws="websockets-sansio", log_config=None, lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    host, port = sock.getsockname()[:2]
+    return server, task, f"{host}:{port}"
+
+
+@pytest.fixture
+async def relay_config(request: pytest.FixtureRequest) -> RelayConfig:
+    readers = getattr(request, "param", 1)
+    return RelayConfig(readers=readers, client_name=f"result-test-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+async def service(settings: Settings, names: Names, relay_config: RelayConfig) -> AsyncIterator[Running]:
+    server, task, address = await start_server(settings, relay_config)
+    try:
+        yield Running(settings, names, relay_config.client_name, f"http://{address}", f"ws://{address}")
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+
+
+# --- WebSocket relay ---------------------------------------------------------------------------------
+
+
+async def test_history_arrives_in_order_with_contract_json(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, [*token_events(rid, 0, 5), done_event(rid, 5)])
+
+    got = await read_stream(service.stream_url(rid))
+
+    assert got.code == 1000
+    assert got.events[:5] == [expected_token(rid, seq) for seq in range(5)]
+    assert got.events[5] == {
+        "type": "done",
+        "seq": 5,
+        "request_id": rid,
+        "finish_reason": "stop",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "cached_tokens": 0},
+        "id": "0-6",
+    }
+    assert len(got.events) == 6
+
+
+async def test_waits_for_a_stream_that_does_not_exist_yet_then_relays_the_live_tail(
+    service: Running, redis: Redis
+) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    async with connect(service.stream_url(rid)) as ws:
+        reader = asyncio.create_task(receive_all(ws))
+        await asyncio.sleep(0.3)  # the request is "queued": no stream yet
+        assert not reader.done()
+        for seq in range(0, 30, 3):
+            await append(redis, service.names, token_events(rid, seq, 3))
+            await asyncio.sleep(0.01)
+        await append(redis, service.names, [done_event(rid, 30)])
+        got = await asyncio.wait_for(reader, 10)
+    assert got.code == 1000
+    assert [e["seq"] for e in got.events] == list(range(31))
+    assert got.events[-1]["type"] == "done"
+
+
+async def test_error_event_is_relayed_and_ends_the_stream(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    error = ErrorEvent(request_id=rid, seq=2, code="deadline_exceeded", message="too late")
+    await append(redis, service.names, [*token_events(rid, 0, 2), error])
+    got = await read_stream(service.stream_url(rid))
+    assert got.code == 1000
+    assert got.events[-1] == {
+        "type": "error",
+        "seq": 2,
+        "request_id": rid,
+        "code": "deadline_exceeded",
+        "message": "too late",
+        "id": "0-3",
+    }
+
+
+async def test_restart_event_is_relayed(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    restart = RestartEvent(request_id=rid, seq=4, discard_after_seq=1)
+    events = [*token_events(rid, 0, 4), restart, *token_events(rid, 5, 2), done_event(rid, 7)]
+    await append(redis, service.names, events)
+    got = await read_stream(service.stream_url(rid))
+    assert [e["type"] for e in got.events] == ["token"] * 4 + ["restart"] + ["token"] * 2 + ["done"]
+    assert got.events[4] == {"type": "restart", "seq": 4, "request_id": rid, "discard_after_seq": 1, "id": "0-5"}
+
+
+async def test_malformed_entries_are_skipped_live_and_in_history(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    key = service.names.stream_key(rid)
+    async with connect(service.stream_url(rid)) as ws:
+        live = asyncio.create_task(receive_all(ws))
+        await append(redis, service.names, token_events(rid, 0, 2))
+        await redis.xadd(key, {STREAM_FIELD: b"{not json"}, id=stream_entry_id(2))
+        await redis.xadd(key, {b"unexpected": b"field"}, id=stream_entry_id(3))
+        await append(redis, service.names, [*token_events(rid, 4, 1), done_event(rid, 5)])
+        got = await asyncio.wait_for(live, 10)
+    assert [e["seq"] for e in got.events] == [0, 1, 4, 5]
+    history = await read_stream(service.stream_url(rid))
+    assert [e["seq"] for e in history.events] == [0, 1, 4, 5]
+    resumed = await read_stream(service.stream_url(rid, last_id=stream_entry_id(1)))
+    assert [e["seq"] for e in resumed.events] == [4, 5]
+
+
+async def test_reconnect_with_last_id_gets_the_rest_exactly_once(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, token_events(rid, 0, 10))
+    async with connect(service.stream_url(rid)) as ws:
+        first = await receive_all(ws, limit=4)
+    assert [e["seq"] for e in first.events] == [0, 1, 2, 3]
+    # The client dropped; generation went on meanwhile.
+    await append(redis, service.names, token_events(rid, 10, 5))
+
+    last_id = first.events[-1]["id"]
+    async with connect(service.stream_url(rid, last_id=last_id)) as ws:
+        reader = asyncio.create_task(receive_all(ws))
+        await asyncio.sleep(0.1)
+        await append(redis, service.names, [*token_events(rid, 15, 3), done_event(rid, 18)])
+        rest = await asyncio.wait_for(reader, 10)
+    assert rest.code == 1000
+    assert [e["seq"] for e in rest.events] == list(range(4, 19))
+    assert rest.events[0] == expected_token(rid, 4)
+
+
+async def test_resume_after_the_end_closes_at_once(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, [*token_events(rid, 0, 2), done_event(rid, 2)])
+    got = await asyncio.wait_for(read_stream(service.stream_url(rid, last_id=stream_entry_id(2))), 5)
+    assert got.events == []
+    assert got.code == 1000
+    assert "finished" in got.reason
+
+
+async def test_expired_stream_of_a_finished_request_is_reported(service: Running, redis: Redis, names: Names) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    record = RequestRecord(
+        request_id=rid, model="m", tenant=TENANT, priority="interactive", status="finished", created_at=utcnow()
+    )
+    await redis.set(names.request_key(rid), record.model_dump_json())
+    got = await asyncio.wait_for(read_stream(service.stream_url(rid)), 5)
+    assert got.code == 4404
+    assert "expired" in got.reason
+
+
+@pytest.mark.parametrize(
+    ("token", "reason"),
+    [
+        ("", "missing stream token"),
+        ("acme.0000", "invalid stream token"),
+        ("no-dot-here", "invalid stream token"),
+        (issue_stream_token("another-secret", "x", TENANT), "invalid stream token"),
+    ],
+)
+async def test_bad_tokens_are_refused_with_1008(service: Running, redis: Redis, token: str, reason: str) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, [*token_events(rid, 0, 2), done_event(rid, 2)])
+    got = await read_stream(service.stream_url(rid, token=token))
+    assert got.code == 1008
+    assert reason in got.reason
+    assert got.events == []
+
+
+async def test_token_for_another_request_is_refused(service: Running, redis: Redis) -> None:
+    rid, other = f"req-{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, [*token_events(rid, 0, 2), done_event(rid, 2)])
+    got = await read_stream(service.stream_url(rid, token=issue_stream_token(SECRET, other, TENANT)))
+    assert got.code == 1008
+    assert "invalid stream token" in got.reason
+    assert got.events == []
+
+
+async def test_malformed_last_id_and_request_id_are_refused(service: Running) -> None:
+    got = await read_stream(service.stream_url("req-1", last_id="1700000000000-0"))
+    assert got.code == 1008
+    assert "last_id" in got.reason
+    bad_id = "bad!id"
+    url = service.stream_url(bad_id, token=issue_stream_token(SECRET, bad_id, TENANT)).replace("!", "%21")
+    got = await read_stream(url)
+    assert got.code == 1008
+    assert "request id" in got.reason
+
+
+async def test_unsupported_client_message_closes_with_1008(service: Running) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    async with connect(service.stream_url(rid)) as ws:
+        await ws.send(json.dumps({"type": "hello"}))
+        got = await asyncio.wait_for(receive_all(ws), 5)
+    assert got.code == 1008
+    assert "cancel" in got.reason
+
+
+async def test_cancel_message_sets_marker_and_publishes_control_message(
+    redis_url: str, kafka_bootstrap: str, unique_prefix: str, relay_config: RelayConfig
+) -> None:
+    settings = Settings(
+        redis_url=redis_url, kafka_bootstrap=kafka_bootstrap, topic_prefix=unique_prefix, stream_token_secret=SECRET
+    )
+    names = Names(unique_prefix)
+    consumer = AIOKafkaConsumer(
+        names.control_topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest", group_id=None
+    )
+    server, task, address = await start_server(settings, relay_config)
+    redis = create_redis(settings)
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    try:
+        url = Running(settings, names, relay_config.client_name, "", f"ws://{address}").stream_url(rid)
+        async with connect(url) as ws:
+            await append(redis, names, token_events(rid, 0, 2))
+            assert json.loads(await ws.recv())["seq"] == 0
+            await ws.send(json.dumps({"type": "cancel"}))
+            for _ in range(100):
+                if await redis.exists(names.cancel_key(rid)):
+                    break
+                await asyncio.sleep(0.05)
+            marker = await redis.get(names.cancel_key(rid))
+            assert marker is not None
+            assert CancelRequest.model_validate_json(marker).request_id == rid
+            assert 0 < await redis.ttl(names.cancel_key(rid)) <= settings.stream_ttl_s
+            # The worker answers a cancellation with done(abort); the relay passes it on and closes.
+            abort = DoneEvent(
+                request_id=rid,
+                seq=2,
+                finish_reason="abort",
+                usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+            )
+            await append(redis, names, [abort])
+            rest = await asyncio.wait_for(receive_all(ws), 10)
+        assert [e["seq"] for e in rest.events] == [1, 2]
+        assert rest.events[-1]["finish_reason"] == "abort"
+        assert rest.code == 1000
+
+        await consumer.start()
+        batch = await consumer.getmany(timeout_ms=15_000)
+        messages = [CancelRequest.model_validate_json(m.value) for records in batch.values() for m in records]
+        assert [(m.request_id, m.tenant) for m in messages] == [(rid, TENANT)]
+    finally:
+        await consumer.stop()
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+        keys = [key async for key in redis.scan_iter(match=f"{unique_prefix}*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
+
+
+# --- fan-out -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("relay_config", [1, 2], indirect=True, ids=["1-reader", "2-readers"])
+async def test_100_clients_on_shared_and_separate_streams_get_everything_over_few_connections(
+    service: Running, redis: Redis, relay_config: RelayConfig
+) -> None:
+    # 5 streams with 16 clients each, 20 streams with 1 client each: 100 clients on 25 streams.
+    shared = [f"shared-{i}-{uuid.uuid4().hex[:6]}" for i in range(5)]
+    single = [f"single-{i}-{uuid.uuid4().hex[:6]}" for i in range(20)]
+    clients = [rid for rid in shared for _ in range(16)] + single
+    assert len(clients) == 100
+    n_tokens = 60
+
+    sockets = [await connect(service.stream_url(rid)).__aenter__() for rid in clients]
+    try:
+        readers = [asyncio.create_task(receive_all(ws)) for ws in sockets]
+        await asyncio.sleep(0.2)
+        for start in range(0, n_tokens, 6):  # like a worker: one pipeline per engine step
+            await append(redis, service.names, [e for rid in shared + single for e in token_events(rid, start, 6)])
+            await asyncio.sleep(0.005)
+        during = await count_connections(redis, service.client_name)
+        await append(redis, service.names, [done_event(rid, n_tokens) for rid in shared + single])
+        results = await asyncio.wait_for(asyncio.gather(*readers), 60)
+    finally:
+        for ws in sockets:
+            await ws.close()
+
+    for rid, got in zip(clients, results, strict=True):
+        assert got.code == 1000, (rid, got.code, got.reason)
+        assert [e["seq"] for e in got.events] == list(range(n_tokens + 1)), rid
+        assert got.events[7] == expected_token(rid, 7)
+    # One reader connection plus the bounded pool for short commands, whatever the client count.
+    assert 1 <= during <= relay_config.readers + relay_config.max_commands
+
+
+async def test_late_subscriber_joins_the_live_fanout_without_gaps_or_duplicates(redis: Redis, names: Names) -> None:
+    hub = StreamHub(redis, names, RelayConfig(history_page=7))
+    await hub.start()
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    try:
+
+        async def consume(after: int) -> list[int]:
+            seen: list[int] = []
+            async with hub.subscribe(rid, after) as sub:
+                while not sub.finished:
+                    seen.extend(item.seq for item in await sub.next_batch())
+            return seen
+
+        early = asyncio.create_task(consume(-1))
+        late: list[asyncio.Task[list[int]]] = []
+        for step in range(40):
+            await append(redis, names, token_events(rid, step * 5, 5))
+            if step in (3, 11, 25):
+                late.append(asyncio.create_task(consume(-1)))
+                late.append(asyncio.create_task(consume(step * 2)))
+            await asyncio.sleep(0.002)
+        await append(redis, names, [done_event(rid, 200)])
+        assert await asyncio.wait_for(early, 10) == list(range(201))
+        for i, task in enumerate(late):
+            after = -1 if i % 2 == 0 else (3, 11, 25)[i // 2] * 2
+            assert await asyncio.wait_for(task, 10) == list(range(after + 1, 201))
+        assert hub.stream_count == 0  # the last subscriber left: nothing is read for it any more
+    finally:
+        await hub.close()
+
+
+async def test_late_subscriber_history_pages_skip_malformed_entries(redis: Redis, names: Names) -> None:
+    hub = StreamHub(redis, names, RelayConfig(history_page=1))
+    await hub.start()
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    key = names.stream_key(rid)
+    try:
+        async with hub.subscribe(rid) as first:
+            await append(redis, names, token_events(rid, 0, 2))
+            await redis.xadd(key, {STREAM_FIELD: b"{not json"}, id=stream_entry_id(2))
+            await redis.xadd(key, {b"unexpected": b"field"}, id=stream_entry_id(3))
+            await append(redis, names, token_events(rid, 4, 1))
+            seen: list[int] = []
+            while 4 not in seen:
+                seen.extend(item.seq for item in await asyncio.wait_for(first.next_batch(), 5))
+            async with hub.subscribe(rid) as late:  # joins after the reader passed seq 4: XRANGE pages
+                await append(redis, names, [done_event(rid, 5)])
+                late_seen: list[int] = []
+                while not late.finished:
+                    late_seen.extend(item.seq for item in await asyncio.wait_for(late.next_batch(), 5))
+        assert seen == [0, 1, 4]
+        assert late_seen == [0, 1, 4, 5]
+    finally:
+        await hub.close()
+
+
+async def test_a_new_stream_wakes_the_blocked_reader_at_once(redis: Redis, names: Names) -> None:
+    # A block far longer than the test: only CLIENT UNBLOCK can make the reader pick up stream B.
+    hub = StreamHub(redis, names, RelayConfig(block_ms=30_000))
+    await hub.start()
+    a, b = f"req-{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
+    try:
+        async with hub.subscribe(a):
+            await asyncio.sleep(0.2)  # the reader is now blocked on A alone
+            async with hub.subscribe(b) as sub_b:
+                await asyncio.sleep(0.05)
+                await append(redis, names, token_events(b, 0, 1))
+                batch = await asyncio.wait_for(sub_b.next_batch(), 2)
+        assert [item.seq for item in batch] == [0]
+    finally:
+        await hub.close()
+
+
+async def test_reader_survives_a_killed_connection(settings: Settings, redis: Redis, names: Names) -> None:
+    client_name = f"result-test-{uuid.uuid4().hex[:8]}"
+    hub_client = create_redis(settings, client_name=client_name)
+    hub = StreamHub(hub_client, names, RelayConfig(block_ms=200, client_name=client_name))
+    await hub.start()
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    try:
+        async with hub.subscribe(rid) as sub:
+            await append(redis, names, token_events(rid, 0, 3))
+            seen = [item.seq for item in await asyncio.wait_for(sub.next_batch(), 5)]
+            while len(seen) < 3:
+                seen.extend(item.seq for item in await asyncio.wait_for(sub.next_batch(), 5))
+            readers = [c for c in await redis.client_list() if c.get("name") == client_name and c.get("cmd") == "xread"]
+            assert readers, "the reader should be blocked in XREAD"
+            await redis.client_kill_filter(_id=readers[0]["id"])
+            await append(redis, names, [*token_events(rid, 3, 3), done_event(rid, 6)])
+            while not sub.finished:
+                seen.extend(item.seq for item in await asyncio.wait_for(sub.next_batch(), 10))
+        assert seen == list(range(7))
+    finally:
+        await hub.close()
+        await hub_client.aclose()
+
+
+async def test_slow_subscriber_is_dropped_and_resumes_losslessly(redis: Redis, names: Names) -> None:
+    hub = StreamHub(redis, names, RelayConfig(max_pending=8))
+    await hub.start()
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    try:
+        async with hub.subscribe(rid) as fast, hub.subscribe(rid) as slow:
+            got: list[int] = []
+            await append(redis, names, token_events(rid, 0, 4))
+            while len(got) < 4:
+                got.extend(item.seq for item in await slow.next_batch())
+            for start in range(0, 40, 4):  # slow stops reading here
+                if start:
+                    await append(redis, names, token_events(rid, start, 4))
+                while fast.last_seq < start + 3:  # the fast one is never held back by the slow one
+                    await asyncio.wait_for(fast.next_batch(), 5)
+            with pytest.raises(SlowConsumer):
+                while True:
+                    await slow.next_batch()
+            resume_after = slow.last_seq
+        assert resume_after == 3
+        async with hub.subscribe(rid, resume_after) as again:
+            await append(redis, names, [done_event(rid, 40)])
+            rest: list[int] = []
+            while not again.finished:
+                rest.extend(item.seq for item in await again.next_batch())
+        assert got + rest == list(range(41))
+    finally:
+        await hub.close()
+
+
+async def open_unread_websocket(url: str) -> tuple[ClientProtocol, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket whose socket is read only when the test says so (client libraries read ahead into
+    memory, which hides a stalled reader from the server)."""
+    uri = parse_uri(url)
+    protocol = ClientProtocol(uri)
+    reader, writer = await asyncio.open_connection(uri.host, uri.port, limit=2**16)
+    protocol.send_request(protocol.connect())
+    writer.write(b"".join(protocol.data_to_send()))
+    while protocol.handshake_exc is None and not any(isinstance(e, Response) for e in protocol.events_received()):
+        protocol.receive_data(await reader.read(4096))
+    assert protocol.handshake_exc is None
+    return protocol, reader, writer
+
+
+async def read_until_close(
+    protocol: ClientProtocol, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> Received:
+    events: list[dict[str, Any]] = []
+    while protocol.close_rcvd is None:
+        data = await reader.read(2**16)
+        if not data:
+            protocol.receive_eof()
+            break
+        protocol.receive_data(data)
+        events.extend(json.loads(f.data) for f in protocol.events_received() if f.opcode is Opcode.TEXT)
+        writer.write(b"".join(protocol.data_to_send()))
+    writer.close()
+    close = protocol.close_rcvd
+    return Received(events, close.code if close else None, close.reason if close else "")
+
+
+async def test_websocket_client_that_stops_reading_is_dropped_with_1013_and_resumes_exactly_once(
+    settings: Settings, redis: Redis, names: Names
+) -> None:
+    config = RelayConfig(max_pending=16, read_count=16, client_name=f"result-test-{uuid.uuid4().hex[:8]}")
+    server, task, address = await start_server(settings, config)
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    big = "x" * 65536  # large frames fill the socket buffers quickly
+    events: list[StreamEvent] = [TokenEvent(request_id=rid, seq=seq, text=big, token_ids=[seq]) for seq in range(300)]
+    running = Running(settings, names, config.client_name, "", f"ws://{address}")
+    try:
+        protocol, reader, writer = await open_unread_websocket(running.stream_url(rid))
+        for start in range(0, 300, 20):
+            await append(redis, names, events[start : start + 20])
+        await asyncio.sleep(0.5)  # the relay's buffer for this client overflows meanwhile
+        first = await asyncio.wait_for(read_until_close(protocol, reader, writer), 20)
+        assert first.code == 1013, (first.code, first.reason)
+        assert "last_id" in first.reason
+        seqs = [e["seq"] for e in first.events]
+        assert seqs == list(range(len(seqs))) and 0 < len(seqs) < 300
+
+        await append(redis, names, [done_event(rid, 300)])
+        async with connect(running.stream_url(rid, last_id=first.events[-1]["id"]), max_size=2**20) as ws:
+            rest = await asyncio.wait_for(receive_all(ws), 20)
+        assert rest.code == 1000
+        assert seqs + [e["seq"] for e in rest.events] == list(range(301))
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
+
+
+# --- SSE -------------------------------------------------------------------------------------------
+
+
+def parse_sse(body: str) -> list[tuple[str | None, dict[str, Any]]]:
+    events = []
+    for block in body.split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if line and not line.startswith(":"))
+        if "data" in fields:
+            events.append((fields.get("id"), json.loads(fields["data"])))
+    return events
+
+
+async def test_sse_relays_and_honours_last_event_id(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    token = issue_stream_token(SECRET, rid, TENANT)
+    await append(redis, service.names, [*token_events(rid, 0, 6), done_event(rid, 6)])
+    async with httpx.AsyncClient(base_url=service.http_url, timeout=10) as client:
+        response = await client.get(
+            f"/v1/streams/{rid}", params={"token": token}, headers={"Accept": "text/event-stream"}
+        )
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = parse_sse(response.text)
+        assert [entry_id for entry_id, _ in events] == [stream_entry_id(s) for s in range(7)]
+        assert events[2][1] == expected_token(rid, 2)
+
+        resumed = await client.get(
+            f"/v1/streams/{rid}/sse", params={"token": token}, headers={"Last-Event-ID": stream_entry_id(3)}
+        )
+        assert [event["seq"] for _, event in parse_sse(resumed.text)] == [4, 5, 6]
+
+        # EventSource reconnects after the response ends; 204 tells it to stop.
+        after_end = await client.get(
+            f"/v1/streams/{rid}/sse", params={"token": token}, headers={"Last-Event-ID": stream_entry_id(6)}
+        )
+        assert after_end.status_code == 204
+
+        refused = await client.get(f"/v1/streams/{rid}/sse", params={"token": "acme.beef"})
+        assert refused.status_code == 401
+        assert "invalid stream token" in refused.json()["detail"]
+        not_sse = await client.get(f"/v1/streams/{rid}", params={"token": token})
+        assert not_sse.status_code == 406
+
+
+async def test_sse_live_tail(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    token = issue_stream_token(SECRET, rid, TENANT)
+
+    async def produce() -> None:
+        await asyncio.sleep(0.2)
+        for seq in range(0, 10, 2):
+            await append(redis, service.names, token_events(rid, seq, 2))
+        await append(redis, service.names, [done_event(rid, 10)])
+
+    producer = asyncio.create_task(produce())
+    async with httpx.AsyncClient(base_url=service.http_url, timeout=10) as client:
+        response = await client.get(f"/v1/streams/{rid}/sse", params={"token": token, "last_id": "0-0"})
+    await producer
+    assert [event["seq"] for _, event in parse_sse(response.text)] == list(range(11))
+
+
+# --- page ----------------------------------------------------------------------------------------------
+
+
+async def test_chat_page_and_its_config_are_served(service: Running) -> None:
+    async with httpx.AsyncClient(base_url=service.http_url, timeout=10) as client:
+        page = await client.get("/")
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert 'id="composer"' in page.text
+        assert "/static/chat.js" in page.text
+        script = await client.get("/static/chat.js")
+        assert script.status_code == 200
+        assert "/v1/requests" in script.text
+        assert "last_id" in script.text
+        config = (await client.get("/config.json")).json()
+        assert config["ingress_url"] == "http://127.0.0.1:1"
+        assert config["models"] == []
+        assert "models_error" in config
+        health = await client.get("/healthz")
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
