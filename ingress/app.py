@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.policy import resolve_tier
-from schemas import InferenceRequest, RequestRecord, TraceContext
+from schemas import InferenceRequest, RequestRecord, TraceContext, utcnow
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.settings import Settings
 from sluicegate.stream_tokens import issue_stream_token
@@ -37,7 +37,23 @@ from .assembler import StreamAssembler
 from .auth import ApiKey, KeyRing, presented_key
 from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody, build_request
 from .errors import ApiError, error_body, install_error_handlers, invalid
+from .limits import check_prompt_tokens, check_rate_cost, checked_max_tokens
 from .openai_format import ERROR_STATUS, SSE_DONE, Kind, ResponseIds, sse
+from .openapi import (
+    CancelResponse,
+    ChatCompletion,
+    Health,
+    ModelCard,
+    ModelList,
+    Readiness,
+    SubmitResponse,
+    TextCompletion,
+    errors,
+    install_openapi,
+    json_body,
+    ok,
+    plain_text,
+)
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware, build_tracer_provider
 
@@ -48,31 +64,52 @@ B = TypeVar("B", bound=BaseModel)
 # Same alphabet as schemas' RequestId: anything else cannot name a request.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _ANONYMOUS = ApiKey(key_hash="0" * 64, tenant="default")
+# Statuses of accepting a request, and of waiting for its result (OpenAI endpoints only).
+_SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
+_RESULT_ERRORS = (409, 500, 504)
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: at once from ``Content-Length``, or as soon as a streamed
-    (chunked) body grows past it."""
+    """413 for bodies over the caller's limit (its key's ``max_body_bytes``, else ``max_bytes``): at once from
+    ``Content-Length``, or as soon as a streamed (chunked) body grows past it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, keyring: KeyRing | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.keyring = keyring
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"Request body exceeds the limit of {self.max_bytes} bytes.", code="request_too_large")
+    def limit_for(self, scope: Scope) -> int:
+        """The body limit of the key the request presents (the default for none or an unknown one)."""
+        if self.keyring is None:
+            return self.max_bytes
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope.get("headers", ())
+            if name in (b"authorization", b"x-api-key")
+        }
+        presented = presented_key(headers)
+        key = self.keyring.lookup(presented) if presented else None
+        if key is None or key.limits.max_body_bytes is None:
+            return self.max_bytes
+        return key.limits.max_body_bytes
+
+    @staticmethod
+    def _too_large(limit: int) -> ApiError:
+        return ApiError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit_for(scope)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 if not value.isdigit():
                     bad = ApiError(400, "Invalid Content-Length header.", code="invalid_header")
                     await bad.response()(scope, receive, send)
                     return
-                if int(value) > self.max_bytes:
-                    await self._too_large().response()(scope, receive, send)
+                if int(value) > limit:
+                    await self._too_large(limit).response()(scope, receive, send)
                     return
         received = 0
 
@@ -81,9 +118,9 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     # Raised inside the endpoint's body read, so the app's error handler answers it.
-                    raise self._too_large()
+                    raise self._too_large(limit)
             return message
 
         await self.app(scope, limited, send)
@@ -144,9 +181,10 @@ def create_app(settings: Settings) -> FastAPI:
         allow_headers=["authorization", "content-type", "x-api-key", HEADER_TRACEPARENT, HEADER_TRACESTATE],
         expose_headers=["x-request-id"],
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, keyring=keyring)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     _add_routes(app, settings, tracer, metrics)
+    install_openapi(app)
     return app
 
 
@@ -205,6 +243,13 @@ async def parse_body(request: Request, model: type[B], *, root_field: str) -> B:
         raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(422, "Request body must be a JSON object.", code="invalid_value")
+    if b"\\u" in raw and _has_lone_surrogate(data):
+        raise ApiError(
+            400,
+            "Request body is not valid JSON text: a \\u escape encodes an unpaired UTF-16 surrogate, which is not "
+            "a character.",
+            code="invalid_json",
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -217,6 +262,10 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         in the Kafka headers."""
         service = _state(request)
         tier = resolve_tier(body.priority, default_tier=caller.default_tier, max_tier=caller.max_tier)
+        limits = caller.limits.resolve(settings)
+        prompt_tokens = check_prompt_tokens(body, limits)
+        max_tokens = checked_max_tokens(body, limits)
+        check_rate_cost(prompt_tokens + max_tokens, limits)
         heartbeats = await service.model_heartbeats(body.model)
         parent = propagate.extract(dict(request.headers))
         with tracer.start_as_current_span(f"ingress {endpoint}", context=parent, kind=SpanKind.SERVER) as span:
@@ -225,9 +274,17 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
             trace = None
             if HEADER_TRACEPARENT in carrier:
                 trace = TraceContext(traceparent=carrier[HEADER_TRACEPARENT], tracestate=carrier.get(HEADER_TRACESTATE))
+            now = utcnow()
             try:
                 inference = build_request(
-                    body, request_id=uuid.uuid4().hex, tenant=caller.tenant, tier=tier, trace=trace
+                    body,
+                    request_id=uuid.uuid4().hex,
+                    tenant=caller.tenant,
+                    tier=tier,
+                    trace=trace,
+                    now=now,
+                    max_tokens=max_tokens,
+                    default_deadline=limits.default_deadline(now),
                 )
             except ValidationError as exc:
                 raise invalid(exc) from exc
@@ -237,7 +294,13 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
             span.set_attribute("sluicegate.model", inference.model)
             span.set_attribute("sluicegate.tier", tier)
             route = await service.submit(
-                inference, max_tier=caller.max_tier, heartbeats=heartbeats, trace_carrier=carrier
+                inference,
+                max_tier=caller.max_tier,
+                heartbeats=heartbeats,
+                trace_carrier=carrier,
+                key_id=caller.key_id,
+                limits=limits,
+                tokens=prompt_tokens + max_tokens,
             )
             span.set_attribute("messaging.destination.name", route.topic)
             span.set_attribute("sluicegate.route_reason", route.reason)
@@ -274,22 +337,32 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         payload = ids.response(assembler.text, assembler.done.finish_reason, assembler.done.usage)
         return JSONResponse(payload, headers=headers)
 
-    @app.post("/v1/chat/completions", tags=["openai"])
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        openapi_extra=json_body(ChatCompletionBody),
+        responses=ok(ChatCompletion, stream=True) | errors(*_SUBMIT_ERRORS, *_RESULT_ERRORS),
+    )
     async def chat_completions(request: Request, caller: Caller) -> Response:
         body = await parse_body(request, ChatCompletionBody, root_field="messages")
         return await openai_call(request, caller, body, "chat")
 
-    @app.post("/v1/completions", tags=["openai"])
+    @app.post(
+        "/v1/completions",
+        tags=["openai"],
+        openapi_extra=json_body(CompletionBody),
+        responses=ok(TextCompletion, stream=True) | errors(*_SUBMIT_ERRORS, *_RESULT_ERRORS),
+    )
     async def completions(request: Request, caller: Caller) -> Response:
         body = await parse_body(request, CompletionBody, root_field="prompt")
         return await openai_call(request, caller, body, "completion")
 
-    @app.get("/v1/models", tags=["openai"])
+    @app.get("/v1/models", tags=["openai"], responses=ok(ModelList) | errors(401, 503))
     async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
         models = await _state(request).live_models()
         return {"object": "list", "data": [_model_card(name, beats) for name, beats in models.items()]}
 
-    @app.get("/v1/models/{model:path}", tags=["openai"])
+    @app.get("/v1/models/{model:path}", tags=["openai"], responses=ok(ModelCard) | errors(401, 404, 503))
     async def get_model(request: Request, caller: Caller, model: str) -> dict[str, Any]:
         models = await _state(request).live_models()
         if model not in models:
@@ -299,7 +372,13 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         return _model_card(model, models[model])
 
     # --- native -----------------------------------------------------------------------------------
-    @app.post("/v1/requests", status_code=202, tags=["native"])
+    @app.post(
+        "/v1/requests",
+        status_code=202,
+        tags=["native"],
+        openapi_extra=json_body(NativeRequestBody),
+        responses=ok(SubmitResponse, status=202) | errors(*_SUBMIT_ERRORS),
+    )
     async def submit(request: Request, caller: Caller) -> JSONResponse:
         body = await parse_body(request, NativeRequestBody, root_field="prompt")
         inference = await accept(request, caller, body, "/v1/requests")
@@ -321,12 +400,17 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
             raise ApiError(404, f"No request '{request_id}'.", code="request_not_found", param="request_id")
         return record
 
-    @app.get("/v1/requests/{request_id}", tags=["native"])
+    @app.get("/v1/requests/{request_id}", tags=["native"], responses=ok(RequestRecord) | errors(401, 404, 503))
     async def request_status(request: Request, caller: Caller, request_id: str) -> JSONResponse:
         record = await owned_record(request, caller, request_id)
         return JSONResponse(record.model_dump(mode="json"))
 
-    @app.delete("/v1/requests/{request_id}", status_code=202, tags=["native"])
+    @app.delete(
+        "/v1/requests/{request_id}",
+        status_code=202,
+        tags=["native"],
+        responses=ok(CancelResponse, status=202) | errors(401, 404, 409, 503),
+    )
     async def cancel_request(request: Request, caller: Caller, request_id: str) -> JSONResponse:
         record = await owned_record(request, caller, request_id)
         if record.status in ("finished", "failed"):
@@ -335,30 +419,45 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         return JSONResponse({"request_id": request_id, "status": "cancelling"}, status_code=202)
 
     # --- operations ------------------------------------------------------------------------------
-    @app.get("/healthz", tags=["ops"])
+    @app.get("/healthz", tags=["ops"], responses=ok(Health))
     async def healthz(request: Request) -> dict[str, Any]:
         service = _state(request)
         return {"status": "ok", "kafka_producer": "started" if service.producer.started else "not_started"}
 
-    @app.get("/readyz", tags=["ops"])
+    @app.get("/readyz", tags=["ops"], responses=ok(Readiness) | ok(Readiness, status=503))
     async def readyz(request: Request) -> JSONResponse:
         service = _state(request)
         problems: dict[str, str] = {}
         try:
             await service.redis.ping()
         except (RedisError, OSError) as exc:
-            problems["redis"] = repr(exc)
+            problems["redis"] = f"Redis is unavailable: {str(exc) or type(exc).__name__}"
         try:
             await service.producer.get()
         except Exception as exc:
-            problems["kafka"] = repr(exc)
+            problems["kafka"] = f"Kafka is unavailable: {str(exc) or type(exc).__name__}"
         return JSONResponse(
             {"status": "ok" if not problems else "unavailable", **problems}, status_code=503 if problems else 200
         )
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        response_class=Response,
+        responses=plain_text("Prometheus metrics in the text exposition format."),
+    )
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether decoded JSON holds an unpaired surrogate (from an escape like ``\\ud800``); such a string cannot
+    be encoded as UTF-8 for Kafka or Redis."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _valid_id(request_id: str) -> bool:

@@ -3,7 +3,9 @@ key a request presents in ``Authorization: Bearer`` or ``x-api-key``.
 
 Keys file format, one entry per line (blank lines and ``#`` comments ignored): either a bare key, or a
 JSON object ``{"key": ..., "tenant": ..., "default_tier": ..., "max_tier": ...}`` where ``key_hash``
-(hex SHA-256) may replace ``key`` so the file itself need not hold secrets.
+(hex SHA-256) may replace ``key`` so the file itself need not hold secrets. An object may also set the key's
+limits (:class:`ingress.limits.KeyLimits`): ``rps``, ``rpm``, ``tpm``, ``max_prompt_tokens``, ``max_tokens``,
+``max_body_bytes`` and ``default_queue_budget_s``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from router.policy import TIER_RANK
 from router.validation import summarize
 from schemas import Tier
 
+from .limits import KeyLimits
+
 _TENANT_PATTERN = r"^[A-Za-z0-9._:@-]+$"
 
 
@@ -33,7 +37,7 @@ def derived_tenant(key_hash: str) -> str:
 
 
 class ApiKey(BaseModel):
-    """One accepted key: its hash, the tenant it acts for, and the tiers it may use."""
+    """One accepted key: its hash, the tenant it acts for, the tiers it may use and its limits."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -41,6 +45,12 @@ class ApiKey(BaseModel):
     tenant: str = Field(min_length=1, max_length=128, pattern=_TENANT_PATTERN)
     default_tier: Tier = "standard"
     max_tier: Tier = "interactive"
+    limits: KeyLimits = KeyLimits()
+
+    @property
+    def key_id(self) -> str:
+        """A short, non-secret id of the key, for rate-limit counters and logs."""
+        return self.key_hash[:16]
 
     @model_validator(mode="after")
     def _default_within_max(self) -> ApiKey:
@@ -49,8 +59,8 @@ class ApiKey(BaseModel):
         return self
 
 
-class _KeyFileEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _KeyFileEntry(KeyLimits):
+    model_config = ConfigDict(extra="forbid", frozen=False)
 
     key: str | None = Field(None, min_length=8)
     key_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -71,6 +81,7 @@ class _KeyFileEntry(BaseModel):
             tenant=self.tenant or derived_tenant(digest),
             default_tier=self.default_tier,
             max_tier=self.max_tier,
+            limits=KeyLimits(**self.model_dump(include=set(KeyLimits.model_fields))),
         )
 
 

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -38,10 +39,29 @@ from schemas import (
 DEFAULT_MAX_TOKENS = 256
 #: OpenAI's (and vLLM's) default for ``/v1/completions``.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Longest relative deadline (seconds from now) a request may give: a year, far past any queue wait.
+MAX_DEADLINE_S = 365 * 86400
 
 
 def _unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", message)
+
+
+def _only(*values: Any, description: str = "Not supported beyond these values.") -> WithJsonSchema:
+    """The OpenAPI schema of a field Sluicegate accepts only in its inert values (its validator answers 400
+    ``unsupported_parameter`` to the rest), so the document says what is accepted rather than OpenAI's type."""
+    return WithJsonSchema({"enum": list(values), "description": description})
+
+
+def _nullable(schema: dict[str, Any], description: str = "") -> WithJsonSchema:
+    """``schema`` or null, for the OpenAPI document."""
+    documented: dict[str, Any] = {"anyOf": [schema, {"type": "null"}]}
+    if description:
+        documented["description"] = description
+    return WithJsonSchema(documented)
+
+
+_NOTHING = _nullable({"type": "array", "maxItems": 0}, "Tool and function calling are not supported.")
 
 
 class _Body(BaseModel):
@@ -53,7 +73,7 @@ class StreamOptions(_Body):
     """OpenAI's ``stream_options``."""
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: Annotated[bool, _only(False)] = False
 
     @field_validator("continuous_usage_stats")
     @classmethod
@@ -68,7 +88,14 @@ class ContentPart(_Body):
 
     type: str
     text: str | None = None
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            "required": ["type", "text"],
+            "additionalProperties": False,
+        },
+    )
 
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
@@ -82,7 +109,10 @@ class ContentPart(_Body):
 class ChatMessageIn(_Body):
     """A chat message as clients send it."""
 
-    role: Literal["system", "user", "assistant", "developer", "tool", "function"]
+    role: Annotated[
+        Literal["system", "user", "assistant", "developer", "tool", "function"],
+        _only("system", "user", "assistant", "developer", description="Tool and function messages are not supported."),
+    ]
     content: str | list[ContentPart]
     name: str | None = Field(None, max_length=256)
 
@@ -103,7 +133,18 @@ class ChatMessageIn(_Body):
         return ChatMessage(role=self.role, content=content, name=self.name)  # type: ignore[arg-type]
 
 
-StopField = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+StopField = Annotated[
+    str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 
 
 class _SamplingBody(_Body):
@@ -112,7 +153,7 @@ class _SamplingBody(_Body):
     model: str = Field(min_length=1, max_length=256)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, description="vLLM-style: -1 or 0 disables.")
+    top_k: Annotated[int | None, _nullable({"type": "integer", "minimum": -1}, "vLLM-style: -1 or 0 disables.")] = None
     stop: StopField = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=64)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -159,10 +200,10 @@ class _OpenAIBody(_SamplingBody):
 
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Annotated[int | None, _only(1, None, description="One choice per request.")] = None
+    presence_penalty: Annotated[float | None, _only(0, None)] = None
+    frequency_penalty: Annotated[float | None, _only(0, None)] = None
+    logit_bias: Annotated[dict[str, float] | None, _nullable({"type": "object", "maxProperties": 0})] = None
     user: str | None = None
 
     @field_validator("n")
@@ -200,19 +241,32 @@ class ChatCompletionBody(_OpenAIBody):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    logprobs: Annotated[bool | None, _only(False, None)] = None
+    top_logprobs: Annotated[int | None, _only(0, None)] = None
+    tools: Annotated[list[Any] | None, _NOTHING] = None
+    tool_choice: Annotated[Any, _only("none", None)] = None
+    functions: Annotated[list[Any] | None, _NOTHING] = None
+    function_call: Annotated[Any, _only("none", None)] = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    modalities: list[str] | None = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: str | None = None
-    web_search_options: Any = None
+    response_format: Annotated[
+        dict[str, Any] | None,
+        _nullable(
+            {
+                "type": "object",
+                "properties": {"type": {"const": "text"}},
+                "required": ["type"],
+                "additionalProperties": False,
+            },
+            "Only plain text output.",
+        ),
+    ] = None
+    modalities: Annotated[list[str] | None, _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1})] = (
+        None
+    )
+    audio: Annotated[Any, _only(None)] = None
+    prediction: Annotated[Any, _only(None)] = None
+    reasoning_effort: Annotated[str | None, _only(None)] = None
+    web_search_options: Annotated[Any, _only(None)] = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -265,12 +319,24 @@ class ChatCompletionBody(_OpenAIBody):
         return [m.to_schema() for m in self.messages]
 
 
-PromptField = (
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PromptField = Annotated[
     str
     | Annotated[list[str], Field(min_length=1)]
     | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1)]
-)
+    | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1)],
+    WithJsonSchema(
+        {
+            "description": "One prompt: text, token ids, or a one-element list of either.",
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                _TOKEN_IDS_SCHEMA,
+                {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1},
+            ],
+        }
+    ),
+]
 
 
 class CompletionBody(_OpenAIBody):
@@ -278,10 +344,10 @@ class CompletionBody(_OpenAIBody):
 
     prompt: PromptField
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=1_000_000)
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    echo: Annotated[bool | None, _only(False, None)] = None
+    suffix: Annotated[str | None, _only("", None)] = None
+    best_of: Annotated[int | None, _only(1, None)] = None
+    logprobs: Annotated[int | None, _only(None)] = None
 
     @field_validator("prompt")
     @classmethod
@@ -328,10 +394,16 @@ class NativeRequestBody(_SamplingBody):
     """``POST /v1/requests``: the completions fields plus ``ignore_eos``, ``priority`` and ``deadline``
     (an ISO 8601 time with a zone, or seconds from now)."""
 
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    prompt: Annotated[
+        str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None,
+        _nullable(
+            {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS_SCHEMA]},
+            "Text or token ids; give exactly one of prompt and messages.",
+        ),
+    ] = None
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)] | None = None
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000)
-    deadline: AwareDatetime | Annotated[float, Field(gt=0)] | None = None
+    deadline: AwareDatetime | Annotated[float, Field(gt=0, le=MAX_DEADLINE_S)] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -368,8 +440,14 @@ def build_request(
     tier: Tier,
     trace: TraceContext | None,
     now: datetime | None = None,
+    max_tokens: int | None = None,
+    default_deadline: datetime | None = None,
 ) -> InferenceRequest:
-    """The pipeline request for a validated body; ``ValueError`` for a deadline already passed."""
+    """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
+
+    ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
+    when the body gives no deadline (the key's queue-time budget).
+    """
     now = now or utcnow()
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -384,12 +462,14 @@ def build_request(
         deadline = body.absolute_deadline(now)
         if deadline is not None and deadline <= now:
             raise ValueError(f"deadline {deadline.isoformat()} has already passed")
+    if deadline is None:
+        deadline = default_deadline
     return InferenceRequest(
         request_id=request_id,
         model=body.model,
         prompt=prompt,
         messages=messages,
-        sampling=body.sampling(body.resolved_max_tokens()),
+        sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
         priority=tier,
         tenant=tenant,
         deadline=deadline,

@@ -40,7 +40,10 @@ from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 
+from .backlog import BacklogMonitor
 from .errors import ApiError
+from .limits import Limits
+from .ratelimit import RateLimiter
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)
@@ -49,10 +52,14 @@ log = logging.getLogger(__name__)
 _BLOCK_MS = 2000
 
 
-def unavailable(what: str, exc: BaseException) -> ApiError:
-    """503 for a backbone that did not answer."""
+def unavailable(what: str, exc: BaseException, *, request_id: str | None = None) -> ApiError:
+    """503 for a backbone that did not answer; ``request_id`` names a request whose publish failed (a worker
+    will not serve it even if the record reaches Kafka later)."""
     detail = str(exc) or type(exc).__name__
-    return ApiError(503, f"{what} is unavailable: {detail}", code="service_unavailable", headers={"Retry-After": "1"})
+    headers = {"Retry-After": "1"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    return ApiError(503, f"{what} is unavailable: {detail}", code="service_unavailable", headers=headers)
 
 
 class ProducerHandle:
@@ -121,12 +128,15 @@ class IngressService:
         )
         self.heartbeats = HeartbeatCache(self.redis, self.names, max_age_s=3 * settings.heartbeat_interval_s)
         self.producer = ProducerHandle(settings)
+        self.backlog = BacklogMonitor(settings, self.names, metrics)
+        self.rate_limiter = RateLimiter(self.redis, self.names)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self._control_ready = False
 
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
         try:
+            await self.backlog.close()
             await self.producer.close()
         finally:
             await self.redis.aclose()
@@ -162,8 +172,16 @@ class IngressService:
         max_tier: Tier,
         heartbeats: list[WorkerHeartbeat],
         trace_carrier: Mapping[str, str],
+        key_id: str | None = None,
+        limits: Limits | None = None,
+        tokens: int = 0,
     ) -> Route:
-        """Record the request as queued, then publish it; 503 (and no record left) when Kafka fails."""
+        """Admit the request (backlog bound, then the key's rate limits when ``key_id`` and ``limits`` are
+        given, charging ``tokens``), record it as queued, then publish it.
+
+        429 when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
+        request the backlog turns away); 503 (and no record left) when Kafka or Redis fails.
+        """
         timeout = self.settings.kafka_timeout_s
         try:
             producer = await self.producer.get()
@@ -173,6 +191,10 @@ class IngressService:
             raise unavailable("Kafka", exc) from exc
         self.router.set_heartbeats(request.model, heartbeats)
         route = self.router.route(request, max_tier=max_tier)
+        partitions = {topic: self.router.partitions(topic) for topic in self.names.request_topics(request.model)}
+        await self.backlog.admit(request.model, route.tier, heartbeats, partitions)
+        if key_id is not None and limits is not None:
+            await self.charge(key_id, limits, tokens)
         record = RequestRecord(
             request_id=request.request_id,
             model=request.model,
@@ -199,7 +221,8 @@ class IngressService:
         except (KafkaError, TimeoutError, OSError) as exc:
             self.metrics.publish_failures.labels(request.model).inc()
             await self._abandon(request)
-            raise unavailable("Kafka", exc) from exc
+            raise unavailable("Kafka", exc, request_id=request.request_id) from exc
+        self.backlog.accepted(request.model, route.tier)
         self.metrics.publish_latency.observe(time.perf_counter() - started)
         self.metrics.published.labels(request.model, route.tier, route.reason).inc()
         log.info(
@@ -212,6 +235,16 @@ class IngressService:
             request.tenant,
         )
         return route
+
+    async def charge(self, key_id: str, limits: Limits, tokens: int) -> None:
+        """Charge one request of ``tokens`` to the key's rate limits: 429 over a limit, 503 without Redis."""
+        try:
+            await self.rate_limiter.acquire(key_id, limits, tokens=tokens)
+        except ApiError:
+            self.metrics.rejected.labels("rate_limited").inc()
+            raise
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
 
     async def _abandon(self, request: InferenceRequest) -> None:
         # A send that timed out may still reach Kafka from the producer's buffer: the cancel marker makes

@@ -10,7 +10,7 @@ import time
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,18 @@ class IngressMetrics:
             "From accepting an OpenAI-style request to relaying its first text.",
             ["model"],
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "sluicegate_ingress_rejected_total",
+            "Requests turned away before publishing, by cause (rate_limited, backlog_full).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.backlog = Gauge(
+            "sluicegate_ingress_backlog_requests",
+            "Unfinished requests per model at the last backlog read (worker group lag on its request topics).",
+            ["model"],
             registry=self.registry,
         )
         self.cancellations = Counter(

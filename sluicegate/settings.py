@@ -100,6 +100,48 @@ class Settings(BaseSettings):
         0.05, ge=0.0, le=1.0, description="Free KV-block fraction below which a worker counts as overloaded."
     )
 
+    # --- worker reliability ---------------------------------------------------------------------------
+    worker_session_timeout_ms: int = Field(
+        6000,
+        ge=1000,
+        description="Worker consumer-group session timeout: how long a crashed worker's partitions wait before "
+        "another worker takes them over (the broker's group.min.session.timeout.ms, 6000 by default, is the floor).",
+    )
+    worker_redis_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Socket timeout of a worker's Redis calls; a Redis that hangs counts as down and is retried.",
+    )
+
+    # --- ingress admission control and per-key limits (a keys-file entry overrides the limit_* defaults) --------
+    max_backlog_per_model: int = Field(
+        1000,
+        ge=0,
+        description="Requests accepted but not started a model may hold (at or above a request's tier) before "
+        "ingress answers 429; 0 disables the bound.",
+    )
+    backlog_cache_s: float = Field(
+        1.0, gt=0, description="Seconds ingress reuses a model's backlog estimate (consumer lag) before re-reading it."
+    )
+    backlog_retry_after_s: int = Field(2, ge=1, description="Retry-After (seconds) of a 429 for a full backlog.")
+    limit_rps: float = Field(0.0, ge=0, description="Default requests per second per API key; 0 means unlimited.")
+    limit_rpm: int = Field(0, ge=0, description="Default requests per minute per API key; 0 means unlimited.")
+    limit_tpm: int = Field(
+        0, ge=0, description="Default tokens (prompt estimate + max_tokens) per minute per API key; 0 means unlimited."
+    )
+    limit_prompt_tokens: int = Field(
+        0, ge=0, description="Default largest prompt per request, in estimated tokens; 0 means unlimited."
+    )
+    limit_max_tokens: int = Field(
+        0, ge=0, description="Default largest max_tokens a request may ask for; 0 means unlimited."
+    )
+    default_queue_budget_s: float = Field(
+        0.0,
+        ge=0,
+        le=365 * 86400,
+        description="Default queue-time budget: a request without a deadline gets now + this; 0 means no deadline.",
+    )
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -1,0 +1,234 @@
+"""Helpers shared by the ingress integration tests: a real uvicorn server for an ingress app, the Redis writes a
+live worker makes (heartbeats), a fake worker that answers requests through real Kafka and Redis, and readers.
+
+The fake worker is a real aiokafka consumer appending real stream events to Redis, as the GPU worker does; it
+stands in for the engine so the HTTP side can be exercised end to end without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import uvicorn
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import ConsumerRecord
+from redis.asyncio import Redis
+
+from ingress.app import create_app
+from schemas import (
+    STREAM_FIELD,
+    DoneEvent,
+    InferenceRequest,
+    Names,
+    PartitionRef,
+    RestartEvent,
+    TokenEvent,
+    Usage,
+    WorkerHeartbeat,
+    stream_entry_id,
+    utcnow,
+)
+from sluicegate.kafka import create_admin, create_consumer, ensure_topics
+from sluicegate.settings import Settings
+
+MODEL = "tiny-llama"
+KEY = "sk-integration-key"
+CAPPED_KEY = "sk-capped-standard"
+
+
+@contextlib.asynccontextmanager
+async def running_app(app: Any) -> AsyncIterator[str]:
+    """A real uvicorn server for an ASGI app on a free port, on this event loop; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if task.done():
+            task.result()
+        assert time.monotonic() < deadline, "server did not start"
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def running_ingress(settings: Settings) -> AsyncIterator[str]:
+    """A real ingress (uvicorn) for ``settings`` on a free port, on this event loop."""
+    async with running_app(create_app(settings)) as url:
+        yield url
+
+
+async def heartbeat(
+    redis: Redis,
+    names: Names,
+    model: str = MODEL,
+    *,
+    age_s: float = 0.0,
+    worker: str = "w1",
+    running: int = 0,
+    waiting: int = 0,
+) -> None:
+    """What a live worker writes to Redis every heartbeat interval."""
+    beat = WorkerHeartbeat(
+        worker_id=worker,
+        model=model,
+        partitions=[PartitionRef(topic=names.request_topic(model, "standard"), partition=0)],
+        running=running,
+        waiting=waiting,
+        free_kv_blocks=100,
+        total_kv_blocks=100,
+        prefix_cache_hit_rate=0.0,
+        sent_at=utcnow() - timedelta(seconds=age_s),
+    )
+    await redis.hset(names.workers_key(model), worker, beat.model_dump_json())
+    await redis.sadd(names.models_key, model)
+
+
+def reply_for(request: InferenceRequest) -> list[str]:
+    """The fake model's answer, as text pieces: it repeats the last user text, word by word."""
+    if request.messages is not None:
+        said = request.messages[-1].text()
+    else:
+        said = request.prompt if isinstance(request.prompt, str) else " ".join(map(str, request.prompt or []))
+    words = f"You said: {said}".split(" ")
+    return [words[0]] + [f" {w}" for w in words[1:]]
+
+
+class FakeWorker:
+    """Reads the model's request topics (all partitions, no group) and answers each request with token
+    events and a ``done`` on its Redis stream. ``mode="restart"`` emits a restart and regenerates;
+    ``mode="hang"`` sends one token then waits for the cancel marker and ends with ``abort``."""
+
+    def __init__(self, settings: Settings, redis: Redis, *, mode: str = "normal") -> None:
+        self.settings = settings
+        self.names = Names(settings.topic_prefix)
+        self.redis = redis
+        self.mode = mode
+        self.seen: list[tuple[ConsumerRecord, InferenceRequest]] = []
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._answers: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> FakeWorker:
+        topics = self.names.request_topics(MODEL)
+        await ensure_topics(self.settings.kafka_bootstrap, dict.fromkeys(topics, self.settings.topic_partitions), 1)
+        self._consumer = create_consumer(group_id=None, settings=self.settings)
+        await self._consumer.start()
+        self._consumer.assign([TopicPartition(t, p) for t in topics for p in range(self.settings.topic_partitions)])
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None and self._consumer is not None
+        for task in (self._task, *self._answers):
+            task.cancel()
+        for task in (self._task, *self._answers):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._consumer.stop()
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            batch = await self._consumer.getmany(timeout_ms=100)
+            for records in batch.values():
+                for record in records:
+                    request = InferenceRequest.model_validate_json(record.value)
+                    self.seen.append((record, request))
+                    answer = asyncio.create_task(self._answer(request))
+                    self._answers.add(answer)
+
+    async def _append(self, request: InferenceRequest, event: Any) -> None:
+        await self.redis.xadd(
+            self.names.stream_key(request.request_id),
+            {STREAM_FIELD: event.model_dump_json()},
+            id=stream_entry_id(event.seq),
+        )
+
+    async def _answer(self, request: InferenceRequest) -> None:
+        rid = request.request_id
+        pieces = reply_for(request)
+        reason = "stop"
+        if len(pieces) > request.sampling.max_tokens:
+            pieces, reason = pieces[: request.sampling.max_tokens], "length"
+        seq = 0
+        if self.mode == "hang":
+            await self._append(request, TokenEvent(request_id=rid, seq=0, text=pieces[0], token_ids=[1]))
+            await eventually(lambda: self.redis.exists(self.names.cancel_key(rid)), timeout_s=60)
+            usage = Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4)
+            await self._append(request, DoneEvent(request_id=rid, seq=1, finish_reason="abort", usage=usage))
+            return
+        if self.mode == "restart":
+            # A crashed first attempt: two pieces, then "start over after seq 0".
+            for text in pieces[:2]:
+                await self._append(request, TokenEvent(request_id=rid, seq=seq, text=text, token_ids=[seq]))
+                seq += 1
+            await self._append(request, RestartEvent(request_id=rid, seq=seq, discard_after_seq=0))
+            seq += 1
+            pieces = pieces[1:]
+        for text in pieces:
+            await self._append(request, TokenEvent(request_id=rid, seq=seq, text=text, token_ids=[seq]))
+            seq += 1
+            await asyncio.sleep(0.005)
+        completion = len(reply_for(request)) if reason == "stop" else request.sampling.max_tokens
+        usage = Usage(prompt_tokens=7, completion_tokens=completion, total_tokens=7 + completion, cached_tokens=2)
+        await self._append(request, DoneEvent(request_id=rid, seq=seq, finish_reason=reason, usage=usage))
+        await self.redis.expire(self.names.stream_key(rid), 60)
+
+
+async def consume(consumer: AIOKafkaConsumer, count: int, timeout_s: float = 20.0) -> list[ConsumerRecord]:
+    records: list[ConsumerRecord] = []
+    deadline = time.monotonic() + timeout_s
+    while len(records) < count and time.monotonic() < deadline:
+        for batch in (await consumer.getmany(timeout_ms=200)).values():
+            records.extend(batch)
+    assert len(records) >= count, f"expected {count} records, got {len(records)}"
+    return records
+
+
+@contextlib.asynccontextmanager
+async def reader(settings: Settings, *topics: str, partitions: int) -> AsyncIterator[AIOKafkaConsumer]:
+    """A group-less consumer on every partition of ``topics``, from the beginning."""
+    await ensure_topics(settings.kafka_bootstrap, dict.fromkeys(topics, partitions), 1)
+    consumer = create_consumer(group_id=None, settings=settings)
+    await consumer.start()
+    consumer.assign([TopicPartition(t, p) for t in topics for p in range(partitions)])
+    try:
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def delete_prefixed_keys(redis: Redis, prefix: str) -> None:
+    """Delete every Redis key under ``prefix``."""
+    keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await redis.delete(*keys)
+
+
+async def delete_prefixed_topics(bootstrap: str, prefix: str) -> None:
+    """Delete every Kafka topic whose name starts with ``prefix``."""
+    admin = create_admin(bootstrap=bootstrap)
+    await admin.start()
+    try:
+        mine = [t for t in await admin.list_topics() if t.startswith(prefix)]
+        if mine:
+            await admin.delete_topics(mine)
+    finally:
+        await admin.close()
