@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from .logs import configure_logging
 from .settings import Settings, get_settings
+
+T = TypeVar("T")
 
 
 class CliError(Exception):
@@ -99,6 +102,39 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:
+    import asyncio
+
+    from aiokafka.errors import KafkaError
+    from redis.exceptions import RedisError
+
+    try:
+        return asyncio.run(coro)
+    except (KafkaError, RedisError, OSError, TimeoutError) as exc:
+        raise CliError(f"the DLQ could not be read or replayed: {exc!r}") from exc
+
+
+def _dlq_list(args: argparse.Namespace) -> int:
+    from .dlq import format_entry, list_entries
+
+    entries = _dlq_run(list_entries(get_settings(), limit=args.limit))
+    for entry in entries:
+        print(format_entry(entry))
+    if not entries:
+        print("the DLQ is empty")
+    return 0
+
+
+def _dlq_replay(args: argparse.Namespace) -> int:
+    from .dlq import replay, summary
+
+    outcomes = _dlq_run(replay(get_settings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run))
+    for outcome in outcomes:
+        print(outcome.line())
+    print(summary(outcomes))
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     from .launcher import up
 
@@ -140,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", help="model folder (default: SLUICEGATE_MODEL)")
     worker.add_argument("--device", choices=["cpu", "cuda"], help="default: SLUICEGATE_DEVICE")
     worker.set_defaults(handler=_worker)
+
+    dlq = sub.add_parser("dlq", help="the dead-letter topic").add_subparsers(dest="action", required=True)
+    dlq_list = dlq.add_parser("list", help="print DLQ entries: reason, source topic/partition/offset, request, detail")
+    dlq_list.add_argument("--limit", type=int, help="only the N most recent entries")
+    dlq_list.set_defaults(handler=_dlq_list)
+    dlq_replay = dlq.add_parser("replay", help="republish the original requests to llm.inbound (router re-validates)")
+    dlq_replay.add_argument("--reason", help="only entries with this reason (or its detailed forms, 'reason:...')")
+    dlq_replay.add_argument("--request-id", help="only entries for this request")
+    dlq_replay.add_argument("--dry-run", action="store_true", help="say what would be replayed, publish nothing")
+    dlq_replay.set_defaults(handler=_dlq_replay)
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")

@@ -53,6 +53,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngin
         heartbeat_interval_s=settings.heartbeat_interval_s,
         stream_ttl_s=settings.stream_ttl_s,
         drain_timeout_s=settings.drain_timeout_s,
+        session_timeout_ms=settings.worker_session_timeout_ms,
+        heartbeat_ms=max(300, settings.worker_session_timeout_ms // 4),
         device=settings.device,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
@@ -64,7 +66,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngin
     }
     await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication)
 
-    redis = create_redis(settings, client_name=f"worker-{config.worker_id}")
+    # A read timeout (the worker never blocks on Redis) turns a hung server into an error that is retried.
+    redis = create_redis(
+        settings, socket_timeout=settings.worker_redis_timeout_s, client_name=f"worker-{config.worker_id}"
+    )
     producer = create_producer(settings, client_id=f"worker-{config.worker_id}")
     consumer = create_consumer(
         group_id=names.worker_group(model_name),
@@ -89,13 +94,12 @@ async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngin
     await producer.start()
     await control.start()
     consumer.subscribe(names.request_topics(model_name), listener=worker.rebalance_listener())
-    await consumer.start()
     log.info(
         "worker.started",
         extra={"worker_id": config.worker_id, "model": model_name, "tiers": ",".join(TIERS), "device": settings.device},
     )
     try:
-        await worker.run(stop)
+        await worker.run(stop, start_consumer=True)
     finally:
         await consumer.stop()
         await control.stop()

@@ -3,24 +3,35 @@
 Guarantees it keeps (see DESIGN.md, request flow 3-5):
 * tiers drain in order (interactive, standard, batch) and partitions are paused while the engine
   has no room, so the backlog stays in Kafka, not in worker memory;
-* an offset is committed only when every request at or below it has finished;
-* a re-delivered request continues from the tokens its stream already holds;
-* every event of one flush goes to Redis in one pipelined round trip, with entry ids from ``seq``.
+* an offset is committed only when every request at or below it reached an outcome (``done`` or
+  ``error`` in its stream, or a dead letter); a crash or a drain timeout re-delivers the rest;
+* a re-delivered request continues from the tokens its stream already holds, with text that joins
+  the delivered text exactly (:mod:`.resume`); one whose stream already ended is skipped;
+* a cancel (control topic, or the Redis marker checked at pick-up) aborts the engine sequence;
+* a message that cannot be decoded or served goes to ``llm.dlq`` with a ``reason`` header;
+* final results (``llm.results``) and dead letters are retried until Kafka takes them (at-least-once);
+* every event of one flush goes to Redis in one pipelined round trip, with entry ids from ``seq``;
+  Redis outages are waited out with backoff, never turned into lost or failed requests.
+
+See docs/reliability.md for the fault tests behind each guarantee.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
 from pydantic import ValidationError
 
 from schemas import (
@@ -34,19 +45,25 @@ from schemas import (
     Names,
     PartitionRef,
     RequestRecord,
+    RestartEvent,
+    StreamEvent,
     TokenEvent,
     Usage,
     WorkerHeartbeat,
     utcnow,
 )
 from schemas.events import FinishReason
-from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, Tier
+from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE, Tier
 
 from .offsets import CompletionWatermarks
 from .prompts import PromptError, prompt_token_ids, sampling_params
+from .resume import Continuation, eos_token_ids
+from .streams import REDIS_UNAVAILABLE as _REDIS_DOWN
 from .streams import StreamPublisher, read_stream_state
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineLike(Protocol):
@@ -72,6 +89,7 @@ class WorkerConfig:
     session_timeout_ms: int = 6000
     heartbeat_ms: int = 1500
     device: str = "cpu"
+    redis_retry_max_s: float = 2.0
 
 
 @dataclass
@@ -128,7 +146,13 @@ class Worker:
         self._stopping = asyncio.Event()
         # Cancels that arrived before their request was picked up (bounded, oldest dropped).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
+        self._eos_ids = eos_token_ids(engine)
+        self._fatal: BaseException | None = None
+        # Counters for logs and tests.
         self.served = 0
+        self.resumed = 0
+        self.dead_lettered = 0
+        self.cancelled_before_start = 0
 
     @property
     def topics(self) -> list[str]:
@@ -138,10 +162,16 @@ class Worker:
         return _Rebalance(self)
 
     # --- main loop ---------------------------------------------------------------------------------
-    async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set, then drain in-flight requests and commit."""
+    async def run(self, stop: asyncio.Event, *, start_consumer: bool = False) -> None:
+        """Serve until ``stop`` is set, then drain in-flight requests and commit.
+
+        With ``start_consumer`` the group consumer is started here, after heartbeats and the control
+        consumer are running: joining a group waits for the first assignment, which during a rebalance
+        that waits on a dead member takes up to a session timeout, and the worker must not look absent
+        (ingress refuses a model without a live heartbeat) nor miss cancels meanwhile.
+        """
         loops = [
-            asyncio.create_task(self._fetch_loop(), name="fetch"),
+            asyncio.create_task(self._fetch_loop(start_consumer), name="fetch"),
             asyncio.create_task(self._flush_loop(), name="flush"),
             asyncio.create_task(self._control_loop(), name="control"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -172,11 +202,27 @@ class Worker:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        await self.publisher.flush()
+        # Bounded: with Redis down at shutdown, the unflushed requests are simply re-delivered.
+        try:
+            await asyncio.wait_for(self.publisher.flush(), self.config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("worker.final_flush_timed_out", extra={"pending": self.publisher.pending})
         await self._commit()
 
-    async def _fetch_loop(self) -> None:
+    async def _fetch_loop(self, start_consumer: bool = False) -> None:
+        if start_consumer:
+            try:
+                await self.consumer.start()
+            except InvalidSessionTimeoutError as exc:
+                raise RuntimeError(
+                    f"the Kafka broker refuses a consumer session timeout of {self.config.session_timeout_ms} ms; set "
+                    "SLUICEGATE_WORKER_SESSION_TIMEOUT_MS within its group.min.session.timeout.ms and "
+                    "group.max.session.timeout.ms"
+                ) from exc
+            log.info("worker.joined_group", extra={"partitions": len(self.consumer.assignment())})
         while not self._stopping.is_set():
+            if self._fatal is not None:
+                raise RuntimeError(f"the engine failed; stopping this worker: {self._fatal!r}") from self._fatal
             assigned = self.consumer.assignment()
             room = self.config.max_in_flight - len(self.active)
             if not assigned or room <= 0:
@@ -219,75 +265,190 @@ class Worker:
     async def _serve(self, tp: TopicPartition, record: Any) -> None:
         provisional = f"{tp.topic}:{tp.partition}:{record.offset}"
         entry = self.active[provisional]
+        # Only a request that reached an outcome (done/error in its stream, dead-lettered, or skipped)
+        # lets its offset be committed; anything else is re-delivered to the partition's next owner.
+        completed = False
         try:
-            try:
-                request = InferenceRequest.model_validate_json(record.value)
-            except ValidationError as exc:
-                await self._dead_letter(record, "invalid_request", _first_error(exc))
+            parsed = _parse(record)
+            if isinstance(parsed, _Rejection):
+                await self._dead_letter(record, parsed.reason, parsed.detail, parsed.request_id)
+                completed = True
                 return
-            entry.request_id = request.request_id
-            self.active[request.request_id] = self.active.pop(provisional)
-            await self._serve_request(request, entry, record)
+            if not await self._claim(entry, provisional, parsed.request_id):
+                completed = True  # a duplicate of a request this worker is running
+                return
+            completed = await self._serve_request(parsed, entry, record)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if not getattr(self.engine, "is_running", True):
+                # The engine itself is gone: leave the request to a healthy worker and stop this one.
+                log.error("worker.engine_failed", extra={"error": repr(exc)})
+                self._fatal = exc
+                return
             log.exception("worker.request_failed", extra={"offset": record.offset})
-            if entry.request_id != provisional and not entry.handed_off:
-                await self._fail(entry.request_id, "internal_error", str(exc))
+            if entry.request_id != provisional:
+                await self._fail(entry, "internal_error", f"the worker failed to serve the request: {exc!r}")
+            await self._dead_letter(record, "processing_failed", repr(exc), _request_id_of(record))
+            completed = True
         finally:
-            self.active.pop(entry.request_id, None)
-            self.active.pop(provisional, None)
-            if not entry.handed_off:
+            for key in (entry.request_id, provisional):
+                if self.active.get(key) is entry:
+                    del self.active[key]
+            if completed and not entry.handed_off:
                 self.watermarks.finished(tp, record.offset)
                 await self._commit()
             self._room.set()
 
-    async def _serve_request(self, request: InferenceRequest, entry: _Active, record: Any) -> None:
+    async def _claim(self, entry: _Active, provisional: str, request_id: str) -> bool:
+        """Register ``entry`` under its request id; False for a duplicate of a request still running here.
+
+        After a rebalance gives a partition back to this worker, its handed-off task for the same
+        request may still be unwinding (its engine abort in flight): wait for it, then take over.
+        """
+        while (other := self.active.get(request_id)) is not None and other is not entry:
+            if not other.handed_off:
+                log.warning("worker.duplicate_request", extra={"request_id": request_id, "offset": entry.offset})
+                return False
+            if other.task is None or other.task.done():
+                del self.active[request_id]
+            else:
+                await asyncio.wait({other.task})
+        entry.request_id = request_id
+        self.active[request_id] = self.active.pop(provisional)
+        return True
+
+    async def _serve_request(self, request: InferenceRequest, entry: _Active, record: Any) -> bool:
+        """Serve one parsed request; True when it reached an outcome, False when handed off mid-way."""
         rid = request.request_id
-        state = await read_stream_state(self.redis, self.names, rid)
+        state = await self._redis_call(lambda: read_stream_state(self.redis, self.names, rid))
         if state.finished:
-            return  # re-delivered after it finished but before its offset was committed
+            # Re-delivered after it finished but before its offset was committed.
+            log.info("worker.already_finished", extra={"request_id": rid})
+            if state.done is not None and not await self._ended_before(rid):
+                # The previous owner died between ``done`` and its final result: publish that now
+                # (llm.results is at-least-once, keyed by request id).
+                await self._publish_result(request, state.done, state.token_ids, state.text)
+            return True
+        if not state.exists and await self._ended_before(rid):
+            return True  # it finished long ago and its stream expired
         seq = state.next_seq
-        if rid in self._early_cancels or await self.redis.exists(self.names.cancel_key(rid)):
-            await self._finish(request, seq, "abort", state.token_ids, state.text, 0, 0)
-            return
-        if request.expired():
-            await self._fail(rid, "deadline_exceeded", "the request's deadline passed before it started", seq)
-            await self._dead_letter(record, "deadline_exceeded", f"deadline {request.deadline.isoformat()}")
-            return
+        if await self._cancel_requested(entry):
+            self.cancelled_before_start += 1
+            log.info("worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered})
+            prompt_len = _prompt_len_or_zero(request, self.engine.tokenizer)
+            return await self._finish(entry, request, seq, "abort", state.token_ids, state.text, prompt_len, 0)
+        if not state.exists and request.expired():
+            assert request.deadline is not None
+            detail = f"deadline {request.deadline.isoformat()} passed before the request started"
+            if not await self._fail(entry, "deadline_exceeded", "the request's deadline passed before it started", seq):
+                return False
+            await self._dead_letter(record, "deadline_exceeded", detail, rid)
+            return True
         try:
             prompt = prompt_token_ids(request, self.engine.tokenizer)
         except PromptError as exc:
-            await self._fail(rid, "invalid_prompt", str(exc), seq)
-            return
-        if state.delivered >= request.sampling.max_tokens:
-            await self._finish(request, seq, "length", state.token_ids, state.text, len(prompt), 0)
-            return
+            if not await self._fail(entry, "invalid_request", str(exc), seq):
+                return False
+            await self._dead_letter(record, "invalid_prompt", str(exc), rid)
+            return True
+
+        resumed: Continuation | None = None
+        if state.delivered:
+            resumed = Continuation(request, self.engine.tokenizer, prompt, state.token_ids, state.text, self._eos_ids)
+            if not resumed.consistent:
+                # The delivered text is not what this model's tokenizer makes of the delivered tokens, so
+                # no seamless continuation exists: start over and tell clients to drop what they have.
+                log.warning("worker.restart", extra={"request_id": rid, "delivered": state.delivered})
+                if not self._emit(entry, RestartEvent(request_id=rid, seq=seq, discard_after_seq=-1)):
+                    return False
+                seq += 1
+                resumed = None
+            else:
+                self.resumed += 1
+                log.info("worker.resuming", extra={"request_id": rid, "delivered": state.delivered, "seq": seq})
+                ended = resumed.finished_already()
+                if ended is not None:
+                    # The previous owner died between the last token and ``done``.
+                    resumed.close(ended)
+                    tail = resumed.take(final=True)
+                    if tail:
+                        if not self._emit(entry, TokenEvent(request_id=rid, seq=seq, text=tail, token_ids=[])):
+                            return False
+                        seq += 1
+                    return await self._finish(
+                        entry, request, seq, ended, resumed.token_ids, resumed.text, len(prompt), 0
+                    )
+        return await self._generate(request, entry, record, prompt, seq, resumed)
+
+    async def _generate(
+        self,
+        request: InferenceRequest,
+        entry: _Active,
+        record: Any,
+        prompt: list[int],
+        seq: int,
+        resumed: Continuation | None,
+    ) -> bool:
+        rid = request.request_id
         await self._set_record(request, "running")
-        tokens, text = list(state.token_ids), state.text
+        if entry.handed_off:
+            return False
+        delivered = list(resumed.token_ids) if resumed is not None else []
+        tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
         finish: FinishReason = "stop"
         cached = 0
-        params = sampling_params(request, state.delivered)
-        async for delta in self.engine.generate(
-            prompt + state.token_ids, params, request_id=rid, priority=request.priority
-        ):
-            if entry.handed_off:
-                return
-            if delta.token_ids or delta.text:
-                self.publisher.add(TokenEvent(request_id=rid, seq=seq, text=delta.text, token_ids=delta.token_ids))
-                seq += 1
-                tokens.extend(delta.token_ids)
-                text += delta.text
-                self._events.set()
-            cached = getattr(delta, "num_cached_tokens", cached) or cached
-            if delta.finish_reason is not None:
-                finish = delta.finish_reason
+        started = False
+        # No await between this check and the engine taking the request (the generator adds it
+        # synchronously on first iteration), so a cancel is either seen here or reaches the engine.
+        if entry.cancelled:
+            return await self._finish(entry, request, seq, "abort", tokens, text, len(prompt), 0)
+        params = sampling_params(request, len(delivered))
+        try:
+            async with contextlib.aclosing(
+                self.engine.generate(prompt + delivered, params, request_id=rid, priority=request.priority)
+            ) as deltas:
+                async for delta in deltas:
+                    started = True
+                    if entry.handed_off:
+                        return False
+                    cached = getattr(delta, "num_cached_tokens", cached) or cached
+                    reason: FinishReason | None = delta.finish_reason
+                    if resumed is None:
+                        piece = delta.text
+                        tokens.extend(delta.token_ids)
+                    else:
+                        if resumed.feed(delta.token_ids):
+                            reason = "stop"  # a stop string across the resume point: the engine cannot see it
+                        if reason is not None:
+                            resumed.close(reason)
+                        piece = resumed.take(final=reason is not None)
+                        tokens = resumed.token_ids
+                    text += piece
+                    if piece or delta.token_ids:
+                        event = TokenEvent(request_id=rid, seq=seq, text=piece, token_ids=list(delta.token_ids))
+                        if not self._emit(entry, event):
+                            return False
+                        seq += 1
+                    if reason is not None:
+                        finish = reason
+                        break  # leaving the block aborts the engine request if it is still running
+        except ValueError as exc:
+            if started:
+                raise
+            # The engine refused the request outright (e.g. prompt + max_tokens over the context length).
+            code = "context_length_exceeded" if "max_model_len" in str(exc) else "invalid_request"
+            if not await self._fail(entry, code, str(exc), seq):
+                return False
+            await self._dead_letter(record, "rejected_by_engine", str(exc), rid)
+            return True
         if entry.handed_off:
-            return
-        await self._finish(request, seq, finish, tokens, text, len(prompt), cached)
+            return False
+        return await self._finish(entry, request, seq, finish, list(tokens), text, len(prompt), cached)
 
     async def _finish(
         self,
+        entry: _Active,
         request: InferenceRequest,
         seq: int,
         reason: FinishReason,
@@ -295,42 +456,88 @@ class Worker:
         text: str,
         prompt_tokens: int,
         cached: int,
-    ) -> None:
+    ) -> bool:
         usage = Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=len(tokens),
             total_tokens=prompt_tokens + len(tokens),
             cached_tokens=cached,
         )
-        self.publisher.add(DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage))
+        done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage)
+        if not self._emit(entry, done):
+            return False
         # The stream must hold ``done`` before the offset can be committed.
         await self.publisher.flush()
+        await self._publish_result(request, done, tokens, text)
+        self.served += 1
+        return True
+
+    async def _publish_result(self, request: InferenceRequest, done: DoneEvent, tokens: list[int], text: str) -> None:
+        """The final result to ``llm.results``, then the status record; a record that says the request
+        ended therefore means its result went out."""
         result = FinalResult(
             request_id=request.request_id,
             model=request.model,
             tenant=request.tenant,
             text=text,
             token_ids=tokens,
-            finish_reason=reason,
-            usage=usage,
+            finish_reason=done.finish_reason,
+            usage=done.usage,
             worker_id=self.config.worker_id,
             created_at=request.created_at,
         )
         await self._send(self.names.results_topic, result.model_dump_json().encode(), request.request_id)
-        status = "cancelled" if reason == "abort" else "finished"
+        status = "cancelled" if done.finish_reason == "abort" else "finished"
         await self._set_record(request, status, result)
-        self.served += 1
 
-    async def _fail(self, request_id: str, code: str, message: str, seq: int | None = None) -> None:
+    async def _fail(self, entry: _Active, code: str, message: str, seq: int | None = None) -> bool:
+        """End the request's stream with an ``error`` event; False when it was handed off meanwhile."""
+        request_id = entry.request_id
         if seq is None:
-            seq = (await read_stream_state(self.redis, self.names, request_id)).next_seq
-        self.publisher.add(ErrorEvent(request_id=request_id, seq=seq, code=code, message=message))
+            seq = (await self._redis_call(lambda: read_stream_state(self.redis, self.names, request_id))).next_seq
+        if not self._emit(entry, ErrorEvent(request_id=request_id, seq=seq, code=code, message=message[:2000])):
+            return False
         await self.publisher.flush()
-        raw = await self.redis.get(self.names.request_key(request_id))
+        raw = await self._redis_call(lambda: self.redis.get(self.names.request_key(request_id)))
         if raw is not None:
             record = RequestRecord.model_validate_json(raw)
             update = record.model_copy(update={"status": "failed", "updated_at": utcnow()})
-            await self.redis.set(self.names.request_key(request_id), update.model_dump_json(), keepttl=True)
+            await self._redis_call(
+                lambda: self.redis.set(self.names.request_key(request_id), update.model_dump_json(), keepttl=True)
+            )
+        return True
+
+    def _emit(self, entry: _Active, event: StreamEvent) -> bool:
+        """Queue one event for the next flush, unless the request was handed to another owner.
+
+        Every append goes through here with no await between the check and the add, so once
+        :meth:`hand_off` has flushed, nothing more is written for a request that moved away.
+        """
+        if entry.handed_off:
+            return False
+        self.publisher.add(event)
+        self._events.set()
+        return True
+
+    async def _cancel_requested(self, entry: _Active) -> bool:
+        rid = entry.request_id
+        if rid in self._early_cancels:
+            del self._early_cancels[rid]
+            entry.cancelled = True
+        if entry.cancelled:
+            return True
+        return bool(await self._redis_call(lambda: self.redis.exists(self.names.cancel_key(rid))))
+
+    async def _ended_before(self, request_id: str) -> bool:
+        """Whether the status record says the request ended (its stream has since expired)."""
+        raw = await self._redis_call(lambda: self.redis.get(self.names.request_key(request_id)))
+        if raw is None:
+            return False
+        try:
+            status = RequestRecord.model_validate_json(raw).status
+        except ValidationError:
+            return False
+        return status in ("finished", "cancelled", "failed")
 
     async def _set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
         record = RequestRecord(
@@ -343,33 +550,60 @@ class Worker:
             worker_id=self.config.worker_id,
             result=result,
         )
-        await self.redis.set(
-            self.names.request_key(request.request_id), record.model_dump_json(), ex=self.config.stream_ttl_s
-        )
+        key, value = self.names.request_key(request.request_id), record.model_dump_json()
+        await self._redis_call(lambda: self.redis.set(key, value, ex=self.config.stream_ttl_s))
 
-    async def _dead_letter(self, record: Any, reason: str, detail: str) -> None:
+    async def _redis_call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a Redis operation, retrying with backoff while Redis is unreachable (a restart, a failover).
+
+        The request waits rather than failing: its offset stays uncommitted, so nothing is lost either way.
+        """
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except _REDIS_DOWN as exc:
+                log.warning("worker.redis_unavailable", extra={"error": str(exc), "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.redis_retry_max_s)
+
+    async def _dead_letter(self, record: Any, reason: str, detail: str, request_id: str | None) -> None:
+        """Put the record on ``llm.dlq`` with its reason; retried until Kafka takes it (the offset waits)."""
         raw = record.value or b""
         letter = DeadLetter(
             reason=reason,
-            detail=detail,
+            detail=detail[:4000],
             source_topic=record.topic,
             source_partition=record.partition,
             source_offset=record.offset,
             payload=raw.decode("utf-8", errors="replace"),
-            request_id=_header(record, HEADER_REQUEST_ID),
+            request_id=request_id,
         )
-        await self.producer.send_and_wait(
-            self.names.dlq_topic,
-            letter.model_dump_json().encode(),
-            headers=[(HEADER_REASON, reason.encode())],
+        headers = [(HEADER_REASON, reason.encode())]
+        if request_id:
+            headers.append((HEADER_REQUEST_ID, request_id.encode()))
+        headers += [(k, v) for k, v in record.headers or () if k in (HEADER_TRACEPARENT, HEADER_TRACESTATE)]
+        await self._send(self.names.dlq_topic, letter.model_dump_json().encode(), request_id, headers)
+        self.dead_lettered += 1
+        log.warning(
+            "worker.dead_letter",
+            extra={"reason": reason, "detail": detail[:200], "topic": record.topic, "offset": record.offset},
         )
-        log.warning("worker.dead_letter", extra={"reason": reason, "detail": detail[:200], "offset": record.offset})
 
-    async def _send(self, topic: str, value: bytes, key: str) -> None:
-        try:
-            await self.producer.send_and_wait(topic, value, key=key.encode())
-        except KafkaError:
-            log.exception("worker.result_publish_failed", extra={"topic": topic})
+    async def _send(
+        self, topic: str, value: bytes, key: str | None, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
+        """Produce one record, retrying until Kafka acknowledges it: the request's offset waits meanwhile,
+        so a final result or a dead letter is never dropped (at worst sent twice after a crash)."""
+        delay = 0.2
+        while True:
+            try:
+                await self.producer.send_and_wait(topic, value, key=key.encode() if key else None, headers=headers)
+                return
+            except KafkaError as exc:
+                log.warning("worker.publish_failed", extra={"topic": topic, "error": repr(exc), "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     # --- background loops --------------------------------------------------------------------------
     async def _flush_loop(self) -> None:
@@ -420,6 +654,7 @@ class Worker:
                 while len(self._early_cancels) > 10_000:
                     self._early_cancels.popitem(last=False)
                 continue
+            log.info("worker.cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
             entry.cancelled = True
             await self.engine.abort(cancel.request_id)
 
@@ -448,9 +683,17 @@ class Worker:
                 pipe.hset(self.names.workers_key(self.config.model_name), self.config.worker_id, payload)
                 pipe.sadd(self.names.models_key, self.config.model_name)
                 await pipe.execute()
-            except (aioredis.ConnectionError, aioredis.TimeoutError) as exc:
+            except _REDIS_DOWN as exc:
+                # Skipped, not fatal: the next beat goes out once Redis is back.
                 log.warning("worker.heartbeat_redis_failed", extra={"error": str(exc)})
-            await self._send(self.names.heartbeats_topic, payload.encode(), self.config.worker_id)
+            # Not awaited: a slow Kafka acknowledgement must not delay the next beat that routing reads.
+            try:
+                sent = await self.producer.send(
+                    self.names.heartbeats_topic, payload.encode(), key=self.config.worker_id.encode()
+                )
+                sent.add_done_callback(_log_send_failure)
+            except KafkaError as exc:
+                log.warning("worker.heartbeat_kafka_failed", extra={"error": repr(exc)})
             elapsed = time.monotonic() - started
             await asyncio.sleep(max(0.0, self.config.heartbeat_interval_s - elapsed))
 
@@ -459,14 +702,68 @@ class Worker:
             await self.redis.hdel(self.names.workers_key(self.config.model_name), self.config.worker_id)
 
 
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    return f"{where}: {err['msg']}"
+def _log_send_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("worker.heartbeat_kafka_failed", extra={"error": repr(future.exception())})
+
+
+@dataclass(frozen=True)
+class _Rejection:
+    """Why a record is not a request; ``reason`` matches the router's DLQ reasons."""
+
+    reason: str
+    detail: str
+    request_id: str | None
+
+
+def _parse(record: Any) -> InferenceRequest | _Rejection:
+    raw = record.value
+    if not raw:
+        return _Rejection("empty_message", "the record has no value", _header(record, HEADER_REQUEST_ID))
+    try:
+        return InferenceRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        if error["type"] == "json_invalid":
+            return _Rejection("invalid_json", f"not valid JSON: {error['msg']}", _header(record, HEADER_REQUEST_ID))
+        if error["type"] == "model_type" and not error["loc"]:
+            return _Rejection("not_an_object", error["msg"], _header(record, HEADER_REQUEST_ID))
+        # Errors about the message as a whole (prompt vs messages) are reported on "prompt", as the router does.
+        where = _field_path(error["loc"]) or "prompt"
+        return _Rejection(f"schema_violation:{where}", f"{where}: {error['msg']}", _request_id_of(record))
+
+
+# Union branches appear in an error location under their type ("str", "list[int]", "function-after[...]").
+_BRANCH = re.compile(r"[\[\]\-]|^(str|int|float|bool|bytes|list|dict|none)$")
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """The dotted field path of a validation error, without union branch labels."""
+    return ".".join(str(p) for p in loc if isinstance(p, int) or not _BRANCH.search(p))
+
+
+def _request_id_of(record: Any) -> str | None:
+    """The request id from the header, else from the JSON body when there is one."""
+    rid = _header(record, HEADER_REQUEST_ID)
+    if rid:
+        return rid
+    try:
+        body = json.loads(record.value or b"")
+    except ValueError:
+        return None
+    value = body.get("request_id") if isinstance(body, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def _prompt_len_or_zero(request: InferenceRequest, tokenizer: Any) -> int:
+    try:
+        return len(prompt_token_ids(request, tokenizer))
+    except PromptError:
+        return 0
 
 
 def _header(record: Any, name: str) -> str | None:
     for key, value in record.headers or ():
-        if key == name:
+        if key == name and value is not None:
             return value.decode("utf-8", errors="replace")
     return None

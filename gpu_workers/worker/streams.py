@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import (
@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # Redis answers this when an explicit id is not above the stream's last one: a replayed append.
 _DUPLICATE_ID = "equal or smaller than the target stream top item"
 
+#: Errors that mean "Redis is not reachable right now" (down, restarting, loading its data, or a replica
+#: not yet promoted): callers wait and retry instead of failing the request.
+REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
+
 
 @dataclass
 class StreamState:
@@ -42,7 +46,12 @@ class StreamState:
     next_seq: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finished: bool = False
+    done: DoneEvent | None = None
+    error: ErrorEvent | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
 
     @property
     def delivered(self) -> int:
@@ -61,8 +70,10 @@ async def read_stream_state(redis: aioredis.Redis, names: Names, request_id: str
             tokens.append((event.seq, event.token_ids, event.text))
         elif isinstance(event, RestartEvent):
             tokens = [t for t in tokens if t[0] <= event.discard_after_seq]
-        elif isinstance(event, DoneEvent | ErrorEvent):
-            state.finished = True
+        elif isinstance(event, DoneEvent):
+            state.done = event
+        elif isinstance(event, ErrorEvent):
+            state.error = event
     state.token_ids = [tid for _, ids, _ in tokens for tid in ids]
     state.text = "".join(text for _, _, text in tokens)
     return state
@@ -84,6 +95,7 @@ class StreamPublisher:
         self._lock = asyncio.Lock()
         self.appended = 0
         self.duplicates = 0
+        self.retries = 0
 
     def add(self, event: StreamEvent) -> None:
         self._pending.append(event)
@@ -99,14 +111,21 @@ class StreamPublisher:
                 return
             batch, self._pending = self._pending, []
             delay = 0.05
-            while True:
-                try:
-                    await self._append(batch)
-                    return
-                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                    log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self._max_retry_delay_s)
+            try:
+                while True:
+                    try:
+                        await self._append(batch)
+                        return
+                    except REDIS_UNAVAILABLE as exc:
+                        self.retries += 1
+                        log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, self._max_retry_delay_s)
+            except BaseException:
+                # Cancelled (a drain timeout) or failed: the batch holds other requests' events too, and
+                # dropping them would leave gaps in their streams; keep them for the next flush, in order.
+                self._pending[:0] = batch
+                raise
 
     async def _append(self, batch: list[StreamEvent]) -> None:
         pipe = self._redis.pipeline(transaction=False)
@@ -122,6 +141,6 @@ class StreamPublisher:
                     self.duplicates += 1
                     continue
                 raise result
-            if isinstance(result, (RedisConnectionError, RedisTimeoutError)):
+            if isinstance(result, REDIS_UNAVAILABLE):
                 raise result
         self.appended += len(batch)

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,6 +36,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gpu_workers.engine.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
+
+
+@pytest.fixture(scope="session")
+def paced_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A larger random model (6 layers, hidden 384: ~5 ms a token on one idle CPU core) for tests that must act
+    while a request is mid-generation; such a module overrides ``tiny_model_dir`` to return this one."""
+    from gpu_workers.engine.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "paced", arch="llama", num_layers=6, hidden_size=384)
+
+
+@pytest.fixture(scope="module")
+def pipeline_env() -> dict[str, str]:
+    """Extra environment for every service of a module's pipeline; a test module overrides it."""
+    return {}
 
 
 @dataclass
@@ -64,6 +80,7 @@ class Pipeline:
     services: list[Service] = field(default_factory=list)
     api_key: str = API_KEY
     model: str = MODEL_NAME
+    _redis: Any = None
 
     def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Service:
         log_path = self.log_dir / f"{name}.log"
@@ -122,6 +139,59 @@ class Pipeline:
         logs = "\n".join(s.log() for s in self.services if s.name.startswith("worker"))
         raise AssertionError(f"fewer than {count} workers heartbeating:\n{logs}")
 
+    # --- helpers for fault tests --------------------------------------------------------------------
+    def redis(self) -> Any:
+        """A synchronous Redis client on the pipeline's server (shared, closed by ``stop_all``)."""
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.redis_url)
+        return self._redis
+
+    def find(self, name: str) -> Service:
+        """The most recently started service called ``name``."""
+        return next(s for s in reversed(self.services) if s.name == name)
+
+    def submit(self, **body: Any) -> dict[str, Any]:
+        """``POST /v1/requests`` (the model is filled in); returns the 202 body (request_id, stream_url...)."""
+        response = httpx.post(
+            f"{self.ingress_url}/v1/requests", json={"model": self.model, **body}, headers=self.headers(), timeout=30
+        )
+        assert response.status_code == 202, response.text
+        return response.json()
+
+    def stream_events(self, request_id: str) -> list[Any]:
+        """The request's stream events as the worker appended them (parsed contracts)."""
+        from schemas import STREAM_FIELD, Names, parse_stream_event
+
+        entries = self.redis().xrange(Names(self.prefix).stream_key(request_id))
+        return [parse_stream_event(fields[STREAM_FIELD.encode()]) for _, fields in entries]
+
+    def wait_stream_end(self, request_id: str, timeout_s: float = 60) -> list[Any]:
+        """The stream's events once it holds ``done`` or ``error``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            events = self.stream_events(request_id)
+            if events and events[-1].type in ("done", "error"):
+                return events
+            time.sleep(0.05)
+        events = self.stream_events(request_id)
+        raise AssertionError(f"stream of {request_id} did not end within {timeout_s}s: {events[-3:]}")
+
+    def record(self, request_id: str) -> Any:
+        """The request's status record (``RequestRecord``), or None."""
+        from schemas import Names, RequestRecord
+
+        raw = self.redis().get(Names(self.prefix).request_key(request_id))
+        return None if raw is None else RequestRecord.model_validate_json(raw)
+
+    def heartbeats(self) -> dict[str, Any]:
+        """Worker id -> latest ``WorkerHeartbeat`` of the pipeline's model."""
+        from schemas import Names, WorkerHeartbeat
+
+        raw = self.redis().hgetall(Names(self.prefix).workers_key(self.model))
+        return {k.decode(): WorkerHeartbeat.model_validate_json(v) for k, v in raw.items()}
+
     def stop_all(self) -> None:
         for service in reversed(self.services):
             if service.alive():
@@ -131,13 +201,20 @@ class Pipeline:
                 service.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 service.process.kill()
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
 
 
 @pytest.fixture(scope="module")
 def pipeline(
-    kafka_bootstrap: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    kafka_bootstrap: str,
+    redis_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    pipeline_env: dict[str, str],
 ) -> Iterator[Pipeline]:
-    """Router, ingress, result service and one worker, under a prefix of their own."""
+    """Router, ingress, result service and one worker, under a prefix of their own (plus ``pipeline_env``)."""
     prefix = f"e{uuid.uuid4().hex[:8]}."
     ingress_port, result_port = free_port(), free_port()
     env = {
@@ -156,6 +233,7 @@ def pipeline(
         "SLUICEGATE_HEARTBEAT_INTERVAL_S": "0.5",
         "SLUICEGATE_KV_CACHE_GB": "0.05",
         "SLUICEGATE_LOG_LEVEL": "INFO",
+        **pipeline_env,
     }
     log_dir = tmp_path_factory.mktemp("pipeline-logs")
     pipe = Pipeline(

@@ -1,0 +1,243 @@
+"""The dead-letter topic ``llm.dlq``: list what is on it, and replay the original requests.
+
+Both read the topic from the beginning with no consumer group (nothing is committed, so any number of
+operators can look at once) up to the end offsets taken when the command starts.
+
+Replay republishes a dead letter's original payload to ``llm.inbound``, not to its source topic: the
+router then validates it again and routes it by the current load and tier, exactly as for any
+Kafka-native producer, whether the router or a worker dead-lettered it. Entries whose payload is still
+not a valid, unexpired request are skipped with the reason. A request whose stream already ended with
+``done`` is skipped (it was served); one that ended with ``error`` has its stream cleared and its status
+record set back to ``queued``, so the worker runs it afresh instead of skipping it as finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from aiokafka.structs import ConsumerRecord, TopicPartition
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from schemas import STREAM_FIELD, DeadLetter, InferenceRequest, Names, RequestRecord, parse_stream_event, utcnow
+from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.kafka import create_admin, create_consumer, create_producer
+from sluicegate.redis_client import create_redis
+from sluicegate.settings import Settings
+
+
+@dataclass
+class DlqEntry:
+    """One record of the DLQ topic; ``letter`` is None when the record is not a ``DeadLetter``."""
+
+    partition: int
+    offset: int
+    timestamp: datetime
+    reason: str
+    letter: DeadLetter | None
+    problem: str = ""
+
+    @property
+    def request_id(self) -> str | None:
+        return self.letter.request_id if self.letter is not None else None
+
+
+async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[ConsumerRecord]:
+    """Every record of ``topic`` from the beginning to its end offsets as of now (empty if it does not exist)."""
+    admin = create_admin(bootstrap=bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    info = described[0] if described else None
+    if info is None or info["error_code"] != 0:
+        return []
+    parts = [TopicPartition(topic, p["partition"]) for p in info["partitions"]]
+    consumer = create_consumer(group_id=None, bootstrap=bootstrap, client_id="sluicegate-dlq")
+    await consumer.start()
+    try:
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        end = await consumer.end_offsets(parts)
+        records: list[ConsumerRecord] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # With read_committed, aborted transactional records never arrive but still use offsets, so the
+        # position (not the count of records) says when the end is reached.
+        while any([await consumer.position(tp) < end[tp] for tp in parts]):
+            if loop.time() > deadline:
+                raise TimeoutError(f"reading {topic} did not reach its end offsets within {timeout_s:.0f}s")
+            batch = await consumer.getmany(*parts, timeout_ms=500)
+            for tp_records in batch.values():
+                records.extend(r for r in tp_records if r.offset < end[TopicPartition(r.topic, r.partition)])
+        return records
+    finally:
+        await consumer.stop()
+
+
+def _entry(record: ConsumerRecord) -> DlqEntry:
+    header = next((v.decode(errors="replace") for k, v in record.headers or () if k == HEADER_REASON and v), None)
+    stamp = datetime.fromtimestamp(record.timestamp / 1000, UTC)
+    try:
+        letter = DeadLetter.model_validate_json(record.value or b"")
+    except ValidationError as exc:
+        problem = f"not a DeadLetter record: {exc.errors(include_url=False)[0]['msg']}"
+        return DlqEntry(record.partition, record.offset, stamp, header or "unknown", None, problem)
+    return DlqEntry(record.partition, record.offset, stamp, header or letter.reason, letter)
+
+
+async def list_entries(settings: Settings, limit: int | None = None) -> list[DlqEntry]:
+    """DLQ entries, oldest first; with ``limit``, only the most recent ``limit``."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    topic = Names(settings.topic_prefix).dlq_topic
+    entries = sorted((_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic)), key=_order)
+    return entries[-limit:] if limit is not None else entries
+
+
+def _order(entry: DlqEntry) -> tuple[datetime, int, int]:
+    return (entry.timestamp, entry.partition, entry.offset)
+
+
+def format_entry(entry: DlqEntry) -> str:
+    """One line per entry: when, why, where it came from, which request, and the detail."""
+    when = entry.timestamp.isoformat(timespec="seconds").replace("+00:00", "Z")
+    if entry.letter is None:
+        return f"{when}  reason={entry.reason}  dlq={entry.partition}@{entry.offset}  {entry.problem}"
+    letter = entry.letter
+    source = f"{letter.source_topic}[{letter.source_partition}]@{letter.source_offset}"
+    detail = " ".join(letter.detail.split())
+    if len(detail) > 160:
+        detail = detail[:157] + "..."
+    return (
+        f"{when}  reason={entry.reason}  source={source}  request_id={letter.request_id or '-'}  "
+        f"detail={json.dumps(detail, ensure_ascii=False)}"
+    )
+
+
+Action = Literal["replayed", "would replay", "skipped"]
+
+
+@dataclass
+class ReplayOutcome:
+    entry: DlqEntry
+    action: Action
+    message: str
+
+    def line(self) -> str:
+        source = f"{self.entry.partition}@{self.entry.offset}"
+        return f"{self.action:<12}  dlq={source}  request_id={self.entry.request_id or '-'}  {self.message}"
+
+
+def _matches(entry: DlqEntry, reason: str | None, request_id: str | None) -> bool:
+    # A reason matches itself and its detailed forms: "schema_violation" matches "schema_violation:prompt".
+    if reason is not None and entry.reason != reason and not entry.reason.startswith(reason + ":"):
+        return False
+    return request_id is None or entry.request_id == request_id
+
+
+def check_payload(letter: DeadLetter) -> InferenceRequest | str:
+    """The request to replay, or why it still cannot be served."""
+    try:
+        request = InferenceRequest.model_validate_json(letter.payload)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in error["loc"]) or "message"
+        return f"payload is still invalid ({where}: {error['msg']})"
+    if request.expired():
+        assert request.deadline is not None
+        return f"its deadline {request.deadline.isoformat()} has passed"
+    return request
+
+
+async def _prepare_stream(redis: Redis, names: Names, request: InferenceRequest, dry_run: bool) -> str | None:
+    """None when the request may run again (after clearing a failed stream); else why to skip it."""
+    key = names.stream_key(request.request_id)
+    last = await redis.xrevrange(key, "+", "-", count=1)
+    if not last:
+        return None
+    event = parse_stream_event(last[0][1][STREAM_FIELD.encode()])
+    if event.type == "done":
+        return "already finished: its stream ends with done"
+    if event.type == "error" and not dry_run:
+        raw = await redis.get(names.request_key(request.request_id))
+        pipe = redis.pipeline(transaction=True)
+        pipe.delete(key)
+        if raw is not None:
+            record = RequestRecord.model_validate_json(raw)
+            queued = record.model_copy(update={"status": "queued", "updated_at": utcnow(), "result": None})
+            pipe.set(names.request_key(request.request_id), queued.model_dump_json(), keepttl=True)
+        await pipe.execute()
+    return None
+
+
+async def replay(
+    settings: Settings,
+    *,
+    reason: str | None = None,
+    request_id: str | None = None,
+    dry_run: bool = False,
+) -> list[ReplayOutcome]:
+    """Republish matching dead letters to ``llm.inbound`` (see the module docstring); one outcome each."""
+    names = Names(settings.topic_prefix)
+    entries = [e for e in await list_entries(settings) if _matches(e, reason, request_id)]
+    outcomes: list[ReplayOutcome] = []
+    redis = create_redis(settings, client_name="sluicegate-dlq")
+    producer = None if dry_run else create_producer(settings, client_id="sluicegate-dlq")
+    if producer is not None:
+        await producer.start()
+    replayed: set[str] = set()
+    try:
+        # Newest first, so that of several letters for one request the latest is the one replayed.
+        for entry in sorted(entries, key=_order, reverse=True):
+            if entry.letter is None:
+                outcomes.append(ReplayOutcome(entry, "skipped", entry.problem))
+                continue
+            checked = check_payload(entry.letter)
+            if isinstance(checked, str):
+                outcomes.append(ReplayOutcome(entry, "skipped", checked))
+                continue
+            if checked.request_id in replayed:
+                outcomes.append(ReplayOutcome(entry, "skipped", "a newer letter for this request is replayed"))
+                continue
+            why_not = await _prepare_stream(redis, names, checked, dry_run)
+            if why_not is not None:
+                outcomes.append(ReplayOutcome(entry, "skipped", why_not))
+                continue
+            replayed.add(checked.request_id)
+            if producer is None:
+                outcomes.append(ReplayOutcome(entry, "would replay", f"to {names.inbound_topic}"))
+                continue
+            await producer.send_and_wait(
+                names.inbound_topic,
+                entry.letter.payload.encode(),
+                key=checked.request_id.encode(),
+                headers=_headers(checked),
+            )
+            outcomes.append(ReplayOutcome(entry, "replayed", f"to {names.inbound_topic}"))
+    finally:
+        if producer is not None:
+            await producer.stop()
+        await redis.aclose()
+    outcomes.sort(key=lambda o: _order(o.entry))
+    return outcomes
+
+
+def _headers(request: InferenceRequest) -> list[tuple[str, bytes]]:
+    headers = [(HEADER_REQUEST_ID, request.request_id.encode())]
+    if request.trace is not None:
+        headers.append((HEADER_TRACEPARENT, request.trace.traceparent.encode()))
+        if request.trace.tracestate:
+            headers.append((HEADER_TRACESTATE, request.trace.tracestate.encode()))
+    return headers
+
+
+def summary(outcomes: Sequence[ReplayOutcome]) -> str:
+    counts = {action: sum(o.action == action for o in outcomes) for action in ("replayed", "would replay", "skipped")}
+    return ", ".join(f"{n} {action}" for action, n in counts.items() if n) or "no matching entries"
