@@ -1,0 +1,238 @@
+"""Online API: an asyncio front over ``LLMEngine`` whose step loop runs in its own thread.
+
+Requests and aborts travel to the step thread through a thread-safe queue; deltas come back onto
+the event loop with ``loop.call_soon_threadsafe``, one callback per step. The event loop never
+waits on the model: only validation and tokenization of a new prompt run on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .config import EngineConfig
+from .engine_core import LLMEngine, PromptInput
+from .outputs import EngineStats, RequestDelta
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+_STOP = "stop"
+_ADD = "add"
+_ABORT = "abort"
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestDelta``s; ends after the finished delta."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncEngine:
+    """Continuous-batching engine for asyncio servers.
+
+    Build it from a model folder (same keyword arguments as ``LLM``) or around an existing
+    ``LLMEngine``; use ``async with`` or ``start()``/``shutdown()``.
+    """
+
+    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None, **engine_kwargs: Any) -> None:
+        if engine is None:
+            if model is None:
+                raise ValueError("AsyncEngine needs a model path or an LLMEngine")
+            engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        elif model is not None or engine_kwargs:
+            raise ValueError("pass either an LLMEngine or model arguments, not both")
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._stats = engine.stats()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
+        if self.is_running:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="sluicegate-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the step thread; requests still in flight finish with ``finish_reason="abort"``."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._commands.put((_STOP, None))
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        self._thread = None
+        # The thread is gone, so touching the engine from here is safe.
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == _ADD:
+                self.engine.add_sequence(payload)
+        deltas = [d for rid in list(self._streams) if (d := self.engine.abort_request(rid)) is not None]
+        self._deliver(deltas)
+        self._stats = self.engine.stats()
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: str = "standard",
+    ) -> RequestStream:
+        """Validate and queue a request (call on the event loop); returns its delta stream.
+
+        ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens.
+        Raises ``ValueError`` at once for a request that can never run.
+        """
+        self._ensure_started()
+        if request_id is not None and request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        seq: Sequence = self.engine.make_sequence(prompt, params, request_id=request_id, priority=priority)
+        stream = RequestStream(seq.request_id)
+        self._streams[seq.request_id] = stream
+        self._commands.put((_ADD, seq))
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: str = "standard",
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's deltas; leaving the loop early aborts the request."""
+        stream = self.add_request(prompt, params, request_id=request_id, priority=priority)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            if not stream.finished:
+                self._commands.put((_ABORT, stream.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a delta whose ``finish_reason`` is ``"abort"``."""
+        self._commands.put((_ABORT, request_id))
+
+    def stats(self) -> EngineStats:
+        """Snapshot taken by the step thread after its latest step (cheap, never blocks)."""
+        return self._stats
+
+    # ------------------------------------------------------------------ step thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._drain_commands(block=not engine.has_unfinished()):
+                    return
+                if engine.has_unfinished():
+                    deltas = engine.step()
+                    if deltas:
+                        self._post(self._deliver, deltas)
+                self._stats = engine.stats()
+        except BaseException as exc:  # the loop must report any failure to every waiting stream
+            self._error = exc
+            self._post(self._fail_all, exc)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued adds/aborts; False when asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, payload = command
+            if kind == _STOP:
+                return False
+            if kind == _ADD:
+                try:
+                    self.engine.add_sequence(payload)
+                except ValueError as exc:
+                    self._post(self._fail_one, payload.request_id, exc)
+            elif kind == _ABORT:
+                delta = self.engine.abort_request(payload)
+                if delta is not None:
+                    self._post(self._deliver, [delta])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        # The loop may be closed if the application exits without shutdown().
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(callback, *args)
+
+    # ------------------------------------------------------------------ event-loop side
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            stream.put(delta)
+            if delta.finished:
+                del self._streams[delta.request_id]
+
+    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = RuntimeError(f"engine loop failed: {exc!r}")
+        error.__cause__ = exc
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()

@@ -1,0 +1,135 @@
+"""Pure-torch reference attention over the paged KV cache (the CPU backend).
+
+Each sequence's context is read straight out of the cache: its block table is split into runs of
+consecutive blocks (the block manager keeps a sequence's blocks consecutive when it can), and a
+run is a plain view of the flat ``[slots, kv_heads, head_dim]`` cache, so a well-placed sequence
+costs no copy at all; only a fragmented one concatenates its runs. On a CPU, where memory
+bandwidth is the bottleneck, this beats gathering every sequence into one padded tensor by an
+order of magnitude even though it loops over sequences. The runs are worked out once per step
+and reused by every layer.
+
+Decode rows fold the query heads that share a KV head into the query-length axis (no causal mask
+is needed for a single query), so grouped-query attention needs no K/V copies; prefill chunks use
+``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask offset by the cached context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .metadata import AttentionMetadata
+
+# Flat slot ranges [start, end) that, concatenated, hold one sequence's context in order.
+SlotRuns = list[tuple[int, int]]
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's K/V at their slots; slots of -1 are skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    flat_k.index_copy_(0, slot_mapping, k)
+    flat_v.index_copy_(0, slot_mapping, v)
+
+
+def context_runs(block_table: list[int], seq_len: int, block_size: int) -> SlotRuns:
+    """Split a sequence's first ``seq_len`` slots into runs of consecutive cache slots."""
+    num_blocks = -(-seq_len // block_size)
+    runs: SlotRuns = []
+    start = prev = block_table[0]
+    for block in block_table[1:num_blocks]:
+        if block != prev + 1:
+            runs.append((start * block_size, (prev + 1) * block_size))
+            start = block
+        prev = block
+    runs.append((start * block_size, (prev + 1) * block_size))
+    # The last block is only partly filled: trim the final run to the context length.
+    excess = num_blocks * block_size - seq_len
+    last_start, last_end = runs[-1]
+    runs[-1] = (last_start, last_end - excess)
+    return runs
+
+
+def _read(flat_cache: torch.Tensor, runs: SlotRuns) -> torch.Tensor:
+    """``[ctx, kv_heads, head_dim]`` context of one sequence: a view when it is one run."""
+    if len(runs) == 1:
+        start, end = runs[0]
+        return flat_cache[start:end]
+    return torch.cat([flat_cache[start:end] for start, end in runs])
+
+
+class TorchAttentionBackend:
+    """Reference backend; correct on any device, tuned for CPU serving of small models."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        # Per-step plan, rebuilt when a new metadata object arrives (the model runner makes one
+        # per step and every layer receives the same one).
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: list[SlotRuns] = []
+
+    def _runs_for(self, meta: AttentionMetadata, block_size: int, seq_lens: list[int]) -> list[SlotRuns]:
+        if self._plan_meta is not meta:
+            tables = meta.block_tables.tolist()
+            self._plan = [context_runs(tables[i], n, block_size) for i, n in enumerate(seq_lens)]
+            self._plan_meta = meta
+        return self._plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        runs = self._runs_for(meta, block_size, seq_lens)
+        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+        for i, ctx_len in enumerate(seq_lens):
+            start, end = query_start[i], query_start[i + 1]
+            q_len = end - start
+            if q_len == 0:
+                continue
+            if q_len == 1:
+                keys = _read(flat_k, runs[i]).transpose(0, 1)  # [kv_heads, ctx, d]
+                values = _read(flat_v, runs[i]).transpose(0, 1)
+                query = q[start].view(num_kv_heads, group, head_dim)
+                attn = F.scaled_dot_product_attention(query, keys, values, scale=scale)
+                out[start] = attn.view(num_heads, head_dim)
+                continue
+            query = q[start:end].transpose(0, 1)  # [heads, q_len, d]
+            if ctx_len == q_len:
+                # Whole sequence in this step: attend over the fresh K/V, plain causal mask.
+                keys, values, mask = k[start:end], v[start:end], None
+            else:
+                keys, values = _read(flat_k, runs[i]), _read(flat_v, runs[i])
+                positions = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+                mask = torch.arange(ctx_len, device=q.device)[None, :] <= positions[:, None]
+            attn = F.scaled_dot_product_attention(
+                query,
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=group > 1,
+            )
+            out[start:end] = attn.transpose(0, 1)
+        return out

@@ -1,0 +1,208 @@
+"""Paged KV-cache block accounting: ref-counted blocks, prefix caching by chained block hashes,
+least-recently-used eviction of free cached blocks, and prefix hit counters."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+# How far the placement cursor looks for a fresh block before falling back to the LRU queue.
+_PLACEMENT_PROBES = 64
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """Content hash of one full block, chained on its parent's hash so it names the whole prefix."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class KVBlockManager:
+    """Owns every KV block id and decides which sequence holds which blocks.
+
+    A block is *free* when no sequence references it. Free blocks queue in ``_free`` from least to
+    most recently released. A free block that still carries a hash stays findable in ``_cached``
+    until it is handed out again (evicted), so a later request with the same prefix can pick it
+    back up; eviction follows the queue order. Free blocks without cached content may be taken
+    out of order to keep each sequence's blocks consecutive (see ``_next_block``).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self._cursor = 0
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of looked-up tokens that came from the prefix cache."""
+        if self.prefix_query_tokens == 0:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        tokens = seq.token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks, without taking them.
+
+        The hit never covers the last token, so the model always has at least one token to run
+        and produces logits for the next one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        hits: list[int] = []
+        for h in seq.block_hashes[:max_blocks]:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are now full of computed K/V under their hashes."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        self._extend_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block_id = seq.block_ids[i]
+            if self._block_hash[block_id] is not None:
+                continue
+            h = seq.block_hashes[i]
+            # A block with the same content may already be cached (two requests prefilled the same
+            # prefix at once); keep the first and let this one stay anonymous.
+            if h not in self._cached:
+                self._cached[h] = block_id
+                self._block_hash[block_id] = h
+        seq.num_registered_blocks = num_full
+
+    # ------------------------------------------------------------------ allocation
+    def _take_cached(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._free[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        h = self._block_hash[block_id]
+        if h is not None:
+            # Evict: the block is about to be overwritten with other content.
+            if self._cached.get(h) == block_id:
+                del self._cached[h]
+            self._block_hash[block_id] = None
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _is_fresh(self, block_id: int) -> bool:
+        """Free and holding no cached content, so taking it out of LRU order costs nothing."""
+        return (
+            0 <= block_id < self.num_blocks and self._ref_counts[block_id] == 0 and self._block_hash[block_id] is None
+        )
+
+    def _claim(self, block_id: int) -> int:
+        del self._free[block_id]
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _next_block(self, seq: Sequence) -> int:
+        """Pick the sequence's next block, keeping its blocks consecutive when that is free.
+
+        Consecutive blocks let attention read a sequence's K/V in place instead of gathering it.
+        Placement is best effort: the block right after the sequence's last one if fresh, else the
+        start of a fresh stretch found from a roving cursor (which then skips past the room the
+        whole request may grow into), else the least recently used free block.
+        """
+        if seq.block_ids and self._is_fresh(seq.block_ids[-1] + 1):
+            return self._claim(seq.block_ids[-1] + 1)
+        room = self.blocks_for(seq.num_prompt_tokens + seq.max_tokens) - len(seq.block_ids)
+        candidate = self._cursor
+        for _ in range(_PLACEMENT_PROBES):
+            if candidate >= self.num_blocks:
+                candidate = 0
+            if self._is_fresh(candidate):
+                self._cursor = candidate + max(room, 1)
+                return self._claim(candidate)
+            candidate += 1
+        return self._pop_free()
+
+    def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Give a block-less sequence its prefix hits plus blocks for ``num_new_tokens`` more tokens.
+
+        All or nothing: returns False and changes nothing when the free pool is too small.
+        """
+        if seq.block_ids:
+            raise RuntimeError(f"request {seq.request_id} already holds blocks")
+        num_hit_tokens = len(hits) * self.block_size
+        num_new_blocks = self.blocks_for(num_hit_tokens + num_new_tokens) - len(hits)
+        # Hit blocks that sit in the free queue stop being allocatable once we take them.
+        free_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
+        if num_new_blocks > len(self._free) - free_hits:
+            return False
+        for block_id in hits:
+            self._take_cached(block_id)
+        seq.block_ids = list(hits)
+        for _ in range(num_new_blocks):
+            seq.block_ids.append(self._next_block(seq))
+        seq.num_computed_tokens = num_hit_tokens
+        seq.num_registered_blocks = len(hits)
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+        return True
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow a running sequence's blocks to hold ``num_new_tokens`` more tokens; False if no room."""
+        needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            seq.block_ids.append(self._next_block(seq))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Tail blocks are queued first so that they are evicted
+        before the prefix blocks other requests are more likely to share."""
+        for block_id in reversed(seq.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+            elif self._ref_counts[block_id] < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+        seq.block_ids = []
+        seq.num_registered_blocks = 0

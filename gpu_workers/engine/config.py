@@ -1,0 +1,101 @@
+"""Engine configuration: one validated dataclass holding every knob the engine reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+KNOWN_ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype | None:
+    """Map a user dtype spelling onto a torch dtype; ``"auto"`` maps to ``None`` (resolved at load)."""
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPE_NAMES.values():
+            raise ValueError(f"unsupported dtype {value}; use float32, bfloat16 or float16")
+        return value
+    name = str(value).lower().removeprefix("torch.")
+    if name == "auto":
+        return None
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {value!r}; use 'auto', 'float32', 'bfloat16' or 'float16'")
+    return _DTYPE_NAMES[name]
+
+
+@dataclass
+class EngineConfig:
+    """Construction arguments of ``LLM``/``AsyncEngine``; checked once in ``__post_init__``.
+
+    ``num_kv_blocks=None`` sizes the paged KV cache from free memory: on CUDA a
+    ``gpu_memory_utilization`` share of device memory minus what the weights and a profiled
+    forward pass use; on CPU ``cpu_kv_cache_gb`` GiB, never more than ``max_num_seqs`` full-length
+    sequences need.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device = "cpu"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0
+    attention_backend: str = "auto"
+    quantization: str | None = None
+    seed: int = 0
+    torch_dtype: torch.dtype | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, Path)) or not str(self.model):
+            raise ValueError("model must be a local Hugging Face folder or a hub id")
+        self.model = str(self.model)
+        self.torch_dtype = parse_dtype(self.dtype)
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but CUDA is not available")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {self.device}; use 'cpu' or 'cuda'")
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gb <= 0:
+            raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.attention_backend not in KNOWN_ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; "
+                f"choose one of {', '.join(KNOWN_ATTENTION_BACKENDS)}"
+            )
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

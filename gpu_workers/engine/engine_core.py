@@ -1,0 +1,296 @@
+"""The synchronous engine: admit requests, run one scheduling + forward + sampling step at a time,
+apply stop rules, and report per-request deltas. Not thread-safe; ``AsyncEngine`` drives it from
+one thread."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+
+import torch
+
+from .attention import get_attention_backend
+from .block_manager import KVBlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .models.loader import load_model
+from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestStatus, Sequence, parse_priority
+from .tokenizer import load_tokenizer, resolve_eos_token_ids
+
+PromptInput = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = load_model(config)
+        self.device = torch.device(config.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.loaded.path)
+        self.eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
+        self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
+        self.max_model_len = self.loaded.max_model_len
+        self.vocab_size = self.loaded.vocab_size
+        block_size = config.block_size
+        backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype)
+        self.runner = ModelRunner(self.loaded, backend, block_size)
+        num_blocks = config.num_kv_blocks or self.runner.profile_num_blocks(config, self.max_model_len)
+        if num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens) "
+                f"cannot hold one request of max_model_len={self.max_model_len} tokens; give it more blocks "
+                "(num_kv_blocks, cpu_kv_cache_gb or gpu_memory_utilization) or lower max_model_len"
+            )
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = KVBlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(config.seed, self.device)
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+
+    @property
+    def attention_backend_name(self) -> str:
+        return self.runner.backend.name
+
+    # ------------------------------------------------------------------ admission
+    def make_sequence(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: str = "standard",
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """Validate and tokenize a request without touching engine state (safe from any thread)."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        rank = parse_priority(priority)
+        text: str | None = None
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = list(self.tokenizer(prompt).input_ids)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError("a prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        n = len(token_ids)
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - n
+            if max_tokens < 1:
+                raise ValueError(f"prompt has {n} tokens, leaving no room under max_model_len={self.max_model_len}")
+        else:
+            max_tokens = params.max_tokens
+            if n + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_model_len={self.max_model_len}"
+                )
+        # The constructor guarantees the cache holds max_model_len tokens, so a request that
+        # passes the check above always fits once it has the pool to itself.
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        return Sequence(
+            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=rank,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            arrival_index=next(self._arrivals),
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens, self.special_token_ids
+            ),
+            generator=generator,
+        )
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: str = "standard",
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ``ValueError`` for a request that can never run."""
+        seq = self.make_sequence(prompt, params, request_id, priority, arrival_time)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Stop a waiting or running request and free its blocks; returns its final delta, or None
+        when the id is unknown or already finished."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        seq.finish_time = time.time()
+        return self._make_delta(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestDelta]:
+        """Run one engine iteration; returns a delta for every request that produced a token."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are pending")
+            return []
+        self.num_steps += 1
+        now = time.time()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sample_seqs, logits = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+        if logits is None:
+            return []
+        tokens = self.sampler(logits, sample_seqs)
+        now = time.time()
+        outputs = []
+        for seq, token in zip(sample_seqs, tokens, strict=True):
+            self._append_token(seq, token, now)
+            outputs.append(self._make_delta(seq))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        delta = seq.detokenizer.step(token)
+        seq.text += delta
+        status = self._check_stop(seq, token, delta)
+        if status is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if seq.stop_reason is None or isinstance(seq.stop_reason, int):
+                # Not cut at a stop string: the text is everything the tokens decode to.
+                seq.text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, status)
+            seq.finish_time = now
+            del self._requests[seq.request_id]
+
+    @staticmethod
+    def _check_stop(seq: Sequence, token: int, delta: str) -> RequestStatus | None:
+        params = seq.params
+        if seq.num_output_tokens < params.min_tokens:
+            return None
+        if token in seq.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_list and delta:
+            text = seq.text
+            # A match must involve the new text; earlier text was already checked.
+            search_from = max(0, len(text) - len(delta) - params.max_stop_len + 1)
+            best: tuple[int, str] | None = None
+            for stop in params.stop_list:
+                idx = text.find(stop, search_from)
+                if idx != -1 and (best is None or idx < best[0]):
+                    best = (idx, stop)
+            if best is not None:
+                seq.text = text[: best[0]]
+                seq.stop_reason = best[1]
+                return RequestStatus.FINISHED_STOPPED
+        return None
+
+    # ------------------------------------------------------------------ outputs
+    def _make_delta(self, seq: Sequence) -> RequestDelta:
+        finished = seq.is_finished
+        if finished:
+            emit_to = len(seq.text)
+        else:
+            # Hold back a tail that could still grow into a stop string (it would be cut).
+            held = seq.params.max_stop_len - 1 if seq.params.stop_list else 0
+            emit_to = max(seq.num_text_sent, len(seq.text) - held)
+        text = seq.text[seq.num_text_sent : emit_to]
+        seq.num_text_sent = emit_to
+        start = seq.num_prompt_tokens + seq.num_tokens_sent
+        new_tokens = seq.token_ids[start:]
+        seq.num_tokens_sent = seq.num_output_tokens
+        return RequestDelta(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=new_tokens,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_output_tokens=seq.num_output_tokens,
+            final=self._make_output(seq) if finished else None,
+        )
+
+    @staticmethod
+    def _make_output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_scheduled_time=seq.first_scheduled_time,
+                first_token_time=seq.first_token_time,
+                finish_time=seq.finish_time,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens or 0,
+                num_output_tokens=seq.num_output_tokens,
+                num_preemptions=seq.num_preemptions,
+            ),
+        )
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_hit_rate,
+            prefix_cache_queries=bm.prefix_query_tokens,
+            prefix_cache_hits=bm.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

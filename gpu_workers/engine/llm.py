@@ -1,0 +1,110 @@
+"""Offline entry point shaped like vLLM's ``LLM``: build once, ``generate`` over many prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .config import EngineConfig
+from .engine_core import LLMEngine, PromptInput
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+def normalize_prompts(prompts: PromptInput | SequenceABC[PromptInput]) -> list[PromptInput]:
+    """One prompt (a string or a list of ids) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]
+        return [p if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+    raise ValueError("prompts must be a string, a list of token ids, or a list of those")
+
+
+class LLM:
+    """Load a model and tokenizer from a Hugging Face folder and generate with continuous batching."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        cpu_kv_cache_gb: float = 2.0,
+        attention_backend: str = "auto",
+        quantization: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kv_cache_gb=cpu_kv_cache_gb,
+            attention_backend=attention_backend,
+            quantization=quantization,
+            seed=seed,
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | SequenceABC[PromptInput],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        priority: str = "standard",
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order.
+
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list of the same length.
+        Every request is validated before any is queued, so a bad one leaves the engine untouched.
+        """
+        prompt_list = normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        seqs = [
+            self.engine.make_sequence(p, sp, priority=priority) for p, sp in zip(prompt_list, params_list, strict=True)
+        ]
+        for seq in seqs:
+            self.engine.add_sequence(seq)
+        pending = {seq.request_id for seq in seqs}
+        results: dict[str, RequestOutput] = {}
+        try:
+            while pending:
+                for delta in self.engine.step():
+                    if delta.final is not None and delta.request_id in pending:
+                        results[delta.request_id] = delta.final
+                        pending.discard(delta.request_id)
+        finally:
+            # An exception mid-run (e.g. KeyboardInterrupt) must not leave requests holding blocks.
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+        return [results[seq.request_id] for seq in seqs]

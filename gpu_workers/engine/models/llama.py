@@ -1,0 +1,158 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over flat, unpadded token batches.
+
+Inputs are ``[num_tokens]`` ids and positions for every sequence of the step laid end to end;
+attention goes through a pluggable backend over the paged KV cache. Q/K/V and gate/up projections
+are merged into single ``nn.Linear`` layers (fewer, larger matmuls); quantization swaps those
+``nn.Linear`` modules in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..attention.base import AttentionBackend
+from ..attention.metadata import AttentionMetadata
+from .rotary import RotaryEmbedding, apply_rotary
+
+# Per-step RoPE tables (cos, sin), each [num_tokens, 1, head_dim], shared by all layers.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Bound by the model runner once the KV cache and backend exist.
+        self.backend: AttentionBackend | None = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        if self.backend is None or self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("attention layer used before the model runner bound its KV cache")
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias=qkv_bias, o_bias=o_bias)
+        self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_len: int, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_len)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
+        for layer in self.layers:
+            x = layer(rope, x, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over ``LlamaModel``; ``compute_logits`` runs only on the rows that sample."""
+
+    def __init__(self, config: PretrainedConfig, max_len: int) -> None:
+        super().__init__()
+        self.config = config
+        bias = bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, max_len, qkv_bias=self.qkv_bias(config), o_bias=bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def qkv_bias(cls, config: PretrainedConfig) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @property
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral shares Llama's layout; its sliding window is enforced by the loader's length limit."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 adds biases to the Q/K/V projections (not to the output projection)."""
+
+    @classmethod
+    def qkv_bias(cls, config: PretrainedConfig) -> bool:
+        return True

@@ -1,0 +1,211 @@
+"""Builds a supported model from a Hugging Face folder (config.json + safetensors) onto a device.
+
+Checkpoint names map onto the merged projections: ``q/k/v_proj`` fill row slices of
+``qkv_proj`` and ``gate/up_proj`` fill ``gate_up_proj``. Sharded checkpoints are read through
+``model.safetensors.index.json``. Optional weight quantization runs after loading.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from ..config import EngineConfig
+from . import resolve_architecture
+from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
+from .rotary import rope_type_of
+
+# (checkpoint module name, merged module name, shard index inside the merged weight)
+_STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
+    ("q_proj", "qkv_proj", 0),
+    ("k_proj", "qkv_proj", 1),
+    ("v_proj", "qkv_proj", 2),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+@dataclass
+class LoadedModel:
+    """A model on its device plus the facts about it the rest of the engine needs."""
+
+    model: LlamaForCausalLM
+    hf_config: PretrainedConfig
+    path: Path
+    dtype: torch.dtype
+    max_model_len: int
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.hf_config.num_key_value_heads or self.hf_config.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return head_dim_of(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder as is; anything else is fetched as a hub id (config, weights, tokenizer only)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {model!r} has no config.json")
+        return path
+    looks_like_path = model.startswith(("/", ".", "~")) or model.count("/") > 1
+    if looks_like_path:
+        raise ValueError(f"model folder {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as exc:  # network, auth or unknown repo: one clear message
+        raise ValueError(f"model {model!r} is not a local folder and could not be fetched from the hub: {exc}") from exc
+    return Path(local)
+
+
+def resolve_dtype(requested: torch.dtype | None, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA, float32 on CPU (CPU half-precision matmuls are slow)."""
+    if requested is not None:
+        return requested
+    if device.type != "cuda":
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return torch.bfloat16
+    if dtype is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def resolve_max_model_len(hf_config: PretrainedConfig, model_cls: type[LlamaForCausalLM], requested: int | None) -> int:
+    """Context limit: ``max_position_embeddings`` (capped by Mistral's sliding window, which this
+    engine does not implement, so no request ever needs it); ``requested`` may lower it."""
+    limit = int(hf_config.max_position_embeddings)
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = issubclass(model_cls, MistralForCausalLM) or bool(getattr(hf_config, "use_sliding_window", False))
+    if window and uses_window and window < limit:
+        limit = int(window)
+    if requested is None:
+        return limit
+    if requested > limit and rope_type_of(hf_config) != "dynamic":
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's limit of {limit} tokens "
+            "(max_position_embeddings, or the sliding window)"
+        )
+    return requested
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path} (only safetensors checkpoints are supported)")
+    return files
+
+
+def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
+    """Row ranges of each shard inside the merged weights, per merged module kind."""
+    attn = model.attention_layers[0]
+    inter = model.model.layers[0].mlp.intermediate_size
+    q, kv = attn.q_size, attn.kv_size
+    return {
+        "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
+        "gate_up_proj": [(0, inter), (inter, 2 * inter)],
+    }
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or extras."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    slices = _shard_slices(model)
+    expected: set[tuple[str, int]] = set()
+    for name in params:
+        if model.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        merged = next((m for m in slices if f".{m}." in name), None)
+        shards = range(len(slices[merged])) if merged else [0]
+        expected.update((name, s) for s in shards)
+    loaded: set[tuple[str, int]] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for file in _weight_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for ckpt_name in f.keys():
+                    if "rotary_emb.inv_freq" in ckpt_name:
+                        continue
+                    if ckpt_name.startswith("lm_head.") and model.tie_word_embeddings:
+                        continue
+                    target, shard = ckpt_name, None
+                    for src, dst, idx in _STACKED_PARAMS:
+                        if f".{src}." in ckpt_name:
+                            target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), idx
+                            break
+                    if target not in params:
+                        unexpected.append(ckpt_name)
+                        continue
+                    tensor = f.get_tensor(ckpt_name)
+                    param = params[target]
+                    if shard is None:
+                        dest = param.data
+                    else:
+                        start, end = slices[target.split(".")[-2]][shard]
+                        dest = param.data[start:end]
+                    if tuple(dest.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(dest.shape)}"
+                        )
+                    dest.copy_(tensor)
+                    loaded.add((target, shard or 0))
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors this model does not use: {unexpected[:5]}")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {[f'{n}[{s}]' for n, s in missing[:5]]}")
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Read the config, build the model on ``config.device`` in the resolved dtype, load weights,
+    then quantize if asked."""
+    device = torch.device(config.device)
+    if config.quantization is not None:
+        from ..quantization import check_quantization_supported
+
+        check_quantization_supported(config.quantization, device)
+    path = resolve_model_path(config.model)
+    hf_config = AutoConfig.from_pretrained(str(path))
+    model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    dtype = resolve_dtype(config.torch_dtype, hf_config, device)
+    max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)
+    with torch.device("meta"):
+        model = model_cls(hf_config, max_len=max_model_len)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if model.tie_word_embeddings:
+        # to_empty() replaces parameters one module at a time, which unties shared weights.
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset_cache(dtype)
+    load_weights(model, path)
+    model.eval()
+    if config.quantization is not None:
+        from ..quantization import quantize_model
+
+        model = quantize_model(model, config.quantization)
+    return LoadedModel(model=model, hf_config=hf_config, path=path, dtype=dtype, max_model_len=max_model_len)

@@ -1,0 +1,89 @@
+"""Rotary position embeddings over flat token batches, with the scaling variants of the Llama family.
+
+The inverse frequencies come from transformers' own RoPE initialisers, so ``default``, ``linear``
+and ``llama3`` scaling match the reference implementation bit for bit. ``dynamic`` (NTK) scaling
+equals the default inside ``max_position_embeddings``; beyond it each position uses the base that
+NTK scaling derives for a sequence ending at that position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+def rope_type_of(config: PretrainedConfig) -> str:
+    params = getattr(config, "rope_parameters", None) or {}
+    return str(params.get("rope_type", "default"))
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+
+
+def _inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    rope_type = rope_type_of(config)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type in ("default", "dynamic"):
+        return _default_inv_freq(float(config.rope_parameters["rope_theta"]), head_dim), 1.0
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+def build_cos_sin_cache(config: PretrainedConfig, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return float32 ``cos`` and ``sin`` tables of shape ``[max_len, head_dim]``."""
+    inv_freq, scaling = _inverse_frequencies(config, head_dim)
+    positions = torch.arange(max_len, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    if rope_type_of(config) == "dynamic" and max_len > config.max_position_embeddings:
+        orig = config.max_position_embeddings
+        factor = float(config.rope_parameters["factor"])
+        base = float(config.rope_parameters["rope_theta"])
+        seq_len = positions[orig:] + 1
+        scaled_base = base * ((factor * seq_len / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq_per_pos = 1.0 / (scaled_base[:, None] ** exponents[None, :])
+        freqs[orig:] = positions[orig:, None] * inv_freq_per_pos
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``[num_tokens, heads, head_dim]`` queries and keys by per-token ``[num_tokens, 1, head_dim]`` tables."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE tables; ``forward`` looks up one step's positions once for all layers."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_len: int) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = head_dim
+        self.max_len = max_len
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", torch.empty(max_len, head_dim), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(max_len, head_dim), persistent=False)
+
+    def reset_cache(self, dtype: torch.dtype) -> None:
+        """(Re)compute the tables on the module's device; the loader calls this after placing weights."""
+        cos, sin = build_cos_sin_cache(self.config, self.head_dim, self.max_len)
+        device = self.cos_cache.device
+        self.cos_cache = cos.to(device=device, dtype=dtype)
+        self.sin_cache = sin.to(device=device, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)

@@ -1,0 +1,97 @@
+"""What the engine hands back: finished results, per-step stream deltas, and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (``time.time()`` seconds) and cache facts of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    num_prompt_tokens: int
+    # Prompt tokens served from the prefix cache when the request was first scheduled.
+    num_cached_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. ``token_ids`` are the generated tokens (EOS / stop id included when one
+    ended the request); ``text`` is their decoded text, cut before a matched stop string."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    # The stop string or stop token id that ended the request, if any.
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens
+
+
+@dataclass
+class RequestDelta:
+    """What one request gained in one engine step (the unit the async API streams).
+
+    ``text`` and ``token_ids`` are increments; joined over the stream they give the final output.
+    Text that might be the start of a stop string is held back until it is known not to be one.
+    ``final`` carries the full ``RequestOutput`` on the last delta.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    final: RequestOutput | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for heartbeats and dashboards."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        if self.num_total_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks

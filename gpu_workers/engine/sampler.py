@@ -1,0 +1,81 @@
+"""Picks the next token for every sampling row: greedy, or temperature + top-k + top-p sampling.
+
+Random rows draw through the exponential-race trick (``argmax(p / q)`` with ``q ~ Exp(1)`` equals
+sampling from ``p``), which lets each seeded request use its own ``torch.Generator`` for its own
+noise while the arithmetic stays batched. Unseeded rows share the engine's generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """``logits`` is float32 ``[len(seqs), vocab]``; returns one token id per row."""
+        self._suppress_early_stops(logits, seqs)
+        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if len(greedy_rows) == len(seqs):
+            return logits.argmax(dim=-1).tolist()
+        tokens = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        rows = torch.tensor(random_rows, device=logits.device)
+        tokens[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
+        return tokens.tolist()
+
+    @staticmethod
+    def _suppress_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Below ``min_tokens``, EOS and stop ids must not be produced."""
+        for i, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                banned = set(seq.params.stop_token_ids or []) | set(seq.eos_token_ids)
+                if banned:
+                    logits[i, list(banned)] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=dev)
+        logits = logits / temps[:, None]
+        top_ks = [s.params.top_k for s in seqs]
+        top_ps = [s.params.top_p for s in seqs]
+        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, s in enumerate(seqs) if s.generator is None]
+        if shared:
+            draw = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype, device=dev)
+            draw.exponential_(generator=self.generator)
+            noise[torch.tensor(shared, device=dev)] = draw
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i].exponential_(generator=seq.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Mask to -inf every logit outside the row's top-k and outside its top-p nucleus."""
+    vocab = logits.shape[-1]
+    dev = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=dev)
+    ranks = torch.arange(vocab, device=dev)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= ks[:, None], float("-inf"))
+    if any(p < 1.0 for p in top_ps):
+        ps = torch.tensor(top_ps, dtype=logits.dtype, device=dev)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Keep the smallest prefix of tokens whose mass reaches p (always at least the top token).
+        sorted_logits = sorted_logits.masked_fill(mass_before >= ps[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -1,0 +1,118 @@
+"""Request state as the engine tracks it: tokens, progress through the KV cache, status and timings."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+
+# Lower number = served first. Tier names match the Kafka topic tiers of the pipeline.
+PRIORITY_LEVELS: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
+
+
+def parse_priority(priority: str) -> int:
+    """Map a tier name onto its scheduling rank; unknown names are a clear error."""
+    if priority not in PRIORITY_LEVELS:
+        raise ValueError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITY_LEVELS)}")
+    return PRIORITY_LEVELS[priority]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. ``token_ids`` is prompt + generated tokens; the first ``num_computed_tokens``
+    of them have K/V in the blocks listed in ``block_ids``. A preempted sequence drops its blocks
+    and recomputes ``token_ids`` (prompt and generated alike) when it is scheduled again."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    arrival_index: int
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained content hashes of full blocks of ``token_ids``, kept across preemption.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # How many leading entries of ``block_ids`` are registered in the prefix cache.
+    num_registered_blocks: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None
+    text: str = ""
+    # Characters of ``text`` already handed out as stream deltas.
+    num_text_sent: int = 0
+    # Tokens already handed out as stream deltas.
+    num_tokens_sent: int = 0
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: tier first, then arrival."""
+        return (self.priority, self.arrival_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,141 @@
+"""Shared fixtures for the engine tests: tiny random models built once per session, a cached
+transformers greedy reference, and an ``LLM`` factory that checks every engine ends leak-free."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from gpu_workers.engine import LLM, make_tiny_model
+
+# The tiny models are cheap; keep intra-op threads low so the suite behaves on a shared 2-core box.
+torch.set_num_threads(1)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+MODEL_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": dict(arch="llama"),
+    "mistral": dict(arch="mistral", seed=1),
+    "qwen2": dict(arch="qwen2", seed=2),
+    # Llama 3 style: tied embeddings, llama3 RoPE scaling, large theta, 4:1 GQA.
+    "llama3_tied": dict(
+        arch="llama", seed=3, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
+        num_heads=8, num_kv_heads=2,
+    ),
+}  # fmt: skip
+
+# Prompt lengths straddle block boundaries (block size 16) and reach 300 tokens.
+PROMPT_LENGTHS = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129, 150, 200, 255, 256, 257, 300]
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``model_dir(variant)`` -> folder of that tiny model, built on first use."""
+    root = tmp_path_factory.mktemp("engine_models")
+    built: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            built[variant] = make_tiny_model(root / variant, **MODEL_VARIANTS[variant])
+        return built[variant]
+
+    return get
+
+
+def random_prompts(seed: int, vocab_size: int = 512) -> list[tuple[list[int], int]]:
+    """16 (prompt ids, max_tokens) pairs with lengths ``PROMPT_LENGTHS`` and 1..64 new tokens."""
+    rng = random.Random(seed)
+    max_tokens = [1, 64] + [rng.randint(1, 64) for _ in PROMPT_LENGTHS[2:]]
+    rng.shuffle(max_tokens)
+    pairs = zip(PROMPT_LENGTHS, max_tokens, strict=True)
+    return [([rng.randrange(3, vocab_size) for _ in range(n)], m) for n, m in pairs]
+
+
+def shared_prefix_prompts(seed: int, vocab_size: int = 512) -> list[tuple[list[int], int]]:
+    """16 prompts built on two long prefixes (96 and 200 tokens), including exact repeats and a
+    prompt that is exactly a block-aligned prefix (its last token must still be recomputed)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (96, 200)]
+    prompts: list[tuple[list[int], int]] = []
+    for i in range(15):
+        prefix = prefixes[i % 2]
+        if i in (2, 3):
+            suffix: list[int] = []
+        else:
+            suffix = [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 60))]
+        prompts.append((prefix + suffix, rng.randint(1, 48)))
+    prompts.append(prompts[5])  # an exact duplicate of an earlier request
+    return prompts
+
+
+class HFReference:
+    """Greedy continuations from transformers ``generate`` (batch of one, no padding), cached."""
+
+    def __init__(self) -> None:
+        self._models: dict[Path, Any] = {}
+        self._cache: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
+
+    def greedy(self, path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (path, tuple(prompt), max_new_tokens)
+        if key not in self._cache:
+            if path not in self._models:
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+                # generate() fills unset fields from the model's defaults; drop EOS there too.
+                model.generation_config.eos_token_id = None
+                self._models[path] = model
+            model = self._models[path]
+            # No EOS: exactly max_new_tokens tokens, matching the engine's ignore_eos=True.
+            config = GenerationConfig(
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=None
+            )
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            continuation = out[0, len(prompt) :].tolist()
+            assert len(continuation) == max_new_tokens
+            self._cache[key] = continuation
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> HFReference:
+    return HFReference()
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished(), "requests left in the engine"
+    assert engine.num_free_blocks == engine.num_total_blocks, (
+        f"KV blocks leaked: {engine.num_total_blocks - engine.num_free_blocks} still referenced"
+    )
+    assert all(engine.block_manager.ref_count(b) == 0 for b in range(engine.num_total_blocks))
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """Factory for ``LLM``s; after the test every one of them must be idle with its pool whole."""
+    created: list[LLM] = []
+
+    def factory(model: Path | str, **kwargs: Any) -> LLM:
+        kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+        kwargs.setdefault("num_kv_blocks", 256)
+        llm = LLM(str(model), **kwargs)
+        created.append(llm)
+        return llm
+
+    yield factory
+    for llm in created:
+        assert_pool_whole(llm)
