@@ -58,6 +58,17 @@ class Settings(BaseSettings):
     worker_id: str = Field("", description="Worker identity in heartbeats (defaults to host-pid).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences the worker's engine runs at once.")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Engine token budget per step.")
+    worker_lookahead: int = Field(
+        0,
+        ge=0,
+        description="Requests a worker takes from Kafka at one time, counted per tier and above (batch work never "
+        "keeps an interactive request out); more than max_num_seqs lets the engine's per-tenant fair queuing see past "
+        "one tenant's flood. 0 means 4 x max_num_seqs.",
+    )
+    tenant_weights: dict[str, float] = Field(
+        {},  # pydantic copies a mutable default per instance
+        description='Relative share of a tier per tenant under contention, as JSON (e.g. {"acme": 2}); others weigh 1.',
+    )
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU workers (GiB).")
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
     quantization: str = Field("", description="Weight quantization: bnb-int8, bnb-nf4, fp8 or empty.")

@@ -110,8 +110,7 @@ class AsyncEngine:
                 break
             if kind == _ADD:
                 self.engine.add_sequence(payload)
-        deltas = [d for rid in list(self._streams) if (d := self.engine.abort_request(rid)) is not None]
-        self._deliver(deltas)
+        self._deliver(self.engine.abort_all())
         self._stats = self.engine.stats()
 
     async def __aenter__(self) -> AsyncEngine:
@@ -128,6 +127,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: str = "standard",
+        tenant: str = "default",
     ) -> RequestStream:
         """Validate and queue a request (call on the event loop); returns its delta stream.
 
@@ -137,7 +137,9 @@ class AsyncEngine:
         self._ensure_started()
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        seq: Sequence = self.engine.make_sequence(prompt, params, request_id=request_id, priority=priority)
+        seq: Sequence = self.engine.make_sequence(
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant
+        )
         stream = RequestStream(seq.request_id)
         self._streams[seq.request_id] = stream
         self._commands.put((_ADD, seq))
@@ -149,9 +151,10 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: str = "standard",
+        tenant: str = "default",
     ) -> AsyncIterator[RequestDelta]:
         """Stream a request's deltas; leaving the loop early aborts the request."""
-        stream = self.add_request(prompt, params, request_id=request_id, priority=priority)
+        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
         try:
             async for delta in stream:
                 yield delta

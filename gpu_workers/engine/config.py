@@ -59,7 +59,13 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0
     attention_backend: str = "auto"
     quantization: str | None = None
+    # Decode steps replay CUDA graphs on CUDA unless True (on CPU graphs are never used).
+    enforce_eager: bool = False
+    # Decode batches sharing a long prefix attend it once (backends with a cascade path: triton).
+    enable_cascade_attention: bool = True
     seed: int = 0
+    # Relative share of a tier's throughput per tenant under contention; tenants not listed weigh 1.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     torch_dtype: torch.dtype | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -88,8 +94,25 @@ class EngineConfig:
                 f"unknown attention_backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(KNOWN_ATTENTION_BACKENDS)}"
             )
+        if self.attention_backend == "flash_attn":
+            from .attention.flash_attn_backend import flash_attn_block_size_problem
+
+            # Checked here, before any weights load; the device and package are checked with the backend.
+            problem = flash_attn_block_size_problem(self.block_size)
+            if problem is not None:
+                raise ValueError(problem)
+        for flag in ("enforce_eager", "enable_cascade_attention"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.tenant_weights, dict):
+            raise ValueError(f"tenant_weights must be a dict of tenant -> weight, got {self.tenant_weights!r}")
+        for tenant, weight in self.tenant_weights.items():
+            if not isinstance(tenant, str) or not tenant:
+                raise ValueError(f"tenant_weights keys must be non-empty strings, got {tenant!r}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+                raise ValueError(f"weight of tenant {tenant!r} must be a positive finite number, got {weight!r}")
 
     @property
     def tokenizer_path(self) -> str:

@@ -47,8 +47,12 @@ class LLMEngine:
                 "(num_kv_blocks, cpu_kv_cache_gb or gpu_memory_utilization) or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        # Cascade attention and decode CUDA graphs (captured here: they bind the cache's addresses).
+        self.runner.setup_decode(config, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.tenant_weights
+        )
         self.sampler = Sampler(config.seed, self.device)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -66,6 +70,7 @@ class LLMEngine:
         request_id: str | None = None,
         priority: str = "standard",
         arrival_time: float | None = None,
+        tenant: str = "default",
     ) -> Sequence:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
         if params is None:
@@ -73,6 +78,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         rank = parse_priority(priority)
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         text: str | None = None
         if isinstance(prompt, str):
             text = prompt
@@ -117,6 +124,7 @@ class LLMEngine:
                 self.tokenizer, token_ids, params.skip_special_tokens, self.special_token_ids
             ),
             generator=generator,
+            tenant=tenant,
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -132,9 +140,10 @@ class LLMEngine:
         request_id: str | None = None,
         priority: str = "standard",
         arrival_time: float | None = None,
+        tenant: str = "default",
     ) -> str:
         """Queue a request; returns its id. Raises ``ValueError`` for a request that can never run."""
-        seq = self.make_sequence(prompt, params, request_id, priority, arrival_time)
+        seq = self.make_sequence(prompt, params, request_id, priority, arrival_time, tenant)
         self.add_sequence(seq)
         return seq.request_id
 
@@ -147,6 +156,10 @@ class LLMEngine:
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         seq.finish_time = time.time()
         return self._make_delta(seq)
+
+    def abort_all(self) -> list[RequestDelta]:
+        """Abort every unfinished request (shutdown); returns their final deltas."""
+        return [d for rid in list(self._requests) if (d := self.abort_request(rid)) is not None]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

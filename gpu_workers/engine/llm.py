@@ -44,7 +44,10 @@ class LLM:
         cpu_kv_cache_gb: float = 2.0,
         attention_backend: str = "auto",
         quantization: str | None = None,
+        enforce_eager: bool = False,
+        enable_cascade_attention: bool = True,
         seed: int = 0,
+        tenant_weights: dict[str, float] | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -61,7 +64,10 @@ class LLM:
             cpu_kv_cache_gb=cpu_kv_cache_gb,
             attention_backend=attention_backend,
             quantization=quantization,
+            enforce_eager=enforce_eager,
+            enable_cascade_attention=enable_cascade_attention,
             seed=seed,
+            tenant_weights=dict(tenant_weights or {}),
         )
         self.engine = LLMEngine(config)
 
@@ -74,6 +80,7 @@ class LLM:
         prompts: PromptInput | SequenceABC[PromptInput],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         priority: str = "standard",
+        tenant: str = "default",
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
@@ -91,7 +98,8 @@ class LLM:
                     "pass one SamplingParams or one per prompt"
                 )
         seqs = [
-            self.engine.make_sequence(p, sp, priority=priority) for p, sp in zip(prompt_list, params_list, strict=True)
+            self.engine.make_sequence(p, sp, priority=priority, tenant=tenant)
+            for p, sp in zip(prompt_list, params_list, strict=True)
         ]
         for seq in seqs:
             self.engine.add_sequence(seq)

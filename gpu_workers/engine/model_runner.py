@@ -2,12 +2,21 @@
 
 The batch is flat and unpadded: decode sequences (one new token) first, then prefill chunks.
 Logits are computed only for rows that sample: the last token of each sequence whose prompt (or
-recompute) is now fully in the cache. Decode input preparation lives in ``_prepare_decode`` so a
-CUDA-graph runner can reuse it with padded, static buffers.
+recompute) is now fully in the cache. Decode rows are gathered on the host by ``_decode_rows``,
+shared by the eager path and the CUDA-graph path (``cuda_graphs.py``), which copies them into
+padded static buffers and replays a captured forward.
+
+Decode steps whose sequences all start with the same physical blocks (a shared system prompt
+served from the prefix cache) carry ``common_prefix_len`` in their metadata, worked out here from
+the host block tables (no device sync), so a backend with a cascade path (Triton) attends that
+prefix once for the whole batch instead of once per sequence.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +24,19 @@ import torch
 from .attention.base import AttentionBackend
 from .attention.metadata import AttentionMetadata
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
 from .models.loader import LoadedModel
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+# Smallest shared prefix (tokens) and batch worth a cascade pass: below them the extra prefix
+# launch and merge per layer cost more than reading the prefix once per sequence saves.
+CASCADE_MIN_PREFIX_LEN = 256
+CASCADE_MIN_SEQS = 4
+
+CommonPrefixFn = Callable[[SequenceABC[SequenceABC[int]], SequenceABC[int], int], int]
 
 
 @dataclass
@@ -46,6 +65,57 @@ class ModelRunner:
         self.num_blocks = 0
         for layer in self.model.attention_layers:
             layer.backend = backend
+        # Set by setup_decode once the KV cache exists.
+        self.use_cascade = False
+        self.cascade_min_prefix_len = CASCADE_MIN_PREFIX_LEN
+        self.cascade_min_seqs = CASCADE_MIN_SEQS
+        self._common_prefix_len: CommonPrefixFn | None = None
+        self.decode_graphs: DecodeGraphRunner | None = None
+
+    # ------------------------------------------------------------------ decode options
+    def setup_decode(self, config: EngineConfig, max_model_len: int) -> None:
+        """Turn on the decode-step features this backend and device allow: cascade attention over
+        shared prefixes (``enable_cascade_attention``, backends with a cascade path) and CUDA
+        graphs (CUDA only, unless ``enforce_eager``). Call after ``allocate_kv_cache``."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate the KV cache before setting up decode (graphs bind its addresses)")
+        self.use_cascade = config.enable_cascade_attention and bool(getattr(self.backend, "supports_cascade", False))
+        if self.use_cascade:
+            from .attention.triton_kernels import common_prefix_len
+
+            self._common_prefix_len = common_prefix_len
+        reason = self.decode_graphs_unsupported(config)
+        if reason is not None:
+            logger.info("decode CUDA graphs off: %s", reason)
+            return
+        self.enable_decode_graphs(config.max_num_seqs, max_model_len)
+
+    def decode_graphs_unsupported(self, config: EngineConfig) -> str | None:
+        """Why decode steps cannot use CUDA graphs here, or None when they can."""
+        if config.enforce_eager:
+            return "enforce_eager=True"
+        if self.device.type != "cuda":
+            return f"device {self.device} is not a CUDA device"
+        if not getattr(self.backend, "cuda_graph_safe", False):
+            return f"the {self.backend.name!r} attention backend syncs with the host"
+        if (config.quantization or "").startswith("bnb-"):
+            return "bitsandbytes layers inspect activations on the host"
+        return None
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, *, capture: bool = True) -> None:
+        """Route decode-only batches of up to ``max_num_seqs`` rows through padded static buffers,
+        captured as CUDA graphs per bucket (``capture=False`` runs that padded path eagerly)."""
+        graphs = DecodeGraphRunner(
+            self.model,
+            graph_batch_sizes(max_num_seqs),
+            max_model_len,
+            self.block_size,
+            self.device,
+            cascade=self.use_cascade,
+            capture=capture,
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
 
     # ------------------------------------------------------------------ KV cache
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -126,7 +196,7 @@ class ModelRunner:
         pairs.sort(key=lambda p: p[1] != 1)
         return self._prepare_mixed(pairs)
 
-    def _prepare_decode(self, seqs: list[Sequence]) -> PreparedBatch:
+    def _decode_rows(self, seqs: list[Sequence]) -> DecodeRows:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -140,11 +210,32 @@ class ModelRunner:
             slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
             seq_lens.append(pos + 1)
             tables.append(seq.block_ids)
-        n = len(seqs)
-        query_start = list(range(n + 1))
+        # Each row's cached context is its position: the new token is the only query.
+        return DecodeRows(input_ids, positions, slots, seq_lens, tables, self._decode_common_prefix(tables, positions))
+
+    def _decode_common_prefix(self, tables: list[list[int]], context_lens: list[int]) -> int:
+        if self._common_prefix_len is None or not self.use_cascade or len(tables) < max(2, self.cascade_min_seqs):
+            return 0
+        prefix = self._common_prefix_len(tables, context_lens, self.block_size)
+        return prefix if prefix >= self.cascade_min_prefix_len else 0
+
+    def _prepare_decode(self, seqs: list[Sequence]) -> PreparedBatch:
+        rows = self._decode_rows(seqs)
+        query_start = list(range(len(seqs) + 1))
         sample = [seq for seq in seqs if seq.num_computed_tokens + 1 == seq.num_tokens]
         logits_rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
-        return self._build(input_ids, positions, slots, query_start, seq_lens, tables, logits_rows, sample, 1)
+        return self._build(
+            rows.input_ids,
+            rows.positions,
+            rows.slots,
+            query_start,
+            rows.seq_lens,
+            rows.block_tables,
+            logits_rows,
+            sample,
+            1,
+            common_prefix_len=rows.common_prefix_len,
+        )
 
     def _prepare_mixed(self, pairs: list[tuple[Sequence, int]]) -> PreparedBatch:
         bs = self.block_size
@@ -183,6 +274,8 @@ class ModelRunner:
         logits_rows: list[int],
         sample: list[Sequence],
         max_query_len: int,
+        *,
+        common_prefix_len: int = 0,
     ) -> PreparedBatch:
         dev = self.device
         width = max(len(t) for t in tables)
@@ -197,6 +290,7 @@ class ModelRunner:
             is_decode_only=max_query_len == 1,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
+            common_prefix_len=common_prefix_len,
         )
         return PreparedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -211,6 +305,9 @@ class ModelRunner:
         """Run one step; return the sequences that sample and their float32 logits (or None)."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated")
+        graphs = self.decode_graphs
+        if graphs is not None and len(batch.seqs) <= graphs.max_batch and all(n == 1 for n in batch.num_new_tokens):
+            return self._execute_decode_graph(graphs, batch.seqs)
         prepared = self.prepare(batch)
         with torch.inference_mode():
             hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
@@ -218,3 +315,17 @@ class ModelRunner:
                 return [], None
             logits = self.model.compute_logits(hidden[prepared.logits_indices])
         return prepared.sample_seqs, logits.float()
+
+    def _execute_decode_graph(
+        self, graphs: DecodeGraphRunner, seqs: list[Sequence]
+    ) -> tuple[list[Sequence], torch.Tensor | None]:
+        rows = self._decode_rows(seqs)
+        logits_rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+        hidden = graphs.run(rows)
+        if not logits_rows:
+            return [], None
+        with torch.inference_mode():
+            if len(logits_rows) < len(seqs):
+                hidden = hidden[torch.tensor(logits_rows, dtype=torch.int64, device=self.device)]
+            logits = self.model.compute_logits(hidden)
+        return [seqs[i] for i in logits_rows], logits.float()

@@ -1,19 +1,30 @@
 """Token-level scheduler: picks which sequences run each step and how many tokens each computes.
 
 Every step has a token budget (``max_num_batched_tokens``). Running sequences in decode go first,
-then running sequences with prefill left (chunked), then waiting requests, each group in priority
-order (tier, then arrival). When the KV pool runs dry the least important running sequence is
-preempted: its blocks are freed and it returns to the waiting queue to be recomputed later from
-prompt + generated tokens. A waiting request may preempt running ones of a lower tier.
+then prefill work tier by tier: a tier's running sequences with prefill left (chunked), then its
+waiting requests. Lower-tier chunked prefills therefore never take the budget a waiting higher-tier
+request needs. When the KV pool runs dry the least important running sequence (lowest tier, latest
+arrival) is preempted: its blocks are freed and it returns to the waiting queue to be recomputed
+later from prompt + generated tokens. A waiting request may preempt running ones of a lower tier.
+
+Inside a tier, waiting requests are admitted by tenant fair queuing: each tenant with unfinished
+requests has a virtual time, advanced by the tokens scheduled for it divided by its weight, and the
+next admission goes to the tenant with the smallest one (its earliest request). A tenant that joins
+starts at the smallest virtual time among the others, so idling earns no credit. A tenant flooding a
+tier thus cannot hold back another tenant of that tier beyond the sequences already running.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .block_manager import KVBlockManager
-from .sequence import RequestStatus, Sequence
+from .sequence import PRIORITY_LEVELS, RequestStatus, Sequence
+
+# Scheduling ranks of the tiers, most important first.
+_TIERS: tuple[int, ...] = tuple(sorted(set(PRIORITY_LEVELS.values())))
 
 
 @dataclass
@@ -41,10 +52,14 @@ class Scheduler:
         block_manager: KVBlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.tenant_weights: dict[str, float] = dict(tenant_weights or {})
+        # Tenants with unfinished sequences only, so the map is as small as the live tenant set.
+        self.tenants: dict[str, TenantShare] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -52,6 +67,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue management
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence and count it in its tenant's share."""
+        share = self.tenants.get(seq.tenant)
+        if share is None:
+            # No credit for idle time, no debt for what others were served meanwhile.
+            start = min((t.vtime for t in self.tenants.values()), default=0.0)
+            share = self.tenants[seq.tenant] = TenantShare(self.tenant_weights.get(seq.tenant, 1.0), start)
+        share.num_unfinished += 1
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING
         bisect.insort(self.waiting, seq, key=_sort_key)
 
@@ -60,10 +85,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """Mark a sequence finished and give its blocks back (its full blocks stay cached)."""
-        if seq.status is RequestStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is RequestStatus.WAITING:
-            self.waiting.remove(seq)
+        if seq.status is RequestStatus.RUNNING or seq.status is RequestStatus.WAITING:
+            (self.running if seq.status is RequestStatus.RUNNING else self.waiting).remove(seq)
+            share = self.tenants[seq.tenant]
+            share.num_unfinished -= 1
+            if share.num_unfinished == 0:
+                del self.tenants[seq.tenant]
         self.block_manager.free(seq)
         seq.status = status
 
@@ -71,8 +98,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         step = _StepState(budget=self.max_num_batched_tokens)
         self._schedule_running(step, decode_phase=True)
-        self._schedule_running(step, decode_phase=False)
-        self._schedule_waiting(step)
+        admitting = True
+        for tier in _TIERS:
+            self._schedule_running(step, decode_phase=False, tier=tier)
+            # A blocked admission holds back lower tiers too: they would take the room it waits for.
+            admitting = admitting and self._schedule_waiting(step, tier)
         batch = ScheduledBatch(preempted=step.preempted)
         for seq, n in step.scheduled.items():
             batch.seqs.append(seq)
@@ -81,10 +111,13 @@ class Scheduler:
                 self.num_chunked_prefill_steps += 1
         return batch
 
-    def _schedule_running(self, step: _StepState, decode_phase: bool) -> None:
-        idx = 0
+    def _schedule_running(self, step: _StepState, decode_phase: bool, tier: int | None = None) -> None:
+        """Schedule running sequences in decode (or with prefill left), all of them or those of ``tier``."""
+        idx = 0 if tier is None else bisect.bisect_left(self.running, (tier, -1), key=_sort_key)
         while idx < len(self.running) and step.budget > 0:
             seq = self.running[idx]
+            if tier is not None and seq.priority != tier:
+                return  # ``running`` is sorted by tier: the rest belong to lower tiers
             remaining = seq.num_tokens - seq.num_computed_tokens
             if seq in step.scheduled or (remaining == 1) != decode_phase:
                 idx += 1
@@ -98,33 +131,71 @@ class Scheduler:
             else:
                 step.scheduled[seq] = num_new
                 step.budget -= num_new
+                self._charge(seq, num_new)
                 idx += 1
                 continue
             # ``seq`` preempted itself: it was the least important running sequence, so every
             # sequence after it is gone too.
             return
 
-    def _schedule_waiting(self, step: _StepState) -> None:
+    def _schedule_waiting(self, step: _StepState, tier: int) -> bool:
+        """Admit waiting sequences of ``tier`` while budget, seats and blocks allow; False when the next
+        one is blocked or the budget ran out (nothing of a lower tier may be admitted then)."""
         bm = self.block_manager
-        while self.waiting and step.budget > 0:
-            seq = self.waiting[0]
+        while step.budget > 0:
+            idx = self._pick_waiting(tier)
+            if idx is None:
+                return True
+            seq = self.waiting[idx]
             if len(self.running) >= self.max_num_seqs:
                 if not self._preempt_lower_tier(seq, step):
-                    return
+                    return False
                 continue
             hits = bm.lookup_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, step.budget)
             if not bm.allocate(seq, hits, num_new):
                 if not self._preempt_lower_tier(seq, step):
-                    return
+                    return False
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(idx)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = RequestStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
             step.scheduled[seq] = num_new
             step.budget -= num_new
+            self._charge(seq, num_new)
+        return False
+
+    def _pick_waiting(self, tier: int) -> int | None:
+        """Index in ``waiting`` of the next ``tier`` sequence to admit: the earliest one of the tenant with the
+        smallest virtual time (ties go to the earliest arrival); None when the tier has nothing waiting."""
+        waiting = self.waiting
+        start = bisect.bisect_left(waiting, (tier, -1), key=_sort_key)
+        if start == len(waiting) or waiting[start].priority != tier:
+            return None
+        if len(self.tenants) == 1:
+            return start
+        best, best_vtime = start, self.tenants[waiting[start].tenant].vtime
+        seen = {waiting[start].tenant}
+        for idx in range(start + 1, len(waiting)):
+            seq = waiting[idx]
+            if seq.priority != tier or len(seen) == len(self.tenants):
+                break
+            if seq.tenant not in seen:
+                seen.add(seq.tenant)
+                vtime = self.tenants[seq.tenant].vtime
+                if vtime < best_vtime:
+                    best, best_vtime = idx, vtime
+        return best
+
+    def _charge(self, seq: Sequence, num_tokens: int) -> None:
+        """Advance the tenant's virtual time by ``num_tokens`` scheduled (negative: taken back)."""
+        # Only differences between tenants matter, and a joining tenant starts at the others' minimum,
+        # so with a single tenant there is nothing to keep.
+        if len(self.tenants) > 1:
+            share = self.tenants[seq.tenant]
+            share.vtime += num_tokens / share.weight
 
     def _preempt_lower_tier(self, seq: Sequence, step: _StepState) -> bool:
         """Preempt the least important running sequence of a lower tier than ``seq``, if any."""
@@ -136,13 +207,25 @@ class Scheduler:
     def _preempt(self, victim: Sequence, step: _StepState) -> None:
         self.running.remove(victim)
         if victim in step.scheduled:
-            step.budget += step.scheduled.pop(victim)
+            taken_back = step.scheduled.pop(victim)
+            step.budget += taken_back
+            self._charge(victim, -taken_back)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted.append(victim)
-        self.add(victim)
+        self._enqueue(victim)
+
+
+@dataclass
+class TenantShare:
+    """Fair-queuing state of a tenant with unfinished sequences."""
+
+    weight: float
+    # Tokens scheduled for the tenant divided by its weight, on the clock shared by the live tenants.
+    vtime: float
+    num_unfinished: int = 0
 
 
 @dataclass

@@ -64,6 +64,8 @@ class Sequence:
     eos_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
+    # Who the request is for: sequences of one tier share the engine fairly between tenants.
+    tenant: str = "default"
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -22,6 +22,10 @@ from .service import Worker, WorkerConfig
 
 log = logging.getLogger(__name__)
 
+# Default lookahead in engine seats: enough queued behind the running sequences that another tenant's requests
+# behind a flood on the same partition reach the engine's fair queue while most of the flood is still waiting.
+LOOKAHEAD_SEATS = 4
+
 
 def model_name_for(settings: Settings) -> str:
     """The public model name: configured, else the model folder's name."""
@@ -38,6 +42,7 @@ def build_engine(settings: Settings) -> AsyncEngine:
         cpu_kv_cache_gb=settings.kv_cache_gb,
         attention_backend=settings.attention_backend,
         quantization=settings.quantization or None,
+        tenant_weights=dict(settings.tenant_weights),
     )
 
 
@@ -49,7 +54,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngin
     config = WorkerConfig(
         model_name=model_name,
         worker_id=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
-        max_in_flight=settings.max_num_seqs,
+        max_in_flight=settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         stream_ttl_s=settings.stream_ttl_s,
         drain_timeout_s=settings.drain_timeout_s,

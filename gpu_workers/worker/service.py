@@ -1,8 +1,11 @@
 """The GPU worker: consumes a model's request topics, runs the engine, streams events to Redis.
 
 Guarantees it keeps (see DESIGN.md, request flow 3-5):
-* tiers drain in order (interactive, standard, batch) and partitions are paused while the engine
-  has no room, so the backlog stays in Kafka, not in worker memory;
+* tiers drain in order (interactive, standard, batch), and a tier's partitions are paused once the
+  worker holds ``max_in_flight`` requests of that tier or above, so the backlog stays in Kafka, not in
+  worker memory, and lower-tier work never keeps a higher-tier request out;
+* ``max_in_flight`` is a lookahead past the engine's seats, and each request carries its tenant, so the
+  engine's fair queuing serves the tenants of a tier evenly over the requests the worker holds;
 * an offset is committed only when every request at or below it reached an outcome (``done`` or
   ``error`` in its stream, or a dead letter); a crash or a drain timeout re-delivers the rest;
 * a re-delivered request continues from the tokens its stream already holds, with text that joins
@@ -59,7 +62,7 @@ from .offsets import CompletionWatermarks
 from .prompts import PromptError, prompt_token_ids, sampling_params
 from .resume import Continuation, eos_token_ids
 from .streams import REDIS_UNAVAILABLE as _REDIS_DOWN
-from .streams import StreamPublisher, read_stream_state
+from .streams import StreamPublisher, read_pickup_state, read_stream_state
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class EngineLike(Protocol):
 
     tokenizer: Any
 
-    def generate(self, prompt: list[int], params: Any, *, request_id: str, priority: str) -> Any: ...
+    def generate(self, prompt: list[int], params: Any, *, request_id: str, priority: str, tenant: str) -> Any: ...
     async def abort(self, request_id: str) -> None: ...
     def stats(self) -> Any: ...
 
@@ -82,6 +85,8 @@ class WorkerConfig:
 
     model_name: str
     worker_id: str
+    # Requests taken from Kafka at one time, counted per tier and above (an interactive request is never
+    # kept out by batch work): more than the engine's seats, so its fair queuing sees past a flood.
     max_in_flight: int = 64
     heartbeat_interval_s: float = 2.0
     stream_ttl_s: int = 3600
@@ -97,6 +102,7 @@ class _Active:
     request_id: str
     partition: TopicPartition
     offset: int
+    tier: Tier = "batch"
     handed_off: bool = False  # partition revoked: the new owner continues it, emit nothing more
     cancelled: bool = False
     task: asyncio.Task | None = field(default=None, repr=False)
@@ -224,31 +230,51 @@ class Worker:
             if self._fatal is not None:
                 raise RuntimeError(f"the engine failed; stopping this worker: {self._fatal!r}") from self._fatal
             assigned = self.consumer.assignment()
-            room = self.config.max_in_flight - len(self.active)
-            if not assigned or room <= 0:
-                if assigned:
-                    self.consumer.pause(*assigned)
+            rooms = self._rooms()
+            open_tps = [tp for tp in assigned if rooms[self._tier_of(tp)] > 0]
+            full_tps = [tp for tp in assigned if rooms[self._tier_of(tp)] <= 0]
+            # Paused, a full tier's partitions are not fetched: a fetched response left unconsumed would
+            # hold back the broker's next fetch (aiokafka's prefetch backoff), and with it interactive requests.
+            if full_tps:
+                self.consumer.pause(*full_tps)
+            if not open_tps:
                 self._room.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), 0.2)
                 continue
-            self.consumer.resume(*assigned)
-            for record in await self._fetch_by_tier(assigned, room):
+            self.consumer.resume(*open_tps)
+            for record in await self._fetch_by_tier(open_tps, rooms):
                 self._admit(record)
 
-    async def _fetch_by_tier(self, assigned: set[TopicPartition], room: int) -> list[Any]:
-        """Records already fetched for the highest non-empty tier; else wait briefly for any."""
+    def _tier_of(self, tp: TopicPartition) -> Tier:
+        return self._tiers.get(tp.topic, "batch")
+
+    def _rooms(self) -> dict[Tier, int]:
+        """How many more requests each tier may take: ``max_in_flight`` minus those held at that tier or above."""
+        held = dict.fromkeys(TIERS, 0)
+        for entry in self.active.values():
+            held[entry.tier] += 1
+        rooms: dict[Tier, int] = {}
+        at_or_above = 0
+        for tier in TIERS:
+            at_or_above += held[tier]
+            rooms[tier] = self.config.max_in_flight - at_or_above
+        return rooms
+
+    async def _fetch_by_tier(self, open_tps: list[TopicPartition], rooms: dict[Tier, int]) -> list[Any]:
+        """Records already fetched for the highest non-empty tier; else wait briefly for any (no tier gets
+        more than its room, as taking a request leaves less room for its tier and those below)."""
         by_tier: dict[Tier, list[TopicPartition]] = {t: [] for t in TIERS}
-        for tp in assigned:
-            tier = self._tiers.get(tp.topic)
-            if tier is not None:
-                by_tier[tier].append(tp)
+        for tp in open_tps:
+            by_tier[self._tier_of(tp)].append(tp)
         for tier in TIERS:
             if by_tier[tier]:
-                batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=room)
+                batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=rooms[tier])
                 if batch:
                     return [r for records in batch.values() for r in records]
-        batch = await self.consumer.getmany(timeout_ms=100, max_records=room)
+        batch = await self.consumer.getmany(
+            *open_tps, timeout_ms=100, max_records=min(rooms[t] for t in by_tier if by_tier[t])
+        )
         records = [r for records in batch.values() for r in records]
         records.sort(key=lambda r: TIERS.index(self._tiers.get(r.topic, "batch")))
         return records
@@ -259,7 +285,9 @@ class Worker:
         key = f"{tp.topic}:{tp.partition}:{record.offset}"
         task = asyncio.create_task(self._serve(tp, record), name=key)
         # Registered under a provisional key until the request id is parsed.
-        self.active[key] = _Active(request_id=key, partition=tp, offset=record.offset, task=task)
+        self.active[key] = _Active(
+            request_id=key, partition=tp, offset=record.offset, tier=self._tier_of(tp), task=task
+        )
 
     # --- one request ---------------------------------------------------------------------------------
     async def _serve(self, tp: TopicPartition, record: Any) -> None:
@@ -321,19 +349,20 @@ class Worker:
     async def _serve_request(self, request: InferenceRequest, entry: _Active, record: Any) -> bool:
         """Serve one parsed request; True when it reached an outcome, False when handed off mid-way."""
         rid = request.request_id
-        state = await self._redis_call(lambda: read_stream_state(self.redis, self.names, rid))
+        pickup = await self._redis_call(lambda: read_pickup_state(self.redis, self.names, rid))
+        state, ended_before = pickup.stream, _record_says_ended(pickup.record)
         if state.finished:
             # Re-delivered after it finished but before its offset was committed.
             log.info("worker.already_finished", extra={"request_id": rid})
-            if state.done is not None and not await self._ended_before(rid):
+            if state.done is not None and not ended_before:
                 # The previous owner died between ``done`` and its final result: publish that now
                 # (llm.results is at-least-once, keyed by request id).
                 await self._publish_result(request, state.done, state.token_ids, state.text)
             return True
-        if not state.exists and await self._ended_before(rid):
+        if not state.exists and ended_before:
             return True  # it finished long ago and its stream expired
         seq = state.next_seq
-        if await self._cancel_requested(entry):
+        if self._cancel_requested(entry, pickup.cancel_marked):
             self.cancelled_before_start += 1
             log.info("worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered})
             prompt_len = _prompt_len_or_zero(request, self.engine.tokenizer)
@@ -406,7 +435,9 @@ class Worker:
         params = sampling_params(request, len(delivered))
         try:
             async with contextlib.aclosing(
-                self.engine.generate(prompt + delivered, params, request_id=rid, priority=request.priority)
+                self.engine.generate(
+                    prompt + delivered, params, request_id=rid, priority=request.priority, tenant=request.tenant
+                )
             ) as deltas:
                 async for delta in deltas:
                     started = True
@@ -519,25 +550,13 @@ class Worker:
         self._events.set()
         return True
 
-    async def _cancel_requested(self, entry: _Active) -> bool:
+    def _cancel_requested(self, entry: _Active, cancel_marked: bool) -> bool:
+        """A cancel seen on the control topic (before or after pick-up) or marked in Redis."""
         rid = entry.request_id
         if rid in self._early_cancels:
             del self._early_cancels[rid]
             entry.cancelled = True
-        if entry.cancelled:
-            return True
-        return bool(await self._redis_call(lambda: self.redis.exists(self.names.cancel_key(rid))))
-
-    async def _ended_before(self, request_id: str) -> bool:
-        """Whether the status record says the request ended (its stream has since expired)."""
-        raw = await self._redis_call(lambda: self.redis.get(self.names.request_key(request_id)))
-        if raw is None:
-            return False
-        try:
-            status = RequestRecord.model_validate_json(raw).status
-        except ValidationError:
-            return False
-        return status in ("finished", "cancelled", "failed")
+        return entry.cancelled or cancel_marked
 
     async def _set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
         record = RequestRecord(
@@ -735,6 +754,17 @@ def _parse(record: Any) -> InferenceRequest | _Rejection:
 
 # Union branches appear in an error location under their type ("str", "list[int]", "function-after[...]").
 _BRANCH = re.compile(r"[\[\]\-]|^(str|int|float|bool|bytes|list|dict|none)$")
+
+
+def _record_says_ended(raw: bytes | None) -> bool:
+    """Whether a status record says the request ended (its stream may since have expired)."""
+    if raw is None:
+        return False
+    try:
+        status = RequestRecord.model_validate_json(raw).status
+    except ValidationError:
+        return False
+    return status in ("finished", "cancelled", "failed")
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

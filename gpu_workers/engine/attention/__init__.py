@@ -1,7 +1,9 @@
 """Attention backends over the paged KV cache and the rule that picks one for a device.
 
 ``auto`` prefers flash-attn on CUDA (when installed and the block size suits its paged kernel),
-then the Triton kernel on CUDA, and the pure-torch reference everywhere else.
+then the Triton kernel on CUDA, and the pure-torch reference everywhere else. ``triton`` asked for
+by name also runs on CPU tensors when Triton's interpreter is on (``TRITON_INTERPRET=1`` set before
+triton's first import), which is how the tests exercise it without a GPU.
 """
 
 from __future__ import annotations
@@ -18,21 +20,27 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 
 
 def _flash_attn_problem(device: torch.device, block_size: int | None, dtype: torch.dtype | None) -> str | None:
-    """Why flash-attn cannot serve this engine, or None when it can."""
-    from .flash_attn_backend import FLASH_ATTN_BLOCK_MULTIPLE
+    """Why flash-attn cannot serve this engine (every reason, joined), or None when it can."""
+    from .flash_attn_backend import flash_attn_block_size_problem
 
+    problems = []
     if device.type != "cuda":
-        return "flash_attn needs a CUDA device"
+        problems.append("flash_attn needs a CUDA device")
     if importlib.util.find_spec("flash_attn") is None:
-        return "the flash_attn package is not installed"
-    if block_size is not None and block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
-        return (
-            f"flash_attn's paged kernel needs block_size to be a multiple of {FLASH_ATTN_BLOCK_MULTIPLE} "
-            f"(got {block_size}); use the triton backend for small blocks"
-        )
+        problems.append("the flash_attn package is not installed (pip install flash-attn)")
+    if block_size is not None:
+        problem = flash_attn_block_size_problem(block_size)
+        if problem is not None:
+            problems.append(problem)
     if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-        return f"flash_attn supports float16/bfloat16 only (got {dtype})"
-    return None
+        problems.append(f"flash_attn supports float16/bfloat16 only (got {dtype})")
+    return "; ".join(problems) or None
+
+
+def _triton_interpreted() -> bool:
+    from .triton_kernels import INTERPRETED
+
+    return INTERPRETED
 
 
 def _make_triton() -> AttentionBackend:
@@ -66,12 +74,16 @@ def get_attention_backend(
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention backend 'triton' needs a CUDA device")
         try:
-            return _make_triton()
+            backend = _make_triton()
         except ImportError as exc:
             raise ValueError(f"attention backend 'triton' is unavailable: {exc}") from exc
+        if device.type != "cuda" and not _triton_interpreted():
+            raise ValueError(
+                "attention backend 'triton' needs a CUDA device (on CPU only under Triton's interpreter: "
+                "TRITON_INTERPRET=1 set before triton is first imported)"
+            )
+        return backend
     if name == "flash_attn":
         problem = _flash_attn_problem(device, block_size, dtype)
         if problem is not None:

@@ -17,6 +17,10 @@ class AttentionBackend(Protocol):
     ``[num_tokens, num_kv_heads, head_dim]``; caches follow ``metadata.py``. A slot of ``-1`` in
     ``meta.slot_mapping`` means "do not store" (padding rows of a CUDA-graph batch). Returns a
     ``[num_tokens, num_heads, head_dim]`` tensor in ``q``'s dtype.
+
+    Optional class attributes the model runner reads (absent means False): ``supports_cascade``,
+    the backend honours ``meta.common_prefix_len`` (shared-prefix attention); ``cuda_graph_safe``,
+    its decode path never syncs with the host, so decode steps may be captured in CUDA graphs.
     """
 
     name: str

@@ -1,12 +1,19 @@
-"""Attention through the ``flash_attn`` package's variable-length kernel reading the paged cache.
+"""Attention through the ``flash_attn`` package (FlashAttention-2) reading the paged KV cache.
 
-Upstream flash-attn 2 accepts a paged cache (``block_table``) only when the block size is a
-multiple of 256 and the dtype is fp16/bf16; ``get_attention_backend`` checks both before picking
-this backend. Causal masking in flash-attn aligns the query block to the end of the key range,
-which is exactly the "new tokens are the last q_len of the context" layout of ``metadata.py``.
+Steps with prefill rows use ``flash_attn_varlen_func`` with ``block_table``, so prefix-cache hits
+and earlier chunks are read straight from the paged cache; pure decode steps use
+``flash_attn_with_kvcache`` with ``block_table`` and ``cache_seqlens`` (one query per sequence,
+no host sync, so it can be captured in a CUDA graph). Upstream flash-attn 2 accepts a paged cache
+only when the block size is a multiple of 256 and the dtype is fp16/bf16; ``get_attention_backend``
+checks both before picking this backend. Causal masking in flash-attn aligns the query block to
+the end of the key range, which is exactly the "new tokens are the last q_len of the context"
+layout of ``metadata.py``. New K/V rows are written first with the Triton store kernel, which
+skips slot -1 without a host sync (the torch fallback needs one).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,14 +23,39 @@ from .torch_backend import write_kv
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 
+KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def flash_attn_block_size_problem(block_size: int) -> str | None:
+    """Why ``block_size`` cannot back flash-attn's paged kernels, or None when it can."""
+    if block_size > 0 and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0:
+        return None
+    return (
+        f"flash_attn's paged KV kernels (FlashAttention-2) need block_size to be a multiple of "
+        f"{FLASH_ATTN_BLOCK_MULTIPLE} (got {block_size}); pass block_size={FLASH_ATTN_BLOCK_MULTIPLE}, or use "
+        "attention_backend='triton', which works with any block size"
+    )
+
+
+def _kv_writer() -> KVWriter:
+    try:
+        from .triton_kernels import store_kvcache
+    except ImportError:  # pragma: no cover - torch ships triton wherever flash-attn builds
+        return write_kv
+    return store_kvcache
+
 
 class FlashAttnBackend:
     name = "flash_attn"
+    # Decode steps never sync with the host, so they can be captured in CUDA graphs.
+    cuda_graph_safe = True
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self._write_kv = _kv_writer()
 
     def forward(
         self,
@@ -35,7 +67,19 @@ class FlashAttnBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            # One query row per sequence: the decode kernel, with split-KV chosen by flash-attn.
+            out = self._with_kvcache(
+                q.unsqueeze(1),
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.seq_lens,
+                block_table=meta.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
+            return out.squeeze(1)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32), (1, 0))
         return self._varlen(
             q,

@@ -12,6 +12,10 @@ Layout contract shared by all backends (torch reference, Triton, flash-attn):
   absolute position ``seq_lens[i] - q_len_i + j`` and attends causally to positions ``<=`` that.
 * ``block_tables[i, b]`` is the physical block holding positions ``b*block_size ..`` of sequence
   ``i``; rows are padded with ``0`` past the sequence's last block (never read).
+* ``common_prefix_len > 0`` promises that every sequence's block table starts with the same
+  ``common_prefix_len // block_size`` physical blocks and that no query sits inside them, so a
+  backend may attend that shared prefix once for the whole batch (cascade attention). Backends
+  without a cascade path ignore it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ class AttentionMetadata:
     # Host copies, so backends that loop in Python do not sync the device per sequence.
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Tokens (whole blocks) every sequence shares physically; 0 = no shared-prefix pass.
+    common_prefix_len: int = 0
+    # The same length as a one-element int32 device tensor that kernels read at run time; set in
+    # CUDA graphs, whose launches are fixed at capture while the length changes between replays.
+    # ``common_prefix_len`` then only says that the cascade path is on (any positive multiple of
+    # the block size), and a device value of 0 makes the shared-prefix pass empty.
+    common_prefix_len_device: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

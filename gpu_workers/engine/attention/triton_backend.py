@@ -15,13 +15,18 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import torch
 
 from .metadata import AttentionMetadata
-from .triton_kernels import paged_attention, store_kvcache
+from .triton_kernels import cascade_paged_attention, paged_attention, store_kvcache
 
 
 class TritonAttentionBackend:
-    """Writes this step's K/V into the paged cache, then runs the unified paged-attention kernel."""
+    """Writes this step's K/V into the paged cache, then runs the unified paged-attention kernel,
+    or, when the metadata carries a shared prefix (``common_prefix_len > 0``), cascade attention:
+    the prefix once for the whole batch, each sequence's own suffix, and a merge."""
 
     name = "triton"
+    # Reads common_prefix_len; never syncs with the host (decode steps can be CUDA graphs).
+    supports_cascade = True
+    cuda_graph_safe = True
 
     def forward(
         self,
@@ -34,4 +39,10 @@ class TritonAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.common_prefix_len > 0:
+            device_len = meta.common_prefix_len_device
+            shared = device_len if device_len is not None else meta.common_prefix_len
+            return cascade_paged_attention(
+                q, k_cache, v_cache, meta, scale, shared, num_splits=None, prefix_splits=None
+            )
         return paged_attention(q, k_cache, v_cache, meta, scale)

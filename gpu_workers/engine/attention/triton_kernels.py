@@ -190,6 +190,7 @@ def _paged_attention_kernel(
     num_tokens,
     kv_start,
     prefix_len,
+    prefix_len_ptr,
     block_size,
     stride_qt,
     stride_qh,
@@ -221,14 +222,22 @@ def _paged_attention_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DYNAMIC_PREFIX: tl.constexpr,
 ):
     # MODE 0: mixed batch (binary search for the sequence), causal.
     # MODE 1: decode-only batch, one program per sequence, causal.
     # MODE 2: shared-prefix pass of cascade attention: every query token of the batch attends,
     #         without a causal mask, to positions [0, prefix_len) of block table row 0.
+    # DYNAMIC_PREFIX: the shared prefix length is read from prefix_len_ptr (CUDA graphs): it is
+    # the prefix pass's prefix_len, and the suffix pass's kv_start.
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if DYNAMIC_PREFIX:
+        if MODE == 2:
+            prefix_len = tl.load(prefix_len_ptr)
+        else:
+            kv_start = tl.load(prefix_len_ptr)
 
     if MODE == 2:
         seq_idx = 0
@@ -500,11 +509,11 @@ def cascade_paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    shared_prefix_len: int,
+    shared_prefix_len: int | torch.Tensor,
     out: torch.Tensor | None = None,
     *,
-    num_splits: int = 1,
-    prefix_splits: int = 1,
+    num_splits: int | None = 1,
+    prefix_splits: int | None = 1,
 ) -> torch.Tensor:
     """Same result as :func:`paged_attention` for a batch whose sequences all start with the same
     ``shared_prefix_len`` tokens stored in the same physical blocks, reading that prefix's KV once
@@ -516,22 +525,45 @@ def cascade_paged_attention(
     sits inside the prefix). The last two would need a device sync or a per-sequence loop per
     layer to check, so compute the length once per step with :func:`common_prefix_len`, which
     guarantees them. ``num_splits``/``prefix_splits`` split the suffix and prefix passes' KV
-    ranges as in :func:`paged_attention`.
+    ranges as in :func:`paged_attention` (``None``: picked from the batch shape and the GPU).
+
+    ``shared_prefix_len`` may instead be a one-element int32 tensor on ``q``'s device that the
+    kernels read when they run (CUDA graphs replay fixed launches while the length changes). Its
+    value is then the caller's promise, unchecked: a multiple of the block size meeting the
+    preconditions above, or 0, which leaves the prefix pass empty (plain paged attention).
     """
     out, cfg = _prepare(q, k_cache, v_cache, meta, out)
     block_size = k_cache.shape[1]
-    if shared_prefix_len <= 0 or shared_prefix_len % block_size != 0:
+    prefix_device: torch.Tensor | None = None
+    if isinstance(shared_prefix_len, torch.Tensor):
+        prefix_device = shared_prefix_len
+        if prefix_device.numel() != 1 or prefix_device.dtype != torch.int32:
+            got = f"{prefix_device.dtype} {tuple(prefix_device.shape)}"
+            raise ValueError(f"a tensor shared_prefix_len must be one int32 element; got {got}")
+        _check_device(q, prefix_device)
+        host_prefix = 0
+    elif shared_prefix_len <= 0 or shared_prefix_len % block_size != 0:
         bad = shared_prefix_len
         raise ValueError(f"shared_prefix_len must be a positive multiple of block_size={block_size}; got {bad}")
+    else:
+        host_prefix = shared_prefix_len
+    num_tokens = q.shape[0]
+    # Shared prefix: all tokens of the batch form one query stream, so use the largest tile.
+    prefix_cfg = cfg.with_block_m(_prefill_block_m(cfg.group))
+    prefix_grid = triton.cdiv(num_tokens, prefix_cfg.block_q)
+    suffix_grid = _grid_q(meta, num_tokens, cfg)
+    if prefix_splits is None:
+        # A device-side length is unknown here; the longest context bounds it.
+        prefix_bound = host_prefix if prefix_device is None else meta.max_seq_len
+        prefix_splits = _splits_for(q, prefix_bound, prefix_grid * cfg.num_kv_heads, prefix_cfg.tile_n)
+    if num_splits is None:
+        num_splits = _splits_for(q, meta.max_seq_len - host_prefix, suffix_grid * cfg.num_kv_heads, cfg.tile_n)
     if num_splits < 1 or prefix_splits < 1:
         raise ValueError(f"num_splits and prefix_splits must be >= 1; got {num_splits}, {prefix_splits}")
-    num_tokens = q.shape[0]
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
     parts, parts_lse = _scratch(q, prefix_splits + num_splits)
 
-    # Shared prefix: all tokens of the batch form one query stream, so use the largest tile.
-    prefix_cfg = cfg.with_block_m(_prefill_block_m(cfg.group))
     _launch(
         q,
         k_cache,
@@ -541,10 +573,12 @@ def cascade_paged_attention(
         prefix_cfg,
         parts[:prefix_splits],
         parts_lse[:prefix_splits],
-        triton.cdiv(num_tokens, prefix_cfg.block_q),
+        prefix_grid,
         prefix_splits,
         kv_start=0,
-        prefix_len=shared_prefix_len,
+        prefix_len=host_prefix,
+        prefix_pass=True,
+        prefix_len_device=prefix_device,
     )
     _launch(
         q,
@@ -555,9 +589,10 @@ def cascade_paged_attention(
         cfg,
         parts[prefix_splits:],
         parts_lse[prefix_splits:],
-        _grid_q(meta, num_tokens, cfg),
+        suffix_grid,
         num_splits,
-        kv_start=shared_prefix_len,
+        kv_start=host_prefix,
+        prefix_len_device=prefix_device,
     )
     return merge_attn_states(parts, parts_lse, out, num_valid_tokens=meta.query_start_loc[-1:])
 
@@ -573,10 +608,21 @@ def common_prefix_len(block_tables: Sequence[Sequence[int]], context_lens: Seque
         return 0
     num_blocks = min(context_lens) // block_size
     first = block_tables[0]
-    for rank in range(num_blocks):
-        block = first[rank]
-        if any(row[rank] != block for row in block_tables[1:]):
-            return rank * block_size
+    # Runs once per decode step over up to hundreds of rows: slice comparisons run in C, and a
+    # row that differs only narrows the candidate length by a binary search over its prefix.
+    for row in block_tables[1:]:
+        if num_blocks == 0:
+            break
+        if row[:num_blocks] == first[:num_blocks]:
+            continue
+        lo, hi = 0, num_blocks - 1  # the shared length with this row lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if row[:mid] == first[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        num_blocks = lo
     return num_blocks * block_size
 
 
@@ -684,13 +730,18 @@ def _num_sms(device_index: int) -> int:
 
 
 def _auto_splits(q: torch.Tensor, meta: AttentionMetadata, programs: int, cfg: _Config) -> int:
+    return _splits_for(q, meta.max_seq_len, programs, cfg.tile_n)
+
+
+def _splits_for(q: torch.Tensor, kv_len: int, programs: int, tile_n: int) -> int:
+    """KV splits for a launch of ``programs`` programs over up to ``kv_len`` keys each."""
     if q.device.type != "cuda" or q.shape[0] > _MAX_SPLIT_TOKENS:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     by_occupancy = triton.cdiv(2 * sms, max(programs, 1))
-    by_length = triton.cdiv(meta.max_seq_len, cfg.tile_n) // _MIN_TILES_PER_SPLIT
+    by_length = triton.cdiv(max(kv_len, 0), tile_n) // _MIN_TILES_PER_SPLIT
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
@@ -724,9 +775,14 @@ def _launch(
     *,
     kv_start: int,
     prefix_len: int = 0,
+    prefix_pass: bool = False,
+    prefix_len_device: torch.Tensor | None = None,
 ) -> None:
     """One attention launch; ``out``/``lse`` are ``[splits, tokens, heads, (dim)]`` when ``lse`` is
-    given (partial results for a merge), else ``out`` is the final ``[tokens, heads, dim]``."""
+    given (partial results for a merge), else ``out`` is the final ``[tokens, heads, dim]``.
+    ``prefix_pass`` runs cascade's shared-prefix pass over ``[0, prefix_len)``; with
+    ``prefix_len_device`` the kernel reads that length (prefix pass) or ``kv_start`` (suffix pass)
+    from the tensor instead."""
     if lse is not None:
         out_strides = out.stride()
         lse_strides = lse.stride()
@@ -735,7 +791,7 @@ def _launch(
         out_strides = (0, *out.stride())
         lse_strides = (0, 0, 0)
         lse_target = out  # placeholder pointer, never written with WRITE_LSE off
-    if prefix_len > 0:
+    if prefix_pass:
         mode = 2
     elif cfg.decode_only:
         mode = 1
@@ -755,6 +811,7 @@ def _launch(
         q.shape[0],
         kv_start,
         prefix_len,
+        prefix_len_device if prefix_len_device is not None else meta.seq_lens,  # placeholder when unused
         k_cache.shape[1],
         *q.stride(),
         *k_cache.stride(),
@@ -773,4 +830,5 @@ def _launch(
         DOT_DTYPE=_dot_dtype(q.dtype),
         # fp32 inputs would otherwise run their dots in TF32 (10-bit mantissa).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        DYNAMIC_PREFIX=prefix_len_device is not None,
     )

@@ -106,8 +106,15 @@ def test_invalid_engine_config(model_dir: Callable[[str], Path], kwargs: dict, m
 def test_attention_backend_selection() -> None:
     assert isinstance(get_attention_backend("auto", "cpu"), TorchAttentionBackend)
     assert isinstance(get_attention_backend("torch", "cpu"), TorchAttentionBackend)
-    with pytest.raises(ValueError, match="CUDA"):
-        get_attention_backend("triton", "cpu")
+    try:
+        from gpu_workers.engine.attention.triton_kernels import INTERPRETED
+    except ImportError:  # no triton installed: the backend is unavailable by name
+        INTERPRETED = False
+    if INTERPRETED:  # the test session runs Triton's interpreter, which accepts CPU tensors
+        assert get_attention_backend("triton", "cpu").name == "triton"
+    else:
+        with pytest.raises(ValueError, match="triton"):
+            get_attention_backend("triton", "cpu")
     with pytest.raises(ValueError, match="flash_attn"):
         get_attention_backend("flash_attn", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):

@@ -479,6 +479,57 @@ def test_rejects_inconsistent_shapes(device: str) -> None:
         tk.store_kvcache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.meta.slot_mapping[:1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device_prefix", [48, 0], ids=["prefix-48", "prefix-0"])
+def test_cascade_reads_prefix_len_from_device_tensor(device: str, device_prefix: int) -> None:
+    # CUDA graphs replay cascade launches with the prefix length in device memory; 0 turns the
+    # shared-prefix pass into a no-op and the suffix pass into plain paged attention.
+    block_size, shared_blocks = 16, 3
+    prefix = shared_blocks * block_size
+    seqs = [(prefix + 1, 1), (prefix + 70, 1), (prefix + 9, 1), (prefix + 33, 1)]
+    batch = make_batch(
+        seqs,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.float32,
+        device=device,
+        shared_prefix_blocks=shared_blocks,
+        seed=11,
+    )
+    tk.store_kvcache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    length = torch.tensor([device_prefix], dtype=torch.int32, device=device)
+    out = tk.cascade_paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, length)
+    assert_close_to_reference(out, batch, 0.125, torch.float32)
+    with pytest.raises(ValueError, match="one int32 element"):
+        tk.cascade_paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, length.long())
+
+
+def test_common_prefix_len_matches_brute_force_on_random_tables() -> None:
+    def brute(tables: list[list[int]], contexts: list[int], block_size: int) -> int:
+        if len(tables) < 2:
+            return 0
+        n = 0
+        while n < min(contexts) // block_size and all(row[n] == tables[0][n] for row in tables):
+            n += 1
+        return n * block_size
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        num_rows = int(torch.randint(1, 6, (1,), generator=gen))
+        shared = torch.randint(0, 50, (int(torch.randint(0, 12, (1,), generator=gen)),), generator=gen).tolist()
+        tables, contexts = [], []
+        for _ in range(num_rows):
+            # Rows copy the shared run, then diverge at a random point (possibly not at all).
+            keep = int(torch.randint(0, len(shared) + 1, (1,), generator=gen))
+            tail = torch.randint(0, 50, (int(torch.randint(0, 4, (1,), generator=gen)),), generator=gen).tolist()
+            row = shared[:keep] + tail
+            tables.append(row)
+            contexts.append(int(torch.randint(0, len(row) * 4 + 1, (1,), generator=gen)))
+        assert tk.common_prefix_len(tables, contexts, 4) == brute(tables, contexts, 4)
+
+
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="this process already runs the CPU checks itself")
 def test_cpu_checks_in_fresh_interpreter_process(request: pytest.FixtureRequest) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", _FRESH_PROCESS_FLAG: "1"}

@@ -1,0 +1,981 @@
+"""The engine on one GPU against its floor, the issue's targets and transformers, in one run.
+
+Builds a Llama-3.1-8B-shaped checkpoint (32 layers, hidden 4096, 32 query / 8 KV heads, MLP 14336,
+vocab 128256, llama3 RoPE) with random bf16 weights created on the GPU, saves it as sharded
+safetensors plus a trained byte-level tokenizer padded to the vocabulary, and loads it through the
+engine's normal loader. Nothing is downloaded. Phases, in order, under one time budget:
+
+1. floor: device-to-device copy bandwidth of a large tensor (read + write bytes / time), and the
+   decode floor = weight bytes / that bandwidth. Then decode ITL at concurrency 1 (short prompt,
+   EOS ignored) against it.
+2. voice bot: a 1900-token system prompt shared by every request plus 100 unique tokens, 200
+   output tokens, streamed through the synchronous engine step loop with a timestamp per token.
+   A closed loop of ``c`` clients per level (each sends its next request when one finishes;
+   clients join staggered so finishes spread out): p50/p99 TTFT and ITL, output tok/s and req/s
+   over the window after every client has joined. Prefix caching on.
+3. the same with prefix caching off (the engine's block manager stops looking up and registering
+   blocks; equivalent to ``enable_prefix_caching=False``) at low concurrency: TTFT ratio, hit rate.
+4. peers on the same requests submitted at once (concurrency 1 and 64): this engine, transformers
+   ``generate`` (one static batch; all prompts have the same length, so no padding), and
+   transformers' continuous batching (the manager behind ``generate_batch``, paged sdpa).
+5. decode ITL at concurrency 1 with FP8 weights (and bnb-int8 when bitsandbytes imports).
+
+Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
+voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
+caching TTFT p50 at c=1 >= 5x lower than off; FP8 ITL <= 0.6x bf16; >= 3x transformers continuous
+batching tok/s at c=64), then a markdown section; writes ``$OUT/engine_gpu.json`` when ``OUT`` is set.
+
+Usage: ``PYTHONPATH=. python3 benchmarks/engine_gpu.py`` on one H100 (about 8 minutes;
+``--budget-s`` bounds it: phases shrink their request counts, later ones are skipped with a note),
+``--model-dir DIR`` keeps/reuses the generated checkpoint. ``--smoke`` runs the same code path on CPU
+with a tiny model in well under a minute (targets then mean nothing; it keeps the script honest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Everything is local; never let a library try the hub (the GPU box has no network).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
+from gpu_workers.engine.tiny_model import SPECIAL_TOKENS, build_tokenizer
+
+# TensorRT-LLM, Llama-3.1-8B, one A100, 2000 in / 200 out, streaming: concurrency -> (tok/s, p99 ITL ms).
+A100_REFERENCE: dict[int, tuple[float, float]] = {
+    1: (130.0, 9.2),
+    8: (760.0, 12.6),
+    64: (3625.0, 21.2),
+    256: (5188.0, 59.2),
+}
+FLOOR_FACTOR = 1.10
+TOKS_FACTOR = 1.6
+PREFIX_TTFT_FACTOR = 5.0
+FP8_FACTOR = 0.6
+CB_FACTOR = 3.0
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
+SHARD_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Model shape, workload shape and run limits of one benchmark mode."""
+
+    smoke: bool
+    device: str
+    dtype: torch.dtype
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    system_len: int
+    unique_len: int
+    output_len: int
+    concurrencies: tuple[int, ...]
+    prefix_off_concurrencies: tuple[int, ...]
+    peer_concurrencies: tuple[int, ...]
+    max_model_len: int
+    max_num_seqs: int
+    copy_bytes: int
+    budget_s: float
+    # Seconds reserved, when a level starts, for the phases after the sweep.
+    reserve_after_sweep_s: float
+    level_cap_s: Callable[[int], float]
+
+    def shape(self) -> dict[str, Any]:
+        keys = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")
+        return {k: getattr(self, k) for k in keys} | {"dtype": str(self.dtype)}
+
+
+def full_setup(budget_s: float) -> Setup:
+    return Setup(
+        smoke=False,
+        device="cuda",
+        dtype=torch.bfloat16,
+        layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        vocab=128256,
+        system_len=1900,
+        unique_len=100,
+        output_len=200,
+        concurrencies=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        prefix_off_concurrencies=(1, 8),
+        peer_concurrencies=(1, 64),
+        max_model_len=4096,
+        max_num_seqs=256,
+        copy_bytes=2 << 30,
+        budget_s=budget_s,
+        reserve_after_sweep_s=230.0,
+        level_cap_s=lambda c: 10.0 if c <= 16 else 14.0 if c <= 64 else 22.0 if c <= 128 else 35.0,
+    )
+
+
+def smoke_setup(budget_s: float) -> Setup:
+    return Setup(
+        smoke=True,
+        device="cpu",
+        dtype=torch.float32,
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        intermediate=192,
+        vocab=512,
+        system_len=48,
+        unique_len=8,
+        output_len=12,
+        concurrencies=(1, 2, 4),
+        prefix_off_concurrencies=(1,),
+        peer_concurrencies=(1, 4),
+        max_model_len=256,
+        max_num_seqs=8,
+        copy_bytes=32 << 20,
+        budget_s=budget_s,
+        reserve_after_sweep_s=15.0,
+        level_cap_s=lambda c: 3.0,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+class Budget:
+    """Wall-clock budget of the whole run; phases ask before starting and record what they skip."""
+
+    def __init__(self, total_s: float) -> None:
+        self.start = time.perf_counter()
+        self.total_s = total_s
+        self.skipped: list[str] = []
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def left(self) -> float:
+        return self.total_s - self.elapsed
+
+    def deadline(self, cap_s: float, reserve_s: float = 0.0) -> float:
+        """perf_counter() time a phase must stop by: its own cap, or what is left minus a reserve."""
+        return time.perf_counter() + max(0.0, min(cap_s, self.left - reserve_s))
+
+    def allows(self, phase: str, need_s: float) -> bool:
+        if self.left >= need_s:
+            return True
+        self.skipped.append(f"{phase}: needs ~{need_s:.0f} s, {max(self.left, 0):.0f} s left")
+        print(f"[budget] skipping {phase}", flush=True)
+        return False
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class RunStats:
+    """Latency and throughput of one measured run (TTFT from submission; ITL between tokens)."""
+
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    # Requests whose latencies were recorded, and requests finished within wall_s (for req/s).
+    requests: int = 0
+    completed: int = 0
+    complete: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add_request(self, submitted: float, token_times: list[float]) -> None:
+        if token_times:
+            self.ttfts.append(token_times[0] - submitted)
+            self.itls.extend(b - a for a, b in itertools.pairwise(token_times))
+        self.requests += 1
+
+    def summary(self) -> dict[str, Any]:
+        wall = self.wall_s if self.wall_s > 0 else math.nan
+        return {
+            "requests": self.requests,
+            "completed": self.completed,
+            "ttft_p50_ms": 1e3 * pct(self.ttfts, 0.50),
+            "ttft_p99_ms": 1e3 * pct(self.ttfts, 0.99),
+            "itl_p50_ms": 1e3 * pct(self.itls, 0.50),
+            "itl_mean_ms": 1e3 * (sum(self.itls) / len(self.itls)) if self.itls else math.nan,
+            "itl_p99_ms": 1e3 * pct(self.itls, 0.99),
+            "output_tok_s": self.output_tokens / wall,
+            "req_s": self.completed / wall,
+            "complete": self.complete,
+            **self.extra,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+
+
+def _weight_shapes(setup: Setup) -> list[tuple[str, tuple[int, ...]]]:
+    h, hd = setup.hidden, setup.hidden // setup.heads
+    q, kv, inter = setup.heads * hd, setup.kv_heads * hd, setup.intermediate
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (setup.vocab, h))]
+    for layer in range(setup.layers):
+        p = f"model.layers.{layer}."
+        shapes += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+        ]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (setup.vocab, h))]
+    return shapes
+
+
+def build_checkpoint(setup: Setup, path: Path) -> float:
+    """Write config, tokenizer and random weights (made on the benchmark device) as a Hugging Face
+    folder; returns seconds taken. A folder already holding this shape is reused."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, LlamaConfig
+
+    marker = path / "benchmark_shape.json"
+    if marker.is_file() and json.loads(marker.read_text()) == setup.shape():
+        log(f"reusing checkpoint in {path}")
+        return 0.0
+    start = time.perf_counter()
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(setup.vocab)
+    bos, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS)
+    config = LlamaConfig(
+        vocab_size=setup.vocab,
+        hidden_size=setup.hidden,
+        intermediate_size=setup.intermediate,
+        num_hidden_layers=setup.layers,
+        num_attention_heads=setup.heads,
+        num_key_value_heads=setup.kv_heads,
+        head_dim=setup.hidden // setup.heads,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters=dict(LLAMA31_ROPE),
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = setup.dtype
+    config.save_pretrained(path)
+    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+    shapes = _weight_shapes(setup)
+    elem = torch.empty((), dtype=setup.dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = math.prod(shape) * elem
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    gen = torch.Generator(device=setup.device).manual_seed(0)
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards):
+        file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard:
+            if len(shape) == 1:  # norm weights
+                t = torch.ones(shape, dtype=setup.dtype)
+            else:
+                t = torch.randn(shape, generator=gen, device=setup.device, dtype=setup.dtype).mul_(0.02).cpu()
+            tensors[name] = t
+            weight_map[name] = file
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        del tensors
+    total = sum(math.prod(s) for _, s in shapes) * elem
+    index_doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=1))
+    marker.write_text(json.dumps(setup.shape()))
+    seconds = time.perf_counter() - start
+    log(f"checkpoint: {total / 1e9:.2f} GB in {len(shards)} shards, {seconds:.1f} s")
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+
+
+def copy_bandwidth(setup: Setup) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = setup.copy_bytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=setup.device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(setup.device)
+    repeats = 20 if setup.device == "cuda" else 5
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(setup.device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * n * 2 / best
+
+
+def make_engine(
+    setup: Setup, path: Path, *, quantization: str | None = None, max_num_seqs: int | None = None
+) -> LLMEngine:
+    config = EngineConfig(
+        model=str(path),
+        dtype=setup.dtype,
+        device=setup.device,
+        max_model_len=setup.max_model_len,
+        max_num_seqs=max_num_seqs or setup.max_num_seqs,
+        quantization=quantization,
+        seed=0,
+    )
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    graphs = engine.runner.decode_graphs
+    log(
+        f"engine ({quantization or str(setup.dtype)}): {time.perf_counter() - start:.1f} s to load, "
+        f"backend {engine.attention_backend_name}, {engine.num_total_blocks} KV blocks, "
+        f"{graphs.num_captured if graphs else 0} decode graphs"
+    )
+    return engine
+
+
+def free_engine(setup: Setup) -> None:
+    gc.collect()
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+        log(f"GPU memory still allocated: {torch.cuda.memory_allocated() / 1e9:.2f} GB")
+
+
+def voice_prompts(setup: Setup, seed: int) -> Iterator[list[int]]:
+    """Voice-bot prompts: one fixed system prompt, then ``unique_len`` tokens drawn with ``seed``."""
+    system_rng, rng = random.Random(0), random.Random(seed)
+    system = [system_rng.randrange(3, setup.vocab) for _ in range(setup.system_len)]
+    while True:
+        yield system + [rng.randrange(3, setup.vocab) for _ in range(setup.unique_len)]
+
+
+def peer_prompts(setup: Setup) -> dict[int, list[list[int]]]:
+    """The requests every system gets at once, per peer concurrency."""
+    prompts = voice_prompts(setup, seed=7)
+    return {c: [next(prompts) for _ in range(c)] for c in setup.peer_concurrencies}
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> RunStats:
+    """Submit every prompt at once and step until all finish."""
+    stats = RunStats()
+    submitted: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for prompt in prompts:
+        rid = engine.add_request(prompt, _params(max_tokens))
+        submitted[rid] = time.perf_counter()
+        times[rid] = []
+    while engine.has_unfinished():
+        deltas = engine.step()
+        now = time.perf_counter()
+        for d in deltas:
+            times[d.request_id].extend([now] * len(d.token_ids))
+            stats.output_tokens += len(d.token_ids)
+    stats.wall_s = time.perf_counter() - start
+    for rid, t in times.items():
+        stats.add_request(submitted[rid], t)
+    stats.completed = stats.requests
+    return stats
+
+
+def decode_itl(engine: LLMEngine, setup: Setup, repeats: int, seed: int) -> RunStats:
+    """Concurrency 1, short fresh prompt: the weight-bandwidth-bound decode step."""
+    rng = random.Random(seed)
+    total = RunStats()
+    for _ in range(repeats):
+        prompt = [rng.randrange(3, setup.vocab) for _ in range(32)]
+        run = burst(engine, [prompt], setup.output_len)
+        total.ttfts += run.ttfts
+        total.itls += run.itls
+        total.output_tokens += run.output_tokens
+        total.wall_s += run.wall_s
+        total.requests += 1
+        total.completed += 1
+    return total
+
+
+def closed_loop(
+    engine: LLMEngine, setup: Setup, prompts: Iterator[list[int]], concurrency: int, num_measured: int, deadline: float
+) -> RunStats:
+    """``concurrency`` clients, each sending its next request as soon as the previous finishes.
+
+    Clients join one per ``output_len // concurrency`` steps, so requests finish at different
+    steps; the measurement window opens when the last client has joined. Requests submitted in
+    the window count for latency once they finish; every token emitted in the window counts for
+    throughput. Ends after ``num_measured`` such requests or at ``deadline``.
+    """
+    params = _params(setup.output_len)
+    stagger = max(1, setup.output_len // concurrency)
+    before = engine.stats()
+    tracks: dict[str, tuple[float, list[float]]] = {}
+    stats = RunStats()
+    started = steps = 0
+    window_start: float | None = None
+
+    def submit() -> float:
+        rid = engine.add_request(next(prompts), params)
+        submitted = time.perf_counter()
+        tracks[rid] = (submitted, [])
+        return submitted
+
+    now = time.perf_counter()
+    while True:
+        if started < concurrency and steps % stagger == 0:
+            submitted = submit()
+            started += 1
+            if started == concurrency:
+                window_start = submitted  # the last client's first request is measured too
+        deltas = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for d in deltas:
+            submitted, token_times = tracks[d.request_id]
+            token_times.extend([now] * len(d.token_ids))
+            if window_start is not None:
+                stats.output_tokens += len(d.token_ids)
+            if d.finished:
+                del tracks[d.request_id]
+                if window_start is not None:
+                    stats.completed += 1
+                    if submitted >= window_start:
+                        stats.add_request(submitted, token_times)
+                submit()
+        if stats.requests >= num_measured or now >= deadline:
+            break
+    stats.complete = stats.requests >= num_measured
+    stats.wall_s = now - window_start if window_start is not None else 0.0
+    for rid in list(tracks):
+        engine.abort_request(rid)
+    after = engine.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    stats.extra = {"concurrency": concurrency, "steps": steps, "prefix_hit_rate": hits / queries if queries else 0.0}
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------- transformers peers
+
+
+class _TokenClock:
+    """A generate() streamer that notes when each new token (batch row set) appears."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls > 1:  # the first call carries the prompt
+            self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        return None
+
+
+def hf_generate(model: Any, setup: Setup, prompts: list[list[int]], max_new_tokens: int | None = None) -> RunStats:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens or setup.output_len,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=model.config.pad_token_id,
+    )
+    ids = torch.tensor(prompts, device=setup.device)  # equal lengths: no padding
+    clock = _TokenClock()
+    stats = RunStats()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
+    sync(setup.device)
+    stats.wall_s = time.perf_counter() - start
+    stats.output_tokens = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    for _ in prompts:
+        stats.add_request(start, clock.times)
+    stats.completed = stats.requests
+    return stats
+
+
+def hf_continuous_batching(model: Any, setup: Setup, prompts: list[list[int]], deadline: float) -> RunStats:
+    """transformers' continuous batching, set up as ``generate_batch`` does (same workload hints),
+    with our own polling loop so a deadline can stop it. Warm-up runs before the clock starts."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = GenerationConfig(max_new_tokens=setup.output_len, do_sample=False, eos_token_id=-1)
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in prompts), max_generated_length=setup.output_len, num_requests=len(prompts)
+    )
+    stats = RunStats()
+    results: dict[str, Any] = {}
+    cb_config = None
+    if setup.device != "cuda":
+        # On a CPU its default cache is sized from host memory and every step masks over all of
+        # it; give it just the 256-token pages this workload needs, and skip its warm-up (which
+        # captures CUDA graphs).
+        try:
+            from transformers import ContinuousBatchingConfig
+        except ImportError:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        pages = sum(-(-(len(p) + setup.output_len) // 256) for p in prompts)
+        cb_config = ContinuousBatchingConfig(num_blocks=pages)
+    with model.continuous_batching_context_manager(
+        generation_config=config,
+        block=True,
+        timeout=10,
+        continuous_batching_config=cb_config,
+        warmup=setup.device == "cuda",
+        workload_hints=hints,
+    ) as manager:
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            manager.add_request(
+                prompt, request_id=f"r{i}", max_new_tokens=setup.output_len, record_timestamps=True, eos_token_id=-1
+            )
+        while len(results) < len(prompts) and time.perf_counter() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped early")
+                continue
+            if result.is_finished():
+                results[result.request_id] = result
+    stats.complete = len(results) == len(prompts)
+    stats.completed = len(results)
+    last = start
+    for result in results.values():
+        times = list(result.timestamps or [])
+        stats.add_request(result.created_time, times)
+        stats.output_tokens += len(result.generated_tokens)
+        if times:
+            last = max(last, times[-1])
+    stats.wall_s = last - start
+    return stats
+
+
+def run_peers(
+    path: Path, setup: Setup, prompts_by_c: dict[int, list[list[int]]], budget: Budget, results: dict[str, Any]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    peers = results["peers"]
+    peers.setdefault("hf_generate", {})
+    peers.setdefault("hf_cb", {})
+    start = time.perf_counter()
+    # Loaded on the host, then moved: device_map would need the accelerate package.
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=setup.dtype, attn_implementation="sdpa")
+    model = model.to(setup.device).eval()
+    model.generation_config.eos_token_id = None
+    log(f"transformers model loaded in {time.perf_counter() - start:.1f} s")
+    hf_generate(model, setup, prompts_by_c[min(prompts_by_c)][:1], max_new_tokens=8)  # warm-up
+    for c, prompts in prompts_by_c.items():
+        if not budget.allows(f"hf generate c={c}", 20 if not setup.smoke else 2):
+            continue
+        stats = guarded(results, f"hf generate c={c}", lambda p=prompts: hf_generate(model, setup, p))
+        if stats is not None:
+            peers["hf_generate"][c] = stats.summary()
+            log(f"hf generate c={c}: {peers['hf_generate'][c]['output_tok_s']:.1f} tok/s")
+    # Paged sdpa directly: without flash-attn installed, transformers would otherwise look for
+    # a flash kernel to download.
+    model.set_attn_implementation("paged|sdpa")
+    for c, prompts in sorted(prompts_by_c.items(), key=lambda kv: -kv[0]):
+        if not budget.allows(f"hf continuous batching c={c}", 30 if not setup.smoke else 2):
+            continue
+        deadline = budget.deadline(150.0, reserve_s=5.0)
+        stats = guarded(
+            results,
+            f"hf continuous batching c={c}",
+            lambda p=prompts, d=deadline: hf_continuous_batching(model, setup, p, d),
+        )
+        if stats is not None:
+            peers["hf_cb"][c] = stats.summary()
+            log(f"hf continuous batching c={c}: {peers['hf_cb'][c]['output_tok_s']:.1f} tok/s")
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _target(name: str, target: str, measured: float, ok: bool | None, unit: str = "") -> dict[str, Any]:
+    return {"name": name, "target": target, "measured": measured, "unit": unit, "pass": ok}
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    targets = []
+    floor = results.get("floor", {})
+    c1 = results.get("decode_c1")
+    if c1 and floor:
+        ratio = c1["itl_p50_ms"] / floor["floor_ms"]
+        targets.append(
+            _target("c=1 decode ITL p50 / floor", f"<= {FLOOR_FACTOR:.2f}x", ratio, ratio <= FLOOR_FACTOR, "x")
+        )
+    sweep = {row["concurrency"]: row for row in results.get("voice_bot", [])}
+    for c, (ref_toks, ref_itl) in A100_REFERENCE.items():
+        row = sweep.get(c)
+        if row is None:
+            targets.append(_target(f"voice bot c={c}", "measured", math.nan, None))
+            continue
+        itl = row["itl_p99_ms"]
+        toks = row["output_tok_s"]
+        targets.append(_target(f"voice bot c={c} p99 ITL", f"<= {ref_itl} ms (A100)", itl, itl <= ref_itl, "ms"))
+        want = TOKS_FACTOR * ref_toks
+        targets.append(_target(f"voice bot c={c} output tok/s", f">= {want:.0f} (1.6x A100)", toks, toks >= want))
+    off = {row["concurrency"]: row for row in results.get("prefix_off", [])}
+    if 1 in sweep and 1 in off:
+        ratio = off[1]["ttft_p50_ms"] / sweep[1]["ttft_p50_ms"]
+        ok = ratio >= PREFIX_TTFT_FACTOR
+        targets.append(_target("prefix caching: TTFT p50 off/on, c=1", f">= {PREFIX_TTFT_FACTOR:.0f}x", ratio, ok, "x"))
+    fp8 = results.get("fp8", {})
+    if "itl_p50_ms" in fp8 and c1:
+        ratio = fp8["itl_p50_ms"] / c1["itl_p50_ms"]
+        targets.append(_target("FP8 c=1 ITL / bf16", f"<= {FP8_FACTOR}x", ratio, ratio <= FP8_FACTOR, "x"))
+    peers = results.get("peers", {})
+    ours, cb = peers.get("ours", {}), peers.get("hf_cb", {})
+    shared = sorted(set(ours) & set(cb))
+    if shared:
+        c = shared[-1]
+        ratio = ours[c]["output_tok_s"] / cb[c]["output_tok_s"]
+        ok = ratio >= CB_FACTOR and cb[c]["complete"]
+        targets.append(_target(f"tok/s vs transformers CB, c={c}", f">= {CB_FACTOR:.0f}x", ratio, ok, "x"))
+    return targets
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if isinstance(value, float):
+        return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
+    return str(value)
+
+
+def print_report(results: dict[str, Any]) -> None:
+    targets = results["targets"]
+    print("\nTargets" + (" (smoke run: tiny CPU model, figures are not meaningful)" if results["smoke"] else ""))
+    header = f"{'target':<44} {'goal':<24} {'measured':>12}  result"
+    print(header)
+    print("-" * len(header))
+    for t in targets:
+        verdict = "n/a" if t["pass"] is None else "PASS" if t["pass"] else "FAIL"
+        print(f"{t['name']:<44} {t['target']:<24} {_fmt(t['measured'], 2) + t['unit']:>12}  {verdict}")
+
+    env = results["environment"]
+    print("\n## Engine on one GPU (benchmarks/engine_gpu.py)\n")
+    print(
+        f"- Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers "
+        f"{env['transformers']}; {results['elapsed_s']:.0f} s run."
+    )
+    engine = results.get("engine", {})
+    m = results["model"]
+    print(
+        f"- Model: random-weight Llama ({m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} "
+        f"heads, MLP {m['intermediate']}, vocab {m['vocab']}; {m['weight_bytes'] / 1e9:.2f} GB of {m['dtype']} "
+        f"weights) loaded from safetensors through the engine's loader; attention backend "
+        f"`{engine.get('attention_backend')}`, {engine.get('decode_graphs')} decode CUDA graphs, "
+        f"{engine.get('kv_blocks')} KV blocks of 16 tokens."
+    )
+    floor = results.get("floor", {})
+    if floor:
+        print(
+            f"- Floor: {floor['bandwidth_gb_s']:.0f} GB/s device-to-device copy -> {floor['floor_ms']:.2f} ms per "
+            f"token (weights only; embedding rows excluded it would be {floor['floor_ms_no_embedding']:.2f} ms)."
+        )
+    if results.get("decode_c1"):
+        c1 = results["decode_c1"]
+        print(f"- Decode at concurrency 1: ITL p50 {c1['itl_p50_ms']:.2f} ms, mean {c1['itl_mean_ms']:.2f} ms.")
+    w = results["workload"]
+    print(
+        f"\nVoice bot ({w['system_prompt_tokens']}-token shared system prompt + {w['unique_tokens']} unique, "
+        f"{w['output_tokens']} out, streaming, prefix caching on; closed loop of c clients):\n"
+    )
+    cols = "| c | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | out tok/s | req/s | hit rate |"
+    print(cols)
+    print("|---" * (cols.count("|") - 1) + "|")
+    for name in ("voice_bot", "prefix_off"):
+        if name == "prefix_off" and results.get("prefix_off"):
+            print("| prefix caching off | | | | | | | | |")
+        for row in results.get(name, []):
+            print(
+                f"| {row['concurrency']} | {row['requests']} | {_fmt(row['ttft_p50_ms'])} | "
+                f"{_fmt(row['ttft_p99_ms'])} | {_fmt(row['itl_p50_ms'], 2)} | {_fmt(row['itl_p99_ms'], 2)} | "
+                f"{_fmt(row['output_tok_s'])} | {_fmt(row['req_s'], 2)} | {row['prefix_hit_rate']:.1%} |"
+            )
+    peers = results.get("peers", {})
+    if peers:
+        print("\nSame requests submitted at once (this engine / transformers generate / transformers CB):\n")
+        print("| c | ours tok/s | hf generate tok/s | hf CB tok/s | ours/generate | ours/CB | ours ITL p50 ms |")
+        print("|---|---|---|---|---|---|---|")
+        for c, ours in sorted(peers.get("ours", {}).items()):
+            gen = peers.get("hf_generate", {}).get(c, {})
+            cb = peers.get("hf_cb", {}).get(c, {})
+            g, b = gen.get("output_tok_s", math.nan), cb.get("output_tok_s", math.nan)
+            o = ours["output_tok_s"]
+            print(
+                f"| {c} | {_fmt(o)} | {_fmt(g)} | {_fmt(b)} | {_fmt(o / g, 2)}x | {_fmt(o / b, 2)}x | "
+                f"{_fmt(ours['itl_p50_ms'], 2)} |"
+            )
+    for key, label in (("fp8", "FP8"), ("bnb_int8", "bnb-int8")):
+        q = results.get(key, {})
+        if "itl_p50_ms" in q:
+            print(f"\n- {label} decode at concurrency 1: ITL p50 {q['itl_p50_ms']:.2f} ms.")
+        elif q:
+            print(f"\n- {label}: {q.get('skipped')}")
+    if results["budget_skipped"]:
+        print("\nSkipped for the time budget: " + "; ".join(results["budget_skipped"]))
+    if results["errors"]:
+        print("\nFailed phases: " + "; ".join(results["errors"]))
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def guarded(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+    """Run one phase; a failure is logged and recorded, and the run goes on with the next phase."""
+    try:
+        return fn()
+    except Exception as exc:  # one broken phase must not cost the figures of the others
+        log(f"{name} FAILED: {exc!r}")
+        traceback.print_exc()
+        results["errors"].append(f"{name}: {exc!r}")
+        return None
+
+
+def engine_phases(engine: LLMEngine, setup: Setup, budget: Budget, results: dict[str, Any], bandwidth: float) -> None:
+    """Everything measured on the bf16 engine: floor, c=1 decode, the voice-bot sweep, the burst
+    runs the peers are compared with, and prefix caching off."""
+    weight_bytes = weight_memory_bytes(engine.loaded.model)
+    # The input embedding is only gathered row by row, never read whole per token.
+    embed_bytes = weight_memory_bytes(engine.loaded.model.model.embed_tokens)
+    graphs = engine.runner.decode_graphs
+    results["model"] = {**setup.shape(), "weight_bytes": weight_bytes}
+    results["engine"] = {
+        "attention_backend": engine.attention_backend_name,
+        "decode_graphs": graphs.num_captured if graphs else 0,
+        "kv_blocks": engine.num_total_blocks,
+    }
+    if bandwidth > 0:
+        results["floor"] = {
+            "bandwidth_gb_s": bandwidth / 1e9,
+            "floor_ms": 1e3 * weight_bytes / bandwidth,
+            "floor_ms_no_embedding": 1e3 * (weight_bytes - embed_bytes) / bandwidth,
+        }
+        log(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, floor {results['floor']['floor_ms']:.2f} ms/token")
+
+    prompts = voice_prompts(setup, seed=1)
+
+    def warm_up() -> None:
+        # Fills the prefix cache with the system prompt and compiles the kernels of fresh
+        # prefills, cached prefills, mixed batches and decodes before anything is timed.
+        burst(engine, [next(prompts)], 4)
+        for n in (8, 16):
+            burst(engine, [next(prompts) for _ in range(min(n, setup.max_num_seqs))], 8)
+        closed_loop(engine, setup, prompts, 4, 4, time.perf_counter() + (1.0 if setup.smoke else 4.0))
+        decode_itl(engine, setup, repeats=1, seed=99)
+
+    guarded(results, "warm-up", warm_up)
+
+    def c1() -> None:
+        results["decode_c1"] = decode_itl(engine, setup, repeats=3, seed=2).summary()
+        log(f"decode c=1: ITL p50 {results['decode_c1']['itl_p50_ms']:.2f} ms")
+
+    guarded(results, "decode c=1", c1)
+
+    results["voice_bot"] = []
+    for index, c in enumerate(setup.concurrencies):
+        levels_left = len(setup.concurrencies) - index
+        if not budget.allows(f"voice bot c={c}", setup.reserve_after_sweep_s + 2.0 * levels_left):
+            continue
+        deadline = budget.deadline(setup.level_cap_s(c), reserve_s=setup.reserve_after_sweep_s)
+        stats = guarded(
+            results, f"voice bot c={c}", lambda c=c, d=deadline: closed_loop(engine, setup, prompts, c, max(4, c), d)
+        )
+        if stats is None:
+            continue
+        row = stats.summary()
+        results["voice_bot"].append(row)
+        log(
+            f"voice bot c={c}: {row['output_tok_s']:.0f} tok/s, ITL p99 {row['itl_p99_ms']:.1f} ms, "
+            f"TTFT p99 {row['ttft_p99_ms']:.0f} ms ({row['requests']} requests, "
+            f"{'complete' if row['complete'] else 'cut by its time cap'})"
+        )
+
+    for c, batch in peer_prompts(setup).items():
+        if budget.allows(f"engine burst c={c}", 10 if not setup.smoke else 1):
+            stats = guarded(results, f"engine burst c={c}", lambda b=batch: burst(engine, b, setup.output_len))
+            if stats is not None:
+                results["peers"]["ours"][c] = stats.summary()
+
+    engine.block_manager.enable_prefix_caching = False
+    for c in setup.prefix_off_concurrencies:
+        if not budget.allows(f"prefix caching off c={c}", 160 if not setup.smoke else 2):
+            continue
+        deadline = budget.deadline(setup.level_cap_s(c), reserve_s=150 if not setup.smoke else 0)
+        stats = guarded(
+            results, f"prefix off c={c}", lambda c=c, d=deadline: closed_loop(engine, setup, prompts, c, max(4, c), d)
+        )
+        if stats is not None:
+            results["prefix_off"].append(stats.summary())
+            log(f"prefix caching off c={c}: TTFT p50 {results['prefix_off'][-1]['ttft_p50_ms']:.1f} ms")
+    engine.block_manager.enable_prefix_caching = True
+
+
+def quantized_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
+    engine = make_engine(setup, path, quantization=method, max_num_seqs=8)
+    try:
+        decode_itl(engine, setup, repeats=1, seed=99)  # warm-up
+        row = decode_itl(engine, setup, repeats=3, seed=2).summary()
+        row["weight_bytes"] = weight_memory_bytes(engine.loaded.model)
+        log(f"{method} decode c=1: ITL p50 {row['itl_p50_ms']:.2f} ms")
+        return row
+    finally:
+        del engine
+        free_engine(setup)
+
+
+def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
+    budget = Budget(setup.budget_s)
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    results: dict[str, Any] = {
+        "smoke": setup.smoke,
+        "environment": {
+            "device": torch.cuda.get_device_name() if setup.device == "cuda" else "CPU",
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "transformers": transformers.__version__,
+        },
+        "workload": {
+            "system_prompt_tokens": setup.system_len,
+            "unique_tokens": setup.unique_len,
+            "output_tokens": setup.output_len,
+        },
+        "model": setup.shape(),
+        "errors": [],
+        "voice_bot": [],
+        "prefix_off": [],
+        "peers": {"ours": {}},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_dir or Path(tmp) / "model"
+        results["checkpoint_build_s"] = build_checkpoint(setup, path)
+        bandwidth = guarded(results, "copy bandwidth", lambda: copy_bandwidth(setup)) or 0.0
+
+        engine = guarded(results, "bf16 engine", lambda: make_engine(setup, path))
+        if engine is not None:
+            guarded(results, "bf16 engine phases", lambda: engine_phases(engine, setup, budget, results, bandwidth))
+            del engine
+            free_engine(setup)
+
+        for method, key in (("fp8", "fp8"), ("bnb-int8", "bnb_int8")):
+            try:
+                check_quantization_supported(method, torch.device(setup.device))
+            except (RuntimeError, ValueError) as exc:
+                results[key] = {"skipped": f"{method} unavailable: {exc}"}
+                continue
+            if not budget.allows(method, 130 if not setup.smoke else 3):
+                results[key] = {"skipped": "time budget"}
+                continue
+            results[key] = guarded(results, method, lambda m=method: quantized_phase(setup, path, m)) or {
+                "skipped": "failed (see errors)"
+            }
+
+        if budget.allows("transformers peers", 60 if not setup.smoke else 3):
+            prompts_by_c = peer_prompts(setup)
+            guarded(results, "transformers peers", lambda: run_peers(path, setup, prompts_by_c, budget, results))
+            free_engine(setup)
+
+    results["targets"] = evaluate_targets(results)
+    results["budget_skipped"] = budget.skipped
+    results["elapsed_s"] = budget.elapsed
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="same code path on CPU with a tiny model (< 1 minute)")
+    parser.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 510, smoke 45)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="keep/reuse the generated checkpoint here")
+    args = parser.parse_args()
+    if args.smoke:
+        torch.set_num_threads(1)
+        setup = smoke_setup(args.budget_s or 45.0)
+    else:
+        if not torch.cuda.is_available():
+            parser.error("the full benchmark needs a CUDA GPU; use --smoke on a CPU")
+        setup = full_setup(args.budget_s or 510.0)
+    results = run(setup, args.model_dir)
+    print_report(results)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        target = Path(out_dir) / "engine_gpu.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(results, indent=1, default=str))
+        print(f"\nwrote {target}")
+    if results["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The GPU benchmark script runs end to end in its CPU smoke mode (tiny model, same code path), so
+it cannot rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.slow
+def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("TRITON_INTERPRET", None)  # the smoke run uses the torch backend on CPU
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "engine_gpu.py"), "--smoke"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "## Engine on one GPU" in result.stdout and "Targets" in result.stdout
+
+    results = json.loads((tmp_path / "engine_gpu.json").read_text())
+    assert results["smoke"] is True and not results["budget_skipped"]
+    assert results["floor"]["floor_ms"] > 0 and results["decode_c1"]["itl_p50_ms"] > 0
+    sweep = results["voice_bot"]
+    assert [row["concurrency"] for row in sweep] == [1, 2, 4]
+    for row in sweep:
+        assert row["complete"] and row["requests"] >= 4
+        assert math.isfinite(row["ttft_p99_ms"]) and math.isfinite(row["itl_p99_ms"]) and row["output_tok_s"] > 0
+        # Every request after the warm-up reuses the cached system prompt.
+        assert row["prefix_hit_rate"] > 0.5
+    assert results["prefix_off"][0]["prefix_hit_rate"] == 0.0
+    peers = results["peers"]
+    assert set(peers["ours"]) == {"1", "4"} and set(peers["hf_generate"]) == {"1", "4"}
+    assert set(peers["hf_cb"]) == {"1", "4"} and all(r["complete"] for r in peers["hf_cb"].values())
+    names = [t["name"] for t in results["targets"]]
+    assert "c=1 decode ITL p50 / floor" in names and "tok/s vs transformers CB, c=4" in names
