@@ -20,7 +20,6 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.heartbeats import HeartbeatCache
-from router.policy import KeyPolicy, LoadPolicy
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
 from schemas import (
@@ -112,12 +111,7 @@ class IngressService:
         self.names = Names(settings.topic_prefix)
         # Bounded reads: a blocked XREAD returns within _BLOCK_MS, so 10 s means Redis is gone.
         self.redis: Redis = create_redis(settings, socket_timeout=10.0, connect_timeout=2.0, client_name="ingress")
-        self.router = Router(
-            self.names,
-            default_partitions=settings.topic_partitions,
-            key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
-            load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),
-        )
+        self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
             settings.kafka_bootstrap,
             self.names,

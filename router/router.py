@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas import InferenceRequest, Names, Tier, WorkerHeartbeat
+from sluicegate.settings import Settings
 
 from .policy import (
     KeyPolicy,
@@ -78,6 +79,16 @@ class Router:
     load_policy: LoadPolicy = field(default_factory=LoadPolicy)
     _partitions: dict[str, int] = field(default_factory=dict)
     _heartbeats: dict[str, list[WorkerHeartbeat]] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Router:
+        """The router every Sluicegate process builds: prefix, partitions and policies from settings."""
+        return cls(
+            Names(settings.topic_prefix),
+            default_partitions=settings.topic_partitions,
+            key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
+            load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),
+        )
 
     def set_partitions(self, topic: str, count: int) -> None:
         """Record a topic's actual partition count (from topic creation or metadata)."""

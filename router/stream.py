@@ -30,7 +30,6 @@ from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 
 from .heartbeats import HeartbeatCache
-from .policy import KeyPolicy, LoadPolicy
 from .publish import Headers, TopicRegistry, request_headers, send_routed
 from .router import Router
 from .validation import summarize
@@ -139,12 +138,7 @@ class RouterProcessor:
         self.names = Names(settings.topic_prefix)
         self.consumer = consumer
         self.producer = producer
-        self.router = Router(
-            self.names,
-            default_partitions=settings.topic_partitions,
-            key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
-            load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),
-        )
+        self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
             settings.kafka_bootstrap,
             self.names,
