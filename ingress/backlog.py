@@ -58,11 +58,16 @@ def backlog_ahead(lags: Mapping[str, int], running: int, tier: Tier) -> int:
 class _Estimate:
     read_at: float
     lags: dict[str, int]
-    # Requests this process published since ``read_at``; the next read includes them.
-    accepted: dict[str, int] = field(default_factory=dict)
+    # The end offsets ``lags`` was computed from: a record below them is already counted.
+    ends: dict[TopicPartition, int] = field(default_factory=dict)
+    # Records this process published that the last read did not cover yet: (tier, partition, offset).
+    pending: list[tuple[Tier, TopicPartition, int]] = field(default_factory=list)
 
     def current(self) -> dict[str, int]:
-        return {tier: self.lags.get(tier, 0) + self.accepted.get(tier, 0) for tier in TIERS}
+        counts = dict(self.lags)
+        for tier, _, _ in self.pending:
+            counts[tier] = counts.get(tier, 0) + 1
+        return {tier: counts.get(tier, 0) for tier in TIERS}
 
 
 class BacklogMonitor:
@@ -136,11 +141,13 @@ class BacklogMonitor:
                 headers={"Retry-After": str(retry_after)},
             )
 
-    def accepted(self, model: str, tier: Tier) -> None:
-        """Count a request published for ``model`` until the next read includes it."""
+    def accepted(self, model: str, tier: Tier, topic: str, partition: int, offset: int) -> None:
+        """Count a record published for ``model`` until a read's end offsets cover it."""
         estimate = self._estimates.get(model)
-        if estimate is not None:
-            estimate.accepted[tier] = estimate.accepted.get(tier, 0) + 1
+        tp = TopicPartition(topic, partition)
+        # The acknowledgement can reach us after a refresh already read past this record.
+        if estimate is not None and offset >= estimate.ends.get(tp, 0):
+            estimate.pending.append((tier, tp, offset))
 
     def estimate(self, model: str) -> dict[str, int] | None:
         """The current estimate per tier (unfinished requests, running ones included), or None before a read."""
@@ -164,10 +171,8 @@ class BacklogMonitor:
 
     async def _refresh(self, model: str, partitions: dict[str, int]) -> None:
         started = time.monotonic()
-        before = self._estimates.get(model)
-        counted = dict(before.accepted) if before is not None else {}
         try:
-            lags = await asyncio.wait_for(self._read(model, partitions), self._timeout_s)
+            lags, ends = await asyncio.wait_for(self._read(model, partitions), self._timeout_s)
         except Exception as exc:
             # An estimate is best effort: any failure (Kafka down, coordinator moving, a client error) keeps the
             # last estimate, and the next refresh starts from a fresh coordinator lookup.
@@ -177,9 +182,11 @@ class BacklogMonitor:
             await self._drop_clients()
             raise
         current = self._estimates.get(model)
-        # Requests accepted while the read ran may or may not be in it; keeping them counted errs towards a 429.
-        leftover = {t: n - counted.get(t, 0) for t, n in (current.accepted if current else {}).items()}
-        self._estimates[model] = _Estimate(started, lags, {t: n for t, n in leftover.items() if n > 0})
+        # A record published while the read ran is in it exactly when its offset is below the end offset read,
+        # so nothing is counted twice (which would refuse early) or missed (which would overshoot the bound).
+        pending = current.pending if current is not None else []
+        leftover = [(t, tp, off) for t, tp, off in pending if off >= ends.get(tp, 0)]
+        self._estimates[model] = _Estimate(started, lags, ends, leftover)
         self._failed_at.pop(model, None)
         self._metrics.backlog.labels(model).set(sum(lags.values()))
 
@@ -227,13 +234,16 @@ class BacklogMonitor:
                 self._consumer = consumer
             return self._admin, self._consumer
 
-    async def _read(self, model: str, partitions: Mapping[str, int]) -> dict[str, int]:
-        """Unfinished requests per tier: the worker group's lag on each of the model's request topics."""
+    async def _read(
+        self, model: str, partitions: Mapping[str, int]
+    ) -> tuple[dict[str, int], dict[TopicPartition, int]]:
+        """Unfinished requests per tier (the worker group's lag on the model's request topics) and the end
+        offsets the lag was computed from."""
         admin, consumer = await self._clients()
         tiers = {self._names.request_topic(model, tier): tier for tier in TIERS}
         tps = [TopicPartition(topic, p) for topic in tiers for p in range(partitions.get(topic, 0))]
         if not tps:
-            return dict.fromkeys(TIERS, 0)
+            return dict.fromkeys(TIERS, 0), {}
         group = self._names.worker_group(model)
         coordinator = self._coordinators.get(group)
         if coordinator is None:
@@ -250,4 +260,4 @@ class BacklogMonitor:
             # A group that never committed on a partition starts at its log start (auto_offset_reset=earliest).
             position = max(start, mark.offset) if mark is not None and mark.offset >= 0 else start
             lags[tiers[tp.topic]] += max(0, end - position)
-        return lags
+        return lags, dict(ends)

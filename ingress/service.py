@@ -211,12 +211,12 @@ class IngressService:
             delivery = await asyncio.wait_for(
                 send_routed(producer, request, route, request_headers(request, trace_carrier)), timeout
             )
-            await asyncio.wait_for(delivery, max(0.1, timeout - (time.perf_counter() - started)))
+            metadata = await asyncio.wait_for(delivery, max(0.1, timeout - (time.perf_counter() - started)))
         except (KafkaError, TimeoutError, OSError) as exc:
             self.metrics.publish_failures.labels(request.model).inc()
             await self._abandon(request)
             raise unavailable("Kafka", exc, request_id=request.request_id) from exc
-        self.backlog.accepted(request.model, route.tier)
+        self.backlog.accepted(request.model, route.tier, metadata.topic, metadata.partition, metadata.offset)
         self.metrics.publish_latency.observe(time.perf_counter() - started)
         self.metrics.published.labels(request.model, route.tier, route.reason).inc()
         log.info(

@@ -138,7 +138,7 @@ async def test_backlog_bound_answers_429_and_readmits_as_workers_progress(
             if response.status_code != 202:
                 break
             accepted.append(response.json()["request_id"])
-        assert len(accepted) == 5
+        assert len(accepted) == 5, response.text
         assert response.status_code == 429
         assert response.headers["retry-after"] == str(bounded.backlog_retry_after_s)
         error = response.json()["error"]

@@ -145,3 +145,21 @@ async def test_openapi_documents_bodies_errors_and_auth(client: httpx.AsyncClien
     # Every $ref resolves inside the document.
     refs = {part.split('"')[0] for part in json.dumps(spec).split('"$ref": "#/components/schemas/')[1:]}
     assert refs <= set(schemas)
+
+
+def test_backlog_counts_a_published_record_once_even_when_its_ack_arrives_after_a_refresh() -> None:
+    from aiokafka import TopicPartition
+
+    from ingress.backlog import BacklogMonitor, _Estimate
+    from ingress.telemetry import IngressMetrics
+    from schemas import Names
+
+    names = Names("t.")
+    monitor = BacklogMonitor(Settings(), names, IngressMetrics())
+    topic = names.request_topic("m", "standard")
+    # A refresh read end offset 3 on partition 0: offsets 0-2 are already in its lag of 3.
+    monitor._estimates["m"] = _Estimate(0.0, {"standard": 3}, {TopicPartition(topic, 0): 3})
+    monitor.accepted("m", "standard", topic, 0, 2)  # acknowledged late: already counted
+    monitor.accepted("m", "standard", topic, 0, 3)  # published after the read: counts once
+    monitor.accepted("m", "standard", topic, 1, 0)  # a partition the read did not cover
+    assert monitor.estimate("m") == {"interactive": 0, "standard": 5, "batch": 0}
