@@ -185,3 +185,53 @@ async def test_kafka_python_produces_aiokafka_consumes(test_settings: Settings, 
         await consumer.stop()
     assert [(r.key, r.value) for r in records] == [(f"k{i}".encode(), f"v{i}".encode()) for i in range(3)]
     assert all(list(r.headers) == [("h", b"x")] for r in records)
+
+
+async def test_foreign_client_request_is_schema_valid_and_read_by_our_consumer(
+    test_settings: Settings, make_topic: TopicMaker
+) -> None:
+    """A producer in another stack writes plain JSON checked only against schemas/json; we read and validate it."""
+    import json
+
+    import jsonschema
+    from pydantic import ValidationError
+
+    from schemas import InferenceRequest
+    from schemas.export import JSON_DIR
+
+    topic = await make_topic("foreign", 1)
+    schema = json.loads((JSON_DIR / "InferenceRequest.json").read_text())
+    good = {
+        "request_id": "foreign-1",
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "sampling": {"temperature": 0, "max_tokens": 4},
+        "priority": "batch",
+        "deadline": "2099-01-01T00:00:00Z",
+    }
+    bad = {"request_id": "foreign-2", "model": "tiny", "prompt": "x", "sampling": {"top_p": 3}}
+    jsonschema.validate(good, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+    def produce() -> None:
+        producer = KafkaProducer(bootstrap_servers=test_settings.kafka_bootstrap, acks="all")
+        try:
+            for body in (good, bad):
+                producer.send(topic, value=json.dumps(body).encode())
+            producer.flush(timeout=30)
+        finally:
+            producer.close()
+
+    await asyncio.to_thread(produce)
+    consumer = create_consumer(topic, group_id=f"{test_settings.topic_prefix}foreign", settings=test_settings)
+    await consumer.start()
+    try:
+        first, second = sorted(await _consume(consumer, 2), key=lambda r: r.offset)
+    finally:
+        await consumer.stop()
+    request = InferenceRequest.model_validate_json(first.value)
+    assert (request.request_id, request.priority, request.sampling.max_tokens) == ("foreign-1", "batch", 4)
+    with pytest.raises(ValidationError) as info:
+        InferenceRequest.model_validate_json(second.value)
+    assert any(err["loc"][:2] == ("sampling", "top_p") for err in info.value.errors())
