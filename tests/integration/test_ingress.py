@@ -24,8 +24,6 @@ from ingress_support import (
     MODEL,
     FakeWorker,
     consume,
-    delete_prefixed_keys,
-    delete_prefixed_topics,
     eventually,
     heartbeat,
     reader,
@@ -75,21 +73,6 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
             "public_stream_url": "ws://results.example:8001",
         }
     )
-
-
-@pytest.fixture
-async def redis(redis_url: str, unique_prefix: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await delete_prefixed_keys(client, unique_prefix)
-    await client.aclose()
-
-
-@pytest.fixture
-async def cleanup_topics(kafka_bootstrap: str, unique_prefix: str) -> AsyncIterator[None]:
-    """Deletes every topic this test created (they all carry its prefix)."""
-    yield
-    await delete_prefixed_topics(kafka_bootstrap, unique_prefix)
 
 
 @pytest.fixture

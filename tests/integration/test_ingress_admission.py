@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,6 @@ from ingress_support import (
     MODEL,
     FakeWorker,
     consume,
-    delete_prefixed_keys,
-    delete_prefixed_topics,
     heartbeat,
     reader,
     running_app,
@@ -77,20 +74,6 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
             "served_models": MODEL,
         }
     )
-
-
-@pytest.fixture
-async def redis(redis_url: str, unique_prefix: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await delete_prefixed_keys(client, unique_prefix)
-    await client.aclose()
-
-
-@pytest.fixture
-async def cleanup_topics(kafka_bootstrap: str, unique_prefix: str) -> AsyncIterator[None]:
-    yield
-    await delete_prefixed_topics(kafka_bootstrap, unique_prefix)
 
 
 def client(url: str, key: str = KEY) -> httpx.AsyncClient:

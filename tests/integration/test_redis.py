@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -15,17 +14,6 @@ from sluicegate.redis_client import create_redis, wait_for_redis
 from sluicegate.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-async def redis(test_settings: Settings) -> AsyncIterator[Redis]:
-    """A client from the factory; deletes this test's keys afterwards."""
-    client = create_redis(test_settings)
-    yield client
-    keys = [key async for key in client.scan_iter(match=f"{test_settings.topic_prefix}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 async def test_wait_for_redis_returns_version(redis_url: str) -> None:

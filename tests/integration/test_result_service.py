@@ -149,16 +149,6 @@ def names(settings: Settings) -> Names:
     return Names(settings.topic_prefix)
 
 
-@pytest.fixture
-async def redis(settings: Settings) -> AsyncIterator[Redis]:
-    client = create_redis(settings, client_name="result-service-tests")
-    yield client
-    keys = [key async for key in client.scan_iter(match=f"{settings.topic_prefix}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
-
-
 async def start_server(settings: Settings, config: RelayConfig) -> tuple[uvicorn.Server, asyncio.Task[None], str]:
     app = create_app(settings, config=config)
     sock = free_socket()
