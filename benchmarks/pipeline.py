@@ -50,8 +50,6 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from websockets.client import ClientProtocol
-from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
 from benchmarks import relay
@@ -359,54 +357,35 @@ class Sample:
     error: str | None = None
 
 
-class _StreamReader(asyncio.Protocol):
-    """A WebSocket client on websockets' sans-I/O protocol that stamps events as their bytes arrive, so the
-    client's own scheduling delays do not count as pipeline latency."""
+class _StreamReader(relay.SansIOWebSocket):
+    """Follows one request's stream, stamping events as their bytes arrive, so the client's own scheduling
+    delays do not count as pipeline latency."""
+
+    clock = staticmethod(time.time)
 
     def __init__(self, url: str, sample: Sample) -> None:
-        self.ws = ClientProtocol(parse_uri(url), max_size=2**20)
+        super().__init__(url)
         self.sample = sample
         self.next_seq = 0
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.transport: Any = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.ws.send_request(self.ws.connect())
-        self._flush()
-
-    def data_received(self, data: bytes) -> None:
-        now = time.time()
+    def on_text(self, data: str | bytes, now: float) -> None:
         sample = self.sample
-        self.ws.receive_data(data)
-        for frame in self.ws.events_received():
-            if not isinstance(frame, Frame) or frame.opcode is not Opcode.TEXT:
-                continue
-            event = json.loads(frame.data)
-            if event["seq"] != self.next_seq and sample.error is None:
-                sample.error = f"seq {event['seq']} where {self.next_seq} was due"
-            self.next_seq = event["seq"] + 1
-            if event["type"] == "token":
-                sample.first = sample.first or now
-                sample.tokens += len(event["token_ids"])
-            elif event["type"] in ("done", "error"):
-                sample.done = now
-                if event["type"] == "error":
-                    sample.error = f"error event: {event.get('code')}: {event.get('message')}"
-        if self.ws.handshake_exc is not None and sample.error is None:
-            sample.error = f"handshake failed: {self.ws.handshake_exc}"
-        self._flush()
+        event = json.loads(data)
+        if event["seq"] != self.next_seq and sample.error is None:
+            sample.error = f"seq {event['seq']} where {self.next_seq} was due"
+        self.next_seq = event["seq"] + 1
+        if event["type"] == "token":
+            sample.first = sample.first or now
+            sample.tokens += len(event["token_ids"])
+        elif event["type"] in ("done", "error"):
+            sample.done = now
+            if event["type"] == "error":
+                sample.error = f"error event: {event.get('code')}: {event.get('message')}"
 
-    def eof_received(self) -> None:
-        self.ws.receive_eof()
-        self._flush()
-
-    def _flush(self) -> None:
-        for chunk in self.ws.data_to_send():
-            if chunk:
-                self.transport.write(chunk)
-            elif self.transport.can_write_eof():
-                self.transport.write_eof()
+    def on_handshake_failed(self, message: str) -> None:
+        if self.sample.error is None:
+            self.sample.error = message
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.sample.done and self.sample.error is None:

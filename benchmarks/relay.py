@@ -17,6 +17,7 @@ Run: ``python -m benchmarks.relay`` (starts a throwaway ``redis-server``; or pas
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import json
@@ -30,7 +31,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -154,19 +155,26 @@ class ClientResult:
     error: str | None = None
 
 
-class _Client(asyncio.Protocol):
+class SansIOWebSocket(asyncio.Protocol, abc.ABC):
     """A WebSocket client on websockets' sans-I/O protocol. Frames are handled right in
     ``data_received``, without a task switch per message, so the clients cost less CPU than the relay
-    they measure (they share the machine with it)."""
+    they measure (they share the machine with it). Subclasses handle text frames in ``on_text``, stamped
+    with ``clock()`` taken as the bytes arrived, and report a failed handshake in ``on_handshake_failed``."""
 
-    def __init__(self, url: str, stream: int, expected: int, sample_every: int) -> None:
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    def __init__(self, url: str) -> None:
         self.url = url
         self.ws = ClientProtocol(parse_uri(url), max_size=2**20)
-        self.result = ClientResult(stream)
-        self.expected = expected
-        self.sample_every = sample_every
-        self.closed: asyncio.Future[ClientResult] = asyncio.get_running_loop().create_future()
         self.transport: Any = None  # uvloop's transports do not subclass asyncio.Transport
+
+    @abc.abstractmethod
+    def on_text(self, data: str | bytes, now: float) -> None:
+        """One text frame (one relayed JSON event)."""
+
+    @abc.abstractmethod
+    def on_handshake_failed(self, message: str) -> None:
+        """The server refused the WebSocket upgrade."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -174,22 +182,13 @@ class _Client(asyncio.Protocol):
         self._flush()
 
     def data_received(self, data: bytes) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.ws.receive_data(data)
-        result = self.result
         for event in self.ws.events_received():
-            if not isinstance(event, Frame) or event.opcode is not Opcode.TEXT or result.error:
-                continue
-            seq = json.loads(event.data)["seq"]
-            if seq != result.delivered:
-                result.error = f"{self.url}: got seq {seq}, expected {result.delivered}"
-                continue
-            if seq % self.sample_every == 0:
-                result.samples.append((seq, now))
-            result.delivered += 1
-            result.last_at = now
-        if self.ws.handshake_exc is not None and not result.error:
-            result.error = f"{self.url}: handshake failed: {self.ws.handshake_exc}"
+            if isinstance(event, Frame) and event.opcode is Opcode.TEXT:
+                self.on_text(event.data, now)
+        if self.ws.handshake_exc is not None:
+            self.on_handshake_failed(f"handshake failed: {self.ws.handshake_exc}")
         self._flush()
 
     def eof_received(self) -> None:
@@ -202,6 +201,34 @@ class _Client(asyncio.Protocol):
                 self.transport.write(chunk)
             elif self.transport.can_write_eof():
                 self.transport.write_eof()
+
+
+class _Client(SansIOWebSocket):
+    """Reads one stream to its end, checking that every event comes once and in order."""
+
+    def __init__(self, url: str, stream: int, expected: int, sample_every: int) -> None:
+        super().__init__(url)
+        self.result = ClientResult(stream)
+        self.expected = expected
+        self.sample_every = sample_every
+        self.closed: asyncio.Future[ClientResult] = asyncio.get_running_loop().create_future()
+
+    def on_text(self, data: str | bytes, now: float) -> None:
+        result = self.result
+        if result.error:
+            return
+        seq = json.loads(data)["seq"]
+        if seq != result.delivered:
+            result.error = f"{self.url}: got seq {seq}, expected {result.delivered}"
+            return
+        if seq % self.sample_every == 0:
+            result.samples.append((seq, now))
+        result.delivered += 1
+        result.last_at = now
+
+    def on_handshake_failed(self, message: str) -> None:
+        if not self.result.error:
+            self.result.error = f"{self.url}: {message}"
 
     def connection_lost(self, exc: Exception | None) -> None:
         result = self.result
