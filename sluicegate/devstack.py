@@ -266,7 +266,12 @@ def _alive(pid: int, owns: Callable[[list[str]], bool]) -> bool:
     """True when ``pid`` runs (not a zombie) and its command line is the service we expect, so a
     recycled pid from an old pid file is never mistaken for our process."""
     child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:
+    if child is not None:
+        # Our own unreaped child cannot have its pid recycled, so poll() is the whole answer. Its command
+        # line is not: redis-server rewrites its title just after starting, and a read of
+        # /proc/<pid>/cmdline in that moment matches nothing.
+        if child.poll() is None:
+            return True
         _CHILDREN.pop(pid, None)
         return False
     try:
