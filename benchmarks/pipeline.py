@@ -7,7 +7,7 @@ requests/s by default) open-loop Poisson arrivals each ``POST /v1/requests`` (sh
 8, greedy) and then read the stream over the WebSocket the response names.
 
 Overhead of one request = (first token received on the WebSocket - POST sent) - the engine's own TTFT
-for that request. The engine TTFT is taken worker-side: the worker child wraps the engine's ``generate``
+for that request. The engine TTFT is taken worker-side: the worker child wraps the engine's delta delivery
 and keeps each request's ``RequestMetrics`` (arrival and first-token times, ``time.time()``, a clock every
 process on the host shares). The child also stamps when a request's Kafka record reaches the worker and
 when the XADD of its first token is sent, which splits the overhead into four stages:
@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ def _install_stage_probes(stamps: dict[str, dict[str, float]]) -> bool:
         # Stamped as the pipeline goes out: once Redis has it, the relay may deliver it before this task resumes.
         now = time.time()
         for event in batch:
-            if event.seq == 0 and event.type == "token":
+            if getattr(event, "seq", None) == 0 and getattr(event, "type", None) == "token":
                 stamps.setdefault(event.request_id, {}).setdefault("flushed", now)
         return await append(self, batch, *args, **kwargs)
 
@@ -129,14 +129,15 @@ def _worker_main(settings_json: str, out_dir: str) -> None:
     class TimedEngine(AsyncEngine):
         """The worker's engine, keeping each finished request's engine timestamps."""
 
-        async def generate(self, prompt: Any, params: Any = None, **options: Any) -> AsyncIterator[RequestDelta]:
-            async for delta in super().generate(prompt, params, **options):
+        def _deliver(self, deltas: list[RequestDelta]) -> None:
+            # Every delta reaches the event loop through here, whichever way the worker reads a request.
+            for delta in deltas:
                 if delta.final is not None and delta.final.metrics.first_token_time is not None:
                     metrics = delta.final.metrics
                     entry = stamps.setdefault(delta.request_id, {})
                     entry["arrival"] = metrics.arrival_time
                     entry["first_token"] = metrics.first_token_time
-                yield delta
+            super()._deliver(deltas)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -118,6 +118,13 @@ class Settings(BaseSettings):
         description="Worker consumer-group session timeout: how long a crashed worker's partitions wait before "
         "another worker takes them over (the broker's group.min.session.timeout.ms, 6000 by default, is the floor).",
     )
+    worker_commit_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="How long a worker gathers finished requests before committing their offsets in one request "
+        "(0 commits after each). A crash re-delivers at most this window, and finished requests are recognised "
+        "and skipped.",
+    )
     worker_redis_timeout_s: float = Field(
         5.0,
         gt=0,

@@ -61,6 +61,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngin
         session_timeout_ms=settings.worker_session_timeout_ms,
         heartbeat_ms=max(300, settings.worker_session_timeout_ms // 4),
         device=settings.device,
+        commit_interval_s=settings.worker_commit_interval_s,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
     topics |= {

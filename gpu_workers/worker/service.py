@@ -28,7 +28,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -37,6 +37,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
 from pydantic import ValidationError
 
+from gpu_workers.engine.async_engine import RequestStream
 from schemas import (
     TIERS,
     CancelRequest,
@@ -62,7 +63,7 @@ from .offsets import CompletionWatermarks
 from .prompts import PromptError, prompt_token_ids, sampling_params
 from .resume import Continuation, eos_token_ids
 from .streams import REDIS_UNAVAILABLE as _REDIS_DOWN
-from .streams import StreamPublisher, read_pickup_state, read_stream_state
+from .streams import RecordWrite, StreamPublisher, read_pickup_state, read_stream_state
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class EngineLike(Protocol):
 
     tokenizer: Any
 
-    def generate(self, prompt: list[int], params: Any, *, request_id: str, priority: str, tenant: str) -> Any: ...
+    def add_request(
+        self, prompt: list[int], params: Any, *, request_id: str, priority: str, tenant: str
+    ) -> RequestStream: ...
     async def abort(self, request_id: str) -> None: ...
     def stats(self) -> Any: ...
 
@@ -95,6 +98,7 @@ class WorkerConfig:
     heartbeat_ms: int = 1500
     device: str = "cpu"
     redis_retry_max_s: float = 2.0
+    commit_interval_s: float = 0.05
 
 
 @dataclass
@@ -106,6 +110,8 @@ class _Active:
     handed_off: bool = False  # partition revoked: the new owner continues it, emit nothing more
     cancelled: bool = False
     task: asyncio.Task | None = field(default=None, repr=False)
+    # The engine request started before the pickup reads answered (see ``Worker._start_early``).
+    early: RequestStream | None = field(default=None, repr=False)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -154,6 +160,7 @@ class Worker:
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._eos_ids = eos_token_ids(engine)
         self._fatal: BaseException | None = None
+        self._commit_task: asyncio.Task[None] | None = None
         # Counters for logs and tests.
         self.served = 0
         self.resumed = 0
@@ -213,6 +220,9 @@ class Worker:
             await asyncio.wait_for(self.publisher.flush(), self.config.drain_timeout_s)
         except TimeoutError:
             log.warning("worker.final_flush_timed_out", extra={"pending": self.publisher.pending})
+        if self._commit_task is not None:
+            self._commit_task.cancel()
+            await asyncio.gather(self._commit_task, return_exceptions=True)
         await self._commit()
 
     async def _fetch_loop(self, start_consumer: bool = False) -> None:
@@ -325,7 +335,7 @@ class Worker:
                     del self.active[key]
             if completed and not entry.handed_off:
                 self.watermarks.finished(tp, record.offset)
-                await self._commit()
+                self._schedule_commit()
             self._room.set()
 
     async def _claim(self, entry: _Active, provisional: str, request_id: str) -> bool:
@@ -347,7 +357,43 @@ class Worker:
         return True
 
     async def _serve_request(self, request: InferenceRequest, entry: _Active, record: Any) -> bool:
-        """Serve one parsed request; True when it reached an outcome, False when handed off mid-way."""
+        """Serve one parsed request; True when it reached an outcome, False when handed off mid-way.
+
+        The engine starts on the request while its pickup state is read from Redis, so that round trip
+        overlaps the prefill instead of preceding it. Nothing the early start produces is emitted before the
+        state says the request is new; otherwise the early start is withdrawn and the state decides.
+        """
+        entry.early = self._start_early(request, entry)
+        try:
+            return await self._serve_picked_up(request, entry, record)
+        finally:
+            if entry.early is not None:
+                await self._withdraw(entry.early)
+                entry.early = None
+
+    def _start_early(self, request: InferenceRequest, entry: _Active) -> RequestStream | None:
+        """Start the engine on a request that looks new; None when anything says it should wait."""
+        rid = request.request_id
+        if entry.cancelled or entry.handed_off or rid in self._early_cancels or request.expired():
+            return None
+        try:
+            prompt = prompt_token_ids(request, self.engine.tokenizer)
+            return self.engine.add_request(
+                prompt, sampling_params(request, 0), request_id=rid, priority=request.priority, tenant=request.tenant
+            )
+        except (PromptError, ValueError):
+            return None  # the regular path reports it, after the pickup state is known
+
+    async def _withdraw(self, stream: RequestStream) -> None:
+        """Abort an engine request nobody will read and wait for its end, so its id is free again."""
+        if stream.finished:
+            return
+        with contextlib.suppress(Exception):
+            await self.engine.abort(stream.request_id)
+            async for _ in stream:
+                pass
+
+    async def _serve_picked_up(self, request: InferenceRequest, entry: _Active, record: Any) -> bool:
         rid = request.request_id
         pickup = await self._redis_call(lambda: read_pickup_state(self.redis, self.names, rid))
         state, ended_before = pickup.stream, _record_says_ended(pickup.record)
@@ -420,25 +466,34 @@ class Worker:
         resumed: Continuation | None,
     ) -> bool:
         rid = request.request_id
-        await self._set_record(request, "running")
         if entry.handed_off:
             return False
+        # Written with the first token's append rather than awaited here: one round trip less before the
+        # engine starts, and still ahead of the final record (which waits for a flush).
+        self.publisher.add_record(self._record_write(request, "running"))
+        self._events.set()
         delivered = list(resumed.token_ids) if resumed is not None else []
         tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
         finish: FinishReason = "stop"
         cached = 0
         started = False
-        # No await between this check and the engine taking the request (the generator adds it
-        # synchronously on first iteration), so a cancel is either seen here or reaches the engine.
+        if resumed is not None and entry.early is not None:
+            await self._withdraw(entry.early)  # it started from the bare prompt; the resume needs more
+            entry.early = None
+        if entry.handed_off:
+            return False
+        # No await between this check and the engine taking the request (an early start has it already;
+        # ``add_request`` queues it at once), so a cancel is either seen here or reaches the engine.
         if entry.cancelled:
             return await self._finish(entry, request, seq, "abort", tokens, text, len(prompt), 0)
-        params = sampling_params(request, len(delivered))
         try:
-            async with contextlib.aclosing(
-                self.engine.generate(
+            deltas, entry.early = entry.early, None
+            if deltas is None:
+                params = sampling_params(request, len(delivered))
+                deltas = self.engine.add_request(
                     prompt + delivered, params, request_id=rid, priority=request.priority, tenant=request.tenant
                 )
-            ) as deltas:
+            async with self._reading(deltas):
                 async for delta in deltas:
                     started = True
                     if entry.handed_off:
@@ -538,6 +593,15 @@ class Worker:
             )
         return True
 
+    @contextlib.asynccontextmanager
+    async def _reading(self, stream: RequestStream) -> AsyncIterator[RequestStream]:
+        """Read an engine request's deltas; leaving early (a stop string, a hand-off, an error) aborts it."""
+        try:
+            yield stream
+        finally:
+            if not stream.finished:
+                await self.engine.abort(stream.request_id)
+
     def _emit(self, entry: _Active, event: StreamEvent) -> bool:
         """Queue one event for the next flush, unless the request was handed to another owner.
 
@@ -559,6 +623,10 @@ class Worker:
         return entry.cancelled or cancel_marked
 
     async def _set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
+        write = self._record_write(request, status, result)
+        await self._redis_call(lambda: self.redis.set(write.key, write.value, ex=write.ttl_s))
+
+    def _record_write(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> RecordWrite:
         record = RequestRecord(
             request_id=request.request_id,
             model=request.model,
@@ -569,8 +637,8 @@ class Worker:
             worker_id=self.config.worker_id,
             result=result,
         )
-        key, value = self.names.request_key(request.request_id), record.model_dump_json()
-        await self._redis_call(lambda: self.redis.set(key, value, ex=self.config.stream_ttl_s))
+        key = self.names.request_key(request.request_id)
+        return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s)
 
     async def _redis_call(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run a Redis operation, retrying with backoff while Redis is unreachable (a restart, a failover).
@@ -632,6 +700,16 @@ class Worker:
             # Let every request whose delta came out of the same engine step add its event first.
             await asyncio.sleep(0)
             await self.publisher.flush()
+
+    def _schedule_commit(self) -> None:
+        """Commit soon, once for all requests finishing within ``commit_interval_s``: a commit per request
+        costs the broker and this event loop a round trip each, on the machine that serves first tokens."""
+        if self._commit_task is None or self._commit_task.done():
+            self._commit_task = asyncio.create_task(self._commit_later(), name="worker-commit")
+
+    async def _commit_later(self) -> None:
+        await asyncio.sleep(self.config.commit_interval_s)
+        await self._commit()
 
     async def _commit(self) -> None:
         assigned = self.consumer.assignment()

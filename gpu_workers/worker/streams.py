@@ -106,6 +106,15 @@ def stream_state_from_entries(entries: list[Any]) -> StreamState:
     return state
 
 
+@dataclass(frozen=True)
+class RecordWrite:
+    """A status-record SET carried in the publisher's next pipeline, in order with the stream appends."""
+
+    key: str
+    value: str
+    ttl_s: int
+
+
 class StreamPublisher:
     """Buffers events from all active requests and appends them in one pipeline per flush.
 
@@ -118,7 +127,7 @@ class StreamPublisher:
         self._names = names
         self._ttl_s = ttl_s
         self._max_retry_delay_s = max_retry_delay_s
-        self._pending: list[StreamEvent] = []
+        self._pending: list[StreamEvent | RecordWrite] = []
         self._lock = asyncio.Lock()
         self.appended = 0
         self.duplicates = 0
@@ -126,6 +135,10 @@ class StreamPublisher:
 
     def add(self, event: StreamEvent) -> None:
         self._pending.append(event)
+
+    def add_record(self, write: RecordWrite) -> None:
+        """Queue a status-record write for the next flush (no round trip of its own)."""
+        self._pending.append(write)
 
     @property
     def pending(self) -> int:
@@ -154,9 +167,12 @@ class StreamPublisher:
                 self._pending[:0] = batch
                 raise
 
-    async def _append(self, batch: list[StreamEvent]) -> None:
+    async def _append(self, batch: list[StreamEvent | RecordWrite]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for event in batch:
+            if isinstance(event, RecordWrite):
+                pipe.set(event.key, event.value, ex=event.ttl_s)
+                continue
             key = self._names.stream_key(event.request_id)
             pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
             if isinstance(event, DoneEvent | ErrorEvent):
@@ -170,4 +186,4 @@ class StreamPublisher:
                 raise result
             if isinstance(result, REDIS_UNAVAILABLE):
                 raise result
-        self.appended += len(batch)
+        self.appended += sum(1 for event in batch if not isinstance(event, RecordWrite))

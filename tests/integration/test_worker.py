@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from gpu_workers.engine import AsyncEngine, SamplingParams
 from gpu_workers.worker.main import run_worker
 from gpu_workers.worker.resume import Continuation, eos_token_ids
-from gpu_workers.worker.streams import StreamPublisher, read_stream_state
+from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (
     STREAM_FIELD,
     DoneEvent,
@@ -338,11 +338,46 @@ def assert_exactly_once(events: list[StreamEvent], ref: Reference | None = None)
     return text
 
 
+async def wait_idle_heartbeat(redis: Redis, names: Names, timeout_s: float = 15.0) -> WorkerHeartbeat:
+    """The worker's heartbeat once it shows no request running or waiting and every KV block free."""
+    deadline = time.monotonic() + timeout_s
+    beat = None
+    while time.monotonic() < deadline:
+        raw = await redis.hgetall(names.workers_key(MODEL))
+        beats = [WorkerHeartbeat.model_validate_json(v) for v in raw.values()]
+        beat = beats[0] if beats else None
+        if beat and not beat.running and not beat.waiting and beat.free_kv_blocks == beat.total_kv_blocks:
+            return beat
+        await asyncio.sleep(0.1)
+    pytest.fail(f"the worker did not go idle with every KV block free: {beat}")
+
+
 async def write_partial_stream(redis: Redis, names: Names, rid: str, deltas: list[tuple[str, list[int]]]) -> None:
     publisher = StreamPublisher(redis, names, ttl_s=600)
     for seq, (text, ids) in enumerate(deltas):
         publisher.add(TokenEvent(request_id=rid, seq=seq, text=text, token_ids=ids))
     await publisher.flush()
+
+
+async def test_publisher_carries_record_writes_in_order_with_appends(redis_url: str, unique_prefix: str) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    publisher = StreamPublisher(redis, names, ttl_s=600)
+    try:
+        publisher.add_record(RecordWrite(key, "running", 60))
+        publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
+        publisher.add_record(RecordWrite(key, "finished", 60))
+        assert publisher.pending == 3
+        await publisher.flush()
+        assert await redis.get(key) == b"finished"  # the later write wins: one pipeline, in order
+        assert 0 < await redis.ttl(key) <= 60
+        assert publisher.appended == 1 and publisher.pending == 0
+        assert len(await redis.xrange(names.stream_key(rid))) == 1
+    finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
 
 
 async def test_worker_continues_a_partial_stream_and_skips_a_finished_one(
@@ -387,6 +422,9 @@ async def test_worker_continues_a_partial_stream_and_skips_a_finished_one(
             # The original 17 events were kept, not rewritten.
             events = await read_events(redis, names, partial.request_id)
             assert [(e.text, e.token_ids) for e in events[:17]] == [(t, i) for t, i in ref.deltas[:17]]
+            # The engine had started each of them before their stream state was read; every early start the
+            # state overruled was withdrawn, leaving nothing running and no KV block held.
+            await wait_idle_heartbeat(redis, names)
     finally:
         await redis.aclose()
 

@@ -111,7 +111,12 @@ def test_entry_ids_follow_seq() -> None:
 
 def test_heartbeat_and_cancel_validate() -> None:
     hb = WorkerHeartbeat(
-        worker_id="w1", model="m", running=1, waiting=0, free_kv_blocks=10, total_kv_blocks=12,
+        worker_id="w1",
+        model="m",
+        running=1,
+        waiting=0,
+        free_kv_blocks=10,
+        total_kv_blocks=12,
         prefix_cache_hit_rate=0.5,
     )
     assert WorkerHeartbeat.model_validate_json(hb.model_dump_json()) == hb
