@@ -645,6 +645,99 @@ def relay_table(rows: Sequence[RelayRow]) -> str:
 # --- main -------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class TransportFloor:
+    """The two transports alone, on the same Kafka and Redis, at the same pace as one request each."""
+
+    kafka_ms: list[float]
+    redis_ms: list[float]
+
+    def p(self, q: float) -> tuple[float, float, float]:
+        kafka, redis = percentile(self.kafka_ms, q), percentile(self.redis_ms, q)
+        return kafka, redis, kafka + redis
+
+
+async def measure_transport_floor(settings: Settings, *, messages: int, rate: float) -> TransportFloor:
+    """What the broker and the stream cost with nothing else in the way: one record produced as ingress does
+    (``acks=all``, idempotent) until a consumer polling as the worker does holds it, and one XADD until a
+    blocked XREAD has it; ``messages`` of each at ``rate`` per second."""
+    import redis.asyncio as aioredis
+
+    from sluicegate.kafka import create_consumer, create_producer, ensure_topics
+
+    topic = f"{settings.topic_prefix}floor.{uuid.uuid4().hex[:8]}"
+    await ensure_topics(settings.kafka_bootstrap, {topic: 1}, settings.topic_replication)
+    producer = create_producer(settings, client_id="floor-producer")
+    consumer = create_consumer(topic, group_id=None, settings=settings, client_id="floor-consumer")
+    redis_w, redis_r = aioredis.Redis.from_url(settings.redis_url), aioredis.Redis.from_url(settings.redis_url)
+    await producer.start()
+    await consumer.start()
+    sent: dict[bytes, float] = {}
+    kafka_ms: list[float] = []
+    redis_ms: list[float] = []
+    stream = f"{settings.topic_prefix}floor:{uuid.uuid4().hex[:8]}"
+
+    async def consume() -> None:
+        while True:
+            batch = await consumer.getmany(timeout_ms=100)
+            now = time.perf_counter()
+            for records in batch.values():
+                for record in records:
+                    if record.value in sent:
+                        kafka_ms.append(1000 * (now - sent[record.value]))
+
+    async def read_stream() -> None:
+        last = "$"
+        while True:
+            reply = await redis_r.xread({stream: last}, block=1000)
+            now = time.perf_counter()
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    redis_ms.append(1000 * (now - float(fields[b"t"])))
+
+    readers = [asyncio.create_task(consume()), asyncio.create_task(read_stream())]
+    try:
+        await asyncio.sleep(1.0)  # both readers parked: the consumer at the log end, XREAD blocked
+        for i in range(messages):
+            value = f"floor-{i}".encode()
+            sent[value] = time.perf_counter()
+            await (await producer.send(topic, value, key=value))
+            await asyncio.sleep(1 / (2 * rate))
+            await redis_w.xadd(stream, {"t": repr(time.perf_counter())})
+            await asyncio.sleep(1 / (2 * rate))
+        await asyncio.sleep(0.5)
+    finally:
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await consumer.stop()
+        await producer.stop()
+        await redis_w.delete(stream)
+        await redis_w.aclose()
+        await redis_r.aclose()
+    return TransportFloor(kafka_ms, redis_ms)
+
+
+def floor_table(floor: TransportFloor, levels: Sequence[Level]) -> str:
+    (k50, r50, t50), (k99, r99, t99) = floor.p(0.5), floor.p(0.99)
+    rows = [
+        "| transport alone | samples | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+        f"| Kafka: produce (acks=all) -> consumer holds it | {len(floor.kafka_ms)} | {_fmt(k50)} | {_fmt(k99)} |",
+        f"| Redis: XADD -> blocked XREAD has it | {len(floor.redis_ms)} | {_fmt(r50)} | {_fmt(r99)} |",
+        f"| sum: the transport floor of one request | | {_fmt(t50)} | {_fmt(t99)} |",
+    ]
+    for level in levels:
+        overhead = level.series.get("overhead", [])
+        o50, o99 = percentile(overhead, 0.5), percentile(overhead, 0.99)
+        rows.append(
+            f"| pipeline overhead at {level.rate:g} req/s, as a multiple of the floor | | "
+            f"{_fmt(o50 / t50)}x | {_fmt(o99 / t99)}x |"
+        )
+    return "\n".join(rows)
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -701,6 +794,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--relay-batch", type=int, default=20, help="events per stream per producer pipeline")
     parser.add_argument("--client-procs", type=int, default=2, help="processes the relay clients are spread over")
     parser.add_argument("--log-level", default="WARNING", help="log level of the services")
+    parser.add_argument(
+        "--floor-messages", type=int, default=300, help="messages per transport for the floor (0: skip it)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -713,6 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack = start_stack(args, workdir)
     levels: list[Level] = []
     relay_rows: list[RelayRow] = []
+    floor: TransportFloor | None = None
     load_before = _load_average()
     try:
         if args.warmup > 0:
@@ -742,6 +839,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             analyse(level, recorded["stamps"])
         if rates and not recorded["probes"]:
             _progress("the worker's private hooks were not found: no stage split")
+        if args.floor_messages > 0:
+            _progress(f"transport floor: {args.floor_messages} Kafka records and stream entries at 50/s ...")
+            floor = asyncio.run(measure_transport_floor(stack.settings, messages=args.floor_messages, rate=50))
         if args.relay_clients.strip():
             relay_rows = run_relay(stack, args)
     finally:
@@ -776,6 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"\n{level.rate:g} req/s: {len(level.errors)} failed, {level.unmatched} without worker timing")
                 for error in sorted(set(level.errors))[:5]:
                     print(f"  {error}")
+    if floor is not None:
+        print("\nthe transports alone, same Kafka and Redis, after the rates (the floor any broker pipeline pays):\n")
+        print(floor_table(floor, levels))
     if relay_rows:
         print("\nrelay throughput (benchmarks.relay, max mode, against this pipeline's result service):\n")
         print(relay_table(relay_rows))
