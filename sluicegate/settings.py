@@ -73,6 +73,16 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
     quantization: str = Field("", description="Weight quantization: bnb-int8, bnb-nf4, fp8 or empty.")
     attention_backend: str = Field("auto", description="Attention backend: auto, torch, triton, flash_attn.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block (flash_attn needs a multiple of 256).")
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of shared prompt prefixes.")
+    enable_cascade_attention: bool = Field(
+        True, description="Read a prefix shared by the whole decode batch once per step (CUDA, triton backend)."
+    )
+    enforce_eager: bool = Field(False, description="Run decode eagerly instead of through CUDA graphs.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory the engine may use (weights, activations, KV cache)."
+    )
+    max_model_len: int = Field(0, ge=0, description="Longest prompt + output in tokens; 0 means the model's own limit.")
     drain_timeout_s: float = Field(30.0, gt=0, description="Seconds a stopping worker waits for in-flight work.")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
 

@@ -43,6 +43,12 @@ def build_engine(settings: Settings) -> AsyncEngine:
         attention_backend=settings.attention_backend,
         quantization=settings.quantization or None,
         tenant_weights=dict(settings.tenant_weights),
+        block_size=settings.block_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        enable_cascade_attention=settings.enable_cascade_attention,
+        enforce_eager=settings.enforce_eager,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_model_len=settings.max_model_len or None,
     )
 
 

@@ -1,0 +1,56 @@
+"""The worker builds its engine from ``SLUICEGATE_*`` settings: every engine knob a GPU operator needs arrives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gpu_workers.engine.tiny_model import make_tiny_model
+from gpu_workers.worker.main import build_engine
+from sluicegate.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(out)
+    return out
+
+
+def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "MODEL": str(tiny),
+        "BLOCK_SIZE": "32",
+        "ENABLE_PREFIX_CACHING": "false",
+        "ENABLE_CASCADE_ATTENTION": "false",
+        "ENFORCE_EAGER": "true",
+        "GPU_MEMORY_UTILIZATION": "0.5",
+        "MAX_MODEL_LEN": "256",
+        "MAX_NUM_SEQS": "3",
+        "KV_CACHE_GB": "0.01",
+        "ATTENTION_BACKEND": "torch",
+    }.items():
+        monkeypatch.setenv(f"SLUICEGATE_{name}", value)
+    engine = build_engine(Settings()).engine
+    config = engine.config
+    assert engine.max_model_len == 256
+    assert (config.block_size, config.enable_prefix_caching, config.enable_cascade_attention) == (32, False, False)
+    assert (config.enforce_eager, config.gpu_memory_utilization, config.max_model_len) == (True, 0.5, 256)
+    assert (config.max_num_seqs, config.cpu_kv_cache_gb, config.attention_backend) == (3, 0.01, "torch")
+
+
+def test_defaults_leave_the_model_its_own_length(tiny: Path) -> None:
+    engine = build_engine(Settings(model=str(tiny), kv_cache_gb=0.01)).engine
+    assert engine.max_model_len == 2048  # the tiny model's max_position_embeddings
+    assert engine.config.enable_prefix_caching and not engine.config.enforce_eager
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("BLOCK_SIZE", "0"), ("GPU_MEMORY_UTILIZATION", "1.5"), ("MAX_MODEL_LEN", "-1")]
+)
+def test_bad_engine_settings_are_refused_by_name(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(f"SLUICEGATE_{name}", value)
+    with pytest.raises(ValidationError, match=name.lower()):
+        Settings()
