@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from aiokafka.structs import RecordMetadata
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -171,12 +172,12 @@ class IngressService:
         tokens: int = 0,
     ) -> Route:
         """Admit the request (backlog bound, then the key's rate limits when ``key_id`` and ``limits`` are
-        given, charging ``tokens``), record it as queued, then publish it.
+        given, charging ``tokens``), then record it as queued and publish it, both at once.
 
         429 when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
-        request the backlog turns away); 503 (and no record left) when Kafka or Redis fails.
+        request the backlog turns away); 503 when Kafka or Redis fails, with no record left and a request
+        that did reach Kafka cancelled (workers never start it).
         """
-        timeout = self.settings.kafka_timeout_s
         try:
             producer = await self.producer.get()
             await self.topics.ensure_model(request.model)
@@ -197,25 +198,33 @@ class IngressService:
             status="queued",
             created_at=request.created_at,
         )
-        # The record goes first: a fast worker moving it to "running" must not be overwritten by "queued".
-        try:
-            await self.redis.set(
+        # The status record and the publish go out together, so the record costs the request path no round
+        # trip of its own. NX: a fast worker's "running" (a plain SET) is never overwritten by "queued".
+        started = time.perf_counter()
+        saved, published = await asyncio.gather(
+            self.redis.set(
                 self.names.request_key(request.request_id),
                 record.model_dump_json(),
                 ex=self.settings.request_record_ttl_s,
-            )
-        except (RedisError, OSError) as exc:
-            raise unavailable("Redis", exc) from exc
-        started = time.perf_counter()
-        try:
-            delivery = await asyncio.wait_for(
-                send_routed(producer, request, route, request_headers(request, trace_carrier)), timeout
-            )
-            metadata = await asyncio.wait_for(delivery, max(0.1, timeout - (time.perf_counter() - started)))
-        except (KafkaError, TimeoutError, OSError) as exc:
+                nx=True,
+            ),
+            self._publish(producer, request, route, trace_carrier),
+            return_exceptions=True,
+        )
+        if isinstance(published, BaseException):
+            if not isinstance(published, KafkaError | TimeoutError | OSError):
+                raise published
             self.metrics.publish_failures.labels(request.model).inc()
             await self._abandon(request)
-            raise unavailable("Kafka", exc, request_id=request.request_id) from exc
+            raise unavailable("Kafka", published, request_id=request.request_id) from published
+        if isinstance(saved, BaseException):
+            if not isinstance(saved, RedisError | OSError):
+                raise saved
+            # The request is in Kafka but its client hears 503: take it back over the control topic (workers
+            # drop a request cancelled before they start it), so a retry does not run it twice.
+            await self._send_cancel(request.request_id, request.tenant, "record_failed")
+            raise unavailable("Redis", saved, request_id=request.request_id) from saved
+        metadata = published
         self.backlog.accepted(request.model, route.tier, metadata.topic, metadata.partition, metadata.offset)
         self.metrics.publish_latency.observe(time.perf_counter() - started)
         self.metrics.published.labels(request.model, route.tier, route.reason).inc()
@@ -229,6 +238,14 @@ class IngressService:
             request.tenant,
         )
         return route
+
+    async def _publish(
+        self, producer: AIOKafkaProducer, request: InferenceRequest, route: Route, trace_carrier: Mapping[str, str]
+    ) -> RecordMetadata:
+        """Publish to the routed topic and wait for every in-sync replica, within ``kafka_timeout_s``."""
+        async with asyncio.timeout(self.settings.kafka_timeout_s):
+            delivery = await send_routed(producer, request, route, request_headers(request, trace_carrier))
+            return await delivery
 
     async def charge(self, key_id: str, limits: Limits, tokens: int) -> None:
         """Charge one request of ``tokens`` to the key's rate limits: 429 over a limit, 503 without Redis."""
@@ -275,6 +292,13 @@ class IngressService:
             )
         except (RedisError, OSError) as exc:
             raise unavailable("Redis", exc) from exc
+        # The Redis marker already stops the request at its next check; the message only speeds it up.
+        await self._send_cancel(request_id, tenant, reason)
+        self.metrics.cancellations.labels(reason).inc()
+        log.info("ingress.cancelled request_id=%s reason=%s", request_id, reason)
+
+    async def _send_cancel(self, request_id: str, tenant: str, reason: str) -> bool:
+        """Tell workers over the control topic; False (logged) when Kafka does not take it."""
         message = CancelRequest(request_id=request_id, tenant=tenant, reason=reason)
         timeout = self.settings.kafka_timeout_s
         try:
@@ -292,10 +316,9 @@ class IngressService:
                 timeout,
             )
         except (KafkaError, TimeoutError, OSError) as exc:
-            # The Redis marker already stops the request at its next check; the message only speeds it up.
-            log.warning("ingress.cancel_publish_failed request_id=%s error=%r", request_id, exc)
-        self.metrics.cancellations.labels(reason).inc()
-        log.info("ingress.cancelled request_id=%s reason=%s", request_id, reason)
+            log.warning("ingress.cancel_publish_failed request_id=%s reason=%s error=%r", request_id, reason, exc)
+            return False
+        return True
 
     # --- results --------------------------------------------------------------------------------
     async def events(self, request_id: str, *, timeout_s: float) -> AsyncIterator[StreamEvent]:

@@ -29,6 +29,7 @@ from gpu_workers.worker.resume import Continuation, eos_token_ids
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (
     STREAM_FIELD,
+    CancelRequest,
     DoneEvent,
     InferenceRequest,
     Names,
@@ -424,6 +425,35 @@ async def test_worker_continues_a_partial_stream_and_skips_a_finished_one(
             assert [(e.text, e.token_ids) for e in events[:17]] == [(t, i) for t, i in ref.deltas[:17]]
             # The engine had started each of them before their stream state was read; every early start the
             # state overruled was withdrawn, leaving nothing running and no KV block held.
+            await wait_idle_heartbeat(redis, names)
+    finally:
+        await redis.aclose()
+
+
+async def test_a_cancel_heard_only_on_the_control_topic_keeps_a_request_from_starting(
+    kafka_bootstrap: str, redis_url: str, model_dir: Path, unique_prefix: str
+) -> None:
+    # What ingress sends when Redis refused a published request's record: no cancel marker in Redis, only the
+    # control message, which reaches the worker before the request does.
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    dropped, served = request_for(30), request_for(4)
+    try:
+        async with running_worker(kafka_bootstrap, redis_url, model_dir, unique_prefix) as worker:
+            producer = create_producer(worker.settings)
+            await producer.start()
+            try:
+                cancel = CancelRequest(request_id=dropped.request_id, tenant="default", reason="record_failed")
+                await producer.send_and_wait(names.control_topic, cancel.model_dump_json().encode())
+            finally:
+                await producer.stop()
+            await asyncio.sleep(1.0)  # the control consumer polls continuously; give it the message first
+            await publish(worker, dropped, served)
+            events = await wait_terminal(redis, names, dropped.request_id)
+            assert [e.type for e in events] == ["done"]
+            assert isinstance(events[0], DoneEvent) and events[0].finish_reason == "abort"
+            assert events[0].usage.completion_tokens == 0
+            assert [e.type for e in await wait_terminal(redis, names, served.request_id)][-1] == "done"
             await wait_idle_heartbeat(redis, names)
     finally:
         await redis.aclose()
