@@ -26,28 +26,44 @@ class Response:
         return json.loads(self.body)
 
 
+class _StaleConnection(ConnectionError):
+    """The server had closed this kept-alive connection before the request reached it."""
+
+
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.h11 = h11.Connection(h11.CLIENT)
+        self.served = 0  # requests answered on this connection: a stale one is always a reused one
+        self.answered = False
 
     async def request(self, data: bytes, clock: Any) -> Response:
+        self.answered = False
         sent_at = clock()
         self.writer.write(data)
         status, chunks = 0, []
         while True:
             event = self.h11.next_event()
             if event is h11.NEED_DATA:
-                received = await self.reader.read(65536)
+                try:
+                    received = await self.reader.read(65536)
+                except ConnectionResetError as exc:
+                    if self.answered or not self.served:
+                        raise
+                    raise _StaleConnection("connection reset before any answer") from exc
                 if not received:
+                    if not self.answered and self.served:
+                        raise _StaleConnection("server closed the idle connection")
                     raise ConnectionError("server closed the connection mid-response")
+                self.answered = True
                 self.h11.receive_data(received)
             elif isinstance(event, h11.Response):
                 status = event.status_code
             elif isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
+                self.served += 1
                 return Response(status, b"".join(chunks), sent_at)
             elif isinstance(event, h11.ConnectionClosed):
                 raise ConnectionError("server closed the connection")
@@ -72,14 +88,28 @@ class Http1Pool:
         self._all: set[_Connection] = set()
 
     async def post_json(self, path: str, body: Any, *, clock: Any) -> Response:
-        """POST ``body`` as JSON; ``clock()`` stamps the moment the bytes are written."""
+        """POST ``body`` as JSON; ``clock()`` stamps the moment the bytes are written.
+
+        A kept-alive connection the server closed while it sat idle (uvicorn drops them after 5 s) fails
+        before any answer arrives; the request then goes once more, on a new connection.
+        """
         payload = json.dumps(body).encode()
-        conn = self._idle.pop() if self._idle else await self._open()
-        request = h11.Request(
-            method="POST",
-            target=path,
-            headers=[*self._headers, ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
-        )
+        headers = [*self._headers, ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.reader.at_eof():
+                self._discard(conn)
+                continue
+            try:
+                return await self._send(conn, path, headers, payload, clock)
+            except _StaleConnection:
+                continue
+        return await self._send(await self._open(), path, headers, payload, clock)
+
+    async def _send(
+        self, conn: _Connection, path: str, headers: list[tuple[str, str]], payload: bytes, clock: Any
+    ) -> Response:
+        request = h11.Request(method="POST", target=path, headers=headers)
         data = conn.h11.send(request) + conn.h11.send(h11.Data(data=payload)) + conn.h11.send(h11.EndOfMessage())
         try:
             response = await conn.request(data, clock)

@@ -1,0 +1,65 @@
+"""The benchmarks' lean HTTP/1.1 client against a real uvicorn server: keep-alive reuse, the send stamp, and a
+kept-alive connection the server closed while idle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from benchmarks.http1 import Http1Pool
+
+
+@contextlib.asynccontextmanager
+async def echo_server(keep_alive_s: float) -> AsyncIterator[tuple[str, int, list[str]]]:
+    app = FastAPI()
+    peers: list[str] = []
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, object]:
+        peers.append(f"{request.client.host}:{request.client.port}" if request.client else "")
+        return {"got": await request.json(), "auth": request.headers.get("authorization")}
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, timeout_keep_alive=keep_alive_s)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not task.done(), "server did not start"
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield "127.0.0.1", port, peers
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_requests_reuse_one_connection_and_carry_headers() -> None:
+    async with echo_server(5.0) as (host, port, peers), Http1Pool(host, port, {"Authorization": "Bearer k"}) as pool:
+        for i in range(3):
+            before = time.time()
+            response = await pool.post_json("/echo", {"n": i}, clock=time.time)
+            assert response.status == 200 and response.json() == {"got": {"n": i}, "auth": "Bearer k"}
+            assert before <= response.sent_at <= time.time()
+    assert len(peers) == 3 and len(set(peers)) == 1
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
+    async with echo_server(0.2) as (host, port, peers), Http1Pool(host, port) as pool:
+        assert (await pool.post_json("/echo", {"n": 1}, clock=time.time)).status == 200
+        await asyncio.sleep(0.6)  # past the server's keep-alive: it closes the connection
+        assert (await pool.post_json("/echo", {"n": 2}, clock=time.time)).json()["got"] == {"n": 2}
+    assert len(peers) == 2 and peers[0] != peers[1]
+
+
+async def test_a_server_that_is_gone_is_an_error() -> None:
+    async with echo_server(5.0) as (host, port, _):
+        pass
+    async with Http1Pool(host, port) as pool:
+        with pytest.raises(OSError):
+            await pool.post_json("/echo", {}, clock=time.time)
