@@ -112,6 +112,7 @@ class _Active:
     task: asyncio.Task | None = field(default=None, repr=False)
     # The engine request started before the pickup reads answered (see ``Worker._start_early``).
     early: RequestStream | None = field(default=None, repr=False)
+    prompt: list[int] | None = field(default=None, repr=False)  # token ids, once computed
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -377,9 +378,13 @@ class Worker:
         if entry.cancelled or entry.handed_off or rid in self._early_cancels or request.expired():
             return None
         try:
-            prompt = prompt_token_ids(request, self.engine.tokenizer)
+            entry.prompt = prompt_token_ids(request, self.engine.tokenizer)
             return self.engine.add_request(
-                prompt, sampling_params(request, 0), request_id=rid, priority=request.priority, tenant=request.tenant
+                entry.prompt,
+                sampling_params(request, 0),
+                request_id=rid,
+                priority=request.priority,
+                tenant=request.tenant,
             )
         except (PromptError, ValueError):
             return None  # the regular path reports it, after the pickup state is known
@@ -421,7 +426,7 @@ class Worker:
             await self._dead_letter(record, "deadline_exceeded", detail, rid)
             return True
         try:
-            prompt = prompt_token_ids(request, self.engine.tokenizer)
+            prompt = entry.prompt if entry.prompt is not None else prompt_token_ids(request, self.engine.tokenizer)
         except PromptError as exc:
             if not await self._fail(entry, "invalid_request", str(exc), seq):
                 return False
