@@ -148,7 +148,7 @@ def _worker_main(settings_json: str, out_dir: str) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(settings, stop, engine=TimedEngine(engine=build_engine(settings).engine))
+        await run_worker(settings, stop, engine=TimedEngine(engine=build_engine(settings).engine), freeze_heap=True)
 
     asyncio.run(main())
     (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": probes, "stamps": stamps}))

@@ -16,6 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
 
 from schemas import Names
+from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
@@ -32,8 +33,10 @@ def create_app(
     config: RelayConfig | None = None,
     redis: Redis | None = None,
     canceller: Canceller | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
-    """The result service for ``settings``.
+    """The result service for ``settings``; ``freeze_heap`` (for a process that serves only this app) takes
+    the startup heap out of the garbage collector's passes.
 
     ``redis`` and ``canceller`` may be injected (e.g. shared with ingress); injected objects are
     not closed by the app. Raises ``ValueError`` when no stream token secret is configured.
@@ -63,6 +66,8 @@ def create_app(
         # In the background: relaying never waits for Kafka, but the first Stop should not either.
         warm_up = asyncio.create_task(cancel.warm_up()) if canceller is None else None
         app.state.relay = RelayContext(settings=settings, names=names, hub=hub, canceller=cancel)
+        if freeze_heap:
+            freeze_startup_heap("result-service")
         try:
             yield
         finally:

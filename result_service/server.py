@@ -16,7 +16,7 @@ WS_PING_INTERVAL_S = 20.0
 def uvicorn_config(settings: Settings, *, config: RelayConfig | None = None, host: str = "0.0.0.0") -> uvicorn.Config:
     """The uvicorn configuration the service runs with (also used by the relay benchmark)."""
     return uvicorn.Config(
-        create_app(settings, config=config),
+        create_app(settings, config=config, freeze_heap=True),
         host=host,
         port=settings.result_port,
         ws="websockets-sansio",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gpu_workers.engine import AsyncEngine
 from schemas import TIERS, Names
+from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
@@ -52,11 +53,17 @@ def build_engine(settings: Settings) -> AsyncEngine:
     )
 
 
-async def run_worker(settings: Settings, stop: asyncio.Event, engine: AsyncEngine | None = None) -> Worker:
-    """Run one worker until ``stop`` is set; returns it (for its counters) after draining."""
+async def run_worker(
+    settings: Settings, stop: asyncio.Event, engine: AsyncEngine | None = None, *, freeze_heap: bool = False
+) -> Worker:
+    """Run one worker until ``stop`` is set; returns it (for its counters) after draining. ``freeze_heap``
+    (for a process that is only this worker) takes the model and libraries out of the garbage collector's
+    passes once they are loaded."""
     names = Names(settings.topic_prefix)
     model_name = model_name_for(settings)
     engine = engine or build_engine(settings)
+    if freeze_heap:
+        freeze_startup_heap("worker")
     config = WorkerConfig(
         model_name=model_name,
         worker_id=settings.worker_id or f"{socket.gethostname()}-{os.getpid()}",
@@ -130,6 +137,6 @@ def serve_worker(settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(settings, stop)
+        await run_worker(settings, stop, freeze_heap=True)
 
     asyncio.run(_main())
