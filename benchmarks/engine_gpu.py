@@ -6,8 +6,8 @@ safetensors plus a trained byte-level tokenizer padded to the vocabulary, and lo
 engine's normal loader. Nothing is downloaded. Phases, in order, under one time budget:
 
 1. floor: device-to-device copy bandwidth of a large tensor (read + write bytes / time), and the
-   decode floor = weight bytes / that bandwidth. Then decode ITL at concurrency 1 (short prompt,
-   EOS ignored) against it.
+   decode floor = weight bytes a step reads (all but the embedding table) / that bandwidth. Then decode
+   ITL at concurrency 1 (short prompt, EOS ignored) against it.
 2. voice bot: a 1900-token system prompt shared by every request plus 100 unique tokens, 200
    output tokens, streamed through the synchronous engine step loop with a timestamp per token.
    A closed loop of ``c`` clients per level (each sends its next request when one finishes;
@@ -641,6 +641,9 @@ def run_peers(
     for c, prompts in sorted(prompts_by_c.items(), key=lambda kv: -kv[0]):
         if not budget.allows(f"hf continuous batching c={c}", 30 if not setup.smoke else 2):
             continue
+        # transformers sizes its paged cache from the memory the caching allocator has not
+        # reserved, so hand back what generate's KV cache (or the previous manager's) still holds.
+        free_engine(setup)
         deadline = budget.deadline(150.0, reserve_s=5.0)
         stats = guarded(
             results,
@@ -664,9 +667,17 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     floor = results.get("floor", {})
     c1 = results.get("decode_c1")
     if c1 and floor:
-        ratio = c1["itl_p50_ms"] / floor["floor_ms"]
+        # Against the bytes a decode step really reads: the embedding table contributes one row per token, so
+        # counting all of it would lower the ratio by several percent for nothing.
+        ratio = c1["itl_p50_ms"] / floor["floor_ms_no_embedding"]
         targets.append(
-            _target("c=1 decode ITL p50 / floor", f"<= {FLOOR_FACTOR:.2f}x", ratio, ratio <= FLOOR_FACTOR, "x")
+            _target(
+                "c=1 decode ITL p50 / floor (weights read per token)",
+                f"<= {FLOOR_FACTOR:.2f}x",
+                ratio,
+                ratio <= FLOOR_FACTOR,
+                "x",
+            )
         )
     sweep = {row["concurrency"]: row for row in results.get("voice_bot", [])}
     for c, (ref_toks, ref_itl) in A100_REFERENCE.items():
@@ -723,9 +734,11 @@ def print_report(results: dict[str, Any]) -> None:
     )
     engine = results.get("engine", {})
     m = results["model"]
+    # weight_bytes is measured on the loaded engine; absent when the bf16 engine failed to load.
+    weight_gb = m.get("weight_bytes", math.nan) / 1e9
     print(
         f"- Model: random-weight Llama ({m['layers']} layers, hidden {m['hidden']}, {m['heads']}/{m['kv_heads']} "
-        f"heads, MLP {m['intermediate']}, vocab {m['vocab']}; {m['weight_bytes'] / 1e9:.2f} GB of {m['dtype']} "
+        f"heads, MLP {m['intermediate']}, vocab {m['vocab']}; {weight_gb:.2f} GB of {m['dtype']} "
         f"weights) loaded from safetensors through the engine's loader; attention backend "
         f"`{engine.get('attention_backend')}`, {engine.get('decode_graphs')} decode CUDA graphs, "
         f"{engine.get('kv_blocks')} KV blocks of 16 tokens."
@@ -733,8 +746,9 @@ def print_report(results: dict[str, Any]) -> None:
     floor = results.get("floor", {})
     if floor:
         print(
-            f"- Floor: {floor['bandwidth_gb_s']:.0f} GB/s device-to-device copy -> {floor['floor_ms']:.2f} ms per "
-            f"token (weights only; embedding rows excluded it would be {floor['floor_ms_no_embedding']:.2f} ms)."
+            f"- Floor: {floor['bandwidth_gb_s']:.0f} GB/s device-to-device copy -> "
+            f"{floor['floor_ms_no_embedding']:.2f} ms per token for the weights a decode step reads (the target's "
+            f"floor; counting the whole embedding table too it would be {floor['floor_ms']:.2f} ms)."
         )
     if results.get("decode_c1"):
         c1 = results["decode_c1"]
@@ -785,6 +799,20 @@ def print_report(results: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def write_results(results: dict[str, Any], *, final: bool) -> Path | None:
+    """Write ``$OUT/engine_gpu.json`` (when ``OUT`` is set); ``partial`` says whether the run got to
+    its end. Rewritten after every phase, so a run killed by an outer time limit keeps its figures."""
+    out_dir = os.environ.get("OUT")
+    if not out_dir:
+        return None
+    target = Path(out_dir) / "engine_gpu.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(target.name + ".tmp")
+    staging.write_text(json.dumps({**results, "partial": not final}, indent=1, default=str))
+    staging.replace(target)  # a kill mid-write leaves the previous complete file
+    return target
+
+
 def guarded(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
     """Run one phase; a failure is logged and recorded, and the run goes on with the next phase."""
     try:
@@ -794,6 +822,8 @@ def guarded(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
         traceback.print_exc()
         results["errors"].append(f"{name}: {exc!r}")
         return None
+    finally:
+        write_results(results, final=False)
 
 
 def engine_phases(engine: LLMEngine, setup: Setup, budget: Budget, results: dict[str, Any], bandwidth: float) -> None:
@@ -967,11 +997,8 @@ def main() -> None:
         setup = full_setup(args.budget_s or 510.0)
     results = run(setup, args.model_dir)
     print_report(results)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        target = Path(out_dir) / "engine_gpu.json"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(results, indent=1, default=str))
+    target = write_results(results, final=True)
+    if target is not None:
         print(f"\nwrote {target}")
     if results["errors"]:
         sys.exit(1)

@@ -10,6 +10,7 @@ Each scale is ``amax / 448`` so the largest magnitude of a row maps onto e4m3's 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -37,9 +38,14 @@ def quantize_per_row(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns ``(q, scale)`` with ``q`` contiguous ``[rows, cols]`` and ``scale`` ``[rows, 1]`` such
     that ``q.float() * scale`` approximates ``t``.
     """
-    t32 = t.float()
-    scale = (t32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
-    q = (t32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # Runs on the activations of every linear layer (128 times per decode step of an 8B Llama), so
+    # it is kept to five small kernels instead of eight: the inf-norm does abs, fp32 cast and row
+    # max in one reduction.
+    amax = torch.linalg.vector_norm(t, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+    scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    # No clamp to +-448 before the cast: |t / scale| <= 448 up to one rounding step, and the e4m3fn
+    # cast rounds every magnitude below 464 to at most 448 (only larger values would turn into NaN).
+    q = torch.div(t, scale).to(FP8_DTYPE)
     return q, scale
 
 

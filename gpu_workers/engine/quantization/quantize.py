@@ -95,7 +95,11 @@ def quantize_model(
             # Probe here, outside any CUDA-graph capture, so forward never has to.
             fp8.gemm_mode(device, dtype)
 
-    for name, linear in targets:
+    # Each float layer is dropped as soon as its quantised copy exists, so the peak stays near the
+    # float model's size (an 8B model: ~16 GB, not 16 GB float plus 8 GB FP8 held at once).
+    targets.reverse()
+    while targets:
+        name, linear = targets.pop()
         if method == "bnb-int8":
             new = bnb.to_int8(linear)
         elif method == "bnb-nf4":
