@@ -162,7 +162,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """Last sequence ``i`` whose first query tile slot ``query_start_loc[i] // BLOCK_Q + i`` is
     ``<= pid``. That slot numbering gives every sequence at least ``cdiv(q_len, BLOCK_Q)``
     consecutive program ids, so the grid size only needs host-known bounds."""
-    # Annotated so both stay tensors even when num_seqs == 1 is specialised to a constant.
+    # Annotated so both stay tensors even if num_seqs were specialised to a constant.
     lo: tl.int32 = 0
     hi: tl.int32 = num_seqs - 1
     while lo < hi:
@@ -175,7 +175,9 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# The ints here change from step to step; specialising on their values (== 1, multiple of 16)
+# would only multiply the compiled variants (each a JIT compile in the serving path).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "kv_start", "prefix_len"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -336,7 +338,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptrs, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _merge_states_kernel(
     parts_ptr,
     parts_lse_ptr,
@@ -640,6 +642,14 @@ class _Config:
     head_dim: int
     block_m: int  # rows per program: block_q tokens x group heads, a power of two >= 16
     decode_only: bool
+    fp32: bool = False  # float32 operands: twice the registers per tile element
+
+    @property
+    def num_warps(self) -> int:
+        # At 4 warps, tiles of 64x256 bf16 (or 128x128, or 64x128 fp32) spill registers on sm_90
+        # (ptxas: 255 regs plus local-memory stack); 8 warps hold them without spilling.
+        tile_bytes = self.block_m * self.head_dim_pad * (4 if self.fp32 else 2)
+        return 8 if tile_bytes >= 64 * 256 * 2 else 4
 
     @property
     def head_dim_pad(self) -> int:
@@ -651,8 +661,12 @@ class _Config:
 
     @property
     def tile_n(self) -> int:
-        # KV tokens per inner-loop step, independent of the cache's block size.
-        return 64 if self.head_dim_pad <= 128 else 32
+        # KV tokens per inner-loop step, independent of the cache's block size. float32's IEEE
+        # dots run on FMA units and hold far more in registers: with full tiles, the 8-warp
+        # (prefill-sized) programs put 10-17 KiB per thread in local memory on sm_90, which CUDA
+        # reserves for every resident thread of the GPU; half tiles cut it below 1 KiB (d <= 128).
+        tile = 64 if self.head_dim_pad <= 128 else 32
+        return tile // 2 if self.fp32 and self.num_warps == 8 else tile
 
     def with_block_m(self, block_m: int) -> _Config:
         return replace(self, block_m=block_m, decode_only=False)
@@ -714,7 +728,7 @@ def _prepare(
     group = num_heads // num_kv_heads
     decode_only = meta.max_query_len <= 1
     block_m = _decode_block_m(group) if decode_only else _prefill_block_m(group)
-    return out, _Config(num_kv_heads, group, head_dim, block_m, decode_only)
+    return out, _Config(num_kv_heads, group, head_dim, block_m, decode_only, fp32=q.dtype == torch.float32)
 
 
 def _grid_q(meta: AttentionMetadata, num_tokens: int, cfg: _Config) -> int:
@@ -831,4 +845,5 @@ def _launch(
         # fp32 inputs would otherwise run their dots in TF32 (10-bit mantissa).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         DYNAMIC_PREFIX=prefix_len_device is not None,
+        num_warps=cfg.num_warps,
     )
