@@ -471,22 +471,18 @@ class Worker:
         resumed: Continuation | None,
     ) -> bool:
         rid = request.request_id
-        if entry.handed_off:
-            return False
+        if resumed is not None and entry.early is not None:
+            await self._withdraw(entry.early)  # it started from the bare prompt; the resume needs more
+            entry.early = None
         # Written with the first token's append rather than awaited here: one round trip less before the
         # engine starts, and still ahead of the final record (which waits for a flush).
-        self.publisher.add_record(self._record_write(request, "running"))
-        self._events.set()
+        if not self._emit(entry, self._record_write(request, "running")):
+            return False
         delivered = list(resumed.token_ids) if resumed is not None else []
         tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
         finish: FinishReason = "stop"
         cached = 0
         started = False
-        if resumed is not None and entry.early is not None:
-            await self._withdraw(entry.early)  # it started from the bare prompt; the resume needs more
-            entry.early = None
-        if entry.handed_off:
-            return False
         # No await between this check and the engine taking the request (an early start has it already;
         # ``add_request`` queues it at once), so a cancel is either seen here or reaches the engine.
         if entry.cancelled:
@@ -607,8 +603,9 @@ class Worker:
             if not stream.finished:
                 await self.engine.abort(stream.request_id)
 
-    def _emit(self, entry: _Active, event: StreamEvent) -> bool:
-        """Queue one event for the next flush, unless the request was handed to another owner.
+    def _emit(self, entry: _Active, event: StreamEvent | RecordWrite) -> bool:
+        """Queue one event (or status-record write) for the next flush, unless the request was handed to
+        another owner.
 
         Every append goes through here with no await between the check and the add, so once
         :meth:`hand_off` has flushed, nothing more is written for a request that moved away.

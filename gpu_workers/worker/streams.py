@@ -133,12 +133,9 @@ class StreamPublisher:
         self.duplicates = 0
         self.retries = 0
 
-    def add(self, event: StreamEvent) -> None:
-        self._pending.append(event)
-
-    def add_record(self, write: RecordWrite) -> None:
-        """Queue a status-record write for the next flush (no round trip of its own)."""
-        self._pending.append(write)
+    def add(self, item: StreamEvent | RecordWrite) -> None:
+        """Queue a stream event or a status-record write for the next flush (no round trip of its own)."""
+        self._pending.append(item)
 
     @property
     def pending(self) -> int:

@@ -367,9 +367,9 @@ async def test_publisher_carries_record_writes_in_order_with_appends(redis_url: 
     key = names.request_key(rid)
     publisher = StreamPublisher(redis, names, ttl_s=600)
     try:
-        publisher.add_record(RecordWrite(key, "running", 60))
+        publisher.add(RecordWrite(key, "running", 60))
         publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
-        publisher.add_record(RecordWrite(key, "finished", 60))
+        publisher.add(RecordWrite(key, "finished", 60))
         assert publisher.pending == 3
         await publisher.flush()
         assert await redis.get(key) == b"finished"  # the later write wins: one pipeline, in order

@@ -19,10 +19,11 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 from typing import Any
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[4]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
 import torch
 import triton
