@@ -15,7 +15,8 @@ when the XADD of its first token is sent, which splits the overhead into four st
 * ``ingress+kafka``: POST sent -> the worker holds the Kafka record (HTTP, validation, status record,
   publish with ``acks=all``, broker, consumer fetch);
 * ``pickup``: record -> ``engine.generate`` (stream state, cancel marker and status record in Redis);
-* ``emit``: the engine's first token -> its XADD sent (step thread -> event loop -> flush task);
+* ``emit``: the engine's first token -> its XADD sent (engine process or thread -> worker event loop, shown alone
+  as "engine -> worker loop", -> flush task);
 * ``relay``: XADD sent -> the client has the event (Redis, result service XREAD, WebSocket frame). The
   client opens the WebSocket after the POST answers, so its connect overlaps the earlier stages.
 
@@ -109,46 +110,52 @@ def _install_stage_probes(stamps: dict[str, dict[str, float]]) -> bool:
     return True
 
 
+def _install_engine_probe(stamps: dict[str, dict[str, float]]) -> None:
+    """Keep each finished request's engine timestamps, and when its first token reached the worker's loop."""
+    from gpu_workers.engine.outputs import RequestDelta
+    from gpu_workers.engine.request_streams import EngineFront
+
+    deliver = EngineFront._deliver
+
+    def timed_deliver(self: Any, deltas: list[RequestDelta]) -> None:
+        # Every delta reaches the worker's event loop through here, from a thread or a process engine alike.
+        now = time.time()
+        for delta in deltas:
+            entry = stamps.setdefault(delta.request_id, {})
+            if delta.num_output_tokens:
+                entry.setdefault("delivered", now)
+            if delta.final is not None and delta.final.metrics.first_token_time is not None:
+                metrics = delta.final.metrics
+                entry["arrival"] = metrics.arrival_time
+                entry["first_token"] = metrics.first_token_time
+        deliver(self, deltas)
+
+    EngineFront._deliver = timed_deliver  # type: ignore[method-assign]
+
+
 def _worker_main(settings_json: str, out_dir: str) -> None:
-    """Run the worker (as ``sluicegate worker`` does) with a timed engine until SIGTERM; then write the stamps.
+    """Run the worker (as ``sluicegate worker`` does) with timing probes until SIGTERM; then write the stamps.
 
     Its output goes to ``worker.log`` in ``out_dir``, the stamps to ``stamps.json``.
     """
     log = os.open(Path(out_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    import torch
-
-    from gpu_workers.engine import AsyncEngine
-    from gpu_workers.engine.outputs import RequestDelta
-    from gpu_workers.worker.main import build_engine, run_worker
+    from gpu_workers.worker.main import run_worker
     from sluicegate.logs import configure_logging
 
-    torch.set_num_threads(1)  # the tiny model gains nothing from a second thread on a shared 2-core machine
     settings = Settings.model_validate_json(settings_json)
     configure_logging(settings.log_level, settings.log_format)
     stamps: dict[str, dict[str, float]] = {}
     probes = _install_stage_probes(stamps)
-
-    class TimedEngine(AsyncEngine):
-        """The worker's engine, keeping each finished request's engine timestamps."""
-
-        def _deliver(self, deltas: list[RequestDelta]) -> None:
-            # Every delta reaches the event loop through here, whichever way the worker reads a request.
-            for delta in deltas:
-                if delta.final is not None and delta.final.metrics.first_token_time is not None:
-                    metrics = delta.final.metrics
-                    entry = stamps.setdefault(delta.request_id, {})
-                    entry["arrival"] = metrics.arrival_time
-                    entry["first_token"] = metrics.first_token_time
-            super()._deliver(deltas)
+    _install_engine_probe(stamps)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(settings, stop, engine=TimedEngine(engine=build_engine(settings).engine), freeze_heap=True)
+        await run_worker(settings, stop, freeze_heap=True)
 
     asyncio.run(main())
     (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": probes, "stamps": stamps}))
@@ -161,6 +168,20 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of ``pid`` (Linux ``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
+    return found
 
 
 @dataclass
@@ -180,6 +201,8 @@ class Stack:
         pids = {name: process.pid for name, process in self.services.items()}
         if self.worker is not None and self.worker.pid is not None:
             pids["worker"] = self.worker.pid
+            for child in _children(self.worker.pid):
+                pids["engine"] = child  # the worker's engine process (none with SLUICEGATE_ENGINE_PROCESS=false)
         return pids | self.backbone_pids
 
     @property
@@ -287,6 +310,9 @@ def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
         device="cpu",
         kv_cache_gb=0.25,
         log_level=args.log_level,
+        # The tiny model gains nothing from a second thread on a shared 2-core machine.
+        torch_threads=1,
+        engine_mode=args.engine,
     )
     settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -539,7 +565,7 @@ class Level:
 
 def analyse(level: Level, stamps: dict[str, dict[str, float]]) -> None:
     """Join the client samples with the worker's stamps into per-request series (ms)."""
-    names = ("e2e", "engine", "overhead", "post", "late", "ingress", "kafka", *STAGES)
+    names = ("e2e", "engine", "overhead", "post", "late", "ingress", "kafka", "handback", *STAGES)
     series: dict[str, list[float]] = {name: [] for name in names}
     for sample in level.samples:
         if sample.error is not None or not sample.first:
@@ -561,6 +587,8 @@ def analyse(level: Level, stamps: dict[str, dict[str, float]]) -> None:
             series["pickup"].append(1000 * (worker["arrival"] - worker["admitted"]))
             series["emit"].append(1000 * (worker["flushed"] - worker["first_token"]))
             series["relay"].append(1000 * (sample.first - worker["flushed"]))
+        if "delivered" in worker:
+            series["handback"].append(1000 * (worker["delivered"] - worker["first_token"]))
         if "admitted" in worker and "produced" in worker:
             series["ingress"].append(1000 * (worker["produced"] - sample.sent))
             series["kafka"].append(1000 * (worker["admitted"] - worker["produced"]))
@@ -597,12 +625,14 @@ def stage_table(levels: Sequence[Level]) -> str:
         "| offered req/s | "
         + " | ".join(f"{s} p50 / p99 ms" for s in STAGES)
         + " | of which ingress / Kafka p50 ms (record CreateTime, 1 ms resolution)"
+        + " | of which engine -> worker loop p50 / p99 ms"
         + " | ingress handler / Kafka publish mean ms | arrival lateness p99 ms |",
-        "|" + "---|" * (len(STAGES) + 4),
+        "|" + "---|" * (len(STAGES) + 5),
     ]
     for lv in levels:
         cells = [f"{_fmt(lv.p(s, 0.5))} / {_fmt(lv.p(s, 0.99))}" for s in STAGES]
         cells.append(f"{_fmt(lv.p('ingress', 0.5))} / {_fmt(lv.p('kafka', 0.5))}")
+        cells.append(f"{_fmt(lv.p('handback', 0.5))} / {_fmt(lv.p('handback', 0.99))}")
         ingress = f"{_fmt(lv.handler_mean_ms)} / {_fmt(lv.publish_mean_ms)}"
         lines.append(f"| {lv.rate:g} | " + " | ".join(cells) + f" | {ingress} | {_fmt(lv.p('late', 0.99))} |")
     return "\n".join(lines)
@@ -806,6 +836,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", help="log level of the services")
     parser.add_argument(
         "--floor-messages", type=int, default=300, help="messages per transport for the floor (0: skip it)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("process", "thread"),
+        default="process",
+        help="the worker's engine: child process or thread",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")

@@ -12,14 +12,17 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
+from .admission import PromptInput
 from .config import EngineConfig
-from .engine_core import LLMEngine, PromptInput
-from .outputs import EngineStats, RequestDelta
+from .engine_core import LLMEngine
+from .outputs import EngineStats
+from .request_streams import EngineFront, RequestStream
 from .sampling_params import SamplingParams
 from .sequence import Sequence
+
+__all__ = ["AsyncEngine", "RequestStream"]
 
 _STOP = "stop"
 _ADD = "add"
@@ -34,33 +37,7 @@ _ABORT = "abort"
 CPU_DELIVERY_YIELD_S = 1e-4
 
 
-class RequestStream:
-    """Async iterator over one request's ``RequestDelta``s; ends after the finished delta."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-
-    def put(self, item: RequestDelta | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-
-class AsyncEngine:
+class AsyncEngine(EngineFront):
     """Continuous-batching engine for asyncio servers.
 
     Build it from a model folder (same keyword arguments as ``LLM``) or around an existing
@@ -74,9 +51,9 @@ class AsyncEngine:
             engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         elif model is not None or engine_kwargs:
             raise ValueError("pass either an LLMEngine or model arguments, not both")
+        super().__init__()
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -86,6 +63,10 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
 
     @property
     def is_running(self) -> bool:
@@ -123,13 +104,6 @@ class AsyncEngine:
         self._deliver(self.engine.abort_all())
         self._stats = self.engine.stats()
 
-    async def __aenter__(self) -> AsyncEngine:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
-
     # ------------------------------------------------------------------ requests
     def add_request(
         self,
@@ -139,45 +113,18 @@ class AsyncEngine:
         priority: str = "standard",
         tenant: str = "default",
     ) -> RequestStream:
-        """Validate and queue a request (call on the event loop); returns its delta stream.
-
-        ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens.
-        Raises ``ValueError`` at once for a request that can never run.
-        """
         self._ensure_started()
-        if request_id is not None and request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
         seq: Sequence = self.engine.make_sequence(
             prompt, params, request_id=request_id, priority=priority, tenant=tenant
         )
-        stream = RequestStream(seq.request_id)
-        self._streams[seq.request_id] = stream
+        stream = self._open_stream(seq.request_id)
         self._commands.put((_ADD, seq))
         return stream
 
-    async def generate(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: str = "standard",
-        tenant: str = "default",
-    ) -> AsyncIterator[RequestDelta]:
-        """Stream a request's deltas; leaving the loop early aborts the request."""
-        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            if not stream.finished:
-                self._commands.put((_ABORT, stream.request_id))
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a delta whose ``finish_reason`` is ``"abort"``."""
+    def _abort_soon(self, request_id: str) -> None:
         self._commands.put((_ABORT, request_id))
 
     def stats(self) -> EngineStats:
-        """Snapshot taken by the step thread after its latest step (cheap, never blocks)."""
         return self._stats
 
     # ------------------------------------------------------------------ step thread
@@ -229,25 +176,3 @@ class AsyncEngine:
         # The loop may be closed if the application exits without shutdown().
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(callback, *args)
-
-    # ------------------------------------------------------------------ event-loop side
-    def _deliver(self, deltas: list[RequestDelta]) -> None:
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue
-            stream.put(delta)
-            if delta.finished:
-                del self._streams[delta.request_id]
-
-    def _fail_one(self, request_id: str, exc: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put(exc)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        error = RuntimeError(f"engine loop failed: {exc!r}")
-        error.__cause__ = exc
-        for stream in self._streams.values():
-            stream.put(error)
-        self._streams.clear()

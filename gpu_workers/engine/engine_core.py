@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 import time
-import uuid
 
 import torch
 
+from .admission import EngineRequest, PromptInput, RequestValidator
 from .attention import get_attention_backend
 from .block_manager import KVBlockManager
 from .config import EngineConfig
@@ -20,10 +20,10 @@ from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import RequestStatus, Sequence, parse_priority
+from .sequence import RequestStatus, Sequence
 from .tokenizer import load_tokenizer, resolve_eos_token_ids
 
-PromptInput = str | list[int]
+__all__ = ["LLMEngine", "PromptInput"]
 
 
 class LLMEngine:
@@ -36,6 +36,7 @@ class LLMEngine:
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = self.loaded.vocab_size
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         block_size = config.block_size
         backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype)
         self.runner = ModelRunner(self.loaded, backend, block_size)
@@ -73,58 +74,30 @@ class LLMEngine:
         tenant: str = "default",
     ) -> Sequence:
         """Validate and tokenize a request without touching engine state (safe from any thread)."""
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        rank = parse_priority(priority)
-        if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
-        text: str | None = None
-        if isinstance(prompt, str):
-            text = prompt
-            token_ids = list(self.tokenizer(prompt).input_ids)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        else:
-            raise ValueError("a prompt must be a string or a list of token ids")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        n = len(token_ids)
-        if params.max_tokens is None:
-            max_tokens = self.max_model_len - n
-            if max_tokens < 1:
-                raise ValueError(f"prompt has {n} tokens, leaving no room under max_model_len={self.max_model_len}")
-        else:
-            max_tokens = params.max_tokens
-            if n + max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_model_len={self.max_model_len}"
-                )
-        # The constructor guarantees the cache holds max_model_len tokens, so a request that
-        # passes the check above always fits once it has the pool to itself.
+        return self.sequence_for(self.validator.validate(prompt, params, request_id, priority, arrival_time, tenant))
+
+    def sequence_for(self, request: EngineRequest) -> Sequence:
+        """The engine's state for an admitted request (its own random generator, detokenizer, arrival rank)."""
+        params = request.params
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         return Sequence(
-            request_id=request_id if request_id is not None else uuid.uuid4().hex,
-            prompt=text,
-            prompt_token_ids=token_ids,
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
             params=params,
-            priority=rank,
-            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=request.priority,
+            arrival_time=request.arrival_time,
             arrival_index=next(self._arrivals),
-            max_tokens=max_tokens,
+            max_tokens=request.max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens, self.special_token_ids
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, self.special_token_ids
             ),
             generator=generator,
-            tenant=tenant,
+            tenant=request.tenant,
         )
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -10,12 +10,16 @@ import logging
 import os
 import signal
 import socket
+from functools import partial
 from pathlib import Path
 
 from gpu_workers.engine import AsyncEngine
+from gpu_workers.engine.engine_process import ProcessEngine
+from gpu_workers.engine.request_streams import EngineFront
 from schemas import TIERS, Names
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
+from sluicegate.logs import configure_logging
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 
@@ -33,9 +37,9 @@ def model_name_for(settings: Settings) -> str:
     return settings.model_name or Path(settings.model.rstrip("/")).name
 
 
-def build_engine(settings: Settings) -> AsyncEngine:
-    return AsyncEngine(
-        settings.model,
+def engine_arguments(settings: Settings) -> dict[str, object]:
+    """``EngineConfig`` fields from the worker's settings."""
+    return dict(
         device=settings.device,
         dtype=settings.dtype,
         max_num_seqs=settings.max_num_seqs,
@@ -53,8 +57,43 @@ def build_engine(settings: Settings) -> AsyncEngine:
     )
 
 
+def prepare_engine_process(log_level: str, log_format: str, torch_threads: int) -> None:
+    """Runs in the engine's process before the model loads: the worker's log format, its torch threads."""
+    configure_logging(log_level, log_format)
+    set_torch_threads(torch_threads)
+
+
+def set_torch_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def engine_in_process(settings: Settings) -> bool:
+    """Whether the worker's engine runs in a child process (``SLUICEGATE_ENGINE_MODE``).
+
+    ``auto`` picks a process on CUDA, where a step's Python (scheduling, input preparation, kernel launches)
+    would otherwise hold the GIL the worker's Kafka and Redis I/O needs, and a thread on CPU, where the
+    engine's compute competes with the I/O for the same cores anyway and a thread yields to the event loop
+    through the GIL: on the 2-core pipeline benchmark the thread measured lower overhead (docs/benchmarks.md).
+    """
+    if settings.engine_mode == "auto":
+        return settings.device.startswith("cuda")
+    return settings.engine_mode == "process"
+
+
+def build_engine(settings: Settings) -> EngineFront:
+    """The worker's engine, not started: a child process or a thread of this process (see ``engine_in_process``)."""
+    if engine_in_process(settings):
+        prepare = partial(prepare_engine_process, settings.log_level, settings.log_format, settings.torch_threads)
+        return ProcessEngine(settings.model, initializer=prepare, **engine_arguments(settings))  # type: ignore[arg-type]
+    set_torch_threads(settings.torch_threads)
+    return AsyncEngine(settings.model, **engine_arguments(settings))  # type: ignore[arg-type]
+
+
 async def run_worker(
-    settings: Settings, stop: asyncio.Event, engine: AsyncEngine | None = None, *, freeze_heap: bool = False
+    settings: Settings, stop: asyncio.Event, engine: EngineFront | None = None, *, freeze_heap: bool = False
 ) -> Worker:
     """Run one worker until ``stop`` is set; returns it (for its counters) after draining. ``freeze_heap``
     (for a process that is only this worker) takes the model and libraries out of the garbage collector's
@@ -62,6 +101,22 @@ async def run_worker(
     names = Names(settings.topic_prefix)
     model_name = model_name_for(settings)
     engine = engine or build_engine(settings)
+    # Started first: the worker needs its tokenizer, and a model that cannot load should fail before the
+    # worker joins a consumer group.
+    await engine.start()
+    log.info(
+        "worker.engine_ready",
+        extra={"engine": type(engine).__name__, "engine_pid": getattr(engine, "pid", None) or os.getpid()},
+    )
+    try:
+        return await _run_started(settings, stop, engine, names, model_name, freeze_heap)
+    finally:
+        await engine.shutdown()
+
+
+async def _run_started(
+    settings: Settings, stop: asyncio.Event, engine: EngineFront, names: Names, model_name: str, freeze_heap: bool
+) -> Worker:
     if freeze_heap:
         freeze_startup_heap("worker")
     config = WorkerConfig(
@@ -114,7 +169,6 @@ async def run_worker(
     worker = Worker(
         engine, config, names=names, redis=redis, producer=producer, consumer=consumer, control_consumer=control
     )
-    await engine.start()
     await producer.start()
     await control.start()
     consumer.subscribe(names.request_topics(model_name), listener=worker.rebalance_listener())
@@ -128,7 +182,6 @@ async def run_worker(
         await consumer.stop()
         await control.stop()
         await producer.stop()
-        await engine.shutdown()
         await redis.aclose()
         log.info("worker.stopped", extra={"worker_id": config.worker_id, "served": worker.served})
     return worker

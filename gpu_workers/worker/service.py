@@ -37,7 +37,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
 from pydantic import ValidationError
 
-from gpu_workers.engine.async_engine import RequestStream
+from gpu_workers.engine.request_streams import RequestStream
 from schemas import (
     TIERS,
     CancelRequest,
@@ -71,7 +71,7 @@ T = TypeVar("T")
 
 
 class EngineLike(Protocol):
-    """What the worker needs of ``gpu_workers.engine.AsyncEngine``."""
+    """What the worker needs of an engine front (``ProcessEngine`` or ``AsyncEngine``), started."""
 
     tokenizer: Any
 
@@ -775,6 +775,9 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             started = time.monotonic()
+            if not getattr(self.engine, "is_running", True):
+                # An engine that died while idle: stop advertising this worker and let another take its partitions.
+                raise RuntimeError("the engine stopped; stopping this worker")
             beat = self.heartbeat()
             payload = beat.model_dump_json()
             try:

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -237,7 +238,7 @@ class RunningWorker:
 
 @contextlib.asynccontextmanager
 async def running_worker(
-    kafka_bootstrap: str, redis_url: str, model_dir: Path, prefix: str
+    kafka_bootstrap: str, redis_url: str, model_dir: Path, prefix: str, **overrides: Any
 ) -> AsyncIterator[RunningWorker]:
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap,
@@ -250,6 +251,7 @@ async def running_worker(
         kv_cache_gb=0.05,
         heartbeat_interval_s=0.3,
         drain_timeout_s=5.0,
+        **overrides,
     )
     names = Names(prefix)
     stop = asyncio.Event()
@@ -428,6 +430,65 @@ async def test_worker_continues_a_partial_stream_and_skips_a_finished_one(
             await wait_idle_heartbeat(redis, names)
     finally:
         await redis.aclose()
+
+
+async def test_a_worker_whose_engine_process_dies_stops_and_another_finishes_its_request(
+    kafka_bootstrap: str, redis_url: str, model_dir: Path, engine: AsyncEngine, unique_prefix: str
+) -> None:
+    max_tokens = 400
+    prompt_ids = list(engine.tokenizer.encode(PROMPT))
+    ref = await reference_run(
+        engine, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    request = request_for(max_tokens)
+    try:
+        async with running_worker(kafka_bootstrap, redis_url, model_dir, unique_prefix, engine_mode="process") as first:
+            engines = _engine_processes()
+            assert len(engines) == 1, f"expected one engine process under this test, found {engines}"
+            await publish(first, request)
+            deadline = time.monotonic() + 30
+            while len(await read_events(redis, names, request.request_id)) < 5:
+                assert time.monotonic() < deadline, "the request never started streaming"
+                await asyncio.sleep(0.01)
+            os.kill(engines[0], signal.SIGKILL)
+            with pytest.raises(RuntimeError, match="the engine failed; stopping this worker"):
+                await asyncio.wait_for(first.task, 30)
+            cut = await read_events(redis, names, request.request_id)
+            assert cut[-1].type == "token", "the request finished before its engine was killed"
+            # Nothing was committed for the unfinished request: the next worker continues it exactly once.
+            async with running_worker(kafka_bootstrap, redis_url, model_dir, unique_prefix, engine_mode="thread"):
+                assert_exactly_once(await wait_terminal(redis, names, request.request_id), ref)
+    finally:
+        await redis.aclose()
+
+
+async def test_an_idle_worker_whose_engine_process_dies_stops_and_leaves_the_heartbeats(
+    kafka_bootstrap: str, redis_url: str, model_dir: Path, unique_prefix: str
+) -> None:
+    async with running_worker(kafka_bootstrap, redis_url, model_dir, unique_prefix, engine_mode="process") as worker:
+        (engine_pid,) = _engine_processes()
+        os.kill(engine_pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="the engine stopped; stopping this worker"):
+            await asyncio.wait_for(worker.task, 10)
+        assert await worker.redis.hget(worker.names.workers_key(MODEL), worker.settings.worker_id) is None
+
+
+def _engine_processes() -> list[int]:
+    """Pids of this process's children that run the engine's process entry point."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"gpu_workers.engine.engine_process" in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 async def test_a_cancel_heard_only_on_the_control_topic_keeps_a_request_from_starting(

@@ -1,0 +1,152 @@
+"""The asyncio face every engine front shares: one ``RequestStream`` per request, fed on the event loop.
+
+``AsyncEngine`` (step loop in a thread) and ``ProcessEngine`` (step loop in a child process) differ only in
+how a request reaches the step loop and how its deltas come back; both hand the deltas to
+``EngineFront._deliver`` on the event loop, which routes each to its request's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .admission import PromptInput
+from .outputs import EngineStats, RequestDelta
+from .sampling_params import SamplingParams
+
+
+class RequestStream:
+    """Async iterator over one request's ``RequestDelta``s; ends after the finished delta."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class EngineFront(ABC):
+    """Continuous-batching engine as asyncio servers use it: ``add_request`` (or ``generate``), ``abort``,
+    ``stats``; ``async with`` or ``start()``/``shutdown()``. Call every method on the event loop."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+
+    # ------------------------------------------------------------------ what a front provides
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    @abstractmethod
+    def is_running(self) -> bool: ...
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the step loop; requests still in flight finish with ``finish_reason="abort"``."""
+
+    @abstractmethod
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: str = "standard",
+        tenant: str = "default",
+    ) -> RequestStream:
+        """Validate and queue a request; returns its delta stream.
+
+        ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens.
+        Raises ``ValueError`` at once for a request that can never run.
+        """
+
+    @abstractmethod
+    def _abort_soon(self, request_id: str) -> None:
+        """Ask the step loop to abort a request (never waits)."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Snapshot taken after the step loop's latest step (cheap, never blocks)."""
+
+    # ------------------------------------------------------------------ shared behaviour
+    async def __aenter__(self) -> EngineFront:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: str = "standard",
+        tenant: str = "default",
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream a request's deltas; leaving the loop early aborts the request."""
+        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            if not stream.finished:
+                self._abort_soon(stream.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a delta whose ``finish_reason`` is ``"abort"``."""
+        self._abort_soon(request_id)
+
+    def _open_stream(self, request_id: str) -> RequestStream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        return stream
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        """Route a step's deltas to their streams (on the event loop)."""
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            stream.put(delta)
+            if delta.finished:
+                del self._streams[delta.request_id]
+
+    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = RuntimeError(f"engine loop failed: {exc!r}")
+        error.__cause__ = exc
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
