@@ -826,7 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default="10,50,100", help="comma-separated arrival rates (requests/s)")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of 10 req/s before measuring")
+    # Long enough for the broker's JIT: with 3 s the 50 req/s overhead read about 1 ms higher (docs/benchmarks.md).
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds of 10 req/s before measuring")
     parser.add_argument("--partitions", type=int, default=Settings().topic_partitions, help="partitions per topic")
     parser.add_argument("--relay-clients", default="100,500", help="comma-separated relay client counts; empty: none")
     parser.add_argument("--clients-per-stream", type=int, default=10)

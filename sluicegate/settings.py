@@ -85,8 +85,8 @@ class Settings(BaseSettings):
     max_model_len: int = Field(0, ge=0, description="Longest prompt + output in tokens; 0 means the model's own limit.")
     engine_mode: Literal["auto", "process", "thread"] = Field(
         "auto",
-        description="Where a worker runs the engine's step loop: a child process (its own GIL), a thread of the "
-        "worker, or auto (process on CUDA, thread on CPU).",
+        description="Where a worker runs the engine's step loop: a child process with its own GIL (auto, process) "
+        "or a thread of the worker (thread).",
     )
     torch_threads: int = Field(0, ge=0, description="CPU threads for the engine's torch ops; 0 keeps torch's default.")
     drain_timeout_s: float = Field(30.0, gt=0, description="Seconds a stopping worker waits for in-flight work.")

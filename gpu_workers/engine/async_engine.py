@@ -28,12 +28,14 @@ _STOP = "stop"
 _ADD = "add"
 _ABORT = "abort"
 
-#: After posting a step's deltas, a CPU engine's step thread sleeps this long. Its model runs as a string of
-#: short GIL-releasing ops, and a thread that keeps re-taking the GIL that quickly starves the event loop:
-#: each of the loop's hops from delta to Redis append then waits for a forced switch. The pause hands the
-#: GIL over once, and the loop keeps it until it has nothing left to do. Measured on the pipeline benchmark
-#: (2-core box, 10 req/s): first token -> XADD p50 2.0-2.1 ms without, 0.5 ms with. A CUDA step waits on
-#: the GPU with the GIL released anyway, so it does not pause.
+#: After posting a step's deltas, a CPU engine's step loop sleeps this long, so the deltas' way out (the event
+#: loop's hop to the Redis append, then Redis and the relay) gets the CPU before the next step does.
+#: In a thread: the model runs as a string of short GIL-releasing ops, and a thread that keeps re-taking the
+#: GIL that quickly starves the event loop (each hop from delta to Redis append waits for a forced switch);
+#: the pause hands the GIL over once. Measured on the pipeline benchmark (2-core box, 10 req/s): first token
+#: -> XADD p50 2.0-2.1 ms without, 0.5 ms with. In an engine process it keeps the next step off the cores
+#: the worker, Redis and the relay need (emit + relay p50 1.6-1.7 -> 1.4 ms in paired runs). A CUDA step
+#: waits on the GPU with the GIL released and has cores to spare, so it does not pause.
 CPU_DELIVERY_YIELD_S = 1e-4
 
 

@@ -71,16 +71,14 @@ def set_torch_threads(threads: int) -> None:
 
 
 def engine_in_process(settings: Settings) -> bool:
-    """Whether the worker's engine runs in a child process (``SLUICEGATE_ENGINE_MODE``).
+    """Whether the worker's engine runs in a child process (``SLUICEGATE_ENGINE_MODE``; ``auto`` is a process).
 
-    ``auto`` picks a process on CUDA, where a step's Python (scheduling, input preparation, kernel launches)
-    would otherwise hold the GIL the worker's Kafka and Redis I/O needs, and a thread on CPU, where the
-    engine's compute competes with the I/O for the same cores anyway and a thread yields to the event loop
-    through the GIL: on the 2-core pipeline benchmark the thread measured lower overhead (docs/benchmarks.md).
+    In a process the step loop's Python (scheduling, input preparation, kernel launches) never holds the GIL
+    that the worker's Kafka and Redis I/O needs. ``thread`` keeps everything in one process (one model load,
+    no engine process to supervise); on the 2-core pipeline benchmark the two measured the same overhead and
+    the process about 1 ms less time to first token (docs/benchmarks.md).
     """
-    if settings.engine_mode == "auto":
-        return settings.device.startswith("cuda")
-    return settings.engine_mode == "process"
+    return settings.engine_mode != "thread"
 
 
 def build_engine(settings: Settings) -> EngineFront:

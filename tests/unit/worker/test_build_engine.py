@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from gpu_workers.engine import AsyncEngine, EngineConfig
+from gpu_workers.engine.engine_process import ProcessEngine
 from gpu_workers.engine.tiny_model import make_tiny_model
 from gpu_workers.worker.main import build_engine
 from sluicegate.settings import Settings
@@ -19,7 +21,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in {
         "MODEL": str(tiny),
         "BLOCK_SIZE": "32",
@@ -33,16 +35,26 @@ def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.MonkeyP
         "ATTENTION_BACKEND": "torch",
     }.items():
         monkeypatch.setenv(f"SLUICEGATE_{name}", value)
-    engine = build_engine(Settings()).engine
-    config = engine.config
-    assert engine.max_model_len == 256
+    process = build_engine(Settings())
+    assert isinstance(process, ProcessEngine)  # the default (SLUICEGATE_ENGINE_MODE=auto)
+    monkeypatch.setenv("SLUICEGATE_ENGINE_MODE", "thread")
+    thread = build_engine(Settings())
+    assert isinstance(thread, AsyncEngine)
+    assert thread.engine.max_model_len == 256
+    async with process:
+        assert process.spec is not None and process.spec.max_model_len == 256
+    for config in (process.config, thread.engine.config):
+        _assert_knobs(config)
+
+
+def _assert_knobs(config: EngineConfig) -> None:
     assert (config.block_size, config.enable_prefix_caching, config.enable_cascade_attention) == (32, False, False)
     assert (config.enforce_eager, config.gpu_memory_utilization, config.max_model_len) == (True, 0.5, 256)
     assert (config.max_num_seqs, config.cpu_kv_cache_gb, config.attention_backend) == (3, 0.01, "torch")
 
 
 def test_defaults_leave_the_model_its_own_length(tiny: Path) -> None:
-    engine = build_engine(Settings(model=str(tiny), kv_cache_gb=0.01)).engine
+    engine = build_engine(Settings(model=str(tiny), kv_cache_gb=0.01, engine_mode="thread")).engine
     assert engine.max_model_len == 2048  # the tiny model's max_position_embeddings
     assert engine.config.enable_prefix_caching and not engine.config.enforce_eager
 
