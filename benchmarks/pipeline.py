@@ -23,6 +23,9 @@ when the XADD of its first token is sent, which splits the overhead into four st
 Relay throughput reuses :func:`benchmarks.relay.run_scenario` (``max`` mode: producers append as fast as
 Redis takes them) against this pipeline's result service, with 100 and 500 clients, 10 per stream.
 
+The private broker runs with its full JIT (C2, as a production broker does; the dev stack caps it at C1 for a
+fast start), and 30 s of 100 requests/s warm the whole path up before anything is measured.
+
 Run: ``python -m benchmarks.pipeline`` (``--help`` lists the knobs). Targets on a 2-core machine: overhead
 p50 <= 5 ms and p99 <= 20 ms at 50 requests/s; >= 50,000 tokens/s relayed to 500 clients.
 """
@@ -275,7 +278,12 @@ def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Calla
         raise SystemExit("pass both --kafka-bootstrap and --redis-url, or neither")
     from sluicegate import devstack
 
-    settings = Settings(state_dir=REPO_ROOT / ".sluicegate", kafka_port=args.kafka_port, redis_port=args.redis_port)
+    settings = Settings(
+        state_dir=REPO_ROOT / ".sluicegate",
+        kafka_port=args.kafka_port,
+        redis_port=args.redis_port,
+        kafka_full_jit=args.broker_jit == "full",
+    )
     _progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (sluicegate.devstack) ...")
     info = devstack.up(settings)
     started = info.started
@@ -826,8 +834,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default="10,50,100", help="comma-separated arrival rates (requests/s)")
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
     parser.add_argument("--max-tokens", type=int, default=8)
-    # Long enough for the broker's JIT: with 3 s the 50 req/s overhead read about 1 ms higher (docs/benchmarks.md).
-    parser.add_argument("--warmup", type=float, default=20.0, help="seconds of 10 req/s before measuring")
+    # A production broker runs C2-compiled code; C2 needs thousands of requests through the path before it has
+    # compiled it (with 20 s at 10 req/s its compiler was still busy while 50 req/s was measured).
+    parser.add_argument(
+        "--broker-jit",
+        choices=("full", "c1"),
+        default="full",
+        help="JIT of the private broker: full (C2, as in production) or c1 (the dev stack's fast start)",
+    )
+    parser.add_argument("--warmup", type=float, default=30.0, help="seconds of warm-up load before measuring")
+    parser.add_argument("--warmup-rate", type=float, default=100.0, help="requests/s of the warm-up load")
     parser.add_argument("--partitions", type=int, default=Settings().topic_partitions, help="partitions per topic")
     parser.add_argument("--relay-clients", default="100,500", help="comma-separated relay client counts; empty: none")
     parser.add_argument("--clients-per-stream", type=int, default=10)
@@ -860,8 +876,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = _load_average()
     try:
         if args.warmup > 0:
-            _progress(f"warm-up: {args.warmup:g} s at 10 req/s ...")
-            asyncio.run(run_rate(stack, 10, args.warmup, max_tokens=args.max_tokens, seed=args.seed, label="warm "))
+            _progress(f"warm-up: {args.warmup:g} s at {args.warmup_rate:g} req/s ...")
+            asyncio.run(
+                run_rate(
+                    stack, args.warmup_rate, args.warmup, max_tokens=args.max_tokens, seed=args.seed, label="warm "
+                )
+            )
         for rate in rates:
             _progress(f"{rate:g} req/s for {args.duration:g} s ...")
             before, cpu_before = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())

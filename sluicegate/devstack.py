@@ -54,7 +54,9 @@ STOP_TIMEOUT_S = {"kafka": 30.0, "redis": 10.0}
 MIN_JAVA = 11
 
 # A small heap is plenty for a dev broker. C1-only JIT (TieredStopAtLevel=1) starts faster and keeps
-# compiler threads off a 2-core machine's CPUs; peak throughput does not matter here.
+# compiler threads off a 2-core machine's CPUs; peak throughput does not matter here. ``kafka_full_jit``
+# drops it (latency benchmarks: once C2 has compiled the request path, a produce costs less broker time).
+C1_ONLY = "-XX:TieredStopAtLevel=1"
 KAFKA_JVM_OPTS: tuple[str, ...] = (
     "-Xms256m",
     "-Xmx512m",
@@ -62,7 +64,7 @@ KAFKA_JVM_OPTS: tuple[str, ...] = (
     "-XX:MaxGCPauseMillis=20",
     "-XX:InitiatingHeapOccupancyPercent=35",
     "-XX:+ExplicitGCInvokesConcurrent",
-    "-XX:TieredStopAtLevel=1",
+    C1_ONLY,
     "-XX:+ExitOnOutOfMemoryError",
     "-Djava.awt.headless=true",
 )
@@ -516,10 +518,23 @@ def _spawn(cmd: list[str], log_path: Path, cwd: Path, pid_file: Path) -> int:
     return proc.pid
 
 
+def kafka_jvm_opts(settings: Settings) -> list[str]:
+    """The broker's JVM options: ``KAFKA_JVM_OPTS``, without the C1-only cap when ``kafka_full_jit``."""
+    return [o for o in KAFKA_JVM_OPTS if not (settings.kafka_full_jit and o == C1_ONLY)]
+
+
 def _start_kafka(layout: _Layout, settings: Settings, java: str, libs: Path) -> int:
     _write_kafka_config(layout, settings)
     _format_storage(layout, java, libs)
-    cmd = [java, *KAFKA_JVM_OPTS, *_log_opts(layout), "-cp", str(libs / "*"), "kafka.Kafka", str(layout.kafka_props)]
+    cmd = [
+        java,
+        *kafka_jvm_opts(settings),
+        *_log_opts(layout),
+        "-cp",
+        str(libs / "*"),
+        "kafka.Kafka",
+        str(layout.kafka_props),
+    ]
     pid = _spawn(cmd, layout.kafka_out, layout.kafka_dir, layout.kafka_pid)
     log.info("devstack.kafka_spawned pid=%d bootstrap=%s version=%s", pid, layout.bootstrap, kafka_version())
     return pid

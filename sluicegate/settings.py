@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     )
     kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
     redis_port: int = Field(6379, description="Port of the local Redis server.")
+    kafka_full_jit: bool = Field(
+        False,
+        description="Let the local broker's JVM compile hot code with C2, as a production broker does, instead of "
+        "C1 only: slower to start and busy compiling at first, then faster per request.",
+    )
 
     # --- services -------------------------------------------------------------------------------
     ingress_port: int = Field(8000, description="HTTP port of the ingress API.")
