@@ -94,6 +94,13 @@ class Settings(BaseSettings):
         "or a thread of the worker (thread).",
     )
     torch_threads: int = Field(0, ge=0, description="CPU threads for the engine's torch ops; 0 keeps torch's default.")
+    engine_cpu_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness of a CPU engine's process, so that the worker's I/O, Redis and the relay (tokens "
+        "already made) run first on shared cores; 0 keeps the worker's priority. CUDA engines are never niced.",
+    )
     drain_timeout_s: float = Field(30.0, gt=0, description="Seconds a stopping worker waits for in-flight work.")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,9 @@ async def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.M
     assert thread.engine.max_model_len == 256
     async with process:
         assert process.spec is not None and process.spec.max_model_len == 256
+        assert process.pid is not None
+        # A CPU engine's process runs niced (SLUICEGATE_ENGINE_CPU_NICE, 10 by default).
+        assert os.getpriority(os.PRIO_PROCESS, process.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     for config in (process.config, thread.engine.config):
         _assert_knobs(config)
 
