@@ -294,26 +294,39 @@ class Worker:
         tp = TopicPartition(record.topic, record.partition)
         self.watermarks.started(tp, record.offset)
         key = f"{tp.topic}:{tp.partition}:{record.offset}"
-        task = asyncio.create_task(self._serve(tp, record), name=key)
-        # Registered under a provisional key until the request id is parsed.
-        self.active[key] = _Active(
-            request_id=key, partition=tp, offset=record.offset, tier=self._tier_of(tp), task=task
-        )
+        # Registered under a provisional key until the request id is known.
+        entry = _Active(request_id=key, partition=tp, offset=record.offset, tier=self._tier_of(tp))
+        self.active[key] = entry
+        parsed: InferenceRequest | _Rejection | Exception
+        try:
+            parsed = _parse(record)
+        except Exception as exc:  # reported by the request's task, like any failure to serve it
+            parsed = exc
+        if isinstance(parsed, InferenceRequest) and self._claim_at_once(entry, key, parsed.request_id):
+            # The engine starts here rather than in the request's task: that task runs only after the fetch loop
+            # and the consumer's next fetch have had the event loop.
+            try:
+                entry.early = self._start_early(parsed, entry)
+            except Exception:  # the task meets the same failure again and reports it there
+                entry.early = None
+        entry.task = asyncio.create_task(self._serve(tp, record, entry, parsed), name=key)
 
     # --- one request ---------------------------------------------------------------------------------
-    async def _serve(self, tp: TopicPartition, record: Any) -> None:
+    async def _serve(
+        self, tp: TopicPartition, record: Any, entry: _Active, parsed: InferenceRequest | _Rejection | Exception
+    ) -> None:
         provisional = f"{tp.topic}:{tp.partition}:{record.offset}"
-        entry = self.active[provisional]
         # Only a request that reached an outcome (done/error in its stream, dead-lettered, or skipped)
         # lets its offset be committed; anything else is re-delivered to the partition's next owner.
         completed = False
         try:
-            parsed = _parse(record)
+            if isinstance(parsed, Exception):
+                raise parsed
             if isinstance(parsed, _Rejection):
                 await self._dead_letter(record, parsed.reason, parsed.detail, parsed.request_id)
                 completed = True
                 return
-            if not await self._claim(entry, provisional, parsed.request_id):
+            if entry.request_id != parsed.request_id and not await self._claim(entry, provisional, parsed.request_id):
                 completed = True  # a duplicate of a request this worker is running
                 return
             completed = await self._serve_request(parsed, entry, record)
@@ -338,6 +351,14 @@ class Worker:
                 self.watermarks.finished(tp, record.offset)
                 self._schedule_commit()
             self._room.set()
+
+    def _claim_at_once(self, entry: _Active, provisional: str, request_id: str) -> bool:
+        """Register ``entry`` under its request id when no other entry holds it (else ``_claim`` decides)."""
+        if request_id in self.active:
+            return False
+        entry.request_id = request_id
+        self.active[request_id] = self.active.pop(provisional)
+        return True
 
     async def _claim(self, entry: _Active, provisional: str, request_id: str) -> bool:
         """Register ``entry`` under its request id; False for a duplicate of a request still running here.
@@ -364,7 +385,8 @@ class Worker:
         overlaps the prefill instead of preceding it. Nothing the early start produces is emitted before the
         state says the request is new; otherwise the early start is withdrawn and the state decides.
         """
-        entry.early = self._start_early(request, entry)
+        if entry.early is None:
+            entry.early = self._start_early(request, entry)
         try:
             return await self._serve_picked_up(request, entry, record)
         finally:
