@@ -265,6 +265,9 @@ class _Reader:
             backoff = 0.05
             if reply:
                 self._dispatch(reply, active)
+                # One loop turn for the subscribers' senders, so the frames clients wait for go out before this
+                # reader's next XREAD (a loopback send that also does Redis's receive work) does.
+                await asyncio.sleep(0)
 
     def _dispatch(self, reply: Any, requested: dict[str, _Stream]) -> None:
         per_stream = reply.items() if isinstance(reply, dict) else reply
