@@ -145,6 +145,7 @@ def _worker_main(settings_json: str, out_dir: str) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     from gpu_workers.worker.main import run_worker
+    from sluicegate import event_loop
     from sluicegate.logs import configure_logging
 
     settings = Settings.model_validate_json(settings_json)
@@ -160,7 +161,7 @@ def _worker_main(settings_json: str, out_dir: str) -> None:
             loop.add_signal_handler(sig, stop.set)
         await run_worker(settings, stop, freeze_heap=True)
 
-    asyncio.run(main())
+    event_loop.run(main())  # as ``sluicegate worker`` runs it
     (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": probes, "stamps": stamps}))
 
 

