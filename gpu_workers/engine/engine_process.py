@@ -292,6 +292,9 @@ class ProcessEngine(EngineFront):
                 pass_fds=(theirs.fileno(),),
                 env=_child_env(),
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self._ready = loop.create_future()

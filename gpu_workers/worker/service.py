@@ -618,12 +618,16 @@ class Worker:
 
     @contextlib.asynccontextmanager
     async def _reading(self, stream: RequestStream) -> AsyncIterator[RequestStream]:
-        """Read an engine request's deltas; leaving early (a stop string, a hand-off, an error) aborts it."""
+        """Read an engine request's deltas; leaving early (a stop string, a hand-off, an error) aborts it.
+
+        The request's task ends only once the engine has let go of the id: a partition handed off and assigned
+        back re-delivers the same request, which must find the id free (with an engine process the abort's
+        answer takes a round trip, so the old task would otherwise be gone while the engine still held it).
+        """
         try:
             yield stream
         finally:
-            if not stream.finished:
-                await self.engine.abort(stream.request_id)
+            await self._withdraw(stream)
 
     def _emit(self, entry: _Active, event: StreamEvent | RecordWrite) -> bool:
         """Queue one event (or status-record write) for the next flush, unless the request was handed to
