@@ -17,16 +17,6 @@ from schemas import InferenceRequest
 from schemas.events import FinishReason
 
 
-def eos_token_ids(engine: Any) -> frozenset[int]:
-    """The ids that end a request for this engine (its generation config's, else the tokenizer's)."""
-    core = getattr(engine, "engine", engine)
-    ids = getattr(core, "eos_token_ids", None)
-    if ids is not None:
-        return frozenset(ids)
-    eos = getattr(engine.tokenizer, "eos_token_id", None)
-    return frozenset() if eos is None else frozenset({eos})
-
-
 class Continuation:
     """The text state of a resumed request: what the first run decoded, and what is still owed.
 

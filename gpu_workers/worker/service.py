@@ -30,14 +30,14 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
 from pydantic import ValidationError
 
-from gpu_workers.engine.request_streams import RequestStream
+from gpu_workers.engine.request_streams import EngineFront, RequestStream
 from schemas import (
     TIERS,
     CancelRequest,
@@ -61,25 +61,13 @@ from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, 
 
 from .offsets import CompletionWatermarks
 from .prompts import PromptError, prompt_token_ids, sampling_params
-from .resume import Continuation, eos_token_ids
+from .resume import Continuation
 from .streams import REDIS_UNAVAILABLE as _REDIS_DOWN
 from .streams import RecordWrite, StreamPublisher, read_pickup_state, read_stream_state
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineLike(Protocol):
-    """What the worker needs of an engine front (``ProcessEngine`` or ``AsyncEngine``), started."""
-
-    tokenizer: Any
-
-    def add_request(
-        self, prompt: list[int], params: Any, *, request_id: str, priority: str, tenant: str
-    ) -> RequestStream: ...
-    async def abort(self, request_id: str) -> None: ...
-    def stats(self) -> Any: ...
 
 
 @dataclass
@@ -134,7 +122,7 @@ class Worker:
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: EngineFront,
         config: WorkerConfig,
         *,
         names: Names,
@@ -159,7 +147,7 @@ class Worker:
         self._stopping = asyncio.Event()
         # Cancels that arrived before their request was picked up (bounded, oldest dropped).
         self._early_cancels: OrderedDict[str, None] = OrderedDict()
-        self._eos_ids = eos_token_ids(engine)
+        self._eos_ids = engine.eos_token_ids
         self._fatal: BaseException | None = None
         self._commit_task: asyncio.Task[None] | None = None
         # Counters for logs and tests.
@@ -333,7 +321,7 @@ class Worker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if not getattr(self.engine, "is_running", True):
+            if not self.engine.is_running:
                 # The engine itself is gone: leave the request to a healthy worker and stop this one.
                 log.error("worker.engine_failed", extra={"error": repr(exc)})
                 self._fatal = exc
@@ -801,7 +789,7 @@ class Worker:
     async def _heartbeat_loop(self) -> None:
         while True:
             started = time.monotonic()
-            if not getattr(self.engine, "is_running", True):
+            if not self.engine.is_running:
                 # An engine that died while idle: stop advertising this worker and let another take its partitions.
                 raise RuntimeError("the engine stopped; stopping this worker")
             beat = self.heartbeat()

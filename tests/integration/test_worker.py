@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
 from gpu_workers.worker.main import run_worker
-from gpu_workers.worker.resume import Continuation, eos_token_ids
+from gpu_workers.worker.resume import Continuation
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (
     STREAM_FIELD,
@@ -103,7 +103,7 @@ async def _resume_all_points(engine: AsyncEngine, stop: list[str] | None) -> tup
     prompt_ids = list(engine.tokenizer.encode(PROMPT))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
     ref = await reference_run(engine, prompt_ids, params)
-    eos = eos_token_ids(engine)
+    eos = engine.eos_token_ids
     naive_wrong = 0
     for k in range(1, len(ref.deltas)):
         delivered_ids = [t for _, ids in ref.deltas[:k] for t in ids]
@@ -155,7 +155,7 @@ async def test_resumed_text_honours_a_stop_string_across_the_resume_point(engine
 def test_delivered_tokens_that_already_end_the_request_are_recognised(engine: AsyncEngine) -> None:
     """The previous owner died between the last token and ``done``: nothing more is generated."""
     prompt_ids = list(engine.tokenizer.encode(PROMPT))
-    eos = eos_token_ids(engine)
+    eos = engine.eos_token_ids
     tokenizer = engine.tokenizer
     ids = [tokenizer.encode(" river", add_special_tokens=False)[0]]
     stopping = InferenceRequest(
