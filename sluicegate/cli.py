@@ -98,8 +98,7 @@ def _worker_settings(args: argparse.Namespace) -> Settings:
 def _worker(args: argparse.Namespace) -> int:
     from gpu_workers.worker.main import serve_worker
 
-    serve_worker(_worker_settings(args))
-    return 0
+    serve_worker(_worker_settings(args))  # ends the process itself after a clean stop
 
 
 def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:

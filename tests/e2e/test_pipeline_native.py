@@ -343,6 +343,8 @@ async def test_two_workers_share_partitions_and_both_serve(pipeline: Pipeline) -
     finally:
         await asyncio.to_thread(pipeline.kill, worker_b, signal.SIGTERM)
     assert worker_b.process.returncode == 0, worker_b.log()
+    # A clean stop ends with the worker's last line, not with an interpreter teardown's noise.
+    assert "worker.stopped" in worker_b.log() and "leaked" not in worker_b.log(), worker_b.log()
     # worker-b left the group on its way out: worker-a owns everything again.
     owned = await asyncio.to_thread(wait_ownership, pipeline, {"worker-a"})
     assert owned["worker-a"] == all_partitions(pipeline)
