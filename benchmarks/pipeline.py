@@ -777,11 +777,14 @@ def floor_table(floor: TransportFloor, levels: Sequence[Level]) -> str:
         f"| Redis: XADD -> blocked XREAD has it | {len(floor.redis_ms)} | {_fmt(r50)} | {_fmt(r99)} |",
         f"| sum: the transport floor of one request | | {_fmt(t50)} | {_fmt(t99)} |",
     ]
+    runs: dict[float, int] = {}
     for level in levels:
         overhead = level.series.get("overhead", [])
         o50, o99 = percentile(overhead, 0.5), percentile(overhead, 0.99)
+        runs[level.rate] = runs.get(level.rate, 0) + 1
+        which = f" (run {runs[level.rate]} at this rate)" if runs[level.rate] > 1 else ""
         rows.append(
-            f"| pipeline overhead at {level.rate:g} req/s, as a multiple of the floor | | "
+            f"| pipeline overhead at {level.rate:g} req/s{which}, as a multiple of the floor | | "
             f"{_fmt(o50 / t50)}x | {_fmt(o99 / t99)}x |"
         )
     return "\n".join(rows)
