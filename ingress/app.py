@@ -205,7 +205,7 @@ def cors_origins(settings: Settings) -> list[str]:
 
 async def _warm_up(service: IngressService) -> None:
     try:
-        await service.producer.get()
+        await service.producers.start()
     except Exception as exc:
         log.warning("ingress.kafka_not_ready error=%r; will retry on first publish", exc)
 
@@ -429,7 +429,7 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
     @app.get("/healthz", tags=["ops"], responses=ok(Health))
     async def healthz(request: Request) -> dict[str, Any]:
         service = _state(request)
-        return {"status": "ok", "kafka_producer": "started" if service.producer.started else "not_started"}
+        return {"status": "ok", "kafka_producer": "started" if service.producers.started else "not_started"}
 
     @app.get("/readyz", tags=["ops"], responses=ok(Readiness) | ok(Readiness, status=503))
     async def readyz(request: Request) -> JSONResponse:
@@ -440,7 +440,7 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         except (RedisError, OSError) as exc:
             problems["redis"] = f"Redis is unavailable: {str(exc) or type(exc).__name__}"
         try:
-            await service.producer.get()
+            await service.producers.start()
         except Exception as exc:
             problems["kafka"] = f"Kafka is unavailable: {str(exc) or type(exc).__name__}"
         return JSONResponse(

@@ -11,10 +11,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.structs import RecordMetadata
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 # One XREAD waits at most this long, so timeouts and shutdown are noticed promptly.
 _BLOCK_MS = 2000
+# Turns the status-record task yields before its write. Its first step runs the turn after producer.send(), as
+# the accumulator's waiter wakes aiokafka's sender; the sender's step starts the produce task the turn after,
+# and that task writes the produce request the turn after that. Yielding twice puts the record right behind it.
+_SENDER_TURNS = 2
 
 
 def unavailable(what: str, exc: BaseException, *, request_id: str | None = None) -> ApiError:
@@ -62,45 +67,78 @@ def unavailable(what: str, exc: BaseException, *, request_id: str | None = None)
     return ApiError(503, f"{what} is unavailable: {detail}", code="service_unavailable", headers=headers)
 
 
-class ProducerHandle:
-    """One idempotent producer, started on first use and restarted after a failed start."""
+@dataclass(eq=False)
+class _Slot:
+    producer: AIOKafkaProducer
+    #: Publishes handed to this producer and not yet acknowledged (or failed).
+    in_flight: int = 0
+
+
+class ProducerPool:
+    """Ingress's idempotent producers, started together on first use and restarted after a failed start.
+
+    aiokafka sends one produce request at a time per producer and broker: a record handed to a producer
+    whose last request is unacknowledged waits for that acknowledgement (about a millisecond). ``lease`` hands
+    out the producer with the fewest publishes in flight, so concurrent publishes rarely queue.
+    """
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._producer: AIOKafkaProducer | None = None
+        self._slots: list[_Slot] = []
         self._lock = asyncio.Lock()
 
     @property
     def started(self) -> bool:
-        """Whether a producer is connected."""
-        return self._producer is not None
+        """Whether the producers are connected."""
+        return bool(self._slots)
 
-    async def get(self) -> AIOKafkaProducer:
-        """The started producer; raises (KafkaError, TimeoutError, OSError) when Kafka does not answer."""
-        if self._producer is not None:
-            return self._producer
+    async def start(self) -> None:
+        """Connect every producer, once; raises (KafkaError, TimeoutError, OSError) when Kafka does not answer."""
+        if self._slots:
+            return
         async with self._lock:
-            if self._producer is None:
-                timeout = self._settings.kafka_timeout_s
-                producer = create_producer(
+            if self._slots:
+                return
+            timeout = self._settings.kafka_timeout_s
+            producers = [
+                create_producer(
                     self._settings,
-                    client_id="sluicegate-ingress",
+                    client_id=f"sluicegate-ingress-{n}",
                     request_timeout_ms=max(1000, int(timeout * 1000)),
                 )
-                try:
-                    await asyncio.wait_for(producer.start(), timeout)
-                except BaseException:
+                for n in range(self._settings.ingress_producers)
+            ]
+            try:
+                await asyncio.wait_for(asyncio.gather(*(p.start() for p in producers)), timeout)
+            except BaseException:
+                for producer in producers:
                     with contextlib.suppress(Exception):
                         await producer.stop()
-                    raise
-                self._producer = producer
-        return self._producer
+                raise
+            self._slots = [_Slot(producer) for producer in producers]
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[AIOKafkaProducer]:
+        """The started producer with the fewest publishes in flight, counted busy until the block ends.
+
+        Raises ``KafkaConnectionError`` when the pool is not started (or was closed).
+        """
+        if not self._slots:
+            raise KafkaConnectionError("the ingress producers are not started")
+        slot = min(self._slots, key=lambda s: s.in_flight)
+        slot.in_flight += 1
+        try:
+            yield slot.producer
+        finally:
+            slot.in_flight -= 1
 
     async def close(self) -> None:
-        """Flush and stop the producer, if started."""
-        if self._producer is not None:
-            producer, self._producer = self._producer, None
-            await producer.stop()
+        """Flush and stop the producers, if started."""
+        slots, self._slots = self._slots, []
+        results = await asyncio.gather(*(slot.producer.stop() for slot in slots), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
 
 class IngressService:
@@ -122,7 +160,7 @@ class IngressService:
             timeout_s=settings.kafka_timeout_s,
         )
         self.heartbeats = HeartbeatCache(self.redis, self.names, max_age_s=3 * settings.heartbeat_interval_s)
-        self.producer = ProducerHandle(settings)
+        self.producers = ProducerPool(settings)
         self.backlog = BacklogMonitor(settings, self.names, metrics)
         self.rate_limiter = RateLimiter(self.redis, self.names)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
@@ -132,7 +170,7 @@ class IngressService:
         """Release Kafka and Redis connections."""
         try:
             await self.backlog.close()
-            await self.producer.close()
+            await self.producers.close()
         finally:
             await self.redis.aclose()
 
@@ -179,7 +217,7 @@ class IngressService:
         that did reach Kafka cancelled (workers never start it).
         """
         try:
-            producer = await self.producer.get()
+            await self.producers.start()
             await self.topics.ensure_model(request.model)
         except (KafkaError, TimeoutError, OSError) as exc:
             self.metrics.publish_failures.labels(request.model).inc()
@@ -198,32 +236,40 @@ class IngressService:
             status="queued",
             created_at=request.created_at,
         )
-        # The status record and the publish go out together, so the record costs the request path no round
-        # trip of its own. NX: a fast worker's "running" (a plain SET) is never overwritten by "queued".
         started = time.perf_counter()
-        saved, published = await asyncio.gather(
-            self.redis.set(
-                self.names.request_key(request.request_id),
-                record.model_dump_json(),
-                ex=self.settings.request_record_ttl_s,
-                nx=True,
-            ),
-            self._publish(producer, request, route, trace_carrier),
-            return_exceptions=True,
-        )
-        if isinstance(published, BaseException):
-            if not isinstance(published, KafkaError | TimeoutError | OSError):
-                raise published
+        saving: asyncio.Task[None] | None = None
+        published: RecordMetadata | KafkaError | TimeoutError | OSError
+        try:
+            async with asyncio.timeout(self.settings.kafka_timeout_s):
+                with self.producers.lease() as producer:
+                    delivery = await send_routed(producer, request, route, request_headers(request, trace_carrier))
+                    # The status record is written while the broker acknowledges, so it costs the request path no
+                    # round trip of its own; and only once the produce request is on the wire (see _save_record),
+                    # because the produce is what the first token waits for.
+                    saving = asyncio.create_task(self._save_record(record))
+                    published = await delivery
+        except (KafkaError, TimeoutError, OSError) as exc:
+            published = exc
+        except BaseException:
+            if saving is not None:
+                saving.cancel()
+            raise
+        if not isinstance(published, RecordMetadata):
             self.metrics.publish_failures.labels(request.model).inc()
+            if saving is not None:
+                # Let the record land before _abandon deletes it, or it would outlive the refused request.
+                with contextlib.suppress(RedisError, OSError):
+                    await saving
             await self._abandon(request)
             raise unavailable("Kafka", published, request_id=request.request_id) from published
-        if isinstance(saved, BaseException):
-            if not isinstance(saved, RedisError | OSError):
-                raise saved
+        assert saving is not None  # a delivery was awaited, so the record was started
+        try:
+            await saving
+        except (RedisError, OSError) as exc:
             # The request is in Kafka but its client hears 503: take it back over the control topic (workers
             # drop a request cancelled before they start it), so a retry does not run it twice.
             await self._send_cancel(request.request_id, request.tenant, "record_failed")
-            raise unavailable("Redis", saved, request_id=request.request_id) from saved
+            raise unavailable("Redis", exc, request_id=request.request_id) from exc
         metadata = published
         self.backlog.accepted(request.model, route.tier, metadata.topic, metadata.partition, metadata.offset)
         self.metrics.publish_latency.observe(time.perf_counter() - started)
@@ -239,13 +285,21 @@ class IngressService:
         )
         return route
 
-    async def _publish(
-        self, producer: AIOKafkaProducer, request: InferenceRequest, route: Route, trace_carrier: Mapping[str, str]
-    ) -> RecordMetadata:
-        """Publish to the routed topic and wait for every in-sync replica, within ``kafka_timeout_s``."""
-        async with asyncio.timeout(self.settings.kafka_timeout_s):
-            delivery = await send_routed(producer, request, route, request_headers(request, trace_carrier))
-            return await delivery
+    async def _save_record(self, record: RequestRecord) -> None:
+        """Write the "queued" status record, a few event-loop turns from now.
+
+        Started right after ``producer.send()``: a Redis write made before aiokafka's sender has written the
+        produce request would hold that request back (see ``_SENDER_TURNS``). NX: a fast worker's "running"
+        (a plain SET) is never overwritten by "queued".
+        """
+        for _ in range(_SENDER_TURNS):
+            await asyncio.sleep(0)
+        await self.redis.set(
+            self.names.request_key(record.request_id),
+            record.model_dump_json(),
+            ex=self.settings.request_record_ttl_s,
+            nx=True,
+        )
 
     async def charge(self, key_id: str, limits: Limits, tokens: int) -> None:
         """Charge one request of ``tokens`` to the key's rate limits: 429 over a limit, 503 without Redis."""
@@ -302,19 +356,20 @@ class IngressService:
         message = CancelRequest(request_id=request_id, tenant=tenant, reason=reason)
         timeout = self.settings.kafka_timeout_s
         try:
-            producer = await self.producer.get()
+            await self.producers.start()
             if not self._control_ready:
                 await self.topics.ensure({self.names.control_topic: 1})
                 self._control_ready = True
-            await asyncio.wait_for(
-                producer.send_and_wait(
-                    self.names.control_topic,
-                    value=message.model_dump_json().encode(),
-                    key=request_id.encode(),
-                    headers=[(HEADER_REQUEST_ID, request_id.encode())],
-                ),
-                timeout,
-            )
+            with self.producers.lease() as producer:
+                await asyncio.wait_for(
+                    producer.send_and_wait(
+                        self.names.control_topic,
+                        value=message.model_dump_json().encode(),
+                        key=request_id.encode(),
+                        headers=[(HEADER_REQUEST_ID, request_id.encode())],
+                    ),
+                    timeout,
+                )
         except (KafkaError, TimeoutError, OSError) as exc:
             log.warning("ingress.cancel_publish_failed request_id=%s reason=%s error=%r", request_id, reason, exc)
             return False

@@ -123,6 +123,13 @@ class Settings(BaseSettings):
     kafka_timeout_s: float = Field(
         5.0, gt=0, description="Longest ingress waits for Kafka (publish ack, topic creation) before a 503."
     )
+    ingress_producers: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="Kafka producers one ingress process publishes through. Each has one produce request in "
+        "flight at a time, so a publish handed to a busy one waits for the previous acknowledgement.",
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, description="Longest an OpenAI-style call waits for its result before it is cancelled."
     )

@@ -14,10 +14,13 @@ import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from aiokafka.conn import AIOKafkaConnection
+from aiokafka.errors import KafkaConnectionError
 from ingress_support import (
     CAPPED_KEY,
     KEY,
@@ -30,8 +33,11 @@ from ingress_support import (
     running_ingress,
 )
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection as RedisConnection
 
 from ingress.auth import hash_key
+from ingress.service import IngressService, ProducerPool
+from ingress.telemetry import IngressMetrics
 from router import KeyPolicy
 from router.policy import affinity_prefix, key_partition, partition_key
 from router.stream import run_router
@@ -122,6 +128,73 @@ async def test_native_submit_publishes_routed_request_with_headers(
     stored = RequestRecord.model_validate_json(await redis.get(names.request_key(rid)))
     assert (stored.status, stored.tenant, stored.priority) == ("queued", tenant, "interactive")
     assert 0 < await redis.ttl(names.request_key(rid)) <= settings.request_record_ttl_s
+
+
+async def test_the_produce_request_leaves_before_the_status_record(
+    settings: Settings, redis: Redis, cleanup_topics: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first token waits for the produce request, not for the status record: the record's write goes out
+    # right behind it (still before the acknowledgement). Both writes are stamped as they reach their sockets.
+    names = Names(settings.topic_prefix)
+    await heartbeat(redis, names)
+    writes: list[str] = []
+    kafka_send = AIOKafkaConnection.send
+    redis_send = RedisConnection.send_packed_command
+
+    def stamped_kafka(self: AIOKafkaConnection, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(request).__name__.startswith("ProduceRequest"):
+            writes.append("produce")
+        return kafka_send(self, request, *args, **kwargs)
+
+    async def stamped_redis(self: RedisConnection, command: Any, *args: Any, **kwargs: Any) -> None:
+        packed = b"".join(command) if isinstance(command, list) else command
+        if names.request_key("").encode() in packed:
+            writes.append("record")
+        await redis_send(self, command, *args, **kwargs)
+
+    service = IngressService(settings, IngressMetrics())
+    try:
+        heartbeats = await service.model_heartbeats(MODEL)
+        for n in range(3):  # the first publish also creates the topics and fetches metadata
+            request = InferenceRequest(
+                request_id=f"order-{n}", model=MODEL, prompt="which goes first?", tenant="t", created_at=utcnow()
+            )
+            if n == 2:
+                writes.clear()
+                monkeypatch.setattr(AIOKafkaConnection, "send", stamped_kafka)
+                monkeypatch.setattr(RedisConnection, "send_packed_command", stamped_redis)
+            await service.submit(request, max_tier="interactive", heartbeats=heartbeats, trace_carrier={})
+    finally:
+        monkeypatch.undo()
+        await service.close()
+    assert writes == ["produce", "record"]
+    stored = RequestRecord.model_validate_json(await redis.get(names.request_key("order-2")))
+    assert stored.status == "queued"
+
+
+async def test_concurrent_publishes_go_through_different_producers(settings: Settings, cleanup_topics: None) -> None:
+    # aiokafka keeps one produce request in flight per producer: a second publish on a busy producer would wait
+    # for the first one's acknowledgement, so the pool hands it the idle one.
+    pool = ProducerPool(settings.model_copy(update={"ingress_producers": 2}))
+    with pytest.raises(KafkaConnectionError):
+        with pool.lease():
+            pass
+    await pool.start()
+    try:
+        with pool.lease() as first:
+            with pool.lease() as second:
+                assert second is not first
+                with pool.lease() as third:  # both busy: either will do
+                    assert third in (first, second)
+            with pool.lease() as again:
+                assert again is second  # the one not in use
+        topic = settings.topic_prefix + "pool-check"
+        await ensure_topics(settings.kafka_bootstrap, {topic: 1}, settings.topic_replication)
+        metadata = await (await first.send(topic, b"x"))
+        assert (metadata.topic, metadata.offset) == (topic, 0)
+    finally:
+        await pool.close()
+    assert not pool.started
 
 
 async def test_capped_key_lands_on_standard_and_shares_partition_for_shared_system_prompt(
