@@ -11,7 +11,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 from urllib.parse import urlsplit
@@ -38,6 +38,7 @@ from .assembler import StreamAssembler
 from .auth import ApiKey, KeyRing, presented_key
 from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody, build_request
 from .errors import ApiError, error_body, install_error_handlers, invalid
+from .lean_route import LeanRoute
 from .limits import check_prompt_tokens, check_rate_cost, checked_max_tokens
 from .openai_format import ERROR_STATUS, SSE_DONE, Kind, ResponseIds, sse
 from .openapi import (
@@ -61,6 +62,7 @@ from .telemetry import IngressMetrics, MetricsMiddleware, build_tracer_provider
 log = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
+E = TypeVar("E", bound=Callable[..., Any])
 
 # Same alphabet as schemas' RequestId: anything else cannot name a request.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -344,25 +346,59 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         payload = ids.response(assembler.text, assembler.done.finish_reason, assembler.done.usage)
         return JSONResponse(payload, headers=headers)
 
-    @app.post(
+    def publishing(path: str, **options: Any) -> Callable[[E], E]:
+        """Register a POST endpoint that publishes requests: it authenticates and parses its body itself, on
+        ``LeanRoute`` (see ingress.lean_route)."""
+
+        def register(endpoint: E) -> E:
+            app.router.add_api_route(path, endpoint, methods=["POST"], route_class_override=LeanRoute, **options)
+            return endpoint
+
+        return register
+
+    @publishing(
         "/v1/chat/completions",
         tags=["openai"],
         openapi_extra=json_body(ChatCompletionBody),
         responses=ok(ChatCompletion, stream=True) | errors(*_SUBMIT_ERRORS, *_RESULT_ERRORS),
     )
-    async def chat_completions(request: Request, caller: Caller) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        caller = await authenticate(request)
         body = await parse_body(request, ChatCompletionBody, root_field="messages")
         return await openai_call(request, caller, body, "chat")
 
-    @app.post(
+    @publishing(
         "/v1/completions",
         tags=["openai"],
         openapi_extra=json_body(CompletionBody),
         responses=ok(TextCompletion, stream=True) | errors(*_SUBMIT_ERRORS, *_RESULT_ERRORS),
     )
-    async def completions(request: Request, caller: Caller) -> Response:
+    async def completions(request: Request) -> Response:
+        caller = await authenticate(request)
         body = await parse_body(request, CompletionBody, root_field="prompt")
         return await openai_call(request, caller, body, "completion")
+
+    @publishing(
+        "/v1/requests",
+        status_code=202,
+        tags=["native"],
+        openapi_extra=json_body(NativeRequestBody),
+        responses=ok(SubmitResponse, status=202) | errors(*_SUBMIT_ERRORS),
+    )
+    async def submit(request: Request) -> JSONResponse:
+        caller = await authenticate(request)
+        body = await parse_body(request, NativeRequestBody, root_field="prompt")
+        inference = await accept(request, caller, body, "/v1/requests")
+        rid = inference.request_id
+        payload = {
+            "request_id": rid,
+            "status": "queued",
+            "model": inference.model,
+            "priority": inference.priority,
+            "stream_url": f"{settings.public_stream_url.rstrip('/')}/v1/streams/{rid}",
+            "stream_token": issue_stream_token(settings.stream_token_secret, rid, inference.tenant),
+        }
+        return JSONResponse(payload, status_code=202, headers={"x-request-id": rid})
 
     @app.get("/v1/models", tags=["openai"], responses=ok(ModelList) | errors(401, 503))
     async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
@@ -379,27 +415,6 @@ def _add_routes(app: FastAPI, settings: Settings, tracer: Tracer, metrics: Ingre
         return _model_card(model, models[model])
 
     # --- native -----------------------------------------------------------------------------------
-    @app.post(
-        "/v1/requests",
-        status_code=202,
-        tags=["native"],
-        openapi_extra=json_body(NativeRequestBody),
-        responses=ok(SubmitResponse, status=202) | errors(*_SUBMIT_ERRORS),
-    )
-    async def submit(request: Request, caller: Caller) -> JSONResponse:
-        body = await parse_body(request, NativeRequestBody, root_field="prompt")
-        inference = await accept(request, caller, body, "/v1/requests")
-        rid = inference.request_id
-        payload = {
-            "request_id": rid,
-            "status": "queued",
-            "model": inference.model,
-            "priority": inference.priority,
-            "stream_url": f"{settings.public_stream_url.rstrip('/')}/v1/streams/{rid}",
-            "stream_token": issue_stream_token(settings.stream_token_secret, rid, inference.tenant),
-        }
-        return JSONResponse(payload, status_code=202, headers={"x-request-id": rid})
-
     async def owned_record(request: Request, caller: ApiKey, request_id: str) -> RequestRecord:
         record = await _state(request).record(request_id) if _valid_id(request_id) else None
         # Another tenant's request is indistinguishable from a missing one.
