@@ -362,9 +362,7 @@ class Worker:
                 del self.active[request_id]
             else:
                 await asyncio.wait({other.task})
-        entry.request_id = request_id
-        self.active[request_id] = self.active.pop(provisional)
-        return True
+        return self._claim_at_once(entry, provisional, request_id)
 
     async def _serve_request(self, request: InferenceRequest, entry: _Active, record: Any) -> bool:
         """Serve one parsed request; True when it reached an outcome, False when handed off mid-way.
