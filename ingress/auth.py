@@ -17,9 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from router.policy import TIER_RANK
 from router.validation import summarize
-from schemas import Tier
+from schemas import Tier, tier_rank
 
 from .limits import KeyLimits
 
@@ -54,7 +53,7 @@ class ApiKey(BaseModel):
 
     @model_validator(mode="after")
     def _default_within_max(self) -> ApiKey:
-        if TIER_RANK[self.default_tier] > TIER_RANK[self.max_tier]:
+        if tier_rank(self.default_tier) < tier_rank(self.max_tier):
             raise ValueError(f"default_tier {self.default_tier!r} is above max_tier {self.max_tier!r}")
         return self
 

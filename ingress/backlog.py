@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from router.policy import TIER_RANK
-from schemas import TIERS, Names, Tier, WorkerHeartbeat
+from schemas import TIERS, Names, Tier, WorkerHeartbeat, tier_rank
 from sluicegate.kafka import create_admin, create_consumer
 from sluicegate.settings import Settings
 
@@ -49,7 +48,7 @@ def backlog_ahead(lags: Mapping[str, int], running: int, tier: Tier) -> int:
         count = max(0, lags.get(each, 0))
         taken = min(left, count)
         left -= taken
-        if TIER_RANK[each] >= TIER_RANK[tier]:
+        if tier_rank(each) <= tier_rank(tier):
             ahead += count - taken
     return ahead
 

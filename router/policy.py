@@ -13,10 +13,7 @@ from datetime import datetime, timedelta
 
 from aiokafka.partitioner import murmur2
 
-from schemas import TIERS, InferenceRequest, Tier, WorkerHeartbeat, utcnow
-
-#: Higher rank = drained first by workers.
-TIER_RANK: dict[str, int] = {"batch": 0, "standard": 1, "interactive": 2}
+from schemas import InferenceRequest, Tier, WorkerHeartbeat, tier_rank, utcnow
 
 # Roles whose leading run forms the prompt prefix shared across a deployment's requests.
 _PREAMBLE_ROLES = frozenset({"system", "developer"})
@@ -24,14 +21,13 @@ _PREAMBLE_ROLES = frozenset({"system", "developer"})
 
 def check_tier(tier: str) -> Tier:
     """``tier`` itself when it names a tier; ``ValueError`` naming the valid ones otherwise."""
-    if tier not in TIER_RANK:
-        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}")
+    tier_rank(tier)
     return tier  # type: ignore[return-value]
 
 
 def cap_tier(tier: Tier, max_tier: Tier) -> Tier:
     """``tier``, lowered to ``max_tier`` when it ranks above it."""
-    return tier if TIER_RANK[check_tier(tier)] <= TIER_RANK[check_tier(max_tier)] else max_tier
+    return tier if tier_rank(tier) >= tier_rank(max_tier) else max_tier
 
 
 def resolve_tier(requested: str | None, *, default_tier: Tier, max_tier: Tier) -> Tier:

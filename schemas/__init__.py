@@ -28,7 +28,7 @@ from .events import (
     stream_entry_id,
     stream_event_adapter,
 )
-from .names import TIERS, Names, Tier, model_token
+from .names import TIERS, Names, Tier, model_token, tier_rank
 from .requests import ChatMessage, InferenceRequest, SamplingOptions, TextPart, TraceContext
 
 __all__ = [
@@ -62,5 +62,6 @@ __all__ = [
     "seq_from_entry_id",
     "stream_entry_id",
     "stream_event_adapter",
+    "tier_rank",
     "utcnow",
 ]

@@ -12,8 +12,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 Tier = Literal["interactive", "standard", "batch"]
-#: Tiers in the order a worker drains them.
+#: The one tier order: most urgent first, the order a worker drains them and the engine schedules them.
 TIERS: tuple[Tier, ...] = ("interactive", "standard", "batch")
+
+
+def tier_rank(tier: str) -> int:
+    """A tier's place in :data:`TIERS` (0 = interactive = served first); ``ValueError`` naming the valid ones.
+
+    This is also the engine's integer priority (lower runs first, as in vLLM), so a tier means the same
+    thing at ingress, in the router, in the worker's fetch order and in the engine's scheduler.
+    """
+    try:
+        return TIERS.index(tier)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}") from None
 
 _TOPIC_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 # Kafka caps topic names at 249 characters; keep room for prefix and tier.
