@@ -27,6 +27,7 @@ def tier_rank(tier: str) -> int:
     except ValueError:
         raise ValueError(f"unknown tier {tier!r}; expected one of {', '.join(TIERS)}") from None
 
+
 _TOPIC_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 # Kafka caps topic names at 249 characters; keep room for prefix and tier.
 _MAX_MODEL_TOKEN = 120
