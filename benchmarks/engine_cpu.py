@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_workers.engine import LLM, SamplingParams, make_tiny_model
+from gpu_workers.engine import LLM, SamplingParams
+from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
 Workload = list[tuple[list[int], int]]
 

@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
-from gpu_workers.engine.tiny_model import SPECIAL_TOKENS, build_tokenizer
 
 # TensorRT-LLM, Llama-3.1-8B, one A100, 2000 in / 200 out, streaming: concurrency -> (tok/s, p99 ITL ms).
 A100_REFERENCE: dict[int, tuple[float, float]] = {

@@ -115,8 +115,7 @@ def _install_stage_probes(stamps: dict[str, dict[str, float]]) -> bool:
 
 def _install_engine_probe(stamps: dict[str, dict[str, float]]) -> None:
     """Keep each finished request's engine timestamps, and when its first token reached the worker's loop."""
-    from gpu_workers.engine.outputs import RequestDelta
-    from gpu_workers.engine.request_streams import EngineFront
+    from gpu_workers.engine import EngineFront, RequestDelta
 
     deliver = EngineFront._deliver
 
@@ -298,7 +297,7 @@ def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Calla
 
 def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
     """Backbone, tiny model, ingress, result service and the timed worker; returns once the worker heartbeats."""
-    from gpu_workers.engine.tiny_model import make_tiny_model
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     bootstrap, redis_url, backbone_pids, down = _backbone(args)
     _progress("building the tiny model ...")

@@ -49,7 +49,7 @@ def _dev(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from gpu_workers.engine.tiny_model import make_tiny_model
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     path = make_tiny_model(
         Path(args.out),

@@ -33,7 +33,7 @@ def _demo_model(settings: Settings) -> Path:
     """The tiny random-weight demo model, built once under the state folder."""
     path = settings.state_dir / "models" / DEMO_MODEL_NAME
     if not (path / "config.json").exists():
-        from gpu_workers.engine.tiny_model import make_tiny_model
+        from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
         print(f"building the demo model in {path} (random weights, trained tokenizer) ...", flush=True)
         make_tiny_model(path, arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4)

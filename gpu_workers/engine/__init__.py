@@ -7,22 +7,26 @@ Offline: ``LLM(model=...).generate(prompts, SamplingParams(...))``. Online: ``As
 
 from .async_engine import AsyncEngine, RequestStream
 from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
 from .engine_core import LLMEngine
+from .engine_process import ProcessEngine
 from .llm import LLM
 from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from .request_streams import EngineFront
 from .sampling_params import SamplingParams
-from .tiny_model import make_tiny_model
 
 __all__ = [
     "LLM",
     "AsyncEngine",
     "EngineConfig",
+    "EngineFront",
     "EngineStats",
+    "IncrementalDetokenizer",
     "LLMEngine",
+    "ProcessEngine",
     "RequestDelta",
     "RequestMetrics",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
-    "make_tiny_model",
 ]

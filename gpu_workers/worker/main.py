@@ -15,9 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
-from gpu_workers.engine import AsyncEngine
-from gpu_workers.engine.engine_process import ProcessEngine
-from gpu_workers.engine.request_streams import EngineFront
+from gpu_workers.engine import AsyncEngine, EngineFront, ProcessEngine
 from schemas import TIERS, Names
 from sluicegate import event_loop
 from sluicegate.heap import freeze_startup_heap

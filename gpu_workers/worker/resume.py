@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.engine import IncrementalDetokenizer
 from schemas import InferenceRequest
 from schemas.events import FinishReason
 

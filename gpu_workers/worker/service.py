@@ -37,7 +37,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, KafkaError
 from pydantic import ValidationError
 
-from gpu_workers.engine.request_streams import EngineFront, RequestStream
+from gpu_workers.engine import EngineFront, RequestStream
 from schemas import (
     TIERS,
     CancelRequest,

@@ -33,7 +33,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu_workers.engine.tiny_model import make_tiny_model
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
 
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def paced_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A larger random model (6 layers, hidden 384: ~5 ms a token on one idle CPU core) for tests that must act
     while a request is mid-generation; such a module overrides ``tiny_model_dir`` to return this one."""
-    from gpu_workers.engine.tiny_model import make_tiny_model
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "paced", arch="llama", num_layers=6, hidden_size=384)
 

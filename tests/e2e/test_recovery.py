@@ -24,8 +24,7 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
-from gpu_workers.engine import LLM, SamplingParams
-from gpu_workers.engine.detokenizer import IncrementalDetokenizer
+from gpu_workers.engine import LLM, IncrementalDetokenizer, SamplingParams
 from schemas import DoneEvent, FinalResult, Names, RestartEvent, TokenEvent
 from sluicegate.dlq import read_topic
 

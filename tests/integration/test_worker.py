@@ -54,7 +54,7 @@ PROMPT = "The river ran quietly past the old mill"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu_workers.engine.tiny_model import make_tiny_model
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("worker-model") / MODEL, num_layers=2, hidden_size=64)
 

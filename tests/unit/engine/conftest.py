@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from gpu_workers.engine import LLM, make_tiny_model
+from gpu_workers.engine import LLM
+from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
 # The tiny models are cheap; keep intra-op threads low so the suite behaves on a shared 2-core box.
 torch.set_num_threads(1)

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gpu_workers.engine import AsyncEngine, EngineConfig
-from gpu_workers.engine.engine_process import ProcessEngine
-from gpu_workers.engine.tiny_model import make_tiny_model
+from gpu_workers.engine import AsyncEngine, EngineConfig, ProcessEngine
+from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.worker.main import build_engine
 from sluicegate.settings import Settings
 
