@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from router.validation import summarize
 from schemas import Tier, tier_rank
+from sluicegate.validation_errors import summarize
 
 from .limits import KeyLimits
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.validation import summarize
+from sluicegate.validation_errors import summarize
 
 _TYPES = {
     400: "invalid_request_error",

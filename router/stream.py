@@ -28,11 +28,11 @@ from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, 
 from sluicegate.kafka import create_consumer, create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.validation_errors import summarize
 
 from .heartbeats import HeartbeatCache
 from .publish import Headers, TopicRegistry, request_headers, send_routed
 from .router import Router
-from .validation import summarize
 
 log = logging.getLogger(__name__)
 
