@@ -62,6 +62,19 @@ def header(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -> str
     return None
 
 
+def request_id_of(value: bytes | None, headers: Iterable[tuple[str, bytes | None]] | None = None) -> str | None:
+    """A record's request id for its dead letter: the ``request_id`` header's, else the JSON body's, if any."""
+    rid = header(headers, HEADER_REQUEST_ID)
+    if rid:
+        return rid
+    try:
+        body = json.loads(value or b"")
+    except ValueError:
+        return None
+    value_id = body.get("request_id") if isinstance(body, dict) else None
+    return value_id if isinstance(value_id, str) and value_id else None
+
+
 def validate_record(
     value: bytes | None,
     headers: Iterable[tuple[str, bytes | None]] | None = None,
@@ -74,7 +87,7 @@ def validate_record(
     Reasons: ``empty_message``, ``invalid_json``, ``not_an_object``, ``schema_violation:<field>`` (the first
     offending field, e.g. ``schema_violation:priority`` for an unknown tier; errors about the message as a
     whole are reported on ``prompt``) and, with ``check_deadline``, ``deadline_exceeded``. The rejection's
-    request id is the ``request_id`` header's, else the body's when it has one.
+    request id is :func:`request_id_of`'s.
 
     The worker passes ``check_deadline=False``: a deadline is about *starting*, and only the stream can tell
     whether a re-delivered request already started.
@@ -85,26 +98,24 @@ def validate_record(
         request = InferenceRequest.model_validate_json(value)
     except ValidationError as exc:
         # Parsed a second time only for a refused record: a valid one (the common case) is parsed once.
-        return _classify(value, exc, header(headers, HEADER_REQUEST_ID))
+        return _classify(value, headers, exc)
     if check_deadline and request.expired(now):
         assert request.deadline is not None
         return Rejection("deadline_exceeded", f"deadline {request.deadline.isoformat()} passed", request.request_id)
     return request
 
 
-def _classify(value: bytes, exc: ValidationError, header_id: str | None) -> Rejection:
+def _classify(value: bytes, headers: Iterable[tuple[str, bytes | None]] | None, exc: ValidationError) -> Rejection:
     """Why a value that is not an ``InferenceRequest`` is not one."""
     try:
         body = json.loads(value)
     except ValueError as err:
-        return Rejection("invalid_json", f"not valid JSON: {err}", header_id)
+        return Rejection("invalid_json", f"not valid JSON: {err}", header(headers, HEADER_REQUEST_ID))
     if not isinstance(body, dict):
-        return Rejection("not_an_object", f"expected a JSON object, got {type(body).__name__}", header_id)
+        detail = f"expected a JSON object, got {type(body).__name__}"
+        return Rejection("not_an_object", detail, header(headers, HEADER_REQUEST_ID))
     field, detail = summarize(exc, root_field="prompt")
-    body_id = body.get("request_id")
-    return Rejection(
-        f"schema_violation:{field}", detail, header_id or (body_id if isinstance(body_id, str) and body_id else None)
-    )
+    return Rejection(f"schema_violation:{field}", detail, request_id_of(value, headers))
 
 
 def dead_letter(rejection: Rejection, record: SourceRecord) -> tuple[bytes, Headers]:
