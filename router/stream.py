@@ -9,110 +9,33 @@ crash re-routes (at least once) rather than loses. A bad message never stops the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, RecordMetadata, TopicPartition
-from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from schemas import DeadLetter, InferenceRequest, Names, WorkerHeartbeat
-from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
+from schemas import InferenceRequest, Names, WorkerHeartbeat
+from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.dead_letters import Rejection, dead_letter, header, validate_record
 from sluicegate.kafka import create_consumer, create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
-from sluicegate.validation_errors import summarize
 
 from .heartbeats import HeartbeatCache
-from .publish import Headers, TopicRegistry, request_headers, send_routed
+from .publish import TopicRegistry, request_headers, send_routed
 from .router import Router
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Rejection:
-    """Why a record cannot be routed: ``reason`` is machine-readable and goes into the header."""
-
-    reason: str
-    detail: str
-    request_id: str | None = None
-
-
-def _request_id_of(value: bytes) -> str | None:
-    try:
-        body = json.loads(value)
-    except ValueError:
-        return None
-    rid = body.get("request_id") if isinstance(body, dict) else None
-    return rid if isinstance(rid, str) and rid else None
-
-
-def validate_record(value: bytes | None, *, now: datetime | None = None) -> InferenceRequest | Rejection:
-    """Parse one ``llm.inbound`` value: the request, or why it goes to the DLQ.
-
-    Reasons: ``empty_message``, ``invalid_json``, ``not_an_object``, ``schema_violation:<field>`` (the first
-    offending field, e.g. ``schema_violation:priority`` for an unknown tier) and ``deadline_exceeded``; the
-    processor adds its own (see :class:`RouterProcessor`).
-    """
-    if not value:
-        return Rejection("empty_message", "the record has no value")
-    try:
-        body = json.loads(value)
-    except ValueError as exc:
-        return Rejection("invalid_json", f"not valid JSON: {exc}")
-    if not isinstance(body, dict):
-        return Rejection("not_an_object", f"expected a JSON object, got {type(body).__name__}")
-    try:
-        request = InferenceRequest.model_validate_json(value)
-    except ValidationError as exc:
-        field, detail = summarize(exc, root_field="prompt")
-        return Rejection(f"schema_violation:{field}", detail, _request_id_of(value))
-    if request.expired(now):
-        assert request.deadline is not None
-        return Rejection("deadline_exceeded", f"deadline {request.deadline.isoformat()} passed", request.request_id)
-    return request
-
-
-def _header(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
-    for key, value in headers:
-        if key == name and value is not None:
-            return value.decode(errors="replace")
-    return None
-
-
-def dead_letter(rejection: Rejection, record: ConsumerRecord) -> tuple[bytes, Headers]:
-    """The DLQ value and headers for a rejected record (original trace context kept)."""
-    letter = DeadLetter(
-        reason=rejection.reason,
-        detail=rejection.detail,
-        source_topic=record.topic,
-        source_partition=record.partition,
-        source_offset=record.offset,
-        payload=(record.value or b"").decode("utf-8", errors="replace"),
-        request_id=rejection.request_id,
-    )
-    headers: Headers = [(HEADER_REASON, rejection.reason.encode())]
-    if rejection.request_id:
-        headers.append((HEADER_REQUEST_ID, rejection.request_id.encode()))
-    for name in (HEADER_TRACEPARENT, HEADER_TRACESTATE):
-        value = _header(record.headers or (), name)
-        if value:
-            headers.append((name, value.encode()))
-    return letter.model_dump_json().encode(), headers
-
-
 def _trace_carrier(record: ConsumerRecord) -> dict[str, str]:
     carrier: dict[str, str] = {}
     for name in (HEADER_TRACEPARENT, HEADER_TRACESTATE):
-        value = _header(record.headers or (), name)
+        value = header(record.headers, name)
         if value:
             carrier[name] = value
     return carrier
@@ -121,8 +44,8 @@ def _trace_carrier(record: ConsumerRecord) -> dict[str, str]:
 class RouterProcessor:
     """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
 
-    Besides :func:`validate_record`'s reasons it dead-letters ``unknown_model`` (no live worker, not in
-    ``served_models``) and ``routing_failed`` (an unexpected error routing one record).
+    Besides the reasons of :func:`sluicegate.dead_letters.validate_record` it dead-letters ``unknown_model``
+    (no live worker, not in ``served_models``) and ``routing_failed`` (an unexpected error routing one record).
     """
 
     def __init__(
@@ -166,7 +89,7 @@ class RouterProcessor:
             return None
 
     async def _check(self, record: ConsumerRecord) -> tuple[InferenceRequest, list[WorkerHeartbeat]] | Rejection:
-        outcome = validate_record(record.value)
+        outcome = validate_record(record.value, record.headers)
         if isinstance(outcome, Rejection):
             return outcome
         beats = await self._live_heartbeats(outcome.model)

@@ -24,7 +24,8 @@ from sluicegate.logs import configure_logging
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 
-from .service import Worker, WorkerConfig
+from .config import WorkerConfig
+from .worker import Worker
 
 log = logging.getLogger(__name__)
 

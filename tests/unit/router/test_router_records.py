@@ -9,8 +9,8 @@ from datetime import timedelta
 from aiokafka.structs import ConsumerRecord
 
 from router.publish import request_headers
-from router.stream import Rejection, dead_letter, validate_record
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
+from sluicegate.dead_letters import Rejection, dead_letter, validate_record
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 

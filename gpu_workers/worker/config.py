@@ -1,0 +1,24 @@
+"""The knobs of one worker process (:class:`WorkerConfig`), read by every part of the worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerConfig:
+    """Knobs of one worker process."""
+
+    model_name: str
+    worker_id: str
+    # Requests taken from Kafka at one time, counted per tier and above (an interactive request is never
+    # kept out by batch work): more than the engine's seats, so its fair queuing sees past a flood.
+    max_in_flight: int = 64
+    heartbeat_interval_s: float = 2.0
+    stream_ttl_s: int = 3600
+    drain_timeout_s: float = 30.0
+    session_timeout_ms: int = 6000
+    heartbeat_ms: int = 1500
+    device: str = "cpu"
+    redis_retry_max_s: float = 2.0
+    commit_interval_s: float = 0.05

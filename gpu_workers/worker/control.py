@@ -1,0 +1,64 @@
+"""Cancels: the control-topic loop, cancels that arrive before their request, and the check at pick-up.
+
+A cancel on ``llm.control`` for a request this worker holds aborts its engine sequence at once; one for a
+request not (yet) here is remembered, so the request is never run if it arrives later. The Redis cancel
+marker, read with the pickup state, covers cancels sent before this worker was listening.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from aiokafka import AIOKafkaConsumer
+from pydantic import ValidationError
+
+from gpu_workers.engine import EngineFront
+from schemas import CancelRequest
+
+from .in_flight import Active, InFlight
+
+log = logging.getLogger(__name__)
+
+# Cancels remembered for requests not picked up yet; the oldest are dropped past this many.
+EARLY_CANCELS_KEPT = 10_000
+
+
+class Cancels:
+    """Reads ``llm.control`` and answers whether a request was cancelled."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, engine: EngineFront, in_flight: InFlight) -> None:
+        self.consumer = consumer
+        self.engine = engine
+        self.in_flight = in_flight
+        # Cancels that arrived before their request was picked up (bounded, oldest dropped).
+        self._early: OrderedDict[str, None] = OrderedDict()
+
+    def pending(self, request_id: str) -> bool:
+        """Whether a cancel for ``request_id`` arrived before the request did."""
+        return request_id in self._early
+
+    def requested(self, entry: Active, cancel_marked: bool) -> bool:
+        """A cancel seen on the control topic (before or after pick-up) or marked in Redis."""
+        rid = entry.request_id
+        if rid in self._early:
+            del self._early[rid]
+            entry.cancelled = True
+        return entry.cancelled or cancel_marked
+
+    async def run(self) -> None:
+        async for message in self.consumer:
+            try:
+                cancel = CancelRequest.model_validate_json(message.value)
+            except ValidationError:
+                log.warning("worker.bad_control_message", extra={"offset": message.offset})
+                continue
+            entry = self.in_flight.get(cancel.request_id)
+            if entry is None:
+                self._early[cancel.request_id] = None
+                while len(self._early) > EARLY_CANCELS_KEPT:
+                    self._early.popitem(last=False)
+                continue
+            log.info("worker.cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
+            entry.cancelled = True
+            await self.engine.abort(cancel.request_id)

@@ -1,0 +1,94 @@
+"""The worker's heartbeat: what it reports (partitions, engine load, draining), sent every interval to the
+Redis hash that ingress and the router read and to ``llm.heartbeats``, and removed on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from gpu_workers.engine import EngineFront
+from schemas import Names, PartitionRef, WorkerHeartbeat
+
+from .config import WorkerConfig
+from .streams import REDIS_UNAVAILABLE
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeats:
+    """Beats while the worker runs; a dead engine ends the loop (and with it the worker)."""
+
+    def __init__(
+        self,
+        engine: EngineFront,
+        config: WorkerConfig,
+        names: Names,
+        redis: aioredis.Redis,
+        producer: AIOKafkaProducer,
+        consumer: AIOKafkaConsumer,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.names = names
+        self.redis = redis
+        self.producer = producer
+        self.consumer = consumer  # the group consumer, for the partitions this worker owns
+        self.stopping = stopping
+
+    def beat(self) -> WorkerHeartbeat:
+        stats = self.engine.stats()
+        return WorkerHeartbeat(
+            worker_id=self.config.worker_id,
+            model=self.config.model_name,
+            partitions=[PartitionRef(topic=tp.topic, partition=tp.partition) for tp in self.consumer.assignment()],
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            free_kv_blocks=stats.num_free_blocks,
+            total_kv_blocks=stats.num_total_blocks,
+            prefix_cache_hit_rate=min(1.0, max(0.0, stats.prefix_cache_hit_rate)),
+            device=self.config.device,
+            draining=self.stopping.is_set(),
+        )
+
+    async def run(self) -> None:
+        while True:
+            started = time.monotonic()
+            if not self.engine.is_running:
+                # An engine that died while idle: stop advertising this worker and let another take its partitions.
+                raise RuntimeError("the engine stopped; stopping this worker")
+            payload = self.beat().model_dump_json()
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hset(self.names.workers_key(self.config.model_name), self.config.worker_id, payload)
+                pipe.sadd(self.names.models_key, self.config.model_name)
+                await pipe.execute()
+            except REDIS_UNAVAILABLE as exc:
+                # Skipped, not fatal: the next beat goes out once Redis is back.
+                log.warning("worker.heartbeat_redis_failed", extra={"error": str(exc)})
+            # Not awaited: a slow Kafka acknowledgement must not delay the next beat that routing reads.
+            try:
+                sent = await self.producer.send(
+                    self.names.heartbeats_topic, payload.encode(), key=self.config.worker_id.encode()
+                )
+                sent.add_done_callback(_log_send_failure)
+            except KafkaError as exc:
+                log.warning("worker.heartbeat_kafka_failed", extra={"error": repr(exc)})
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(max(0.0, self.config.heartbeat_interval_s - elapsed))
+
+    async def remove(self) -> None:
+        """Stop advertising this worker (best effort)."""
+        with contextlib.suppress(Exception):
+            await self.redis.hdel(self.names.workers_key(self.config.model_name), self.config.worker_id)
+
+
+def _log_send_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("worker.heartbeat_kafka_failed", extra={"error": repr(future.exception())})

@@ -1,0 +1,97 @@
+"""The requests a worker holds: one entry per record taken from Kafka, registered under its request id.
+
+An entry is registered under a provisional key (``topic:partition:offset``) when its record is taken, and
+under the request id once the record parses; a second record for a request that is still running here is a
+duplicate, unless the first was handed off (its partition revoked) and is only unwinding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from aiokafka import TopicPartition
+
+from gpu_workers.engine import RequestStream
+from schemas.names import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Active:
+    """One request (or not-yet-parsed record) the worker holds."""
+
+    request_id: str
+    partition: TopicPartition
+    offset: int
+    tier: Tier = "batch"
+    handed_off: bool = False  # partition revoked: the new owner continues it, emit nothing more
+    cancelled: bool = False
+    task: asyncio.Task | None = field(default=None, repr=False)
+    # The engine request started before the pickup reads answered (see ``Serving.start_early``).
+    early: RequestStream | None = field(default=None, repr=False)
+    prompt: list[int] | None = field(default=None, repr=False)  # token ids, once computed
+
+    @property
+    def provisional_key(self) -> str:
+        """The key the entry is held under until its request id is known."""
+        return f"{self.partition.topic}:{self.partition.partition}:{self.offset}"
+
+
+class InFlight:
+    """The worker's held requests by key; claims a request id for one entry at a time."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Active] = {}
+
+    def __iter__(self) -> Iterator[Active]:
+        return iter(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> Active | None:
+        return self._entries.get(key)
+
+    def take(self, partition: TopicPartition, offset: int, tier: Tier) -> Active:
+        """Hold a record just taken from Kafka, under its provisional key until its request id is known."""
+        key = f"{partition.topic}:{partition.partition}:{offset}"
+        entry = Active(request_id=key, partition=partition, offset=offset, tier=tier)
+        self._entries[entry.request_id] = entry
+        return entry
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [entry.task for entry in self._entries.values() if entry.task is not None]
+
+    def claim_at_once(self, entry: Active, request_id: str) -> bool:
+        """Register ``entry`` under its request id when no other entry holds it (else :meth:`claim` decides)."""
+        if request_id in self._entries:
+            return False
+        entry.request_id = request_id
+        self._entries[request_id] = self._entries.pop(entry.provisional_key)
+        return True
+
+    async def claim(self, entry: Active, request_id: str) -> bool:
+        """Register ``entry`` under its request id; False for a duplicate of a request still running here.
+
+        After a rebalance gives a partition back to this worker, its handed-off task for the same
+        request may still be unwinding (its engine abort in flight): wait for it, then take over.
+        """
+        while (other := self._entries.get(request_id)) is not None and other is not entry:
+            if not other.handed_off:
+                log.warning("worker.duplicate_request", extra={"request_id": request_id, "offset": entry.offset})
+                return False
+            if other.task is None or other.task.done():
+                del self._entries[request_id]
+            else:
+                await asyncio.wait({other.task})
+        return self.claim_at_once(entry, request_id)
+
+    def release(self, entry: Active) -> None:
+        """Forget ``entry`` under whichever key it is held."""
+        for key in (entry.request_id, entry.provisional_key):
+            if self._entries.get(key) is entry:
+                del self._entries[key]

@@ -1,0 +1,161 @@
+"""Everything a worker writes: stream events and status records to Redis, final results and dead letters to
+Kafka, each retried until it is taken.
+
+A request's offset waits for these writes, so retrying (never dropping) is what makes a crash or an outage
+cost a delay, not a lost or doubled outcome: stream appends carry explicit ids (:mod:`.streams`), results
+are keyed by request id and ``llm.results`` is at-least-once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from schemas import DoneEvent, FinalResult, InferenceRequest, Names, RequestRecord, StreamEvent, utcnow
+from sluicegate.dead_letters import Rejection, dead_letter
+
+from .config import WorkerConfig
+from .in_flight import Active
+from .streams import REDIS_UNAVAILABLE, RecordWrite, StreamPublisher
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Outputs:
+    """The worker's writers: the Redis stream publisher and its flush loop, status records, ``llm.results``
+    and ``llm.dlq``."""
+
+    def __init__(self, config: WorkerConfig, names: Names, redis: aioredis.Redis, producer: AIOKafkaProducer) -> None:
+        self.config = config
+        self.names = names
+        self.redis = redis
+        self.producer = producer
+        self.publisher = StreamPublisher(redis, names, config.stream_ttl_s)
+        self._events = asyncio.Event()
+        self.dead_lettered = 0
+
+    # --- Redis streams -------------------------------------------------------------------------------
+    def emit(self, entry: Active, event: StreamEvent | RecordWrite) -> bool:
+        """Queue one event (or status-record write) for the next flush, unless the request was handed to
+        another owner.
+
+        Every append goes through here with no await between the check and the add, so once
+        :meth:`Intake.hand_off <.intake.Intake.hand_off>` has flushed, nothing more is written for a request
+        that moved away.
+        """
+        if entry.handed_off:
+            return False
+        self.publisher.add(event)
+        self._events.set()
+        return True
+
+    async def flush(self) -> None:
+        """Returns once Redis holds everything emitted so far."""
+        await self.publisher.flush()
+
+    async def flush_loop(self) -> None:
+        while True:
+            await self._events.wait()
+            self._events.clear()
+            # Let every request whose delta came out of the same engine step add its event first.
+            await asyncio.sleep(0)
+            await self.publisher.flush()
+
+    async def redis_call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a Redis operation, retrying with backoff while Redis is unreachable (a restart, a failover).
+
+        The request waits rather than failing: its offset stays uncommitted, so nothing is lost either way.
+        """
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except REDIS_UNAVAILABLE as exc:
+                log.warning("worker.redis_unavailable", extra={"error": str(exc), "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.config.redis_retry_max_s)
+
+    # --- status records ------------------------------------------------------------------------------
+    def record_write(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> RecordWrite:
+        record = RequestRecord(
+            request_id=request.request_id,
+            model=request.model,
+            tenant=request.tenant,
+            priority=request.priority,
+            status=status,  # type: ignore[arg-type]
+            created_at=request.created_at,
+            worker_id=self.config.worker_id,
+            result=result,
+        )
+        key = self.names.request_key(request.request_id)
+        return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s)
+
+    async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
+        write = self.record_write(request, status, result)
+        await self.redis_call(lambda: self.redis.set(write.key, write.value, ex=write.ttl_s))
+
+    async def mark_failed(self, request_id: str) -> None:
+        """Set an existing status record to ``failed`` (a request with none keeps none)."""
+        key = self.names.request_key(request_id)
+        raw = await self.redis_call(lambda: self.redis.get(key))
+        if raw is not None:
+            record = RequestRecord.model_validate_json(raw)
+            update = record.model_copy(update={"status": "failed", "updated_at": utcnow()})
+            await self.redis_call(lambda: self.redis.set(key, update.model_dump_json(), keepttl=True))
+
+    # --- Kafka ---------------------------------------------------------------------------------------
+    async def publish_result(self, request: InferenceRequest, done: DoneEvent, tokens: list[int], text: str) -> None:
+        """The final result to ``llm.results``, then the status record; a record that says the request
+        ended therefore means its result went out."""
+        result = FinalResult(
+            request_id=request.request_id,
+            model=request.model,
+            tenant=request.tenant,
+            text=text,
+            token_ids=tokens,
+            finish_reason=done.finish_reason,
+            usage=done.usage,
+            worker_id=self.config.worker_id,
+            created_at=request.created_at,
+        )
+        await self.send(self.names.results_topic, result.model_dump_json().encode(), request.request_id)
+        status = "cancelled" if done.finish_reason == "abort" else "finished"
+        await self.set_record(request, status, result)
+
+    async def dead_letter(self, record: Any, rejection: Rejection) -> None:
+        """Put the record on ``llm.dlq`` with its reason; retried until Kafka takes it (the offset waits)."""
+        value, headers = dead_letter(rejection, record)
+        await self.send(self.names.dlq_topic, value, rejection.request_id, headers)
+        self.dead_lettered += 1
+        log.warning(
+            "worker.dead_letter",
+            extra={
+                "reason": rejection.reason,
+                "detail": rejection.detail[:200],
+                "topic": record.topic,
+                "offset": record.offset,
+            },
+        )
+
+    async def send(
+        self, topic: str, value: bytes, key: str | None, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
+        """Produce one record, retrying until Kafka acknowledges it: the request's offset waits meanwhile,
+        so a final result or a dead letter is never dropped (at worst sent twice after a crash)."""
+        delay = 0.2
+        while True:
+            try:
+                await self.producer.send_and_wait(topic, value, key=key.encode() if key else None, headers=headers)
+                return
+            except KafkaError as exc:
+                log.warning("worker.publish_failed", extra={"topic": topic, "error": repr(exc), "retry_in_s": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)

@@ -1,0 +1,346 @@
+"""One request's life on a worker: claim it, start the engine early, read its pickup state, then skip,
+resume, generate or refuse it, and finish it with ``done`` (or ``error``) and a final result.
+
+:meth:`Serving.serve` answers whether the request reached an outcome, which is what lets its offset be
+committed (:mod:`.intake`); a request handed to another owner mid-way has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from gpu_workers.engine import EngineFront, RequestStream
+from schemas import (
+    DoneEvent,
+    ErrorEvent,
+    InferenceRequest,
+    Names,
+    RequestRecord,
+    RestartEvent,
+    TokenEvent,
+    Usage,
+)
+from schemas.events import FinishReason
+from sluicegate.dead_letters import Rejection, request_id_of
+
+from .control import Cancels
+from .in_flight import Active, InFlight
+from .outputs import Outputs
+from .prompts import PromptError, prompt_token_ids, sampling_params
+from .resume import Continuation
+from .streams import read_pickup_state, read_stream_state
+
+log = logging.getLogger(__name__)
+
+
+class Serving:
+    """Serves the requests the intake admits, one task each."""
+
+    def __init__(
+        self,
+        engine: EngineFront,
+        names: Names,
+        redis: aioredis.Redis,
+        outputs: Outputs,
+        in_flight: InFlight,
+        cancels: Cancels,
+    ) -> None:
+        self.engine = engine
+        self.names = names
+        self.redis = redis
+        self.outputs = outputs
+        self.in_flight = in_flight
+        self.cancels = cancels
+        self._eos_ids = engine.eos_token_ids
+        # Set when the engine itself failed: the fetch loop stops the worker rather than take more work.
+        self.fatal: BaseException | None = None
+        # Counters for logs and tests.
+        self.served = 0
+        self.resumed = 0
+        self.cancelled_before_start = 0
+
+    async def serve(self, record: Any, entry: Active, parsed: InferenceRequest | Rejection | Exception) -> bool:
+        """Serve one record; True once it reached an outcome (``done``/``error`` in its stream, a dead letter,
+        or skipped as a duplicate or as already finished). Anything else is re-delivered to the partition's
+        next owner."""
+        provisional = entry.provisional_key
+        try:
+            if isinstance(parsed, Exception):
+                raise parsed
+            if isinstance(parsed, Rejection):
+                await self.outputs.dead_letter(record, parsed)
+                return True
+            if entry.request_id != parsed.request_id and not await self.in_flight.claim(entry, parsed.request_id):
+                return True  # a duplicate of a request this worker is running
+            return await self._serve_request(parsed, entry, record)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not self.engine.is_running:
+                # The engine itself is gone: leave the request to a healthy worker and stop this one.
+                log.error("worker.engine_failed", extra={"error": repr(exc)})
+                self.fatal = exc
+                return False
+            log.exception("worker.request_failed", extra={"offset": record.offset})
+            if entry.request_id != provisional:
+                await self._fail(entry, "internal_error", f"the worker failed to serve the request: {exc!r}")
+            rejection = Rejection("processing_failed", repr(exc), request_id_of(record.value, record.headers))
+            await self.outputs.dead_letter(record, rejection)
+            return True
+        finally:
+            self.in_flight.release(entry)
+
+    async def _serve_request(self, request: InferenceRequest, entry: Active, record: Any) -> bool:
+        """Serve one parsed request; True when it reached an outcome, False when handed off mid-way.
+
+        The engine starts on the request while its pickup state is read from Redis, so that round trip
+        overlaps the prefill instead of preceding it. Nothing the early start produces is emitted before the
+        state says the request is new; otherwise the early start is withdrawn and the state decides.
+        """
+        if entry.early is None:
+            entry.early = self.start_early(request, entry)
+        try:
+            return await self._serve_picked_up(request, entry, record)
+        finally:
+            if entry.early is not None:
+                await self._withdraw(entry.early)
+                entry.early = None
+
+    def start_early(self, request: InferenceRequest, entry: Active) -> RequestStream | None:
+        """Start the engine on a request that looks new; None when anything says it should wait."""
+        rid = request.request_id
+        if entry.cancelled or entry.handed_off or self.cancels.pending(rid) or request.expired():
+            return None
+        try:
+            entry.prompt = prompt_token_ids(request, self.engine.tokenizer)
+            return self.engine.add_request(
+                entry.prompt,
+                sampling_params(request, 0),
+                request_id=rid,
+                priority=request.priority,
+                tenant=request.tenant,
+            )
+        except (PromptError, ValueError):
+            return None  # the regular path reports it, after the pickup state is known
+
+    async def _withdraw(self, stream: RequestStream) -> None:
+        """Abort an engine request nobody will read and wait for its end, so its id is free again."""
+        if stream.finished:
+            return
+        with contextlib.suppress(Exception):
+            await self.engine.abort(stream.request_id)
+            async for _ in stream:
+                pass
+
+    async def _serve_picked_up(self, request: InferenceRequest, entry: Active, record: Any) -> bool:
+        rid = request.request_id
+        pickup = await self.outputs.redis_call(lambda: read_pickup_state(self.redis, self.names, rid))
+        state, ended_before = pickup.stream, _record_says_ended(pickup.record)
+        if state.finished:
+            # Re-delivered after it finished but before its offset was committed.
+            log.info("worker.already_finished", extra={"request_id": rid})
+            if state.done is not None and not ended_before:
+                # The previous owner died between ``done`` and its final result: publish that now
+                # (llm.results is at-least-once, keyed by request id).
+                await self.outputs.publish_result(request, state.done, state.token_ids, state.text)
+            return True
+        if not state.exists and ended_before:
+            return True  # it finished long ago and its stream expired
+        seq = state.next_seq
+        if self.cancels.requested(entry, pickup.cancel_marked):
+            self.cancelled_before_start += 1
+            log.info("worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered})
+            prompt_len = _prompt_len_or_zero(request, self.engine.tokenizer)
+            return await self._finish(entry, request, seq, "abort", state.token_ids, state.text, prompt_len, 0)
+        if not state.exists and request.expired():
+            # Checked here, not when the record was parsed: the deadline is about starting, and only the
+            # stream tells whether a re-delivered request already started (then it is continued).
+            assert request.deadline is not None
+            detail = f"deadline {request.deadline.isoformat()} passed before the request started"
+            if not await self._fail(entry, "deadline_exceeded", "the request's deadline passed before it started", seq):
+                return False
+            await self.outputs.dead_letter(record, Rejection("deadline_exceeded", detail, rid))
+            return True
+        try:
+            prompt = entry.prompt if entry.prompt is not None else prompt_token_ids(request, self.engine.tokenizer)
+        except PromptError as exc:
+            if not await self._fail(entry, "invalid_request", str(exc), seq):
+                return False
+            await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid))
+            return True
+
+        resumed: Continuation | None = None
+        if state.delivered:
+            resumed = Continuation(request, self.engine.tokenizer, prompt, state.token_ids, state.text, self._eos_ids)
+            if not resumed.consistent:
+                # The delivered text is not what this model's tokenizer makes of the delivered tokens, so
+                # no seamless continuation exists: start over and tell clients to drop what they have.
+                log.warning("worker.restart", extra={"request_id": rid, "delivered": state.delivered})
+                if not self.outputs.emit(entry, RestartEvent(request_id=rid, seq=seq, discard_after_seq=-1)):
+                    return False
+                seq += 1
+                resumed = None
+            else:
+                self.resumed += 1
+                log.info("worker.resuming", extra={"request_id": rid, "delivered": state.delivered, "seq": seq})
+                ended = resumed.finished_already()
+                if ended is not None:
+                    # The previous owner died between the last token and ``done``.
+                    resumed.close(ended)
+                    tail = resumed.take(final=True)
+                    if tail:
+                        if not self.outputs.emit(entry, TokenEvent(request_id=rid, seq=seq, text=tail, token_ids=[])):
+                            return False
+                        seq += 1
+                    return await self._finish(
+                        entry, request, seq, ended, resumed.token_ids, resumed.text, len(prompt), 0
+                    )
+        return await self._generate(request, entry, record, prompt, seq, resumed)
+
+    async def _generate(
+        self,
+        request: InferenceRequest,
+        entry: Active,
+        record: Any,
+        prompt: list[int],
+        seq: int,
+        resumed: Continuation | None,
+    ) -> bool:
+        rid = request.request_id
+        if resumed is not None and entry.early is not None:
+            await self._withdraw(entry.early)  # it started from the bare prompt; the resume needs more
+            entry.early = None
+        # Written with the first token's append rather than awaited here: one round trip less before the
+        # engine starts, and still ahead of the final record (which waits for a flush).
+        if not self.outputs.emit(entry, self.outputs.record_write(request, "running")):
+            return False
+        delivered = list(resumed.token_ids) if resumed is not None else []
+        tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
+        finish: FinishReason = "stop"
+        cached = 0
+        started = False
+        # No await between this check and the engine taking the request (an early start has it already;
+        # ``add_request`` queues it at once), so a cancel is either seen here or reaches the engine.
+        if entry.cancelled:
+            return await self._finish(entry, request, seq, "abort", tokens, text, len(prompt), 0)
+        try:
+            deltas, entry.early = entry.early, None
+            if deltas is None:
+                params = sampling_params(request, len(delivered))
+                deltas = self.engine.add_request(
+                    prompt + delivered, params, request_id=rid, priority=request.priority, tenant=request.tenant
+                )
+            async with self._reading(deltas):
+                async for delta in deltas:
+                    started = True
+                    if entry.handed_off:
+                        return False
+                    cached = getattr(delta, "num_cached_tokens", cached) or cached
+                    reason: FinishReason | None = delta.finish_reason
+                    if resumed is None:
+                        piece = delta.text
+                        tokens.extend(delta.token_ids)
+                    else:
+                        if resumed.feed(delta.token_ids):
+                            reason = "stop"  # a stop string across the resume point: the engine cannot see it
+                        if reason is not None:
+                            resumed.close(reason)
+                        piece = resumed.take(final=reason is not None)
+                        tokens = resumed.token_ids
+                    text += piece
+                    if piece or delta.token_ids:
+                        event = TokenEvent(request_id=rid, seq=seq, text=piece, token_ids=list(delta.token_ids))
+                        if not self.outputs.emit(entry, event):
+                            return False
+                        seq += 1
+                    if reason is not None:
+                        finish = reason
+                        break  # leaving the block aborts the engine request if it is still running
+        except ValueError as exc:
+            if started:
+                raise
+            # The engine refused the request outright (e.g. prompt + max_tokens over the context length).
+            code = "context_length_exceeded" if "max_model_len" in str(exc) else "invalid_request"
+            if not await self._fail(entry, code, str(exc), seq):
+                return False
+            await self.outputs.dead_letter(record, Rejection("rejected_by_engine", str(exc), rid))
+            return True
+        if entry.handed_off:
+            return False
+        return await self._finish(entry, request, seq, finish, list(tokens), text, len(prompt), cached)
+
+    async def _finish(
+        self,
+        entry: Active,
+        request: InferenceRequest,
+        seq: int,
+        reason: FinishReason,
+        tokens: list[int],
+        text: str,
+        prompt_tokens: int,
+        cached: int,
+    ) -> bool:
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(tokens),
+            total_tokens=prompt_tokens + len(tokens),
+            cached_tokens=cached,
+        )
+        done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage)
+        if not self.outputs.emit(entry, done):
+            return False
+        # The stream must hold ``done`` before the offset can be committed.
+        await self.outputs.flush()
+        await self.outputs.publish_result(request, done, tokens, text)
+        self.served += 1
+        return True
+
+    async def _fail(self, entry: Active, code: str, message: str, seq: int | None = None) -> bool:
+        """End the request's stream with an ``error`` event; False when it was handed off meanwhile."""
+        request_id = entry.request_id
+        if seq is None:
+            state = await self.outputs.redis_call(lambda: read_stream_state(self.redis, self.names, request_id))
+            seq = state.next_seq
+        if not self.outputs.emit(entry, ErrorEvent(request_id=request_id, seq=seq, code=code, message=message[:2000])):
+            return False
+        await self.outputs.flush()
+        await self.outputs.mark_failed(request_id)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _reading(self, stream: RequestStream) -> AsyncIterator[RequestStream]:
+        """Read an engine request's deltas; leaving early (a stop string, a hand-off, an error) aborts it.
+
+        The request's task ends only once the engine has let go of the id: a partition handed off and assigned
+        back re-delivers the same request, which must find the id free (with an engine process the abort's
+        answer takes a round trip, so the old task would otherwise be gone while the engine still held it).
+        """
+        try:
+            yield stream
+        finally:
+            await self._withdraw(stream)
+
+
+def _record_says_ended(raw: bytes | None) -> bool:
+    """Whether a status record says the request ended (its stream may since have expired)."""
+    if raw is None:
+        return False
+    try:
+        status = RequestRecord.model_validate_json(raw).status
+    except ValidationError:
+        return False
+    return status in ("finished", "cancelled", "failed")
+
+
+def _prompt_len_or_zero(request: InferenceRequest, tokenizer: Any) -> int:
+    try:
+        return len(prompt_token_ids(request, tokenizer))
+    except PromptError:
+        return 0

@@ -1,0 +1,150 @@
+"""The GPU worker: consumes a model's request topics, runs the engine, streams events to Redis.
+
+:class:`Worker` owns the state its parts share and runs them; each guarantee below is kept in one file
+(see DESIGN.md, request flow 3-5):
+
+* tiers drain in order (interactive, standard, batch), and a tier's partitions are paused once the
+  worker holds ``max_in_flight`` requests of that tier or above, so the backlog stays in Kafka, not in
+  worker memory, and lower-tier work never keeps a higher-tier request out (:mod:`.intake`);
+* ``max_in_flight`` is a lookahead past the engine's seats, and each request carries its tenant, so the
+  engine's fair queuing serves the tenants of a tier evenly over the requests the worker holds
+  (:mod:`.intake`, :mod:`.serving`);
+* an offset is committed only when every request at or below it reached an outcome (``done`` or
+  ``error`` in its stream, or a dead letter); a crash or a drain timeout re-delivers the rest
+  (:mod:`.intake`, :mod:`.offsets`);
+* a re-delivered request continues from the tokens its stream already holds, with text that joins
+  the delivered text exactly (:mod:`.serving`, :mod:`.resume`); one whose stream already ended is skipped;
+* a cancel (control topic, or the Redis marker checked at pick-up) aborts the engine sequence
+  (:mod:`.control`);
+* a message that cannot be decoded or served goes to ``llm.dlq`` with a ``reason`` header
+  (:mod:`sluicegate.dead_letters`, :mod:`.serving`);
+* final results (``llm.results``) and dead letters are retried until Kafka takes them (at-least-once)
+  (:mod:`.outputs`);
+* every event of one flush goes to Redis in one pipelined round trip, with entry ids from ``seq``;
+  Redis outages are waited out with backoff, never turned into lost or failed requests
+  (:mod:`.streams`, :mod:`.outputs`).
+
+See docs/reliability.md for the fault tests behind each guarantee.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+
+from gpu_workers.engine import EngineFront
+from schemas import Names, WorkerHeartbeat
+
+from .config import WorkerConfig
+from .control import Cancels
+from .heartbeat import Heartbeats
+from .in_flight import InFlight
+from .intake import Intake
+from .outputs import Outputs
+from .serving import Serving
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """One engine, one consumer-group member, one Redis publisher."""
+
+    def __init__(
+        self,
+        engine: EngineFront,
+        config: WorkerConfig,
+        *,
+        names: Names,
+        redis: aioredis.Redis,
+        producer: AIOKafkaProducer,
+        consumer: AIOKafkaConsumer,
+        control_consumer: AIOKafkaConsumer,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.names = names
+        self._stopping = asyncio.Event()
+        self.in_flight = InFlight()
+        self.outputs = Outputs(config, names, redis, producer)
+        self.cancels = Cancels(control_consumer, engine, self.in_flight)
+        self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels)
+        self.intake = Intake(
+            consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping
+        )
+        self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping)
+
+    @property
+    def topics(self) -> list[str]:
+        return self.intake.topics
+
+    def rebalance_listener(self) -> ConsumerRebalanceListener:
+        return self.intake.rebalance_listener()
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        return self.heartbeats.beat()
+
+    # Counters for logs and tests.
+    @property
+    def served(self) -> int:
+        return self.serving.served
+
+    @property
+    def resumed(self) -> int:
+        return self.serving.resumed
+
+    @property
+    def cancelled_before_start(self) -> int:
+        return self.serving.cancelled_before_start
+
+    @property
+    def dead_lettered(self) -> int:
+        return self.outputs.dead_lettered
+
+    async def run(self, stop: asyncio.Event, *, start_consumer: bool = False) -> None:
+        """Serve until ``stop`` is set, then drain in-flight requests and commit.
+
+        With ``start_consumer`` the group consumer is started here, after heartbeats and the control
+        consumer are running: joining a group waits for the first assignment, which during a rebalance
+        that waits on a dead member takes up to a session timeout, and the worker must not look absent
+        (ingress refuses a model without a live heartbeat) nor miss cancels meanwhile.
+        """
+        loops = [
+            asyncio.create_task(self.intake.run(start_consumer), name="fetch"),
+            asyncio.create_task(self.outputs.flush_loop(), name="flush"),
+            asyncio.create_task(self.cancels.run(), name="control"),
+            asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
+        ]
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait([*loops, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            self._stopping.set()
+            stopper.cancel()
+            await self._drain()
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await self.heartbeats.remove()
+
+    async def _drain(self) -> None:
+        """Stop taking work, let what runs finish (bounded), then flush and commit."""
+        self.intake.pause()
+        tasks = self.in_flight.tasks()
+        if tasks:
+            log.info("worker.draining", extra={"in_flight": len(tasks)})
+            _, pending = await asyncio.wait(tasks, timeout=self.config.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        # Bounded: with Redis down at shutdown, the unflushed requests are simply re-delivered.
+        try:
+            await asyncio.wait_for(self.outputs.flush(), self.config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("worker.final_flush_timed_out", extra={"pending": self.outputs.publisher.pending})
+        await self.intake.final_commit()

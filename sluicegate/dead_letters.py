@@ -1,0 +1,139 @@
+"""The one check of an incoming Kafka request record, and the one dead-letter builder.
+
+Both the router's stream processor (``llm.inbound``) and the GPU worker (``llm.<model>.<tier>``) turn a record
+into an :class:`~schemas.InferenceRequest` or a :class:`Rejection` here, and build the ``llm.dlq`` record for a
+rejection here, so the reasons a client or an operator sees are the same wherever a record was refused.
+
+Records are duck-typed (``topic``, ``partition``, ``offset``, ``value``, ``headers``): aiokafka's
+``ConsumerRecord`` fits, and nothing here needs Kafka itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from pydantic import ValidationError
+
+from schemas import DeadLetter, InferenceRequest
+from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.validation_errors import summarize
+
+#: Kafka record headers as aiokafka reads and writes them.
+Headers = list[tuple[str, bytes]]
+
+#: A dead letter's ``detail`` is cut here: it may be an exception's repr, and an oversized letter would be
+#: refused by Kafka, while its sender retries until Kafka takes it.
+DETAIL_LIMIT = 4000
+
+
+class SourceRecord(Protocol):
+    """What a dead letter needs of the refused record (aiokafka's ``ConsumerRecord`` has it)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Iterable[tuple[str, bytes | None]] | None: ...
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a record is not served: ``reason`` is machine-readable and goes into the ``reason`` header."""
+
+    reason: str
+    detail: str
+    request_id: str | None = None
+
+
+def header(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -> str | None:
+    """The first value of header ``name`` (decoded), or None."""
+    for key, value in headers or ():
+        if key == name and value is not None:
+            return value.decode("utf-8", errors="replace")
+    return None
+
+
+def request_id_of(value: bytes | None, headers: Iterable[tuple[str, bytes | None]] | None = None) -> str | None:
+    """A record's request id for its dead letter: the ``request_id`` header's, else the JSON body's, if any."""
+    rid = header(headers, HEADER_REQUEST_ID)
+    if rid:
+        return rid
+    try:
+        body = json.loads(value or b"")
+    except ValueError:
+        return None
+    value_id = body.get("request_id") if isinstance(body, dict) else None
+    return value_id if isinstance(value_id, str) and value_id else None
+
+
+def validate_record(
+    value: bytes | None,
+    headers: Iterable[tuple[str, bytes | None]] | None = None,
+    *,
+    now: datetime | None = None,
+    check_deadline: bool = True,
+) -> InferenceRequest | Rejection:
+    """Parse one request record's value: the request, or why it goes to the DLQ.
+
+    Reasons: ``empty_message``, ``invalid_json``, ``not_an_object``, ``schema_violation:<field>`` (the first
+    offending field, e.g. ``schema_violation:priority`` for an unknown tier; errors about the message as a
+    whole are reported on ``prompt``) and, with ``check_deadline``, ``deadline_exceeded``. The rejection's
+    request id is :func:`request_id_of`'s.
+
+    The worker passes ``check_deadline=False``: a deadline is about *starting*, and only the stream can tell
+    whether a re-delivered request already started.
+    """
+    if not value:
+        return Rejection("empty_message", "the record has no value", header(headers, HEADER_REQUEST_ID))
+    try:
+        request = InferenceRequest.model_validate_json(value)
+    except ValidationError as exc:
+        # Parsed a second time only for a refused record: a valid one (the common case) is parsed once.
+        return _classify(value, headers, exc)
+    if check_deadline and request.expired(now):
+        assert request.deadline is not None
+        return Rejection("deadline_exceeded", f"deadline {request.deadline.isoformat()} passed", request.request_id)
+    return request
+
+
+def _classify(value: bytes, headers: Iterable[tuple[str, bytes | None]] | None, exc: ValidationError) -> Rejection:
+    """Why a value that is not an ``InferenceRequest`` is not one."""
+    try:
+        body = json.loads(value)
+    except ValueError as err:
+        return Rejection("invalid_json", f"not valid JSON: {err}", header(headers, HEADER_REQUEST_ID))
+    if not isinstance(body, dict):
+        detail = f"expected a JSON object, got {type(body).__name__}"
+        return Rejection("not_an_object", detail, header(headers, HEADER_REQUEST_ID))
+    field, detail = summarize(exc, root_field="prompt")
+    return Rejection(f"schema_violation:{field}", detail, request_id_of(value, headers))
+
+
+def dead_letter(rejection: Rejection, record: SourceRecord) -> tuple[bytes, Headers]:
+    """The ``llm.dlq`` value and headers for a refused record: reason, request id and trace context kept."""
+    letter = DeadLetter(
+        reason=rejection.reason,
+        detail=rejection.detail[:DETAIL_LIMIT],
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        payload=(record.value or b"").decode("utf-8", errors="replace"),
+        request_id=rejection.request_id,
+    )
+    headers: Headers = [(HEADER_REASON, rejection.reason.encode())]
+    if rejection.request_id:
+        headers.append((HEADER_REQUEST_ID, rejection.request_id.encode()))
+    for name in (HEADER_TRACEPARENT, HEADER_TRACESTATE):
+        value = header(record.headers, name)
+        if value:
+            headers.append((name, value.encode()))
+    return letter.model_dump_json().encode(), headers
