@@ -1,5 +1,6 @@
 """API keys: loading them (environment or a keys file), keeping only their SHA-256 hashes, and finding the
-key a request presents in ``Authorization: Bearer`` or ``x-api-key``.
+key a request presents in ``Authorization: Bearer`` or ``x-api-key``; and ``authenticate``, the caller of a
+request (the ``Caller`` dependency), 401 without a valid key.
 
 Keys file format, one entry per line (blank lines and ``#`` comments ignored): either a bare key, or a
 JSON object ``{"key": ..., "tenant": ..., "default_tier": ..., "max_tier": ...}`` where ``key_hash``
@@ -14,12 +15,15 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Annotated
 
+from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas import Tier, tier_rank
 from sluicegate.validation_errors import summarize
 
+from .errors import ApiError
 from .limits import KeyLimits
 
 _TENANT_PATTERN = r"^[A-Za-z0-9._:@-]+$"
@@ -144,3 +148,38 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
             return token.strip()
     key = headers.get("x-api-key")
     return key.strip() if key and key.strip() else None
+
+
+_ANONYMOUS = ApiKey(key_hash="0" * 64, tenant="default")
+
+
+async def authenticate(request: Request) -> ApiKey:
+    """The caller's API key; 401 in OpenAI's shape without a valid one.
+
+    Async on purpose: FastAPI runs a plain-function dependency in its thread pool on every request.
+    """
+    presented = presented_key(request.headers)
+    if presented is None:
+        if request.app.state.settings.allow_anonymous:
+            return _ANONYMOUS
+        raise ApiError(
+            401,
+            "Missing API key: pass it as 'Authorization: Bearer <key>' or in the 'x-api-key' header.",
+            code="invalid_api_key",
+            type_="invalid_request_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    key = request.app.state.keyring.lookup(presented)
+    if key is None:
+        raise ApiError(
+            401,
+            "Incorrect API key provided.",
+            code="invalid_api_key",
+            type_="invalid_request_error",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return key
+
+
+Caller = Annotated[ApiKey, Depends(authenticate)]
+"""The authenticated caller, as an endpoint parameter (the publishing endpoints call ``authenticate`` themselves)."""

@@ -1,5 +1,5 @@
-"""Request bodies of the OpenAI-compatible and native endpoints, and their translation into the
-pipeline's :class:`schemas.InferenceRequest`.
+"""Request bodies of the OpenAI-compatible and native endpoints: what each accepts and how it is checked
+(:func:`ingress.accept.build_request` turns one into the pipeline's :class:`schemas.InferenceRequest`).
 
 OpenAI fields Sluicegate does not implement (``n`` > 1, ``logprobs``, ``tools``...) are rejected with a
 400 naming them instead of being ignored; fields that change nothing (``user``, ``metadata``...) are
@@ -26,11 +26,9 @@ from pydantic_core import PydanticCustomError
 
 from schemas import (
     ChatMessage,
-    InferenceRequest,
     SamplingOptions,
     TextPart,
     Tier,
-    TraceContext,
     utcnow,
 )
 
@@ -430,49 +428,3 @@ class NativeRequestBody(_SamplingBody):
 
 
 AnyBody = ChatCompletionBody | CompletionBody | NativeRequestBody
-
-
-def build_request(
-    body: AnyBody,
-    *,
-    request_id: str,
-    tenant: str,
-    tier: Tier,
-    trace: TraceContext | None,
-    now: datetime | None = None,
-    max_tokens: int | None = None,
-    default_deadline: datetime | None = None,
-) -> InferenceRequest:
-    """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
-
-    ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
-    when the body gives no deadline (the key's queue-time budget).
-    """
-    now = now or utcnow()
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    deadline: datetime | None = None
-    if isinstance(body, ChatCompletionBody):
-        messages = body.chat_messages()
-    elif isinstance(body, CompletionBody):
-        prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
-    else:
-        prompt = body.prompt
-        messages = [m.to_schema() for m in body.messages] if body.messages else None
-        deadline = body.absolute_deadline(now)
-        if deadline is not None and deadline <= now:
-            raise ValueError(f"deadline {deadline.isoformat()} has already passed")
-    if deadline is None:
-        deadline = default_deadline
-    return InferenceRequest(
-        request_id=request_id,
-        model=body.model,
-        prompt=prompt,
-        messages=messages,
-        sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
-        priority=tier,
-        tenant=tenant,
-        deadline=deadline,
-        created_at=now,
-        trace=trace,
-    )

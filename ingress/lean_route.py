@@ -10,10 +10,12 @@ the route's ``openapi_extra`` and ``responses`` as before.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
-from fastapi import Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
+
+E = TypeVar("E", bound=Callable[..., Any])
 
 
 class LeanRoute(APIRoute):
@@ -26,3 +28,14 @@ class LeanRoute(APIRoute):
             return await endpoint(request)
 
         return handler
+
+
+def lean_post(router: APIRouter, path: str, **options: Any) -> Callable[[E], E]:
+    """Register the decorated ``endpoint(request) -> Response`` as a POST on ``router``, on ``LeanRoute``;
+    ``options`` are :meth:`APIRouter.add_api_route`'s (document the body with ``openapi_extra``)."""
+
+    def register(endpoint: E) -> E:
+        router.add_api_route(path, endpoint, methods=["POST"], route_class_override=LeanRoute, **options)
+        return endpoint
+
+    return register

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from ingress.accept import build_request
 from ingress.bodies import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     ChatCompletionBody,
     CompletionBody,
     NativeRequestBody,
-    build_request,
 )
 from ingress.errors import ApiError, invalid
 from schemas import TraceContext, utcnow

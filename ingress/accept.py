@@ -1,0 +1,122 @@
+"""Accepting a request, the step every publishing endpoint shares: resolve its tier, check it against the
+caller's limits and the model's live workers, build the pipeline's :class:`schemas.InferenceRequest` from the
+body (``build_request``) and publish it under a span whose context travels in the Kafka headers."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from fastapi import Request
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+from pydantic import ValidationError
+
+from router.policy import resolve_tier
+from schemas import ChatMessage, InferenceRequest, Tier, TraceContext, utcnow
+from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+
+from .app_state import service_of, tracer_of
+from .auth import ApiKey
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody
+from .errors import ApiError, invalid
+from .limits import check_prompt_tokens, check_rate_cost, checked_max_tokens
+
+# The statuses accepting a request can answer (documented on every publishing endpoint).
+SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
+
+
+async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str) -> InferenceRequest:
+    """Check the model, build the pipeline request and publish it under a span whose context travels
+    in the Kafka headers."""
+    service = service_of(request)
+    tier = resolve_tier(body.priority, default_tier=caller.default_tier, max_tier=caller.max_tier)
+    limits = caller.limits.resolve(service.settings)
+    prompt_tokens = check_prompt_tokens(body, limits)
+    max_tokens = checked_max_tokens(body, limits)
+    check_rate_cost(prompt_tokens + max_tokens, limits)
+    heartbeats = await service.model_heartbeats(body.model)
+    parent = propagate.extract(dict(request.headers))
+    with tracer_of(request).start_as_current_span(f"ingress {endpoint}", context=parent, kind=SpanKind.SERVER) as span:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        trace = None
+        if HEADER_TRACEPARENT in carrier:
+            trace = TraceContext(traceparent=carrier[HEADER_TRACEPARENT], tracestate=carrier.get(HEADER_TRACESTATE))
+        now = utcnow()
+        try:
+            inference = build_request(
+                body,
+                request_id=uuid.uuid4().hex,
+                tenant=caller.tenant,
+                tier=tier,
+                trace=trace,
+                now=now,
+                max_tokens=max_tokens,
+                default_deadline=limits.default_deadline(now),
+            )
+        except ValidationError as exc:
+            raise invalid(exc) from exc
+        except ValueError as exc:  # the only other refusal: a deadline already past
+            raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
+        span.set_attribute("sluicegate.request_id", inference.request_id)
+        span.set_attribute("sluicegate.model", inference.model)
+        span.set_attribute("sluicegate.tier", tier)
+        route = await service.submit(
+            inference,
+            max_tier=caller.max_tier,
+            heartbeats=heartbeats,
+            trace_carrier=carrier,
+            key_id=caller.key_id,
+            limits=limits,
+            tokens=prompt_tokens + max_tokens,
+        )
+        span.set_attribute("messaging.destination.name", route.topic)
+        span.set_attribute("sluicegate.route_reason", route.reason)
+    return inference
+
+
+def build_request(
+    body: AnyBody,
+    *,
+    request_id: str,
+    tenant: str,
+    tier: Tier,
+    trace: TraceContext | None,
+    now: datetime | None = None,
+    max_tokens: int | None = None,
+    default_deadline: datetime | None = None,
+) -> InferenceRequest:
+    """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
+
+    ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
+    when the body gives no deadline (the key's queue-time budget).
+    """
+    now = now or utcnow()
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    deadline: datetime | None = None
+    if isinstance(body, ChatCompletionBody):
+        messages = body.chat_messages()
+    elif isinstance(body, CompletionBody):
+        prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
+    else:
+        prompt = body.prompt
+        messages = [m.to_schema() for m in body.messages] if body.messages else None
+        deadline = body.absolute_deadline(now)
+        if deadline is not None and deadline <= now:
+            raise ValueError(f"deadline {deadline.isoformat()} has already passed")
+    if deadline is None:
+        deadline = default_deadline
+    return InferenceRequest(
+        request_id=request_id,
+        model=body.model,
+        prompt=prompt,
+        messages=messages,
+        sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
+        priority=tier,
+        tenant=tenant,
+        deadline=deadline,
+        created_at=now,
+        trace=trace,
+    )

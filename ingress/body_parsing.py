@@ -1,0 +1,46 @@
+"""Reading a request's JSON body by hand (the publishing endpoints skip FastAPI's body handling, see
+:mod:`ingress.lean_route`): 400 for malformed JSON or an unpaired surrogate, 422/400 naming the bad field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from .errors import ApiError, invalid
+
+B = TypeVar("B", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[B], *, root_field: str) -> B:
+    """The JSON body validated as ``model``: 400 for malformed JSON, 422/400 naming the bad field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ApiError(422, "Request body must be a JSON object.", code="invalid_value")
+    if b"\\u" in raw and _has_lone_surrogate(data):
+        raise ApiError(
+            400,
+            "Request body is not valid JSON text: a \\u escape encodes an unpaired UTF-16 surrogate, which is not "
+            "a character.",
+            code="invalid_json",
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(exc, root_field=root_field) from exc
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether decoded JSON holds an unpaired surrogate (from an escape like ``\\ud800``); such a string cannot
+    be encoded as UTF-8 for Kafka or Redis."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -1,0 +1,129 @@
+"""Answering an accepted OpenAI request from its result stream: as server-sent events (``stream``), or as one
+response once the result is whole. Either way the request is cancelled when the client goes away, the
+request timeout passes or the stream cannot go on, so no worker keeps generating for nobody."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import Request
+
+from .assembler import StreamAssembler
+from .errors import ApiError, error_body
+from .openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, sse
+from .service import IngressService
+from .telemetry import IngressMetrics
+
+log = logging.getLogger(__name__)
+
+
+def stream_failure(assembler: StreamAssembler) -> ApiError | None:
+    """The error to answer for a stream that ended badly, or None."""
+    if assembler.error is not None:
+        code = assembler.error.code
+        return ApiError(ERROR_STATUS.get(code, 500), assembler.error.message, code=code)
+    if assembler.done is not None and assembler.done.finish_reason == "error":
+        return ApiError(500, "The request failed on the worker.", code="worker_error")
+    return None
+
+
+async def collect_or_cancel(
+    request: Request, service: IngressService, request_id: str, tenant: str
+) -> StreamAssembler | None:
+    """Wait for the whole result; cancel the request when the client leaves (returns None) or the
+    request timeout passes (504)."""
+
+    async def collect() -> StreamAssembler:
+        assembler = StreamAssembler()
+        async for event in service.events(request_id, timeout_s=service.settings.request_timeout_s):
+            assembler.feed(event)
+        return assembler
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    result = asyncio.create_task(collect())
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not result.done():
+            result.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    if not result.done() or result.cancelled():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await result
+        await service.cancel(request_id, tenant, reason="client_disconnected")
+        return None
+    try:
+        return result.result()
+    except TimeoutError as exc:
+        await service.cancel(request_id, tenant, reason="timeout")
+        raise ApiError(504, str(exc), code="timeout") from exc
+
+
+async def sse_events(
+    service: IngressService,
+    ids: ResponseIds,
+    *,
+    tenant: str,
+    include_usage: bool,
+    accepted_at: float,
+    metrics: IngressMetrics,
+) -> AsyncIterator[str]:
+    """OpenAI server-sent events for one request; cancels it when the client goes away mid-stream (or the
+    relay cannot go on)."""
+    cancel_reason: str | None = "client_disconnected"
+    first_text = True
+    try:
+        if ids.kind == "chat":
+            yield sse(ids.chunk(role=True, include_usage=include_usage))
+        assembler = StreamAssembler()
+        try:
+            async for event in service.events(ids.request_id, timeout_s=service.settings.request_timeout_s):
+                delta = assembler.feed(event)
+                if assembler.diverged:
+                    cancel_reason = "stream_diverged"
+                    message = "The worker restarted this request and produced different text."
+                    yield sse(error_body(message, type_="server_error", code="stream_diverged"))
+                    return
+                if delta:
+                    if first_text:
+                        metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
+                        first_text = False
+                    yield sse(ids.chunk(text=delta, include_usage=include_usage))
+        except TimeoutError as exc:
+            cancel_reason = "timeout"
+            yield sse(error_body(str(exc), type_="server_error", code="timeout"))
+            return
+        except ApiError as exc:
+            cancel_reason = "relay_failed"
+            yield sse(exc.body())
+            return
+        cancel_reason = None
+        failure = stream_failure(assembler)
+        if failure is not None:
+            yield sse(failure.body())
+            return
+        assert assembler.done is not None
+        yield sse(ids.chunk(finish_reason=assembler.done.finish_reason, include_usage=include_usage))
+        if include_usage:
+            yield sse(ids.usage_chunk(assembler.done.usage))
+        yield SSE_DONE
+    finally:
+        if cancel_reason is not None:
+            # Free the worker. Shielded, because after a disconnect this runs inside the response's
+            # cancelled scope, where any unshielded await would be cancelled at once.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(service.settings.kafka_timeout_s + 1):
+                try:
+                    await service.cancel(ids.request_id, tenant, reason=cancel_reason)
+                except Exception as exc:
+                    log.warning("ingress.cancel_failed request_id=%s error=%r", ids.request_id, exc)

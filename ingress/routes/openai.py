@@ -1,0 +1,102 @@
+"""The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the whole
+answer, or server-sent events with ``stream``), and the model listing ``GET /v1/models[/{model}]`` (models
+with a live worker)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..accept import SUBMIT_ERRORS, accept
+from ..app_state import service_of
+from ..auth import ApiKey, Caller, authenticate
+from ..bodies import ChatCompletionBody, CompletionBody
+from ..body_parsing import parse_body
+from ..errors import ApiError
+from ..lean_route import lean_post
+from ..openai_format import Kind, ResponseIds
+from ..openai_stream import collect_or_cancel, sse_events, stream_failure
+from ..openapi import ChatCompletion, ModelCard, ModelList, TextCompletion, errors, json_body, ok
+
+router = APIRouter(tags=["openai"])
+
+# Statuses of waiting for a request's result, on top of accepting it.
+_RESULT_ERRORS = (409, 500, 504)
+
+
+async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | CompletionBody, kind: Kind) -> Response:
+    """Accept the request, then answer it as a stream of events or as one response."""
+    accepted_at = time.perf_counter()
+    inference = await accept(request, caller, body, f"/v1/{'chat/' if kind == 'chat' else ''}completions")
+    ids = ResponseIds(kind, inference.request_id, inference.model, int(time.time()))
+    headers = {"x-request-id": inference.request_id}
+    service = service_of(request)
+    if body.stream:
+        stream = sse_events(
+            service,
+            ids,
+            tenant=inference.tenant,
+            include_usage=body.include_usage,
+            accepted_at=accepted_at,
+            metrics=service.metrics,
+        )
+        headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+    assembler = await collect_or_cancel(request, service, inference.request_id, inference.tenant)
+    if assembler is None:
+        # The client left; nobody reads this, 499 is for logs and metrics.
+        return Response(status_code=499)
+    failure = stream_failure(assembler)
+    if failure is not None:
+        raise failure
+    assert assembler.done is not None
+    payload = ids.response(assembler.text, assembler.done.finish_reason, assembler.done.usage)
+    return JSONResponse(payload, headers=headers)
+
+
+@lean_post(
+    router,
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatCompletionBody),
+    responses=ok(ChatCompletion, stream=True) | errors(*SUBMIT_ERRORS, *_RESULT_ERRORS),
+)
+async def chat_completions(request: Request) -> Response:
+    caller = await authenticate(request)
+    body = await parse_body(request, ChatCompletionBody, root_field="messages")
+    return await _answer(request, caller, body, "chat")
+
+
+@lean_post(
+    router,
+    "/v1/completions",
+    openapi_extra=json_body(CompletionBody),
+    responses=ok(TextCompletion, stream=True) | errors(*SUBMIT_ERRORS, *_RESULT_ERRORS),
+)
+async def completions(request: Request) -> Response:
+    caller = await authenticate(request)
+    body = await parse_body(request, CompletionBody, root_field="prompt")
+    return await _answer(request, caller, body, "completion")
+
+
+@router.get("/v1/models", responses=ok(ModelList) | errors(401, 503))
+async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
+    models = await service_of(request).live_models()
+    return {"object": "list", "data": [_model_card(name, beats) for name, beats in models.items()]}
+
+
+@router.get("/v1/models/{model:path}", responses=ok(ModelCard) | errors(401, 404, 503))
+async def get_model(request: Request, caller: Caller, model: str) -> dict[str, Any]:
+    models = await service_of(request).live_models()
+    if model not in models:
+        raise ApiError(
+            404, f"The model '{model}' does not exist or has no live worker.", code="model_not_found", param="model"
+        )
+    return _model_card(model, models[model])
+
+
+def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
+    created = min((int(b.sent_at.timestamp()) for b in beats), default=int(time.time()))
+    return {"id": name, "object": "model", "created": created, "owned_by": "sluicegate", "workers": len(beats)}
