@@ -5,14 +5,14 @@ Offline: ``LLM(model=...).generate(prompts, SamplingParams(...))``. Online: ``As
 (optional GPU packages are imported lazily).
 """
 
-from .async_engine import AsyncEngine, RequestStream
 from .config import EngineConfig
+from .core.llm_engine import LLMEngine
 from .detokenizer import IncrementalDetokenizer
-from .engine_core import LLMEngine
-from .engine_process import ProcessEngine
-from .llm import LLM
+from .entrypoints.async_engine import AsyncEngine
+from .entrypoints.engine_front import EngineFront, RequestStream
+from .entrypoints.llm import LLM
+from .entrypoints.process_engine import ProcessEngine
 from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
-from .request_streams import EngineFront
 from .sampling_params import SamplingParams
 
 __all__ = [

@@ -14,13 +14,13 @@ import threading
 import time
 from typing import Any
 
-from .admission import PromptInput
-from .config import EngineConfig
-from .engine_core import LLMEngine
-from .outputs import EngineStats
-from .request_streams import EngineFront, RequestStream
-from .sampling_params import SamplingParams
-from .sequence import Sequence
+from ..config import EngineConfig
+from ..core.admission import PromptInput
+from ..core.llm_engine import LLMEngine
+from ..core.sequence import Sequence
+from ..outputs import EngineStats
+from ..sampling_params import SamplingParams
+from .engine_front import EngineFront, RequestStream
 
 __all__ = ["AsyncEngine", "RequestStream"]
 

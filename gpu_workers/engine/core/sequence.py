@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .detokenizer import IncrementalDetokenizer
+    from ..detokenizer import IncrementalDetokenizer
 
 # Lower number = served first. Tier names match the Kafka topic tiers of the pipeline.
 PRIORITY_LEVELS: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}

@@ -7,10 +7,10 @@ from collections.abc import Sequence as SequenceABC
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .config import EngineConfig
-from .engine_core import LLMEngine, PromptInput
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..config import EngineConfig
+from ..core.llm_engine import LLMEngine, PromptInput
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 
 
 def normalize_prompts(prompts: PromptInput | SequenceABC[PromptInput]) -> list[PromptInput]:

@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .admission import PromptInput
-from .outputs import EngineStats, RequestDelta
-from .sampling_params import SamplingParams
+from ..core.admission import PromptInput
+from ..outputs import EngineStats, RequestDelta
+from ..sampling_params import SamplingParams
 
 
 class RequestStream:

@@ -3,7 +3,7 @@
 With ``AsyncEngine`` the step loop is a thread of the serving process: every Python-level op of a step
 competes for the GIL with the event loop that fetches from Kafka and writes to Redis, and each I/O hop
 waits for the step thread to let go. Here the step loop is its own process (``python -m
-gpu_workers.engine.engine_process``), joined to the front by a Unix socket pair carrying length-prefixed
+gpu_workers.engine.entrypoints.process_engine``), joined to the front by a Unix socket pair carrying length-prefixed
 pickles:
 
 * front -> engine: ``("init", config, initializer)`` once, then ``("add", EngineRequest)``,
@@ -40,13 +40,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .admission import EngineRequest, PromptInput, RequestValidator
+from ..config import EngineConfig
+from ..core.admission import EngineRequest, PromptInput, RequestValidator
+from ..outputs import EngineStats, RequestDelta
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer
 from .async_engine import CPU_DELIVERY_YIELD_S
-from .config import EngineConfig
-from .outputs import EngineStats, RequestDelta
-from .request_streams import EngineFront, RequestStream
-from .sampling_params import SamplingParams
-from .tokenizer import load_tokenizer
+from .engine_front import EngineFront, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def serve(sock: socket.socket) -> int:
     try:
         if initializer is not None:
             initializer()
-        from .engine_core import LLMEngine
+        from ..core.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
     except Exception as exc:
@@ -455,6 +455,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run the package's module, not this ``__main__`` copy: what the engine process pickles (``EngineSpec``)
     # must name classes the front can import.
-    from gpu_workers.engine import engine_process
+    from gpu_workers.engine.entrypoints import process_engine
 
-    sys.exit(engine_process.main())
+    sys.exit(process_engine.main())

@@ -9,19 +9,19 @@ import time
 
 import torch
 
+from ..attention import get_attention_backend
+from ..config import EngineConfig
+from ..detokenizer import IncrementalDetokenizer
+from ..execution.model_runner import ModelRunner
+from ..execution.sampler import Sampler
+from ..models.loader import load_model
+from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer, resolve_eos_token_ids
 from .admission import EngineRequest, PromptInput, RequestValidator
-from .attention import get_attention_backend
 from .block_manager import KVBlockManager
-from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner
-from .models.loader import load_model
-from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
-from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
-from .tokenizer import load_tokenizer, resolve_eos_token_ids
 
 __all__ = ["LLMEngine", "PromptInput"]
 

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from .sequence import parse_priority
 
 PromptInput = str | list[int]
