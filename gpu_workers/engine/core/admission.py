@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling_params import SamplingParams
-from .sequence import parse_priority
 
 PromptInput = str | list[int]
 
@@ -27,10 +26,16 @@ class EngineRequest:
     prompt: str | None  # the text, when the request came as text
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int  # scheduling rank (see ``sequence.PRIORITY_LEVELS``)
+    priority: int  # scheduling tier: lower runs first
     tenant: str
     arrival_time: float  # ``time.time()`` when the request was admitted
     max_tokens: int  # ``params.max_tokens``, or what the context leaves when that is None
+
+
+def check_priority(priority: object) -> None:
+    """A priority is a plain int (lower runs first); anything else - a tier name, a bool - is refused."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"unknown priority {priority!r}: a priority is an int, lower runs first")
 
 
 class RequestValidator:
@@ -46,7 +51,7 @@ class RequestValidator:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         arrival_time: float | None = None,
         tenant: str = "default",
     ) -> EngineRequest:
@@ -55,7 +60,7 @@ class RequestValidator:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        rank = parse_priority(priority)
+        check_priority(priority)
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -91,7 +96,7 @@ class RequestValidator:
             prompt=text,
             prompt_token_ids=token_ids,
             params=params,
-            priority=rank,
+            priority=priority,
             tenant=tenant,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             max_tokens=max_tokens,

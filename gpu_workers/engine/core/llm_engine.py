@@ -69,7 +69,7 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         arrival_time: float | None = None,
         tenant: str = "default",
     ) -> Sequence:
@@ -111,7 +111,7 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         arrival_time: float | None = None,
         tenant: str = "default",
     ) -> str:

@@ -112,7 +112,7 @@ class AsyncEngine(EngineFront):
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> RequestStream:
         self._ensure_started()

@@ -76,7 +76,7 @@ class EngineFront(ABC):
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> RequestStream:
         """Validate and queue a request; returns its delta stream.
@@ -106,7 +106,7 @@ class EngineFront(ABC):
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> AsyncIterator[RequestDelta]:
         """Stream a request's deltas; leaving the loop early aborts the request."""

@@ -79,7 +79,7 @@ class LLM:
         self,
         prompts: PromptInput | SequenceABC[PromptInput],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.

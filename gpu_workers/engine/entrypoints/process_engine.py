@@ -186,7 +186,7 @@ class ProcessEngine(EngineFront):
         prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> RequestStream:
         if not self.is_running or self._validator is None or self._transport is None:
