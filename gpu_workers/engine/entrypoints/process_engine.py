@@ -23,11 +23,11 @@ from functools import partial
 from typing import Any
 
 from ..config import EngineConfig
-from ..core.admission import EngineRequest, PromptInput, RequestValidator
+from ..core.admission import RequestValidator
+from ..core.request import EngineRequest
 from ..outputs import EngineStats
-from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer
-from .engine_front import EngineFront, RequestStream
+from .engine_front import EngineFront
 from .process_wire import EngineSpec, frame, split_frames
 
 log = logging.getLogger(__name__)
@@ -181,22 +181,18 @@ class ProcessEngine(EngineFront):
             self._fail_all(RuntimeError("the engine process stopped"))
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-    ) -> RequestStream:
+    def _ensure_accepting(self) -> None:
         if not self.is_running or self._validator is None or self._transport is None:
             raise RuntimeError(self._not_running_reason())
-        request: EngineRequest = self._validator.validate(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant
-        )
-        stream = self._open_stream(request.request_id)
+
+    def _admit(self, request: EngineRequest) -> EngineRequest:
+        assert self._validator is not None  # ``_ensure_accepting`` passed
+        return self._validator.admit(request)
+
+    def _submit(self, request: EngineRequest) -> None:
+        assert self._transport is not None
+        # Admitted on this side: the engine process schedules it without tokenizing again.
         self._transport.write(frame(("add", request)))
-        return stream
 
     def _abort_soon(self, request_id: str) -> None:
         if self.is_running and self._transport is not None:

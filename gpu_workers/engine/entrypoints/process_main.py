@@ -79,7 +79,7 @@ class _StepLoop:
                     return
                 if kind == "add":
                     try:
-                        engine.add_sequence(engine.sequence_for(payload))
+                        engine.submit(payload)
                     except ValueError as exc:
                         self.channel.send(("rejected", payload.request_id, str(exc)))
                 elif kind == "abort":
