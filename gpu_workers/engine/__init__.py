@@ -3,6 +3,11 @@
 Offline: ``LLM(model=...).generate(prompts, SamplingParams(...))``. Online: ``AsyncEngine``, whose
 ``generate`` streams ``RequestDelta``s. Imports only torch, transformers, safetensors and tokenizers
 (optional GPU packages are imported lazily).
+
+Layout: ``entrypoints/`` the front ends (``LLM``, ``AsyncEngine``, ``ProcessEngine`` on ``EngineFront``);
+``core/`` the loop they drive (``LLMEngine``, scheduler, KV block manager, request and sequence state,
+admission); ``execution/`` the forward pass and sampling; ``attention/``, ``models/``, ``quantization/``
+the kernels, architectures and quantized layers. Everything outside the engine imports from this package.
 """
 
 from .config import EngineConfig
