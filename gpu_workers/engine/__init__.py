@@ -3,16 +3,21 @@
 Offline: ``LLM(model=...).generate(prompts, SamplingParams(...))``. Online: ``AsyncEngine``, whose
 ``generate`` streams ``RequestDelta``s. Imports only torch, transformers, safetensors and tokenizers
 (optional GPU packages are imported lazily).
+
+Layout: ``entrypoints/`` the front ends (``LLM``, ``AsyncEngine``, ``ProcessEngine`` on ``EngineFront``);
+``core/`` the loop they drive (``LLMEngine``, scheduler, KV block manager, request and sequence state,
+admission); ``execution/`` the forward pass and sampling; ``attention/``, ``models/``, ``quantization/``
+the kernels, architectures and quantized layers. Everything outside the engine imports from this package.
 """
 
-from .async_engine import AsyncEngine, RequestStream
 from .config import EngineConfig
+from .core.llm_engine import LLMEngine
 from .detokenizer import IncrementalDetokenizer
-from .engine_core import LLMEngine
-from .engine_process import ProcessEngine
-from .llm import LLM
+from .entrypoints.async_engine import AsyncEngine
+from .entrypoints.engine_front import EngineFront, RequestStream
+from .entrypoints.llm import LLM
+from .entrypoints.process_engine import ProcessEngine
 from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
-from .request_streams import EngineFront
 from .sampling_params import SamplingParams
 
 __all__ = [

@@ -146,7 +146,7 @@ async def test_event_loop_keeps_running_while_the_engine_steps(engine: AsyncEngi
 
 
 async def test_stats_and_validation(engine: AsyncEngine) -> None:
-    stream = engine.add_request(PROMPTS[12], _greedy(60), request_id="watched", priority="batch")
+    stream = engine.add_request(PROMPTS[12], _greedy(60), request_id="watched", priority=2)
     seen_running = False
     async for _ in stream:
         seen_running = seen_running or engine.stats().num_running == 1
@@ -159,7 +159,7 @@ async def test_stats_and_validation(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_request(PROMPTS[1], _greedy(4), request_id="dup")
     assert [d async for d in dup][-1].num_output_tokens == 30
-    text_deltas = await _collect(engine, "The river ran", _greedy(5), priority="interactive")
+    text_deltas = await _collect(engine, "The river ran", _greedy(5), priority=0)
     assert text_deltas[-1].final is not None and text_deltas[-1].final.prompt == "The river ran"
 
 

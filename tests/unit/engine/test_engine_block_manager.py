@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from gpu_workers.engine.block_manager import KVBlockManager, hash_block
+from gpu_workers.engine.core.block_manager import KVBlockManager, hash_block
+from gpu_workers.engine.core.sequence import Sequence
 from gpu_workers.engine.sampling_params import SamplingParams
-from gpu_workers.engine.sequence import Sequence
 
 _ids = itertools.count()
 BS = 4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_workers.engine import LLM, EngineConfig, SamplingParams
-from gpu_workers.engine.cuda_graphs import (
+from gpu_workers.engine.execution.cuda_graphs import (
     DecodeGraphRunner,
     DecodeRows,
     StaticDecodeBuffers,

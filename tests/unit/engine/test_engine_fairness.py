@@ -13,7 +13,7 @@ import pytest
 
 from gpu_workers.engine import LLM, AsyncEngine, RequestStream, SamplingParams
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.engine_core import LLMEngine
+from gpu_workers.engine.core.llm_engine import LLMEngine
 
 from .conftest import HFReference, random_prompts
 
@@ -63,11 +63,11 @@ def test_interactive_is_scheduled_on_the_next_step_despite_chunked_batch_prefill
     engine = make_llm(llama, max_num_seqs=1, max_num_batched_tokens=64).engine
     batch_prompts = [_prompt(300, i) for i in range(3)]
     for i, prompt in enumerate(batch_prompts):
-        engine.add_request(prompt, _greedy(12), request_id=f"bulk-{i}", priority="batch")
+        engine.add_request(prompt, _greedy(12), request_id=f"bulk-{i}", priority=2)
     engine.step()
     [running] = engine.scheduler.running
     assert 0 < running.num_computed_tokens < running.num_tokens - 64
-    engine.add_request(PROMPTS[4], _greedy(5), request_id="chat", priority="interactive")
+    engine.add_request(PROMPTS[4], _greedy(5), request_id="chat", priority=0)
     assert "chat" in {d.request_id for d in engine.step()}
     run = Run(engine)
     assert run.finish_order()[0] == "chat"
@@ -83,11 +83,11 @@ def test_interactive_preempts_decoding_batch_for_a_seat_every_time(
     the preempted batch sequences are recomputed and end with exactly the greedy tokens."""
     engine = make_llm(llama, max_num_seqs=3).engine
     for i in range(6):
-        engine.add_request(PROMPTS[i], _greedy(40), request_id=f"bulk-{i}", priority="batch")
+        engine.add_request(PROMPTS[i], _greedy(40), request_id=f"bulk-{i}", priority=2)
     for _ in range(3):
         engine.step()
     for k in range(3):
-        engine.add_request(PROMPTS[8 + k], _greedy(4), request_id=f"chat-{k}", priority="interactive")
+        engine.add_request(PROMPTS[8 + k], _greedy(4), request_id=f"chat-{k}", priority=0)
         produced = {d.request_id for d in engine.step()}
         assert f"chat-{k}" in produced, f"chat-{k} waited a step: {produced}"
         for _ in range(5):
@@ -130,10 +130,10 @@ def test_weights_divide_a_tier_between_backlogged_tenants(llama: Path, make_llm:
 
 def test_tiers_still_come_before_tenant_shares(llama: Path, make_llm: Callable[..., LLM]) -> None:
     engine = make_llm(llama, max_num_seqs=1).engine
-    engine.add_request(PROMPTS[1], _greedy(3), request_id="a-batch", tenant="a", priority="batch")
-    engine.add_request(PROMPTS[2], _greedy(3), request_id="a-std", tenant="a")
-    engine.add_request(PROMPTS[3], _greedy(3), request_id="b-std", tenant="b")
-    engine.add_request(PROMPTS[4], _greedy(3), request_id="b-chat", tenant="b", priority="interactive")
+    engine.add_request(PROMPTS[1], _greedy(3), request_id="a-batch", tenant="a", priority=2)
+    engine.add_request(PROMPTS[2], _greedy(3), request_id="a-std", tenant="a", priority=1)
+    engine.add_request(PROMPTS[3], _greedy(3), request_id="b-std", tenant="b", priority=1)
+    engine.add_request(PROMPTS[4], _greedy(3), request_id="b-chat", tenant="b", priority=0)
     assert Run(engine).finish_order() == ["b-chat", "a-std", "b-std", "a-batch"]
 
 

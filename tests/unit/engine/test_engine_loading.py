@@ -13,7 +13,7 @@ import torch
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.attention import TorchAttentionBackend, get_attention_backend
 from gpu_workers.engine.config import EngineConfig, parse_dtype
-from gpu_workers.engine.model_runner import kv_bytes_per_block
+from gpu_workers.engine.execution.model_runner import kv_bytes_per_block
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
 from .conftest import MODEL_VARIANTS, HFReference, random_prompts

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpu_workers.engine import LLM, RequestDelta, SamplingParams
-from gpu_workers.engine.engine_process import ProcessEngine
+from gpu_workers.engine.entrypoints.process_engine import ProcessEngine
 
 from .conftest import MAX_MODEL_LEN, HFReference, random_prompts
 
@@ -166,7 +166,7 @@ def test_the_engine_process_exits_when_its_front_is_killed(model_dir: Callable[[
     script = textwrap.dedent(
         f"""
         import asyncio, pathlib
-        from gpu_workers.engine.engine_process import ProcessEngine
+        from gpu_workers.engine.entrypoints.process_engine import ProcessEngine
 
         async def main():
             engine = ProcessEngine({str(model_dir("llama"))!r}, max_model_len=512, num_kv_blocks=64)

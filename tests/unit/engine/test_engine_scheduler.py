@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpu_workers.engine import LLM, SamplingParams
-from gpu_workers.engine.engine_core import LLMEngine
+from gpu_workers.engine.core.llm_engine import LLMEngine
 
 from .conftest import HFReference, random_prompts
 
@@ -35,10 +35,10 @@ def llama(model_dir: Callable[[str], Path]) -> Path:
 
 def test_waiting_queue_orders_by_tier_then_arrival(llama: Path, make_llm: Callable[..., LLM]) -> None:
     engine = make_llm(llama, max_num_seqs=1).engine
-    engine.add_request(PROMPTS[2], _greedy(3), request_id="batch", priority="batch")
-    engine.add_request(PROMPTS[3], _greedy(3), request_id="std-1", priority="standard")
-    engine.add_request(PROMPTS[4], _greedy(3), request_id="interactive", priority="interactive")
-    engine.add_request(PROMPTS[5], _greedy(3), request_id="std-2")
+    engine.add_request(PROMPTS[2], _greedy(3), request_id="batch", priority=2)
+    engine.add_request(PROMPTS[3], _greedy(3), request_id="std-1", priority=1)
+    engine.add_request(PROMPTS[4], _greedy(3), request_id="interactive", priority=0)
+    engine.add_request(PROMPTS[5], _greedy(3), request_id="std-2", priority=1)
     assert _run_to_completion(engine) == ["interactive", "std-1", "std-2", "batch"]
 
 
@@ -46,11 +46,11 @@ def test_interactive_arrival_preempts_batch_for_a_seat(
     llama: Path, make_llm: Callable[..., LLM], hf_reference: HFReference
 ) -> None:
     engine = make_llm(llama, max_num_seqs=1).engine
-    engine.add_request(PROMPTS[8], _greedy(30), request_id="bulk", priority="batch")
+    engine.add_request(PROMPTS[8], _greedy(30), request_id="bulk", priority=2)
     finals = {}
     for _ in range(4):
         engine.step()
-    engine.add_request(PROMPTS[6], _greedy(5), request_id="chat", priority="interactive")
+    engine.add_request(PROMPTS[6], _greedy(5), request_id="chat", priority=0)
     order = []
     while engine.has_unfinished():
         for d in engine.step():
@@ -69,10 +69,10 @@ def test_interactive_arrival_preempts_batch_under_kv_pressure(
 ) -> None:
     # 34 blocks: the 300-token batch request holds ~19, the 256-token interactive one needs 17.
     engine = make_llm(llama, num_kv_blocks=34, enable_prefix_caching=False).engine
-    engine.add_request(PROMPTS[15], _greedy(60), request_id="bulk", priority="batch")
+    engine.add_request(PROMPTS[15], _greedy(60), request_id="bulk", priority=2)
     for _ in range(3):
         engine.step()
-    engine.add_request(PROMPTS[13], _greedy(10), request_id="chat", priority="interactive")
+    engine.add_request(PROMPTS[13], _greedy(10), request_id="chat", priority=0)
     finals = {}
     order = []
     while engine.has_unfinished():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import Sequence
+from ..core.sequence import Sequence
 
 
 class Sampler:

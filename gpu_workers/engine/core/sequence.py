@@ -8,20 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .detokenizer import IncrementalDetokenizer
-
-# Lower number = served first. Tier names match the Kafka topic tiers of the pipeline.
-PRIORITY_LEVELS: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
-
-
-def parse_priority(priority: str) -> int:
-    """Map a tier name onto its scheduling rank; unknown names are a clear error."""
-    if priority not in PRIORITY_LEVELS:
-        raise ValueError(f"unknown priority {priority!r}; use one of {', '.join(PRIORITY_LEVELS)}")
-    return PRIORITY_LEVELS[priority]
+    from ..detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +47,7 @@ class Sequence:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Scheduling tier: lower runs first.
     priority: int
     arrival_time: float
     arrival_index: int

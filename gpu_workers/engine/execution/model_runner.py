@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.base import AttentionBackend
-from .attention.metadata import AttentionMetadata
-from .config import EngineConfig
+from ..attention.base import AttentionBackend
+from ..attention.metadata import AttentionMetadata
+from ..config import EngineConfig
+from ..core.scheduler import ScheduledBatch
+from ..core.sequence import Sequence
+from ..models.loader import LoadedModel
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
-from .models.loader import LoadedModel
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class ModelRunner:
             raise RuntimeError("allocate the KV cache before setting up decode (graphs bind its addresses)")
         self.use_cascade = config.enable_cascade_attention and bool(getattr(self.backend, "supports_cascade", False))
         if self.use_cascade:
-            from .attention.triton_kernels import common_prefix_len
+            from ..attention.triton_kernels import common_prefix_len
 
             self._common_prefix_len = common_prefix_len
         reason = self.decode_graphs_unsupported(config)

@@ -1,7 +1,8 @@
 """The asyncio face every engine front shares: one ``RequestStream`` per request, fed on the event loop.
 
+``EngineFront.add_request`` builds the request's one ``EngineRequest``, admits it and opens its stream.
 ``AsyncEngine`` (step loop in a thread) and ``ProcessEngine`` (step loop in a child process) differ only in
-how a request reaches the step loop and how its deltas come back; both hand the deltas to
+how the request reaches the step loop and how its deltas come back; both hand the deltas to
 ``EngineFront._deliver`` on the event loop, which routes each to its request's stream.
 """
 
@@ -12,9 +13,9 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .admission import PromptInput
-from .outputs import EngineStats, RequestDelta
-from .sampling_params import SamplingParams
+from ..core.request import EngineRequest, PromptInput
+from ..outputs import EngineStats, RequestDelta
+from ..sampling_params import SamplingParams
 
 
 class RequestStream:
@@ -71,19 +72,16 @@ class EngineFront(ABC):
         """Stop the step loop; requests still in flight finish with ``finish_reason="abort"``."""
 
     @abstractmethod
-    def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: str = "standard",
-        tenant: str = "default",
-    ) -> RequestStream:
-        """Validate and queue a request; returns its delta stream.
+    def _ensure_accepting(self) -> None:
+        """Raise ``RuntimeError`` when the front cannot take requests now (or get ready to take them)."""
 
-        ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens.
-        Raises ``ValueError`` at once for a request that can never run.
-        """
+    @abstractmethod
+    def _admit(self, request: EngineRequest) -> EngineRequest:
+        """Admission on the event loop: the request tokenized, or ``ValueError`` for one that can never run."""
+
+    @abstractmethod
+    def _submit(self, request: EngineRequest) -> None:
+        """Hand an admitted request to the step loop (never waits)."""
 
     @abstractmethod
     def _abort_soon(self, request_id: str) -> None:
@@ -94,6 +92,28 @@ class EngineFront(ABC):
         """Snapshot taken after the step loop's latest step (cheap, never blocks)."""
 
     # ------------------------------------------------------------------ shared behaviour
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> RequestStream:
+        """Validate and queue a request; returns its delta stream.
+
+        ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens. ``priority``
+        is the scheduling tier, lower runs first. Raises ``ValueError`` at once for a request that can never run.
+        """
+        self._ensure_accepting()
+        request = self._admit(
+            EngineRequest.build(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
+        )
+        stream = self._open_stream(request.request_id)
+        self._submit(request)
+        return stream
+
     async def __aenter__(self) -> EngineFront:
         await self.start()
         return self
@@ -105,8 +125,9 @@ class EngineFront(ABC):
         self,
         prompt: PromptInput,
         params: SamplingParams | None = None,
+        *,
         request_id: str | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> AsyncIterator[RequestDelta]:
         """Stream a request's deltas; leaving the loop early aborts the request."""

@@ -1,5 +1,6 @@
 """Token-level scheduler: picks which sequences run each step and how many tokens each computes.
 
+A tier is one integer priority, lower numbers first; the tiers are those of the unfinished sequences.
 Every step has a token budget (``max_num_batched_tokens``). Running sequences in decode go first,
 then prefill work tier by tier: a tier's running sequences with prefill left (chunked), then its
 waiting requests. Lower-tier chunked prefills therefore never take the budget a waiting higher-tier
@@ -21,10 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .block_manager import KVBlockManager
-from .sequence import PRIORITY_LEVELS, RequestStatus, Sequence
-
-# Scheduling ranks of the tiers, most important first.
-_TIERS: tuple[int, ...] = tuple(sorted(set(PRIORITY_LEVELS.values())))
+from .sequence import RequestStatus, Sequence
 
 
 @dataclass
@@ -60,6 +58,8 @@ class Scheduler:
         self.tenant_weights: dict[str, float] = dict(tenant_weights or {})
         # Tenants with unfinished sequences only, so the map is as small as the live tenant set.
         self.tenants: dict[str, TenantShare] = {}
+        # Unfinished sequences per priority: the tiers a step works through, lowest number first.
+        self.tiers: dict[int, int] = {}
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,6 +74,7 @@ class Scheduler:
             start = min((t.vtime for t in self.tenants.values()), default=0.0)
             share = self.tenants[seq.tenant] = TenantShare(self.tenant_weights.get(seq.tenant, 1.0), start)
         share.num_unfinished += 1
+        self.tiers[seq.priority] = self.tiers.get(seq.priority, 0) + 1
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -91,6 +92,9 @@ class Scheduler:
             share.num_unfinished -= 1
             if share.num_unfinished == 0:
                 del self.tenants[seq.tenant]
+            self.tiers[seq.priority] -= 1
+            if self.tiers[seq.priority] == 0:
+                del self.tiers[seq.priority]
         self.block_manager.free(seq)
         seq.status = status
 
@@ -99,7 +103,7 @@ class Scheduler:
         step = _StepState(budget=self.max_num_batched_tokens)
         self._schedule_running(step, decode_phase=True)
         admitting = True
-        for tier in _TIERS:
+        for tier in sorted(self.tiers):
             self._schedule_running(step, decode_phase=False, tier=tier)
             # A blocked admission holds back lower tiers too: they would take the room it waits for.
             admitting = admitting and self._schedule_waiting(step, tier)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.metadata import AttentionMetadata
+from ..attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The synchronous engine: admit requests, run one scheduling + forward + sampling step at a time,
-apply stop rules, and report per-request deltas. Not thread-safe; ``AsyncEngine`` drives it from
-one thread."""
+"""The synchronous engine loop: take ``EngineRequest``s, run one scheduling + forward + sampling step at a
+time, apply stop rules, and report per-request deltas. Not thread-safe: every front end drives it from one
+thread (``LLM`` the caller's, ``AsyncEngine`` its step thread, ``ProcessEngine`` its engine process)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,25 @@ import time
 
 import torch
 
-from .admission import EngineRequest, PromptInput, RequestValidator
-from .attention import get_attention_backend
+from ..attention import get_attention_backend
+from ..config import EngineConfig
+from ..detokenizer import IncrementalDetokenizer
+from ..execution.model_runner import ModelRunner
+from ..execution.sampler import Sampler
+from ..models.loader import load_model
+from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from ..sampling_params import SamplingParams
+from ..tokenizer import load_tokenizer, resolve_eos_token_ids
+from .admission import RequestValidator, max_output_tokens
 from .block_manager import KVBlockManager
-from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner
-from .models.loader import load_model
-from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
-from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .request import EngineRequest, PromptInput
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
-from .tokenizer import load_tokenizer, resolve_eos_token_ids
-
-__all__ = ["LLMEngine", "PromptInput"]
 
 
 class LLMEngine:
+    """Continuous batching over a paged KV cache: ``submit`` (or ``add_request``) queues, ``step`` steps."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.loaded = load_model(config)
@@ -64,61 +65,62 @@ class LLMEngine:
         return self.runner.backend.name
 
     # ------------------------------------------------------------------ admission
-    def make_sequence(
+    def admit(self, request: EngineRequest) -> EngineRequest:
+        """Check and tokenize a request without touching engine state (safe from any thread)."""
+        return self.validator.admit(request)
+
+    def add_request(
         self,
         prompt: PromptInput,
         params: SamplingParams | None = None,
+        *,
         request_id: str | None = None,
-        priority: str = "standard",
-        arrival_time: float | None = None,
+        priority: int = 0,
         tenant: str = "default",
-    ) -> Sequence:
-        """Validate and tokenize a request without touching engine state (safe from any thread)."""
-        return self.sequence_for(self.validator.validate(prompt, params, request_id, priority, arrival_time, tenant))
+    ) -> str:
+        """Queue a request given as a front end's keyword arguments (for callers that drive ``step`` themselves);
+        returns its id. ``priority`` is the scheduling tier, lower runs first."""
+        return self.submit(EngineRequest.build(prompt, params, request_id=request_id, priority=priority, tenant=tenant))
 
-    def sequence_for(self, request: EngineRequest) -> Sequence:
+    def submit(self, request: EngineRequest) -> str:
+        """Queue a request (admitting it first unless a front end already did); returns its id.
+
+        Raises ``ValueError`` for a request that can never run or whose id is already in the engine.
+        """
+        if not request.is_admitted:
+            request = self.validator.admit(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        seq = self._make_sequence(request)
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _make_sequence(self, request: EngineRequest) -> Sequence:
         """The engine's state for an admitted request (its own random generator, detokenizer, arrival rank)."""
         params = request.params
+        prompt_token_ids = request.prompt_token_ids
+        assert prompt_token_ids is not None  # admitted
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         return Sequence(
             request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt=request.prompt_text,
+            prompt_token_ids=prompt_token_ids,
             params=params,
             priority=request.priority,
             arrival_time=request.arrival_time,
             arrival_index=next(self._arrivals),
-            max_tokens=request.max_tokens,
+            max_tokens=max_output_tokens(len(prompt_token_ids), params, self.max_model_len),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens, self.special_token_ids
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, self.special_token_ids
             ),
             generator=generator,
             tenant=request.tenant,
         )
-
-    def add_sequence(self, seq: Sequence) -> None:
-        if seq.request_id in self._requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
-        self._requests[seq.request_id] = seq
-        self.scheduler.add(seq)
-
-    def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: str = "standard",
-        arrival_time: float | None = None,
-        tenant: str = "default",
-    ) -> str:
-        """Queue a request; returns its id. Raises ``ValueError`` for a request that can never run."""
-        seq = self.make_sequence(prompt, params, request_id, priority, arrival_time, tenant)
-        self.add_sequence(seq)
-        return seq.request_id
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Stop a waiting or running request and free its blocks; returns its final delta, or None

@@ -14,13 +14,11 @@ import threading
 import time
 from typing import Any
 
-from .admission import PromptInput
-from .config import EngineConfig
-from .engine_core import LLMEngine
-from .outputs import EngineStats
-from .request_streams import EngineFront, RequestStream
-from .sampling_params import SamplingParams
-from .sequence import Sequence
+from ..config import EngineConfig
+from ..core.llm_engine import LLMEngine
+from ..core.request import EngineRequest
+from ..outputs import EngineStats
+from .engine_front import EngineFront, RequestStream
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -102,26 +100,19 @@ class AsyncEngine(EngineFront):
             except queue.Empty:
                 break
             if kind == _ADD:
-                self.engine.add_sequence(payload)
+                self.engine.submit(payload)
         self._deliver(self.engine.abort_all())
         self._stats = self.engine.stats()
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: str = "standard",
-        tenant: str = "default",
-    ) -> RequestStream:
+    def _ensure_accepting(self) -> None:
         self._ensure_started()
-        seq: Sequence = self.engine.make_sequence(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant
-        )
-        stream = self._open_stream(seq.request_id)
-        self._commands.put((_ADD, seq))
-        return stream
+
+    def _admit(self, request: EngineRequest) -> EngineRequest:
+        return self.engine.admit(request)
+
+    def _submit(self, request: EngineRequest) -> None:
+        self._commands.put((_ADD, request))
 
     def _abort_soon(self, request_id: str) -> None:
         self._commands.put((_ABORT, request_id))
@@ -159,7 +150,7 @@ class AsyncEngine(EngineFront):
                 return False
             if kind == _ADD:
                 try:
-                    self.engine.add_sequence(payload)
+                    self.engine.submit(payload)
                 except ValueError as exc:
                     self._post(self._fail_one, payload.request_id, exc)
             elif kind == _ABORT:

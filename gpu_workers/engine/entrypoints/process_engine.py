@@ -2,206 +2,40 @@
 
 With ``AsyncEngine`` the step loop is a thread of the serving process: every Python-level op of a step
 competes for the GIL with the event loop that fetches from Kafka and writes to Redis, and each I/O hop
-waits for the step thread to let go. Here the step loop is its own process (``python -m
-gpu_workers.engine.engine_process``), joined to the front by a Unix socket pair carrying length-prefixed
-pickles:
+waits for the step thread to let go. Here the step loop is its own process (``process_main``), joined to
+this front by a Unix socket pair (messages in ``process_wire``).
 
-* front -> engine: ``("init", config, initializer)`` once, then ``("add", EngineRequest)``,
-  ``("abort", request_id)`` and ``("stop", None)``;
-* engine -> front: ``("ready", EngineSpec)`` or ``("startup_failed", kind, message)``; then per step
-  ``("deltas", [RequestDelta], EngineStats)``, ``("rejected", request_id, message)`` for an add the engine
-  refuses, ``("failed", traceback)`` when the step loop dies, and ``("stopped", [RequestDelta], EngineStats)``
-  as the answer to ``stop``.
-
-Requests are validated and tokenized on the front's event loop (the front loads the same tokenizer and
-learns the model's limits from ``EngineSpec``), so a request that can never run is refused at once, as
-with ``AsyncEngine``. The engine process lives exactly as long as its socket: it ignores SIGINT and
-SIGTERM (the front drains and then stops it) and exits when the front's end closes, however the front died.
+Requests are admitted (validated and tokenized) on the front's event loop (the front loads the same
+tokenizer and learns the model's limits from ``EngineSpec``), so a request that can never run is refused at
+once, as with ``AsyncEngine``. ``shutdown`` drains: the engine process aborts what is left and exits.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
-import pickle
-import select
-import signal
 import socket
-import struct
 import sys
-import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .admission import EngineRequest, PromptInput, RequestValidator
-from .async_engine import CPU_DELIVERY_YIELD_S
-from .config import EngineConfig
-from .outputs import EngineStats, RequestDelta
-from .request_streams import EngineFront, RequestStream
-from .sampling_params import SamplingParams
-from .tokenizer import load_tokenizer
+from ..config import EngineConfig
+from ..core.admission import RequestValidator
+from ..core.request import EngineRequest
+from ..outputs import EngineStats
+from ..tokenizer import load_tokenizer
+from .engine_front import EngineFront
+from .process_wire import EngineSpec, frame, split_frames
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("!I")
-_READ_CHUNK = 1 << 16
+#: The module the engine process runs (``python -m``); not imported here, so runpy finds it fresh.
+ENGINE_PROCESS_MODULE = f"{__package__}.process_main"
 #: How long ``shutdown`` waits for the engine process to abort its requests and exit before killing it.
 STOP_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the front needs to know of the loaded model, sent once the engine is ready."""
-
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    attention_backend: str
-    pid: int
-    stats: EngineStats
-
-
-def _frame(message: tuple[Any, ...]) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(payload)) + payload
-
-
-def _split_frames(buffer: bytearray) -> list[tuple[Any, ...]]:
-    """Take every complete frame off the front of ``buffer``."""
-    messages = []
-    start = 0
-    while len(buffer) - start >= _HEADER.size:
-        (size,) = _HEADER.unpack_from(buffer, start)
-        end = start + _HEADER.size + size
-        if len(buffer) < end:
-            break
-        messages.append(pickle.loads(memoryview(buffer)[start + _HEADER.size : end]))
-        start = end
-    del buffer[:start]
-    return messages
-
-
-# --- the engine process -----------------------------------------------------------------------------------
-
-
-class _Channel:
-    """The engine process's blocking end of the socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = bytearray()
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        self.sock.sendall(_frame(message))
-
-    def receive(self, block: bool) -> list[tuple[Any, ...]] | None:
-        """Messages that arrived (waiting for at least one when ``block``); None once the front has gone."""
-        messages: list[tuple[Any, ...]] = []
-        wait: float | None = None if block else 0.0
-        while True:
-            ready, _, _ = select.select([self.sock], [], [], wait)
-            if not ready:
-                return messages
-            chunk = self.sock.recv(_READ_CHUNK)
-            if not chunk:
-                return None
-            self._buffer += chunk
-            messages += _split_frames(self._buffer)
-            # Keep reading while more is there, but never wait once a whole message arrived (a partial one
-            # is waited for: its sender writes whole frames, so the rest is already on its way).
-            wait = 0.0 if messages and not self._buffer else None
-
-
-class _StepLoop:
-    """Applies the front's commands and steps the engine while it has work."""
-
-    def __init__(self, engine: Any, channel: _Channel) -> None:
-        self.engine = engine
-        self.channel = channel
-        # On CPU the next step would compete for a core with the worker that just got the deltas and with
-        # Redis and the relay behind it: give them the head start (see ``CPU_DELIVERY_YIELD_S``).
-        self.delivery_yield_s = CPU_DELIVERY_YIELD_S if engine.config.device.type == "cpu" else 0.0
-
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            commands = self.channel.receive(block=not engine.has_unfinished())
-            if commands is None:  # the front is gone: nobody is left to serve
-                return
-            deltas: list[RequestDelta] = []
-            for kind, payload in commands:
-                if kind == "stop":
-                    deltas += engine.abort_all()
-                    self.channel.send(("stopped", deltas, engine.stats()))
-                    return
-                if kind == "add":
-                    try:
-                        engine.add_sequence(engine.sequence_for(payload))
-                    except ValueError as exc:
-                        self.channel.send(("rejected", payload.request_id, str(exc)))
-                elif kind == "abort":
-                    delta = engine.abort_request(payload)
-                    if delta is not None:
-                        deltas.append(delta)
-            if engine.has_unfinished():
-                deltas += engine.step()
-            if deltas:
-                self.channel.send(("deltas", deltas, engine.stats()))
-                if self.delivery_yield_s:
-                    time.sleep(self.delivery_yield_s)
-
-
-def serve(sock: socket.socket) -> int:
-    """The engine process: build the engine the front describes, then run its step loop."""
-    # The front decides when the engine stops: a Ctrl-C or SIGTERM sent to the whole process group must not
-    # kill the engine under requests the front is still draining.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    channel = _Channel(sock)
-    first = channel.receive(block=True)
-    if not first or first[0][0] != "init":
-        return 2
-    _, config, initializer = first[0]
-    try:
-        if initializer is not None:
-            initializer()
-        from .engine_core import LLMEngine
-
-        engine = LLMEngine(config)
-    except Exception as exc:
-        channel.send(("startup_failed", "ValueError" if isinstance(exc, ValueError) else type(exc).__name__, str(exc)))
-        return 1
-    # The model, tokenizer and libraries live as long as the process: keep them out of every GC pass.
-    gc.collect()
-    gc.freeze()
-    spec = EngineSpec(
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-        eos_token_ids=frozenset(engine.eos_token_ids),
-        attention_backend=engine.attention_backend_name,
-        pid=os.getpid(),
-        stats=engine.stats(),
-    )
-    channel.send(("ready", spec))
-    try:
-        _StepLoop(engine, channel).run()
-    except (BrokenPipeError, ConnectionResetError):
-        return 0  # the front went away mid-send
-    except BaseException:
-        with contextlib.suppress(OSError):
-            channel.send(("failed", traceback.format_exc()))
-        raise
-    return 0
-
-
-# --- the front --------------------------------------------------------------------------------------------
 
 
 class _FrameProtocol(asyncio.Protocol):
@@ -212,7 +46,7 @@ class _FrameProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        for message in _split_frames(self._buffer):
+        for message in split_frames(self._buffer):
             self._on_message(message)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -286,7 +120,7 @@ class ProcessEngine(EngineFront):
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                __name__,
+                ENGINE_PROCESS_MODULE,
                 "--fd",
                 str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),),
@@ -302,7 +136,7 @@ class ProcessEngine(EngineFront):
         self._transport, _ = await loop.create_unix_connection(
             partial(_FrameProtocol, self._on_message, self._on_lost), sock=ours
         )
-        self._transport.write(_frame(("init", self.config, self._initializer)))
+        self._transport.write(frame(("init", self.config, self._initializer)))
         # The tokenizer loads here while the engine process loads the model.
         tokenizer_task = loop.run_in_executor(None, load_tokenizer, self.config.tokenizer_path)
         try:
@@ -321,7 +155,7 @@ class ProcessEngine(EngineFront):
             return
         if self.is_running and self._transport is not None:
             self._stopping = True
-            self._transport.write(_frame(("stop", None)))
+            self._transport.write(frame(("stop", None)))
         await self._reap(kill=False)
 
     async def _reap(self, kill: bool) -> None:
@@ -347,26 +181,22 @@ class ProcessEngine(EngineFront):
             self._fail_all(RuntimeError("the engine process stopped"))
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: str = "standard",
-        tenant: str = "default",
-    ) -> RequestStream:
+    def _ensure_accepting(self) -> None:
         if not self.is_running or self._validator is None or self._transport is None:
             raise RuntimeError(self._not_running_reason())
-        request: EngineRequest = self._validator.validate(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant
-        )
-        stream = self._open_stream(request.request_id)
-        self._transport.write(_frame(("add", request)))
-        return stream
+
+    def _admit(self, request: EngineRequest) -> EngineRequest:
+        assert self._validator is not None  # ``_ensure_accepting`` passed
+        return self._validator.admit(request)
+
+    def _submit(self, request: EngineRequest) -> None:
+        assert self._transport is not None
+        # Admitted on this side: the engine process schedules it without tokenizing again.
+        self._transport.write(frame(("add", request)))
 
     def _abort_soon(self, request_id: str) -> None:
         if self.is_running and self._transport is not None:
-            self._transport.write(_frame(("abort", request_id)))
+            self._transport.write(frame(("abort", request_id)))
 
     def stats(self) -> EngineStats:
         if self._stats is None:
@@ -434,27 +264,3 @@ def _child_env() -> dict[str, str]:
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     return env
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Sluicegate engine process (started by ProcessEngine).")
-    parser.add_argument("--fd", type=int, required=True, help="the inherited socket to the front")
-    args = parser.parse_args(argv)
-    sock = socket.socket(fileno=args.fd)
-    try:
-        code = serve(sock)
-    finally:
-        sock.close()
-    # Skip interpreter teardown: the frozen heap would only be walked to report extension objects still
-    # alive (nanobind prints pages of "leaked" lines for triton's), and nothing is left to flush but stdio.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    # Run the package's module, not this ``__main__`` copy: what the engine process pickles (``EngineSpec``)
-    # must name classes the front can import.
-    from gpu_workers.engine import engine_process
-
-    sys.exit(engine_process.main())

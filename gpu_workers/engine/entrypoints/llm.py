@@ -7,10 +7,11 @@ from collections.abc import Sequence as SequenceABC
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .config import EngineConfig
-from .engine_core import LLMEngine, PromptInput
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..config import EngineConfig
+from ..core.llm_engine import LLMEngine
+from ..core.request import EngineRequest, PromptInput
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 
 
 def normalize_prompts(prompts: PromptInput | SequenceABC[PromptInput]) -> list[PromptInput]:
@@ -79,12 +80,13 @@ class LLM:
         self,
         prompts: PromptInput | SequenceABC[PromptInput],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        priority: str = "standard",
+        priority: int = 0,
         tenant: str = "default",
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
-        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list of the same length.
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or a list of the same length; ``priority``
+        is the scheduling tier of them all (lower runs first).
         Every request is validated before any is queued, so a bad one leaves the engine untouched.
         """
         prompt_list = normalize_prompts(prompts)
@@ -97,13 +99,14 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
-        seqs = [
-            self.engine.make_sequence(p, sp, priority=priority, tenant=tenant)
+        # Admitted one by one first: a bad request raises before any of them is queued.
+        requests = [
+            self.engine.admit(EngineRequest.build(p, sp, priority=priority, tenant=tenant))
             for p, sp in zip(prompt_list, params_list, strict=True)
         ]
-        for seq in seqs:
-            self.engine.add_sequence(seq)
-        pending = {seq.request_id for seq in seqs}
+        for request in requests:
+            self.engine.submit(request)
+        pending = {request.request_id for request in requests}
         results: dict[str, RequestOutput] = {}
         try:
             while pending:
@@ -115,4 +118,4 @@ class LLM:
             # An exception mid-run (e.g. KeyboardInterrupt) must not leave requests holding blocks.
             for request_id in pending:
                 self.engine.abort_request(request_id)
-        return [results[seq.request_id] for seq in seqs]
+        return [results[request.request_id] for request in requests]

@@ -1,0 +1,58 @@
+"""Admission: check a request against the model and tokenize its prompt, before it reaches the step loop.
+
+The check needs only the tokenizer and the model's limits, so it runs wherever the request arrives (the event
+loop of ``AsyncEngine`` or of ``ProcessEngine``'s front) and a request that can never run is refused at once.
+An admitted ``EngineRequest`` carries its prompt's token ids: it crosses a process boundary as it is, and the
+engine turns it into a ``Sequence`` without tokenizing again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..sampling_params import SamplingParams
+from .request import EngineRequest
+
+
+def max_output_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+    """Tokens a request may generate: ``params.max_tokens``, or what the context leaves when that is None."""
+    if params.max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    return params.max_tokens
+
+
+class RequestValidator:
+    """Validates and tokenizes requests against one model's tokenizer, vocabulary and context length."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def admit(self, request: EngineRequest) -> EngineRequest:
+        """The request with its prompt's token ids; ``ValueError`` naming the problem for one that can never run."""
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            token_ids = list(self.tokenizer(prompt).input_ids)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError("a prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        n = len(token_ids)
+        if request.params.max_tokens is None:
+            if max_output_tokens(n, request.params, self.max_model_len) < 1:
+                raise ValueError(f"prompt has {n} tokens, leaving no room under max_model_len={self.max_model_len}")
+        elif n + request.params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        # The engine guarantees its cache holds max_model_len tokens, so a request that passes the check
+        # above always fits once it has the pool to itself.
+        return replace(request, prompt_token_ids=token_ids)
