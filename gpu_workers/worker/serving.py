@@ -26,6 +26,7 @@ from schemas import (
     RestartEvent,
     TokenEvent,
     Usage,
+    tier_rank,
 )
 from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, request_id_of
@@ -124,7 +125,7 @@ class Serving:
                 entry.prompt,
                 sampling_params(request, 0),
                 request_id=rid,
-                priority=request.priority,
+                priority=tier_rank(request.priority),
                 tenant=request.tenant,
             )
         except (PromptError, ValueError):
@@ -235,7 +236,11 @@ class Serving:
             if deltas is None:
                 params = sampling_params(request, len(delivered))
                 deltas = self.engine.add_request(
-                    prompt + delivered, params, request_id=rid, priority=request.priority, tenant=request.tenant
+                    prompt + delivered,
+                    params,
+                    request_id=rid,
+                    priority=tier_rank(request.priority),
+                    tenant=request.tenant,
                 )
             async with self._reading(deltas):
                 async for delta in deltas:

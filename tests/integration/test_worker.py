@@ -486,7 +486,7 @@ def _engine_processes() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"gpu_workers.engine.engine_process" in cmdline:
+        if ppid == os.getpid() and b"gpu_workers.engine.entrypoints.process_main" in cmdline:
             found.append(int(entry.name))
     return found
 
