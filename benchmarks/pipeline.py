@@ -1,7 +1,7 @@
 """Request-path benchmark: what the pipeline adds on top of the engine, and how fast the relay fans out.
 
 The whole pipeline runs on the tiny random-weight model on CPU: Kafka and Redis (a private
-``sluicegate.devstack`` on non-default ports, or the addresses given), ingress and the result service as
+``sluicegate.stack.devstack`` on non-default ports, or the addresses given), ingress and the result service as
 ``sluicegate`` subprocesses, one worker in a child process of this script. At each rate (10, 50 and 100
 requests/s by default) open-loop Poisson arrivals each ``POST /v1/requests`` (short prompt, ``max_tokens``
 8, greedy) and then read the stream over the WebSocket the response names.
@@ -219,7 +219,7 @@ class Stack:
     def spawn(self, name: str, *args: str) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
         self.services[name] = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.cli", *args],
+            [sys.executable, "-m", "sluicegate.stack.cli", *args],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -276,7 +276,7 @@ def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Calla
         return args.kafka_bootstrap, args.redis_url, {}, None
     if args.kafka_bootstrap or args.redis_url:
         raise SystemExit("pass both --kafka-bootstrap and --redis-url, or neither")
-    from sluicegate import devstack
+    from sluicegate.stack import devstack
 
     settings = Settings(
         state_dir=REPO_ROOT / ".sluicegate",
@@ -284,7 +284,7 @@ def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Calla
         redis_port=args.redis_port,
         kafka_full_jit=args.broker_jit == "full",
     )
-    _progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (sluicegate.devstack) ...")
+    _progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (sluicegate.stack.devstack) ...")
     info = devstack.up(settings)
     started = info.started
 

@@ -43,7 +43,7 @@ from sluicegate.settings import Settings, get_settings
 
 log = logging.getLogger("sluicegate.devstack")  # stable name also under `python -m`
 
-INFRA_DIR = Path(__file__).resolve().parent.parent / "infra" / "local"
+INFRA_DIR = Path(__file__).resolve().parents[2] / "infra" / "local"
 POM = INFRA_DIR / "pom.xml"
 SERVER_TEMPLATE = INFRA_DIR / "server.properties.template"
 LOG4J_CONFIG = INFRA_DIR / "log4j.properties"
@@ -763,8 +763,8 @@ def down(settings: Settings | None = None, services: tuple[str, ...] = ("kafka",
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sluicegate.devstack fetch|up|status|down`` (CI and scripts; users have the CLI)."""
-    parser = argparse.ArgumentParser(prog="python -m sluicegate.devstack", description=main.__doc__)
+    """``python -m sluicegate.stack.devstack fetch|up|status|down`` (CI and scripts; users have the CLI)."""
+    parser = argparse.ArgumentParser(prog="python -m sluicegate.stack.devstack", description=main.__doc__)
     parser.add_argument("command", choices=["fetch", "up", "status", "down"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
