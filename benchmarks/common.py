@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,11 @@ def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds so far of process ``pid``, all its threads (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr (stdout carries the report)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def use_uvloop() -> None:
