@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import percentile
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
@@ -50,8 +51,7 @@ class Result:
         return self.output_tokens / self.wall_s
 
     def ttft_pct(self, q: float) -> float:
-        ordered = sorted(self.ttfts)
-        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+        return percentile(self.ttfts, q)
 
 
 def build_model(out_dir: Path, quick: bool) -> Path:

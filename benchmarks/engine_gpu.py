@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Everything is local; never let a library try the hub (the GPU box has no network).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.common import fmt, percentile
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
@@ -197,14 +198,6 @@ class Budget:
         return False
 
 
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -239,11 +232,11 @@ class RunStats:
         return {
             "requests": self.requests,
             "completed": self.completed,
-            "ttft_p50_ms": 1e3 * pct(self.ttfts, 0.50),
-            "ttft_p99_ms": 1e3 * pct(self.ttfts, 0.99),
-            "itl_p50_ms": 1e3 * pct(self.itls, 0.50),
+            "ttft_p50_ms": 1e3 * percentile(self.ttfts, 0.50),
+            "ttft_p99_ms": 1e3 * percentile(self.ttfts, 0.99),
+            "itl_p50_ms": 1e3 * percentile(self.itls, 0.50),
             "itl_mean_ms": 1e3 * (sum(self.itls) / len(self.itls)) if self.itls else math.nan,
-            "itl_p99_ms": 1e3 * pct(self.itls, 0.99),
+            "itl_p99_ms": 1e3 * percentile(self.itls, 0.99),
             "output_tok_s": self.output_tokens / wall,
             "req_s": self.completed / wall,
             "complete": self.complete,
@@ -710,12 +703,6 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    if isinstance(value, float):
-        return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
-    return str(value)
-
-
 def print_report(results: dict[str, Any]) -> None:
     targets = results["targets"]
     print("\nTargets" + (" (smoke run: tiny CPU model, figures are not meaningful)" if results["smoke"] else ""))
@@ -724,7 +711,7 @@ def print_report(results: dict[str, Any]) -> None:
     print("-" * len(header))
     for t in targets:
         verdict = "n/a" if t["pass"] is None else "PASS" if t["pass"] else "FAIL"
-        print(f"{t['name']:<44} {t['target']:<24} {_fmt(t['measured'], 2) + t['unit']:>12}  {verdict}")
+        print(f"{t['name']:<44} {t['target']:<24} {fmt(t['measured'], 2) + t['unit']:>12}  {verdict}")
 
     env = results["environment"]
     print("\n## Engine on one GPU (benchmarks/engine_gpu.py)\n")
@@ -766,9 +753,9 @@ def print_report(results: dict[str, Any]) -> None:
             print("| prefix caching off | | | | | | | | |")
         for row in results.get(name, []):
             print(
-                f"| {row['concurrency']} | {row['requests']} | {_fmt(row['ttft_p50_ms'])} | "
-                f"{_fmt(row['ttft_p99_ms'])} | {_fmt(row['itl_p50_ms'], 2)} | {_fmt(row['itl_p99_ms'], 2)} | "
-                f"{_fmt(row['output_tok_s'])} | {_fmt(row['req_s'], 2)} | {row['prefix_hit_rate']:.1%} |"
+                f"| {row['concurrency']} | {row['requests']} | {fmt(row['ttft_p50_ms'])} | "
+                f"{fmt(row['ttft_p99_ms'])} | {fmt(row['itl_p50_ms'], 2)} | {fmt(row['itl_p99_ms'], 2)} | "
+                f"{fmt(row['output_tok_s'])} | {fmt(row['req_s'], 2)} | {row['prefix_hit_rate']:.1%} |"
             )
     peers = results.get("peers", {})
     if peers:
@@ -781,8 +768,8 @@ def print_report(results: dict[str, Any]) -> None:
             g, b = gen.get("output_tok_s", math.nan), cb.get("output_tok_s", math.nan)
             o = ours["output_tok_s"]
             print(
-                f"| {c} | {_fmt(o)} | {_fmt(g)} | {_fmt(b)} | {_fmt(o / g, 2)}x | {_fmt(o / b, 2)}x | "
-                f"{_fmt(ours['itl_p50_ms'], 2)} |"
+                f"| {c} | {fmt(o)} | {fmt(g)} | {fmt(b)} | {fmt(o / g, 2)}x | {fmt(o / b, 2)}x | "
+                f"{fmt(ours['itl_p50_ms'], 2)} |"
             )
     for key, label in (("fp8", "FP8"), ("bnb_int8", "bnb-int8")):
         q = results.get(key, {})

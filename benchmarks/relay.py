@@ -12,7 +12,7 @@ Two modes per client count:
 * ``paced``: every stream gets one token per ``--step-ms`` (a decode step), like a worker serving
   that many sequences; latency from XADD to client receipt is the figure (p50/p99).
 
-Run: ``python -m benchmarks.relay`` (starts a throwaway ``redis-server``; or pass ``--redis-url``).
+Run: ``python -m benchmarks.relay`` (starts a throwaway Redis through the dev-stack API; or pass ``--redis-url``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +40,14 @@ from websockets.client import ClientProtocol
 from websockets.frames import Frame, Opcode
 from websockets.uri import parse_uri
 
+from benchmarks.common import (
+    free_port,
+    markdown_table,
+    percentile,
+    process_cpu_seconds,
+    start_private_stack,
+    use_uvloop,
+)
 from schemas import STREAM_FIELD, DoneEvent, Names, TokenEvent, Usage, stream_entry_id
 from sluicegate.redis_client import create_redis, wait_for_redis
 from sluicegate.settings import Settings
@@ -52,25 +58,6 @@ TENANT = "bench"
 
 
 # --- processes -----------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found: install it or pass --redis-url")
-    port = _free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    return process, f"redis://127.0.0.1:{port}/0"
 
 
 def _serve(settings_json: str, readers: int) -> None:
@@ -105,11 +92,6 @@ def _health(base_url: str) -> dict[str, int]:
         return json.loads(response.read())
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # --- one run -------------------------------------------------------------------------------------------
 
 
@@ -139,10 +121,8 @@ class Outcome:
         return self.delivered / self.seconds if self.seconds else 0.0
 
     def percentile(self, q: float) -> float:
-        if not self.latencies:
-            return float("nan")
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+        """Nearest-rank percentile of the latencies, in ms."""
+        return percentile(self.latencies, q) * 1000
 
 
 @dataclass
@@ -262,16 +242,8 @@ async def _client_group(jobs: list[tuple[int, str]], expected: int, sample_every
 
 def _client_process(jobs: list[tuple[int, str]], expected: int, sample_every: int, conn: Connection) -> None:
     """One process of clients: in one process, the clients rather than the relay would saturate a core."""
-    _use_uvloop()
+    use_uvloop()
     asyncio.run(_client_group(jobs, expected, sample_every, conn))
-
-
-def _use_uvloop() -> None:
-    try:
-        import uvloop
-    except ImportError:
-        return
-    uvloop.install()
 
 
 def _payloads(request_id: str, tokens: int) -> list[str]:
@@ -344,7 +316,7 @@ async def run_scenario(
                 raise SystemExit(f"only {_health(base_http)['subscribers']} of {sc.clients} clients subscribed")
             await asyncio.sleep(0.1)
 
-        cpu_before = _cpu_seconds(server_pid)
+        cpu_before = process_cpu_seconds(server_pid)
         started = time.monotonic()
         producer = asyncio.create_task(_produce(redis, keys, payloads, sent_at, sc))
         await asyncio.sleep(0.3)
@@ -357,7 +329,7 @@ async def run_scenario(
             results.extend(group)
             outcome.clients_cpu_s += cpu_s
         outcome.seconds = max(r.last_at for r in results) - started
-        outcome.server_cpu_s = _cpu_seconds(server_pid) - cpu_before
+        outcome.server_cpu_s = process_cpu_seconds(server_pid) - cpu_before
     finally:
         for process in processes:
             process.join(10)
@@ -377,25 +349,45 @@ async def run_scenario(
 
 
 def _table(outcomes: Sequence[Outcome]) -> str:
-    header = (
-        "| mode | clients | streams | events/stream | delivered | seconds | events/s to clients "
-        "| p50 ms | p99 ms | server CPU % | clients CPU % | service Redis conns |"
-    )
-    lines = [header, "|" + "---|" * 12]
+    header = [
+        "mode",
+        "clients",
+        "streams",
+        "events/stream",
+        "delivered",
+        "seconds",
+        "events/s to clients",
+        "p50 ms",
+        "p99 ms",
+        "server CPU %",
+        "clients CPU %",
+        "service Redis conns",
+    ]
+    rows = []
     for o in outcomes:
         sc = o.scenario
-        lines.append(
-            f"| {sc.mode} | {sc.clients} | {sc.streams} | {sc.tokens + 1} | {o.delivered:,} | {o.seconds:.2f} "
-            f"| {o.rate:,.0f} | {o.percentile(0.5):.1f} | {o.percentile(0.99):.1f} "
-            f"| {100 * o.server_cpu_s / o.seconds:.0f} | {100 * o.clients_cpu_s / o.seconds:.0f} "
-            f"| {o.redis_connections} |"
+        rows.append(
+            [
+                sc.mode,
+                str(sc.clients),
+                str(sc.streams),
+                str(sc.tokens + 1),
+                f"{o.delivered:,}",
+                f"{o.seconds:.2f}",
+                f"{o.rate:,.0f}",
+                f"{o.percentile(0.5):.1f}",
+                f"{o.percentile(0.99):.1f}",
+                f"{100 * o.server_cpu_s / o.seconds:.0f}",
+                f"{100 * o.clients_cpu_s / o.seconds:.0f}",
+                str(o.redis_connections),
+            ]
         )
-    return "\n".join(lines)
+    return markdown_table(header, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--redis-url", help="use this Redis instead of starting a redis-server")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting a private one")
     parser.add_argument("--clients", default="100,500", help="comma-separated client counts")
     parser.add_argument("--clients-per-stream", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2000, help="token events per stream in max mode")
@@ -407,15 +399,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--client-procs", type=int, default=2, help="processes the clients are spread over")
     args = parser.parse_args(argv)
 
-    _use_uvloop()
+    use_uvloop()
     workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
-    redis_process = None
+    private = None
     redis_url = args.redis_url
     if redis_url is None:
-        redis_process, redis_url = _start_redis(workdir)
+        # Redis only, on free ports, with its state in the throwaway work folder.
+        private = start_private_stack(free_port(), free_port(), state_dir=workdir, services=("redis",))
+        redis_url = private.info.redis_url
     asyncio.run(wait_for_redis(redis_url, 15))
 
-    port = _free_port()
+    port = free_port()
     prefix = f"bench{uuid.uuid4().hex[:6]}."
     settings = Settings(redis_url=redis_url, result_port=port, stream_token_secret=SECRET, topic_prefix=prefix)
     server = multiprocessing.get_context("spawn").Process(
@@ -447,9 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         server.terminate()
         server.join(10)
-        if redis_process is not None:
-            redis_process.terminate()
-            redis_process.wait(10)
+        if private is not None:
+            private.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"\nrelay benchmark on {os.cpu_count()} CPUs (server, Redis and clients share them)\n")

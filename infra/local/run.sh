@@ -37,9 +37,9 @@ if ! cmp -s pyproject.toml "$stamp" 2>/dev/null || ! "$PY" -c "import sluicegate
     cp pyproject.toml "$stamp"
 fi
 # Broker jars into .sluicegate/kafka/libs, fetched once.
-"$PY" -m sluicegate.devstack fetch >/dev/null
+"$PY" -m sluicegate.stack.devstack fetch >/dev/null
 
 if [[ "$action" == up ]]; then
-    exec "$PY" -m sluicegate.cli up "$@"
+    exec "$PY" -m sluicegate.stack.cli up "$@"
 fi
 exec "$PY" -m pytest -q "$@"

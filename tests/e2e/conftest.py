@@ -85,7 +85,7 @@ class Pipeline:
     def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Service:
         log_path = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.cli", *args],
+            [sys.executable, "-m", "sluicegate.stack.cli", *args],
             env={**self.env, **(extra_env or {})},
             stdout=log_path.open("ab"),
             stderr=subprocess.STDOUT,

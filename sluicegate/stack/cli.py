@@ -11,8 +11,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .logs import configure_logging
-from .settings import Settings, get_settings
+from sluicegate.logs import configure_logging
+from sluicegate.settings import Settings, get_settings
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ def _schemas_export(args: argparse.Namespace) -> int:
 
 
 def _dev(args: argparse.Namespace) -> int:
-    from . import devstack
+    from sluicegate.stack import devstack
 
     settings = get_settings()
     try:
@@ -114,7 +114,7 @@ def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _dlq_list(args: argparse.Namespace) -> int:
-    from .dlq import format_entry, list_entries
+    from sluicegate.dlq import format_entry, list_entries
 
     entries = _dlq_run(list_entries(get_settings(), limit=args.limit))
     for entry in entries:
@@ -125,7 +125,7 @@ def _dlq_list(args: argparse.Namespace) -> int:
 
 
 def _dlq_replay(args: argparse.Namespace) -> int:
-    from .dlq import replay, summary
+    from sluicegate.dlq import replay, summary
 
     outcomes = _dlq_run(replay(get_settings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run))
     for outcome in outcomes:
@@ -135,7 +135,7 @@ def _dlq_replay(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .launcher import up
+    from sluicegate.stack.launcher import up
 
     return up(
         get_settings(), model=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack

@@ -1,6 +1,6 @@
 """``sluicegate up``: the whole local stack in one command.
 
-Starts Kafka and Redis (through :mod:`sluicegate.devstack`), then the router, ingress, result
+Starts Kafka and Redis (through :mod:`sluicegate.stack.devstack`), then the router, ingress, result
 service and one worker as child processes with their logs in one folder; prints the URLs and the
 API key; stops everything on Ctrl-C or SIGTERM.
 """
@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .settings import Settings
+from sluicegate.settings import Settings
 
 DEMO_MODEL_NAME = "tiny-llama"
 
@@ -58,7 +58,7 @@ def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Ch
     log_path = log_dir / f"{name}.log"
     log_file = log_path.open("ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "sluicegate.cli", *args],
+        [sys.executable, "-m", "sluicegate.stack.cli", *args],
         env=env,
         stdout=log_file,
         stderr=subprocess.STDOUT,
@@ -81,7 +81,7 @@ def _stop(children: list[Child]) -> None:
 
 def up(settings: Settings, *, model: str | None, device: str, model_name: str | None, keep_stack: bool) -> int:
     """Run the full stack until interrupted; returns the exit code."""
-    from . import devstack
+    from sluicegate.stack import devstack
 
     info = devstack.up(settings)
     model_path = model or str(_demo_model(settings))

@@ -1,0 +1,117 @@
+"""What every benchmark shares: a free local port, nearest-rank percentiles and number formatting, markdown
+tables, CPU time of a process, uvloop when installed, and a private Kafka + Redis started through the dev-stack
+API (``sluicegate.stack.devstack``, the one place that starts them).
+
+Only the standard library is imported at module level: ``engine_gpu.py`` and ``engine_cpu.py`` import this
+module on a bare GPU image (torch and transformers, no aiokafka, redis or pydantic-settings), so the dev stack
+is imported inside :func:`start_private_stack` only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sluicegate.settings import Settings
+    from sluicegate.stack.devstack import StackInfo
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 1]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
+
+
+def fmt(value: Any, digits: int = 1) -> str:
+    """A figure for a table: floats with ``digits`` decimals and thousands separators, NaN as ``n/a``."""
+    if isinstance(value, float):
+        return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
+    return str(value)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table: the header, the separator line, then one line per row (cells already formatted)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines.extend("| " + " | ".join(row) + " |" for row in rows)
+    return "\n".join(lines)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds so far of process ``pid``, all its threads (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr (stdout carries the report)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def use_uvloop() -> None:
+    """Make uvloop the event loop policy when it is installed (the services run on it too)."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    uvloop.install()
+
+
+@dataclass
+class PrivateStack:
+    """Kafka and/or Redis a benchmark brought up; ``close`` stops only what this run started."""
+
+    info: StackInfo
+    settings: Settings
+
+    def close(self) -> None:
+        from sluicegate.stack import devstack
+
+        if self.info.started:
+            devstack.down(self.settings, services=self.info.started)
+
+    def __enter__(self) -> PrivateStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_private_stack(
+    kafka_port: int,
+    redis_port: int,
+    *,
+    state_dir: Path | None = None,
+    full_jit: bool = False,
+    services: tuple[str, ...] = ("kafka", "redis"),
+) -> PrivateStack:
+    """Kafka and Redis (or only ``services``) on the given ports through the dev-stack API, reusing ones already
+    running there. ``state_dir`` defaults to the repository's ``.sluicegate`` (its broker-jar cache);
+    ``full_jit`` lifts the dev broker's C1-only JIT cap (latency runs, as a production broker compiles)."""
+    from sluicegate.settings import Settings
+    from sluicegate.stack import devstack
+
+    settings = Settings(
+        state_dir=state_dir or REPO_ROOT / ".sluicegate",
+        kafka_port=kafka_port,
+        redis_port=redis_port,
+        kafka_full_jit=full_jit,
+    )
+    return PrivateStack(devstack.up(settings, services=services), settings)

@@ -1,0 +1,250 @@
+"""The pipeline benchmark's load and meters: open-loop Poisson arrivals that POST a request and follow its
+stream over the WebSocket (stamping bytes as they arrive), ingress's own timers from ``/metrics``, CPU time
+per process, and the transport floor (Kafka and a Redis stream alone, at the same pace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from websockets.uri import parse_uri
+
+from benchmarks import relay
+from benchmarks.common import percentile, process_cpu_seconds
+from benchmarks.http1 import Http1Pool
+from benchmarks.pipeline_stack import API_KEY, MODEL_NAME, Stack
+from sluicegate.settings import Settings
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it (``time.time()`` seconds)."""
+
+    sent: float = 0.0
+    accepted: float = 0.0
+    first: float = 0.0
+    done: float = 0.0
+    lateness: float = 0.0
+    request_id: str = ""
+    tokens: int = 0
+    error: str | None = None
+
+
+class _StreamReader(relay.SansIOWebSocket):
+    """Follows one request's stream, stamping events as their bytes arrive, so the client's own scheduling
+    delays do not count as pipeline latency."""
+
+    clock = staticmethod(time.time)
+
+    def __init__(self, url: str, sample: Sample) -> None:
+        super().__init__(url)
+        self.sample = sample
+        self.next_seq = 0
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_text(self, data: str | bytes, now: float) -> None:
+        sample = self.sample
+        event = json.loads(data)
+        if event["seq"] != self.next_seq and sample.error is None:
+            sample.error = f"seq {event['seq']} where {self.next_seq} was due"
+        self.next_seq = event["seq"] + 1
+        if event["type"] == "token":
+            sample.first = sample.first or now
+            sample.tokens += len(event["token_ids"])
+        elif event["type"] in ("done", "error"):
+            sample.done = now
+            if event["type"] == "error":
+                sample.error = f"error event: {event.get('code')}: {event.get('message')}"
+
+    def on_handshake_failed(self, message: str) -> None:
+        if self.sample.error is None:
+            self.sample.error = message
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.sample.done and self.sample.error is None:
+            close = self.ws.close_rcvd
+            self.sample.error = f"connection closed before done (close {close.code if close else None}, {exc!r})"
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float) -> None:
+    try:
+        response = await client.post_json("/v1/requests", body, clock=time.time)
+        sample.sent = response.sent_at  # as the bytes are written, so no client library time counts
+        sample.accepted = time.time()
+        if response.status != 202:
+            sample.error = f"POST answered {response.status}: {response.body[:200]!r}"
+            return
+        submitted = response.json()
+        sample.request_id = submitted["request_id"]
+        url = f"{submitted['stream_url']}?token={submitted['stream_token']}"
+        uri = parse_uri(url)
+        loop = asyncio.get_running_loop()
+        _, reader = await loop.create_connection(lambda: _StreamReader(url, sample), uri.host, uri.port)
+        await asyncio.wait_for(reader.closed, timeout_s)
+    except (OSError, TimeoutError, ValueError) as exc:  # ValueError: h11's protocol errors, bad JSON
+        sample.error = sample.error or repr(exc)
+
+
+def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Poisson arrival offsets (seconds) over ``duration_s``."""
+    offsets, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+async def run_rate(
+    stack: Stack, rate: float, duration_s: float, *, max_tokens: int, seed: int, label: str = ""
+) -> list[Sample]:
+    """Open-loop arrivals at ``rate`` for ``duration_s``; returns once every request ended (or timed out)."""
+    rng = random.Random(f"{seed}-{rate}-{label}")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    samples: list[Sample] = []
+    host, port = stack.ingress_url.removeprefix("http://").rsplit(":", 1)
+    async with Http1Pool(host, int(port), headers) as client:
+        loop = asyncio.get_running_loop()
+        tasks = []
+        start = loop.time()
+        for i, offset in enumerate(_arrivals(rate, duration_s, rng)):
+            delay = start + offset - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sample = Sample(lateness=max(0.0, loop.time() - start - offset))
+            samples.append(sample)
+            # Different prompts spread the requests over partitions (the router keys on the prompt prefix).
+            body = {
+                "model": MODEL_NAME,
+                "prompt": f"{label}request {i}: the quick brown fox",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            tasks.append(asyncio.create_task(_one_request(client, body, sample, timeout_s=60)))
+        if tasks:
+            await asyncio.wait(tasks)
+    return samples
+
+
+async def ingress_timers(stack: Stack) -> dict[str, tuple[float, int]]:
+    """Ingress's own timers from ``/metrics``: (sum of seconds, count) of the Kafka publish (until every
+    in-sync replica acknowledged) and of ``POST /v1/requests`` handling."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{stack.ingress_url}/metrics")).text
+    wanted = {
+        "publish": ("sluicegate_ingress_publish_seconds", {}),
+        "handler": ("sluicegate_ingress_request_seconds", {"route": "/v1/requests", "method": "POST"}),
+    }
+    timers = {}
+    for name, (family_name, labels) in wanted.items():
+        total, count = 0.0, 0
+        for family in text_string_to_metric_families(text):
+            if family.name != family_name:
+                continue
+            for sample in family.samples:
+                if any(sample.labels.get(k) != v for k, v in labels.items()):
+                    continue
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += int(sample.value)
+        timers[name] = (total, count)
+    return timers
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each process (all its threads), and of this client process."""
+    used = {}
+    for name, pid in pids.items():
+        try:
+            used[name] = process_cpu_seconds(pid)
+        except OSError:
+            continue
+    times = os.times()
+    used["clients"] = times.user + times.system
+    return used
+
+
+@dataclass
+class TransportFloor:
+    """The two transports alone, on the same Kafka and Redis, at the same pace as one request each."""
+
+    kafka_ms: list[float]
+    redis_ms: list[float]
+
+    def p(self, q: float) -> tuple[float, float, float]:
+        kafka, redis = percentile(self.kafka_ms, q), percentile(self.redis_ms, q)
+        return kafka, redis, kafka + redis
+
+
+async def measure_transport_floor(settings: Settings, *, messages: int, rate: float) -> TransportFloor:
+    """What the broker and the stream cost with nothing else in the way: one record produced as ingress does
+    (``acks=all``, idempotent) until a consumer polling as the worker does holds it, and one XADD until a
+    blocked XREAD has it; ``messages`` of each at ``rate`` per second."""
+    import redis.asyncio as aioredis
+
+    from sluicegate.kafka import create_consumer, create_producer, ensure_topics
+
+    topic = f"{settings.topic_prefix}floor.{uuid.uuid4().hex[:8]}"
+    await ensure_topics(settings.kafka_bootstrap, {topic: 1}, settings.topic_replication)
+    producer = create_producer(settings, client_id="floor-producer")
+    consumer = create_consumer(topic, group_id=None, settings=settings, client_id="floor-consumer")
+    redis_w, redis_r = aioredis.Redis.from_url(settings.redis_url), aioredis.Redis.from_url(settings.redis_url)
+    await producer.start()
+    await consumer.start()
+    sent: dict[bytes, float] = {}
+    kafka_ms: list[float] = []
+    redis_ms: list[float] = []
+    stream = f"{settings.topic_prefix}floor:{uuid.uuid4().hex[:8]}"
+
+    async def consume() -> None:
+        while True:
+            batch = await consumer.getmany(timeout_ms=100)
+            now = time.perf_counter()
+            for records in batch.values():
+                for record in records:
+                    if record.value in sent:
+                        kafka_ms.append(1000 * (now - sent[record.value]))
+
+    async def read_stream() -> None:
+        last = "$"
+        while True:
+            reply = await redis_r.xread({stream: last}, block=1000)
+            now = time.perf_counter()
+            for _, entries in reply:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    redis_ms.append(1000 * (now - float(fields[b"t"])))
+
+    readers = [asyncio.create_task(consume()), asyncio.create_task(read_stream())]
+    try:
+        await asyncio.sleep(1.0)  # both readers parked: the consumer at the log end, XREAD blocked
+        for i in range(messages):
+            value = f"floor-{i}".encode()
+            sent[value] = time.perf_counter()
+            await (await producer.send(topic, value, key=value))
+            await asyncio.sleep(1 / (2 * rate))
+            await redis_w.xadd(stream, {"t": repr(time.perf_counter())})
+            await asyncio.sleep(1 / (2 * rate))
+        await asyncio.sleep(0.5)
+    finally:
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await consumer.stop()
+        await producer.stop()
+        await redis_w.delete(stream)
+        await redis_w.aclose()
+        await redis_r.aclose()
+    return TransportFloor(kafka_ms, redis_ms)

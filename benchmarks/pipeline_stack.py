@@ -1,0 +1,328 @@
+"""The pipeline benchmark's stack: Kafka and Redis (a private dev stack or the addresses given), ingress and the
+result service as ``sluicegate`` subprocesses, and one worker in a child process of the benchmark with timing
+probes that stamp when a request's record reaches the worker, its engine timestamps, and when its first token's
+XADD goes out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks import relay
+from benchmarks.common import REPO_ROOT, free_port, progress, start_private_stack
+from schemas import Names, WorkerHeartbeat
+from sluicegate.settings import Settings
+
+MODEL_NAME = "tiny-bench"
+API_KEY = "sk-pipeline-benchmark"
+WORKER_ID = "bench-worker"
+
+
+def _install_stage_probes(stamps: dict[str, dict[str, float]]) -> bool:
+    """Stamp when the worker takes a Kafka record and when it sends a first token's XADD (private hooks of
+    the worker; False, and no stage split, when they are not there).
+
+    The worker has no public observer for these two moments yet, so its private methods are wrapped; the
+    benchmark degrades to "no stage split" rather than failing when they move.
+    """
+    from schemas.names import HEADER_REQUEST_ID
+
+    try:
+        from gpu_workers.worker import service, streams
+    except ImportError:
+        return False
+
+    admit = getattr(service.Worker, "_admit", None)
+    append = getattr(streams.StreamPublisher, "_append", None)
+    if admit is None or append is None:
+        return False
+
+    def timed_admit(self: Any, record: Any, *args: Any, **kwargs: Any) -> Any:
+        now = time.time()
+        for key, value in record.headers or ():
+            if key == HEADER_REQUEST_ID:
+                entry = stamps.setdefault(value.decode(), {})
+                entry.setdefault("admitted", now)
+                if record.timestamp_type == 0:  # CreateTime: when ingress handed the record to its producer
+                    entry.setdefault("produced", record.timestamp / 1000)
+        return admit(self, record, *args, **kwargs)
+
+    async def timed_append(self: Any, batch: list[Any], *args: Any, **kwargs: Any) -> Any:
+        # Stamped as the pipeline goes out: once Redis has it, the relay may deliver it before this task resumes.
+        now = time.time()
+        for event in batch:
+            if getattr(event, "seq", None) == 0 and getattr(event, "type", None) == "token":
+                stamps.setdefault(event.request_id, {}).setdefault("flushed", now)
+        return await append(self, batch, *args, **kwargs)
+
+    service.Worker._admit = timed_admit  # type: ignore[method-assign]
+    streams.StreamPublisher._append = timed_append  # type: ignore[method-assign]
+    return True
+
+
+def _install_engine_probe(stamps: dict[str, dict[str, float]]) -> bool:
+    """Keep each finished request's engine timestamps, and when its first token reached the worker's loop.
+
+    The engine front has no public delta observer yet, so its private ``_deliver`` is wrapped; False (and no
+    engine timings) when it is not there.
+    """
+    from gpu_workers.engine import EngineFront, RequestDelta
+
+    deliver = getattr(EngineFront, "_deliver", None)
+    if deliver is None:
+        return False
+
+    def timed_deliver(self: Any, deltas: list[RequestDelta]) -> None:
+        # Every delta reaches the worker's event loop through here, from a thread or a process engine alike.
+        now = time.time()
+        for delta in deltas:
+            entry = stamps.setdefault(delta.request_id, {})
+            if delta.num_output_tokens:
+                entry.setdefault("delivered", now)
+            if delta.final is not None and delta.final.metrics.first_token_time is not None:
+                metrics = delta.final.metrics
+                entry["arrival"] = metrics.arrival_time
+                entry["first_token"] = metrics.first_token_time
+        deliver(self, deltas)
+
+    EngineFront._deliver = timed_deliver  # type: ignore[method-assign]
+    return True
+
+
+def _worker_main(settings_json: str, out_dir: str) -> None:
+    """Run the worker (as ``sluicegate worker`` does) with timing probes until SIGTERM; then write the stamps.
+
+    Its output goes to ``worker.log`` in ``out_dir``, the stamps to ``stamps.json``.
+    """
+    log = os.open(Path(out_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    from gpu_workers.worker.main import run_worker
+    from sluicegate import event_loop
+    from sluicegate.logs import configure_logging
+
+    settings = Settings.model_validate_json(settings_json)
+    configure_logging(settings.log_level, settings.log_format)
+    stamps: dict[str, dict[str, float]] = {}
+    probes = _install_stage_probes(stamps)
+    if not _install_engine_probe(stamps):
+        print("the engine's private _deliver was not found: no engine timings", file=sys.stderr, flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_worker(settings, stop, freeze_heap=True)
+
+    event_loop.run(main())  # as ``sluicegate worker`` runs it
+    (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": probes, "stamps": stamps}))
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of ``pid`` (Linux ``/proc``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class Stack:
+    """The running pipeline: backbone addresses, service processes, and what to tear down."""
+
+    settings: Settings
+    env: dict[str, str]
+    workdir: Path
+    services: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    worker: multiprocessing.process.BaseProcess | None = None
+    teardown: list[Callable[[], None]] = field(default_factory=list)
+    backbone_pids: dict[str, int] = field(default_factory=dict)
+
+    def pids(self) -> dict[str, int]:
+        """Every process of the pipeline whose pid is known, by role."""
+        pids = {name: process.pid for name, process in self.services.items()}
+        if self.worker is not None and self.worker.pid is not None:
+            pids["worker"] = self.worker.pid
+            for child in _children(self.worker.pid):
+                pids["engine"] = child  # the worker's engine process (none with SLUICEGATE_ENGINE_PROCESS=false)
+        return pids | self.backbone_pids
+
+    @property
+    def ingress_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ingress_port}"
+
+    @property
+    def result_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.result_port}"
+
+    def spawn(self, name: str, *args: str) -> None:
+        log = (self.workdir / f"{name}.log").open("ab")
+        self.services[name] = subprocess.Popen(
+            [sys.executable, "-m", "sluicegate.stack.cli", *args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+
+    def check_alive(self) -> None:
+        for name, process in self.services.items():
+            if process.poll() is not None:
+                raise SystemExit(f"{name} exited with code {process.returncode}:\n{self.log_tail(name)}")
+        if self.worker is not None and not self.worker.is_alive():
+            raise SystemExit(f"worker exited with code {self.worker.exitcode}:\n{self.log_tail('worker')}")
+
+    def log_tail(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
+
+    def stop_worker(self) -> dict[str, Any]:
+        """SIGTERM the worker (it drains) and read the stamps it wrote on the way out."""
+        if self.worker is None:
+            return {"probes": False, "stamps": {}}
+        self.worker.terminate()
+        self.worker.join(60)
+        if self.worker.is_alive():
+            self.worker.kill()
+            raise SystemExit("the worker did not stop within 60 s")
+        self.worker = None
+        path = self.workdir / "stamps.json"
+        if not path.exists():
+            raise SystemExit(f"the worker wrote no timings:\n{self.log_tail('worker')}")
+        return json.loads(path.read_text())
+
+    def close(self) -> None:
+        if self.worker is not None and self.worker.pid is not None:
+            self.worker.terminate()
+            self.worker.join(30)
+        for process in self.services.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.services.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for step in reversed(self.teardown):
+            step()
+
+
+def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Callable[[], None] | None]:
+    """Kafka bootstrap, Redis URL, their pids when known, and how to stop them: the addresses given, or a
+    private dev stack (stopped afterwards if started here)."""
+    if args.kafka_bootstrap and args.redis_url:
+        return args.kafka_bootstrap, args.redis_url, {}, None
+    if args.kafka_bootstrap or args.redis_url:
+        raise SystemExit("pass both --kafka-bootstrap and --redis-url, or neither")
+    progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (sluicegate.stack.devstack) ...")
+    private = start_private_stack(args.kafka_port, args.redis_port, full_jit=args.broker_jit == "full")
+    info = private.info
+    pids = {name: pid for name, pid in (("kafka", info.kafka_pid), ("redis", info.redis_pid)) if pid is not None}
+    return info.kafka_bootstrap, info.redis_url, pids, private.close
+
+
+def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
+    """Backbone, tiny model, ingress, result service and the timed worker; returns once the worker heartbeats."""
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
+
+    bootstrap, redis_url, backbone_pids, down = _backbone(args)
+    progress("building the tiny model ...")
+    model = make_tiny_model(workdir / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
+    settings = Settings(
+        kafka_bootstrap=bootstrap,
+        redis_url=redis_url,
+        topic_prefix=f"pb{uuid.uuid4().hex[:6]}.",
+        topic_partitions=args.partitions,
+        ingress_port=free_port(),
+        result_port=free_port(),
+        api_keys=API_KEY,
+        # The relay scenarios sign their stream tokens with the relay benchmark's secret.
+        stream_token_secret=relay.SECRET,
+        model=str(model),
+        model_name=MODEL_NAME,
+        worker_id=WORKER_ID,
+        device="cpu",
+        kv_cache_gb=0.25,
+        log_level=args.log_level,
+        # The tiny model gains nothing from a second thread on a shared 2-core machine.
+        torch_threads=1,
+        engine_mode=args.engine,
+    )
+    settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {k: v for k, v in env.items() if not k.startswith("SLUICEGATE_")}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is not None:
+            env[f"SLUICEGATE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    stack = Stack(settings, env, workdir, backbone_pids=backbone_pids)
+    if down is not None:
+        stack.teardown.append(down)
+    try:
+        context = multiprocessing.get_context("spawn")
+        stack.worker = context.Process(
+            target=_worker_main, args=(settings.model_dump_json(), str(workdir)), daemon=False
+        )
+        stack.worker.start()
+        stack.spawn("ingress", "ingress")
+        stack.spawn("result-service", "result-service")
+        progress("waiting for ingress, the result service and the worker ...")
+        asyncio.run(_wait_ready(stack))
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+async def _wait_ready(stack: Stack, timeout_s: float = 120.0) -> None:
+    from redis.asyncio import Redis
+
+    deadline = time.monotonic() + timeout_s
+    key = Names(stack.settings.topic_prefix).workers_key(MODEL_NAME)
+    redis = Redis.from_url(stack.settings.redis_url)
+    try:
+        async with httpx.AsyncClient(timeout=2) as client:
+            pending = [f"{stack.ingress_url}/healthz", f"{stack.result_url}/healthz"]
+            while True:
+                stack.check_alive()
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the pipeline did not come up within {timeout_s:.0f}s: waiting for {pending}")
+                for url in list(pending):
+                    try:
+                        if (await client.get(url)).status_code == 200:
+                            pending.remove(url)
+                    except httpx.HTTPError:
+                        pass
+                raw = await redis.hget(key, WORKER_ID)
+                if raw is not None and WorkerHeartbeat.model_validate_json(raw).partitions:
+                    if "worker" in pending:
+                        pending.remove("worker")
+                elif "worker" not in pending:
+                    pending.append("worker")
+                if not pending:
+                    return
+                await asyncio.sleep(0.3)
+    finally:
+        await redis.aclose()

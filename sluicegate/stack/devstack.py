@@ -1,0 +1,347 @@
+"""The local dev stack behind ``sluicegate dev up|status|down``: a single-node Kafka (KRaft, broker and
+controller in one JVM, jars fetched from Maven Central) and a Redis server, run as background
+processes whose pid files, data and logs live under ``Settings.state_dir`` (see ``layout.py``).
+
+This module is THE place that starts and stops Kafka + Redis: ``sluicegate up``, the test session and the
+benchmarks call :func:`up` / :func:`down` / :func:`status`. The jobs behind them live beside it: pid files
+and processes (``processes.py``), Java and the broker jars (``jars.py``), the broker (``kafka_broker.py``)
+and Redis (``redis_server.py``). ``python -m sluicegate.stack.devstack fetch|up|status|down`` is its script
+entry (CI and ``infra/local/run.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluicegate.kafka import probe_kafka, wait_for_kafka
+from sluicegate.redis_client import wait_for_redis
+from sluicegate.settings import Settings, get_settings
+from sluicegate.stack.jars import ensure_jars, find_java
+from sluicegate.stack.kafka_broker import KAFKA_START_TIMEOUT_S, KAFKA_STOP_TIMEOUT_S, kafka_owner, start_kafka
+from sluicegate.stack.layout import DevStackError, StackLayout
+from sluicegate.stack.processes import (
+    Running,
+    alive,
+    last_problem,
+    locked,
+    log,
+    port_in_use,
+    run_coro,
+    running_pid,
+    stop,
+)
+from sluicegate.stack.redis_server import (
+    REDIS_START_TIMEOUT_S,
+    REDIS_STOP_TIMEOUT_S,
+    find_redis_server,
+    redis_owner,
+    start_redis,
+)
+
+SERVICES: tuple[str, ...] = ("kafka", "redis")
+
+__all__ = ["DevStackError", "ServiceStatus", "StackInfo", "StackStatus", "down", "fetch_jars", "status", "up"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    """What ``up`` brought up: the addresses to use and the processes serving them (a pid is None for a
+    service ``up`` was not asked for)."""
+
+    kafka_bootstrap: str
+    redis_url: str
+    kafka_pid: int | None
+    redis_pid: int | None
+    state_dir: Path
+    started: tuple[str, ...] = ()  # services this call started; the others were already running
+    elapsed_s: float = 0.0
+
+    def env(self) -> dict[str, str]:
+        """Environment that points Sluicegate services at this stack."""
+        env = {}
+        if self.kafka_pid is not None:
+            env["SLUICEGATE_KAFKA_BOOTSTRAP"] = self.kafka_bootstrap
+        if self.redis_pid is not None:
+            env["SLUICEGATE_REDIS_URL"] = self.redis_url
+        return env
+
+    def lines(self) -> list[str]:
+        """Human-readable summary for the CLI."""
+
+        def state(name: str) -> str:
+            return "started" if name in self.started else "already running"
+
+        services = []
+        if self.kafka_pid is not None:
+            services.append(f"kafka  {self.kafka_bootstrap}  pid {self.kafka_pid} ({state('kafka')})")
+        if self.redis_pid is not None:
+            services.append(f"redis  {self.redis_url}  pid {self.redis_pid} ({state('redis')})")
+        return [
+            *services,
+            f"state  {self.state_dir}  (ready in {self.elapsed_s:.1f}s)",
+            *(f"export {key}={value}" for key, value in self.env().items()),
+        ]
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    """One service of the stack: our process (if any) and whether its address answers."""
+
+    name: str
+    address: str
+    pid: int | None
+    answering: bool
+    log_path: Path
+    detail: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+    def line(self) -> str:
+        process = f"pid {self.pid}" if self.pid is not None else "not running"
+        health = "answering" if self.answering else "not answering"
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{self.name:<5}  {self.address}  {process}, {health}{extra}  log {self.log_path}"
+
+
+@dataclass(frozen=True)
+class StackStatus:
+    """``status`` result: one entry per service."""
+
+    kafka: ServiceStatus
+    redis: ServiceStatus
+
+    @property
+    def services(self) -> tuple[ServiceStatus, ...]:
+        return (self.kafka, self.redis)
+
+    @property
+    def healthy(self) -> bool:
+        return all(s.running and s.answering for s in self.services)
+
+    def lines(self) -> list[str]:
+        return [s.line() for s in self.services]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _check_services(services: tuple[str, ...]) -> None:
+    unknown = set(services) - set(SERVICES)
+    if unknown:
+        raise DevStackError(f"unknown services {sorted(unknown)}: expected kafka and/or redis")
+
+
+def _busy_port_error(port: int, setting: str) -> DevStackError:
+    return DevStackError(f"port {port} is in use by a process this stack did not start: stop it or set {setting}")
+
+
+def fetch_jars(settings: Settings | None = None) -> Path:
+    """Fetch the pinned Kafka broker jars into ``<state_dir>/kafka/libs/<version>`` unless cached;
+    returns that folder. Needs Maven (and network) only the first time."""
+    layout = StackLayout.of(settings or get_settings())
+    with locked(layout.state):
+        return ensure_jars(layout)
+
+
+def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -> StackInfo:
+    """Start Kafka and Redis unless they already run, wait until both answer, return their addresses.
+
+    Idempotent: a live process (checked by pid file, command line and port) is reused; a stale pid
+    file is removed. Raises ``DevStackError`` with a one-line reason when something is missing or a
+    service will not start (the processes this call started are stopped again). ``services`` limits it
+    to some of them (a benchmark that needs only Redis).
+    """
+    _check_services(services)
+    settings = settings or get_settings()
+    layout = StackLayout.of(settings)
+    want_kafka, want_redis = "kafka" in services, "redis" in services
+    started_at = time.monotonic()
+    with locked(layout.state):
+        kafka_owns, redis_owns = kafka_owner(layout), redis_owner(layout)
+        kafka_pid = running_pid(layout.kafka_pid, kafka_owns) if want_kafka else None
+        redis_pid = running_pid(layout.redis_pid, redis_owns) if want_redis else None
+        start_kafka_now, start_redis_now = want_kafka and kafka_pid is None, want_redis and redis_pid is None
+        started: list[str] = []
+
+        if start_kafka_now:
+            for port in (layout.kafka_port, layout.kafka_port + 1):
+                if port_in_use(port):
+                    raise _busy_port_error(port, "SLUICEGATE_KAFKA_PORT")
+        if start_redis_now and port_in_use(layout.redis_port):
+            raise _busy_port_error(layout.redis_port, "SLUICEGATE_REDIS_PORT")
+
+        # Every tool is checked (and the jars fetched) before anything starts, so a missing one fails
+        # fast with its own message and leaves nothing running.
+        java, libs = (find_java(), ensure_jars(layout)) if start_kafka_now else ("", layout.libs_root)
+        redis_server = find_redis_server() if start_redis_now else ""
+
+        try:
+            if start_redis_now:  # Redis first: it is ready long before the JVM, so nothing waits on it
+                redis_pid = start_redis(layout, redis_server)
+                started.append("redis")
+            if start_kafka_now:
+                kafka_pid = start_kafka(layout, settings, java, libs)
+                started.append("kafka")
+            run_coro(_wait_ready(layout, kafka_pid, redis_pid))
+        except BaseException:
+            # Leave nothing half-started behind: a retry then starts from a clean slate.
+            ours = {
+                "kafka": (kafka_pid, layout.kafka_pid, kafka_owns, KAFKA_STOP_TIMEOUT_S),
+                "redis": (redis_pid, layout.redis_pid, redis_owns, REDIS_STOP_TIMEOUT_S),
+            }
+            stop(
+                {
+                    name: Running(pid, pid_file, owns, timeout_s)
+                    for name, (pid, pid_file, owns, timeout_s) in ours.items()
+                    if name in started and pid is not None
+                }
+            )
+            raise
+
+    info = StackInfo(
+        kafka_bootstrap=layout.bootstrap,
+        redis_url=layout.redis_url,
+        kafka_pid=kafka_pid,
+        redis_pid=redis_pid,
+        state_dir=layout.state,
+        started=tuple(started),
+        elapsed_s=time.monotonic() - started_at,
+    )
+    log.info(
+        "devstack.up bootstrap=%s redis_url=%s kafka_pid=%s redis_pid=%s started=%s elapsed_s=%.2f",
+        info.kafka_bootstrap,
+        info.redis_url,
+        kafka_pid,
+        redis_pid,
+        ",".join(started) or "none",
+        info.elapsed_s,
+    )
+    return info
+
+
+async def _wait_ready(layout: StackLayout, kafka_pid: int | None, redis_pid: int | None) -> None:
+    """Until each service given a pid answers; a process that exits meanwhile fails at once with its log's reason."""
+
+    def kafka_check() -> None:
+        if kafka_pid is not None and not alive(kafka_pid, kafka_owner(layout)):
+            raise DevStackError(
+                f"kafka exited during startup: {last_problem(layout.kafka_out, layout.kafka_logs / 'server.log')}"
+                f" (logs in {layout.kafka_logs})"
+            )
+
+    def redis_check() -> None:
+        if redis_pid is not None and not alive(redis_pid, redis_owner(layout)):
+            raise DevStackError(f"redis exited during startup: {last_problem(layout.redis_log)}")
+
+    waits: list[Awaitable[object]] = []
+    if kafka_pid is not None:
+        waits.append(wait_for_kafka(layout.bootstrap, KAFKA_START_TIMEOUT_S, check=kafka_check))
+    if redis_pid is not None:
+        waits.append(wait_for_redis(layout.redis_url, REDIS_START_TIMEOUT_S, check=redis_check))
+    try:
+        await asyncio.gather(*waits)
+    except TimeoutError as exc:
+        raise DevStackError(f"{exc} (logs in {layout.state})") from exc
+
+
+def status(settings: Settings | None = None) -> StackStatus:
+    """What runs (by pid file and command line) and whether each address answers a request."""
+    layout = StackLayout.of(settings or get_settings())
+    kafka_pid = running_pid(layout.kafka_pid, kafka_owner(layout))
+    redis_pid = running_pid(layout.redis_pid, redis_owner(layout))
+
+    async def probe() -> tuple[str | None, str | None]:
+        async def kafka() -> str | None:
+            try:
+                cluster = await probe_kafka(layout.bootstrap, timeout_s=3.0)
+            except ConnectionError:
+                return None
+            return f"cluster {cluster.get('cluster_id')}"
+
+        async def redis() -> str | None:
+            try:
+                return f"redis {await wait_for_redis(layout.redis_url, timeout_s=1.0)}"
+            except TimeoutError:
+                return None
+
+        return await asyncio.gather(kafka(), redis())
+
+    kafka_detail, redis_detail = run_coro(probe())
+    return StackStatus(
+        kafka=ServiceStatus(
+            "kafka",
+            layout.bootstrap,
+            kafka_pid,
+            kafka_detail is not None,
+            layout.kafka_logs / "server.log",
+            kafka_detail or "",
+        ),
+        redis=ServiceStatus(
+            "redis", layout.redis_url, redis_pid, redis_detail is not None, layout.redis_log, redis_detail or ""
+        ),
+    )
+
+
+def down(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -> None:
+    """Stop Kafka and Redis (SIGTERM, wait, then SIGKILL) and remove their pid files. Data is kept.
+
+    ``services`` limits the stop to some of them (a test session stops only what it started).
+    """
+    _check_services(services)
+    layout = StackLayout.of(settings or get_settings())
+    with locked(layout.state):
+        ours: dict[str, Running] = {}
+        for name, pid_file, owns, timeout_s in (
+            ("kafka", layout.kafka_pid, kafka_owner(layout), KAFKA_STOP_TIMEOUT_S),
+            ("redis", layout.redis_pid, redis_owner(layout), REDIS_STOP_TIMEOUT_S),
+        ):
+            if name not in services:
+                continue
+            pid = running_pid(pid_file, owns)
+            if pid is None:
+                log.info("devstack.not_running service=%s", name)
+            else:
+                ours[name] = Running(pid, pid_file, owns, timeout_s)
+        stop(ours)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sluicegate.stack.devstack fetch|up|status|down`` (CI and scripts; users have the CLI)."""
+    parser = argparse.ArgumentParser(prog="python -m sluicegate.stack.devstack", description=main.__doc__)
+    parser.add_argument("command", choices=["fetch", "up", "status", "down"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
+    settings = get_settings()
+    try:
+        if args.command == "fetch":
+            print(fetch_jars(settings))
+        elif args.command == "up":
+            print("\n".join(up(settings).lines()))
+        elif args.command == "status":
+            result = status(settings)
+            print("\n".join(result.lines()))
+            return 0 if result.healthy else 3
+        else:
+            down(settings)
+    except DevStackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

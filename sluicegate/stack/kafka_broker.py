@@ -1,0 +1,120 @@
+"""The local Kafka broker: one JVM in KRaft mode (broker and controller together) on ``kafka_port`` and
+``kafka_port + 1``. Writes its ``server.properties`` from ``infra/local/server.properties.template``,
+formats its storage once and starts it in the background.
+"""
+
+from __future__ import annotations
+
+import base64
+import string
+import subprocess
+import uuid
+from pathlib import Path
+
+from sluicegate.settings import Settings
+from sluicegate.stack.jars import INFRA_DIR, infra_file, kafka_version
+from sluicegate.stack.layout import DevStackError, StackLayout
+from sluicegate.stack.processes import Owner, log, spawn
+
+SERVER_TEMPLATE = INFRA_DIR / "server.properties.template"
+LOG4J_CONFIG = INFRA_DIR / "log4j.properties"
+
+KAFKA_START_TIMEOUT_S = 60.0
+KAFKA_STOP_TIMEOUT_S = 30.0
+
+# A small heap is plenty for a dev broker. C1-only JIT (TieredStopAtLevel=1) starts faster and keeps
+# compiler threads off a 2-core machine's CPUs; peak throughput does not matter here. ``kafka_full_jit``
+# drops it (latency benchmarks: once C2 has compiled the request path, a produce costs less broker time).
+C1_ONLY = "-XX:TieredStopAtLevel=1"
+KAFKA_JVM_OPTS: tuple[str, ...] = (
+    "-Xms256m",
+    "-Xmx512m",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    C1_ONLY,
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.awt.headless=true",
+)
+
+
+def kafka_jvm_opts(settings: Settings) -> list[str]:
+    """The broker's JVM options: ``KAFKA_JVM_OPTS``, without the C1-only cap when ``kafka_full_jit``."""
+    return [o for o in KAFKA_JVM_OPTS if not (settings.kafka_full_jit and o == C1_ONLY)]
+
+
+def kafka_owner(layout: StackLayout) -> Owner:
+    """Recognises this instance's broker by its main class and its own ``server.properties``."""
+    props = str(layout.kafka_props)
+    return lambda tokens: "kafka.Kafka" in tokens and props in tokens
+
+
+def _write_config(layout: StackLayout, settings: Settings) -> Path:
+    template = string.Template(infra_file(SERVER_TEMPLATE).read_text())
+    try:
+        text = template.substitute(
+            kafka_port=layout.kafka_port,
+            controller_port=layout.kafka_port + 1,
+            log_dirs=layout.kafka_dir / "data",
+            num_partitions=settings.topic_partitions,
+        )
+    except (KeyError, ValueError) as exc:
+        raise DevStackError(f"{SERVER_TEMPLATE} has an unknown or malformed placeholder: {exc}") from exc
+    layout.kafka_logs.mkdir(parents=True, exist_ok=True)
+    layout.kafka_props.write_text(text)
+    return layout.kafka_props
+
+
+def _log_opts(layout: StackLayout) -> list[str]:
+    return [f"-Dkafka.logs.dir={layout.kafka_logs}", f"-Dlog4j.configuration={infra_file(LOG4J_CONFIG).as_uri()}"]
+
+
+def _format_storage(layout: StackLayout, java: str, libs: Path) -> None:
+    """Format the KRaft metadata log once (``meta.properties`` marks a formatted folder)."""
+    if (layout.kafka_dir / "data" / "meta.properties").exists():
+        return
+    id_file = layout.kafka_dir / "cluster.id"
+    cluster_id = id_file.read_text().strip() if id_file.exists() else ""
+    if not cluster_id:
+        # Kafka's Uuid text form: 16 random bytes, URL-safe base64 without padding.
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        id_file.write_text(cluster_id + "\n")
+    cmd = [
+        java,
+        "-Xmx256m",
+        "-XX:TieredStopAtLevel=1",
+        *_log_opts(layout),
+        "-cp",
+        str(libs / "*"),
+        "kafka.tools.StorageTool",
+        "format",
+        "-t",
+        cluster_id,
+        "-c",
+        str(layout.kafka_props),
+        "--ignore-formatted",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    if result.returncode != 0:
+        reason = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+        raise DevStackError(f"formatting KRaft storage in {layout.kafka_dir / 'data'} failed: {reason}")
+    log.info("devstack.kafka_formatted cluster_id=%s dir=%s", cluster_id, layout.kafka_dir / "data")
+
+
+def start_kafka(layout: StackLayout, settings: Settings, java: str, libs: Path) -> int:
+    """Write the config, format storage when new, and start the broker; returns its pid (not yet ready)."""
+    _write_config(layout, settings)
+    _format_storage(layout, java, libs)
+    cmd = [
+        java,
+        *kafka_jvm_opts(settings),
+        *_log_opts(layout),
+        "-cp",
+        str(libs / "*"),
+        "kafka.Kafka",
+        str(layout.kafka_props),
+    ]
+    pid = spawn(cmd, layout.kafka_out, layout.kafka_dir, layout.kafka_pid)
+    log.info("devstack.kafka_spawned pid=%d bootstrap=%s version=%s", pid, layout.bootstrap, kafka_version())
+    return pid
