@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for level in levels:
             analyse(level, recorded["stamps"])
         if rates and not recorded["probes"]:
-            progress("the worker's private hooks were not found: no stage split")
+            progress("the worker wrote no stamps (see its log): no stage split")
         if args.floor_messages > 0:
             progress(f"transport floor: {args.floor_messages} Kafka records and stream entries at 50/s ...")
             floor = asyncio.run(measure_transport_floor(stack.settings, messages=args.floor_messages, rate=50))

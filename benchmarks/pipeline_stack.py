@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,75 +33,43 @@ API_KEY = "sk-pipeline-benchmark"
 WORKER_ID = "bench-worker"
 
 
-def _install_stage_probes(stamps: dict[str, dict[str, float]]) -> bool:
-    """Stamp when the worker takes a Kafka record and when it sends a first token's XADD (private hooks of
-    the worker; False, and no stage split, when they are not there).
+class _StageStamps:
+    """The worker's observer (``gpu_workers.worker.observer.WorkerObserver``) and the engine's delta observer:
+    stamps when the worker takes a request's Kafka record, when the engine's first token reaches the worker's
+    loop, when its XADD goes out, and each finished request's engine timestamps."""
 
-    The worker has no public observer for these two moments yet, so its private methods are wrapped; the
-    benchmark degrades to "no stage split" rather than failing when they move.
-    """
-    from schemas.names import HEADER_REQUEST_ID
+    def __init__(self, stamps: dict[str, dict[str, float]]) -> None:
+        self.stamps = stamps
 
-    try:
-        from gpu_workers.worker import service, streams
-    except ImportError:
-        return False
+    def record_taken(self, record: Any) -> None:
+        from schemas.names import HEADER_REQUEST_ID
 
-    admit = getattr(service.Worker, "_admit", None)
-    append = getattr(streams.StreamPublisher, "_append", None)
-    if admit is None or append is None:
-        return False
-
-    def timed_admit(self: Any, record: Any, *args: Any, **kwargs: Any) -> Any:
         now = time.time()
         for key, value in record.headers or ():
             if key == HEADER_REQUEST_ID:
-                entry = stamps.setdefault(value.decode(), {})
+                entry = self.stamps.setdefault(value.decode(), {})
                 entry.setdefault("admitted", now)
                 if record.timestamp_type == 0:  # CreateTime: when ingress handed the record to its producer
                     entry.setdefault("produced", record.timestamp / 1000)
-        return admit(self, record, *args, **kwargs)
 
-    async def timed_append(self: Any, batch: list[Any], *args: Any, **kwargs: Any) -> Any:
+    def events_sending(self, batch: Sequence[Any]) -> None:
         # Stamped as the pipeline goes out: once Redis has it, the relay may deliver it before this task resumes.
         now = time.time()
         for event in batch:
             if getattr(event, "seq", None) == 0 and getattr(event, "type", None) == "token":
-                stamps.setdefault(event.request_id, {}).setdefault("flushed", now)
-        return await append(self, batch, *args, **kwargs)
+                self.stamps.setdefault(event.request_id, {}).setdefault("flushed", now)
 
-    service.Worker._admit = timed_admit  # type: ignore[method-assign]
-    streams.StreamPublisher._append = timed_append  # type: ignore[method-assign]
-    return True
-
-
-def _install_engine_probe(stamps: dict[str, dict[str, float]]) -> bool:
-    """Keep each finished request's engine timestamps, and when its first token reached the worker's loop.
-
-    The engine front has no public delta observer yet, so its private ``_deliver`` is wrapped; False (and no
-    engine timings) when it is not there.
-    """
-    from gpu_workers.engine import EngineFront, RequestDelta
-
-    deliver = getattr(EngineFront, "_deliver", None)
-    if deliver is None:
-        return False
-
-    def timed_deliver(self: Any, deltas: list[RequestDelta]) -> None:
-        # Every delta reaches the worker's event loop through here, from a thread or a process engine alike.
+    def deltas(self, deltas: list[Any]) -> None:
+        # Every delta reaches the worker's event loop here, from a thread or a process engine alike.
         now = time.time()
         for delta in deltas:
-            entry = stamps.setdefault(delta.request_id, {})
+            entry = self.stamps.setdefault(delta.request_id, {})
             if delta.num_output_tokens:
                 entry.setdefault("delivered", now)
             if delta.final is not None and delta.final.metrics.first_token_time is not None:
                 metrics = delta.final.metrics
                 entry["arrival"] = metrics.arrival_time
                 entry["first_token"] = metrics.first_token_time
-        deliver(self, deltas)
-
-    EngineFront._deliver = timed_deliver  # type: ignore[method-assign]
-    return True
 
 
 def _worker_main(settings_json: str, out_dir: str) -> None:
@@ -112,26 +80,26 @@ def _worker_main(settings_json: str, out_dir: str) -> None:
     log = os.open(Path(out_dir) / "worker.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    from gpu_workers.worker.main import run_worker
+    from gpu_workers.worker.main import build_engine, run_worker
     from sluicegate import event_loop
     from sluicegate.logs import configure_logging
 
     settings = Settings.model_validate_json(settings_json)
     configure_logging(settings.log_level, settings.log_format)
     stamps: dict[str, dict[str, float]] = {}
-    probes = _install_stage_probes(stamps)
-    if not _install_engine_probe(stamps):
-        print("the engine's private _deliver was not found: no engine timings", file=sys.stderr, flush=True)
+    observer = _StageStamps(stamps)
+    engine = build_engine(settings)
+    engine.add_delta_observer(observer.deltas)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(settings, stop, freeze_heap=True)
+        await run_worker(settings, stop, engine, freeze_heap=True, observer=observer)
 
     event_loop.run(main())  # as ``sluicegate worker`` runs it
-    (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": probes, "stamps": stamps}))
+    (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": True, "stamps": stamps}))
 
 
 def _children(pid: int) -> list[int]:

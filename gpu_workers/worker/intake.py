@@ -23,6 +23,7 @@ from sluicegate.dead_letters import Rejection, validate_record
 
 from .config import WorkerConfig
 from .in_flight import Active, InFlight
+from .observer import WorkerObserver
 from .offsets import CompletionWatermarks
 from .outputs import Outputs
 from .serving import Serving
@@ -57,8 +58,10 @@ class Intake:
         serving: Serving,
         outputs: Outputs,
         stopping: asyncio.Event,
+        observer: WorkerObserver | None = None,
     ) -> None:
         self.consumer = consumer
+        self._observer = observer
         self.engine = engine
         self.config = config
         self.in_flight = in_flight
@@ -151,6 +154,8 @@ class Intake:
         return records
 
     def _admit(self, record: Any) -> None:
+        if self._observer is not None:
+            self._observer.record_taken(record)
         tp = TopicPartition(record.topic, record.partition)
         self.watermarks.started(tp, record.offset)
         entry = self.in_flight.take(tp, record.offset, self._tier_of(tp))

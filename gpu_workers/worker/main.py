@@ -25,6 +25,7 @@ from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 
 from .config import WorkerConfig
+from .observer import WorkerObserver
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -102,11 +103,16 @@ def build_engine(settings: Settings) -> EngineFront:
 
 
 async def run_worker(
-    settings: Settings, stop: asyncio.Event, engine: EngineFront | None = None, *, freeze_heap: bool = False
+    settings: Settings,
+    stop: asyncio.Event,
+    engine: EngineFront | None = None,
+    *,
+    freeze_heap: bool = False,
+    observer: WorkerObserver | None = None,
 ) -> Worker:
     """Run one worker until ``stop`` is set; returns it (for its counters) after draining. ``freeze_heap``
     (for a process that is only this worker) takes the model and libraries out of the garbage collector's
-    passes once they are loaded."""
+    passes once they are loaded; ``observer`` is told when records are taken and events sent."""
     names = Names(settings.topic_prefix)
     model_name = model_name_for(settings)
     engine = engine or build_engine(settings)
@@ -118,13 +124,19 @@ async def run_worker(
         extra={"engine": type(engine).__name__, "engine_pid": getattr(engine, "pid", None) or os.getpid()},
     )
     try:
-        return await _run_started(settings, stop, engine, names, model_name, freeze_heap)
+        return await _run_started(settings, stop, engine, names, model_name, freeze_heap, observer)
     finally:
         await engine.shutdown()
 
 
 async def _run_started(
-    settings: Settings, stop: asyncio.Event, engine: EngineFront, names: Names, model_name: str, freeze_heap: bool
+    settings: Settings,
+    stop: asyncio.Event,
+    engine: EngineFront,
+    names: Names,
+    model_name: str,
+    freeze_heap: bool,
+    observer: WorkerObserver | None,
 ) -> Worker:
     if freeze_heap:
         freeze_startup_heap("worker")
@@ -176,7 +188,14 @@ async def _run_started(
         client_id=f"worker-control-{config.worker_id}",
     )
     worker = Worker(
-        engine, config, names=names, redis=redis, producer=producer, consumer=consumer, control_consumer=control
+        engine,
+        config,
+        names=names,
+        redis=redis,
+        producer=producer,
+        consumer=consumer,
+        control_consumer=control,
+        observer=observer,
     )
     await producer.start()
     await control.start()

@@ -22,6 +22,7 @@ from sluicegate.dead_letters import Rejection, dead_letter
 
 from .config import WorkerConfig
 from .in_flight import Active
+from .observer import WorkerObserver
 from .streams import REDIS_UNAVAILABLE, RecordWrite, StreamPublisher
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,20 @@ class Outputs:
     """The worker's writers: the Redis stream publisher and its flush loop, status records, ``llm.results``
     and ``llm.dlq``."""
 
-    def __init__(self, config: WorkerConfig, names: Names, redis: aioredis.Redis, producer: AIOKafkaProducer) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        names: Names,
+        redis: aioredis.Redis,
+        producer: AIOKafkaProducer,
+        observer: WorkerObserver | None = None,
+    ) -> None:
         self.config = config
         self.names = names
         self.redis = redis
         self.producer = producer
-        self.publisher = StreamPublisher(redis, names, config.stream_ttl_s)
+        on_send = observer.events_sending if observer is not None else None
+        self.publisher = StreamPublisher(redis, names, config.stream_ttl_s, on_send=on_send)
         self._events = asyncio.Event()
         self.dead_lettered = 0
 

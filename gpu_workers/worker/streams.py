@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,8 +123,18 @@ class StreamPublisher:
     restart delays tokens but loses none.
     """
 
-    def __init__(self, redis: aioredis.Redis, names: Names, ttl_s: int, max_retry_delay_s: float = 2.0):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        names: Names,
+        ttl_s: int,
+        max_retry_delay_s: float = 2.0,
+        *,
+        on_send: Callable[[list[StreamEvent | RecordWrite]], None] | None = None,
+    ):
         self._redis = redis
+        # Called with each batch as its pipeline goes out (see ``observer.WorkerObserver.events_sending``).
+        self._on_send = on_send
         self._names = names
         self._ttl_s = ttl_s
         self._max_retry_delay_s = max_retry_delay_s
@@ -165,6 +176,8 @@ class StreamPublisher:
                 raise
 
     async def _append(self, batch: list[StreamEvent | RecordWrite]) -> None:
+        if self._on_send is not None:
+            self._on_send(batch)
         pipe = self._redis.pipeline(transaction=False)
         for event in batch:
             if isinstance(event, RecordWrite):

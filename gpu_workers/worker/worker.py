@@ -43,6 +43,7 @@ from .control import Cancels
 from .heartbeat import Heartbeats
 from .in_flight import InFlight
 from .intake import Intake
+from .observer import WorkerObserver
 from .outputs import Outputs
 from .serving import Serving
 
@@ -62,17 +63,18 @@ class Worker:
         producer: AIOKafkaProducer,
         consumer: AIOKafkaConsumer,
         control_consumer: AIOKafkaConsumer,
+        observer: WorkerObserver | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
         self.names = names
         self._stopping = asyncio.Event()
         self.in_flight = InFlight()
-        self.outputs = Outputs(config, names, redis, producer)
+        self.outputs = Outputs(config, names, redis, producer, observer)
         self.cancels = Cancels(control_consumer, engine, self.in_flight)
         self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels)
         self.intake = Intake(
-            consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping
+            consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping, observer
         )
         self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping)
 

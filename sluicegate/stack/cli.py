@@ -67,7 +67,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def _ingress(args: argparse.Namespace) -> int:
-    from ingress.app import serve
+    from ingress.server import serve
 
     serve(get_settings())
     return 0

@@ -1,4 +1,4 @@
-"""Ingress under backbone faults, on a private Kafka broker and Redis server (``sluicegate.devstack`` on ports of
+"""Ingress under backbone faults, on a private Kafka broker and Redis server (``sluicegate.stack.devstack`` on ports of
 their own), so the shared test broker is never disturbed.
 
 Kafka: the broker is killed (SIGKILL) under steady load and restarted. Every response must come back promptly
@@ -35,9 +35,9 @@ from ingress_support import KEY, MODEL, running_ingress
 from redis.asyncio import Redis
 
 from schemas import InferenceRequest, Names
-from sluicegate import devstack
 from sluicegate.kafka import create_consumer
 from sluicegate.settings import Settings
+from sluicegate.stack import devstack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..core.request import EngineRequest, PromptInput
@@ -50,6 +50,12 @@ class EngineFront(ABC):
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        self._delta_observers: list[Callable[[list[RequestDelta]], None]] = []
+
+    def add_delta_observer(self, observer: Callable[[list[RequestDelta]], None]) -> None:
+        """Call ``observer`` with each step's deltas as they reach the event loop, before their streams get them
+        (timing probes, metrics). It runs on the event loop for every step: keep it cheap and never raise."""
+        self._delta_observers.append(observer)
 
     # ------------------------------------------------------------------ what a front provides
     @property
@@ -152,6 +158,8 @@ class EngineFront(ABC):
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         """Route a step's deltas to their streams (on the event loop)."""
+        for observer in self._delta_observers:
+            observer(deltas)
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None:
