@@ -343,7 +343,9 @@ class StreamFollower(Generic[T]):
         return self._started
 
     async def start(self) -> None:
-        """Start the reader tasks (on the running event loop)."""
+        """Start the reader tasks (on the running event loop); a second call does nothing."""
+        if self._started:
+            return
         for reader in self._readers:
             reader.start()
         self._started = True
