@@ -194,8 +194,11 @@ class Subscription(Generic[T]):
             if max_wait_s is None:
                 await self._ready.wait()
             else:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the wait as a task of its
+                # own, an extra event-loop hop on every event's way to the subscriber.
                 try:
-                    await asyncio.wait_for(self._ready.wait(), max_wait_s)
+                    async with asyncio.timeout(max_wait_s):
+                        await self._ready.wait()
                 except TimeoutError:
                     return []
         return []
@@ -289,7 +292,11 @@ class _Reader(Generic[T]):
                     for sub in stream.subscribers:
                         if sub.fail_fast:
                             sub._fail(exc)
-                await asyncio.sleep(backoff)
+                # A stream that joins meanwhile cuts the wait short: its subscriber hears of Redis at once.
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(backoff):
+                        await self._changed.wait()
                 backoff = min(backoff * 2, 2.0)
                 continue
             backoff = 0.05
