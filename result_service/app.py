@@ -62,7 +62,14 @@ def create_app(
                 kafka_bootstrap=settings.kafka_bootstrap,
                 topic_replication=settings.topic_replication,
             )
-            cancel = Canceller(client, names, marker_ttl_s=settings.stream_ttl_s, lease=control.lease)
+            cancel = Canceller(
+                client,
+                names,
+                marker_ttl_s=settings.stream_ttl_s,
+                marker_format="request",
+                service="relay",
+                lease=control.lease,
+            )
         await hub.start()
         # In the background: relaying never waits for Kafka, but the first Stop should not either.
         warm_up = asyncio.create_task(control.warm_up()) if control is not None else None

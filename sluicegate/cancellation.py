@@ -42,10 +42,10 @@ class Canceller:
         names: Names,
         *,
         marker_ttl_s: int,
+        marker_format: MarkerFormat,
+        service: str,
         lease: ProducerLease | None = None,
         publish_timeout_s: float = 10.0,
-        marker_format: MarkerFormat = "request",
-        service: str = "relay",
     ) -> None:
         if marker_ttl_s < 1:
             raise ValueError(f"cancel marker TTL must be >= 1 s, got {marker_ttl_s}")
