@@ -1,6 +1,7 @@
 """What ingress does against Kafka and Redis: decide whether a model is served, publish a routed request
-(status record first, then the Kafka record, acknowledged by every in-sync replica), cancel, read status,
-and tail a request's Redis stream.
+(status record first, then the Kafka record, acknowledged by every in-sync replica), cancel (through the
+one cancel path, ``sluicegate.cancellation``), read status, and follow a request's Redis stream (through
+the one stream follower, ``sluicegate.stream_follower``).
 
 Every Kafka wait is bounded by ``kafka_timeout_s`` and surfaces as a 503, never a hang.
 """
@@ -24,22 +25,13 @@ from redis.exceptions import RedisError
 from router.heartbeats import HeartbeatCache
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
-from schemas import (
-    STREAM_FIELD,
-    TERMINAL_TYPES,
-    CancelRequest,
-    InferenceRequest,
-    Names,
-    RequestRecord,
-    StreamEvent,
-    Tier,
-    WorkerHeartbeat,
-    parse_stream_event,
-)
-from schemas.names import HEADER_REQUEST_ID
+from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
+from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.stream_entries import StreamEntry, parse_entry
+from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, StreamFollower
 
 from .backlog import BacklogMonitor
 from .errors import ApiError
@@ -49,8 +41,6 @@ from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)
 
-# One XREAD waits at most this long, so timeouts and shutdown are noticed promptly.
-_BLOCK_MS = 2000
 # Turns the status-record task yields before its write. Its first step runs the turn after producer.send(), as
 # the accumulator's waiter wakes aiokafka's sender; the sender's step starts the produce task the turn after,
 # and that task writes the produce request the turn after that. Yielding twice puts the record right behind it.
@@ -148,7 +138,7 @@ class IngressService:
         self.settings = settings
         self.metrics = metrics
         self.names = Names(settings.topic_prefix)
-        # Bounded reads: a blocked XREAD returns within _BLOCK_MS, so 10 s means Redis is gone.
+        # Bounded reads: the follower's blocked XREAD returns within its block_ms, so 10 s means Redis is gone.
         self.redis: Redis = create_redis(settings, socket_timeout=10.0, connect_timeout=2.0, client_name="ingress")
         self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
@@ -165,10 +155,25 @@ class IngressService:
         self.rate_limiter = RateLimiter(self.redis, self.names)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self._control_ready = False
+        self.canceller = Canceller(
+            self.redis,
+            self.names,
+            marker_ttl_s=settings.request_record_ttl_s,
+            lease=self._control_producer,
+            publish_timeout_s=settings.kafka_timeout_s,
+            marker_format="reason",
+            service="ingress",
+        )
+        # One shared reader for every request's stream (started on first use, on the serving loop); a
+        # new stream wakes it with CLIENT UNBLOCK, so a request starts being followed at once.
+        self.follower: StreamFollower[StreamEntry] = StreamFollower(
+            self.redis, self.names, FollowerConfig(), decode=parse_entry
+        )
 
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
         try:
+            await self.follower.close()
             await self.backlog.close()
             await self.producers.close()
         finally:
@@ -268,7 +273,7 @@ class IngressService:
         except (RedisError, OSError) as exc:
             # The request is in Kafka but its client hears 503: take it back over the control topic (workers
             # drop a request cancelled before they start it), so a retry does not run it twice.
-            await self._send_cancel(request.request_id, request.tenant, "record_failed")
+            await self.canceller.publish(request.request_id, request.tenant, "record_failed")
             raise unavailable("Redis", exc, request_id=request.request_id) from exc
         metadata = published
         self.backlog.accepted(request.model, route.tier, metadata.topic, metadata.partition, metadata.offset)
@@ -315,12 +320,8 @@ class IngressService:
         # A send that timed out may still reach Kafka from the producer's buffer: the cancel marker makes
         # workers drop it, and the record goes because the client was told it failed.
         with contextlib.suppress(RedisError, OSError):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(
-                    self.names.cancel_key(request.request_id), b"publish_failed", ex=self.settings.request_record_ttl_s
-                )
-                pipe.delete(self.names.request_key(request.request_id))
-                await pipe.execute()
+            drop = [self.names.request_key(request.request_id)]
+            await self.canceller.mark(request.request_id, request.tenant, "publish_failed", drop=drop)
 
     # --- status and cancellation ----------------------------------------------------------------
     async def record(self, request_id: str) -> RequestRecord | None:
@@ -339,69 +340,46 @@ class IngressService:
 
     async def cancel(self, request_id: str, tenant: str, *, reason: str) -> None:
         """Mark the request cancelled in Redis (honoured even while it waits in Kafka) and tell workers
-        over the control topic (the owner aborts it and frees its KV blocks)."""
+        over the control topic (the owner aborts it and frees its KV blocks); 503 without Redis."""
         try:
-            await self.redis.set(
-                self.names.cancel_key(request_id), reason.encode(), ex=self.settings.request_record_ttl_s
-            )
+            await self.canceller.cancel(request_id, tenant, reason)
         except (RedisError, OSError) as exc:
             raise unavailable("Redis", exc) from exc
-        # The Redis marker already stops the request at its next check; the message only speeds it up.
-        await self._send_cancel(request_id, tenant, reason)
         self.metrics.cancellations.labels(reason).inc()
-        log.info("ingress.cancelled request_id=%s reason=%s", request_id, reason)
 
-    async def _send_cancel(self, request_id: str, tenant: str, reason: str) -> bool:
-        """Tell workers over the control topic; False (logged) when Kafka does not take it."""
-        message = CancelRequest(request_id=request_id, tenant=tenant, reason=reason)
-        timeout = self.settings.kafka_timeout_s
-        try:
-            await self.producers.start()
-            if not self._control_ready:
-                await self.topics.ensure({self.names.control_topic: 1})
-                self._control_ready = True
-            with self.producers.lease() as producer:
-                await asyncio.wait_for(
-                    producer.send_and_wait(
-                        self.names.control_topic,
-                        value=message.model_dump_json().encode(),
-                        key=request_id.encode(),
-                        headers=[(HEADER_REQUEST_ID, request_id.encode())],
-                    ),
-                    timeout,
-                )
-        except (KafkaError, TimeoutError, OSError) as exc:
-            log.warning("ingress.cancel_publish_failed request_id=%s reason=%s error=%r", request_id, reason, exc)
-            return False
-        return True
+    @contextlib.asynccontextmanager
+    async def _control_producer(self) -> AsyncIterator[AIOKafkaProducer]:
+        """A leased ingress producer for the control topic (created, one partition, on first use)."""
+        await self.producers.start()
+        if not self._control_ready:
+            await self.topics.ensure({self.names.control_topic: 1})
+            self._control_ready = True
+        with self.producers.lease() as producer:
+            yield producer
 
     # --- results --------------------------------------------------------------------------------
     async def events(self, request_id: str, *, timeout_s: float) -> AsyncIterator[StreamEvent]:
         """The request's stream events from the first, following the live tail until a terminal event.
 
-        Raises ``TimeoutError`` when none arrives within ``timeout_s`` overall. Malformed entries are
-        logged and skipped.
+        Raises ``TimeoutError`` when the stream has not ended within ``timeout_s`` overall, and the 503
+        ``ApiError`` when Redis fails. Malformed entries are logged and skipped.
         """
-        key = self.names.stream_key(request_id)
         deadline = time.monotonic() + timeout_s
-        last_id: bytes | str = "0-0"
+        if not self.follower.started:
+            await self.follower.start()
+        after = START_SEQ
         while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0:
-                raise TimeoutError(f"no result for request {request_id} within {timeout_s:.0f}s")
             try:
-                response = await self.redis.xread({key: last_id}, count=256, block=max(1, min(_BLOCK_MS, remaining_ms)))
+                async with self.follower.subscribe(request_id, after, fail_fast=True) as sub:
+                    while not sub.finished:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise TimeoutError(f"no result for request {request_id} within {timeout_s:.0f}s")
+                        for entry in await sub.next_batch(max_wait_s=remaining):
+                            yield entry.event
+                    return
+            except SlowConsumer:
+                # Our reader (the HTTP client) fell behind the buffer: resume after what it has, from Redis.
+                after = sub.last_seq
             except (RedisError, OSError) as exc:
                 raise unavailable("Redis", exc) from exc
-            for _stream, entries in response or ():
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    raw = fields.get(STREAM_FIELD.encode())
-                    try:
-                        event = parse_stream_event(raw or b"")
-                    except ValidationError as exc:
-                        log.error("ingress.bad_stream_event request_id=%s entry=%r error=%s", request_id, entry_id, exc)
-                        continue
-                    yield event
-                    if event.type in TERMINAL_TYPES:
-                        return

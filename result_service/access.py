@@ -15,10 +15,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from schemas import Names, RequestRecord
 from schemas.common import RequestId
+from sluicegate.stream_entries import parse_entry
+from sluicegate.stream_follower import START_SEQ
 from sluicegate.stream_tokens import verify_stream_token
 
 from .hub import StreamHub
-from .wire import START_SEQ, BadLastId, parse_last_id, to_relayed
+from .wire import BadLastId, parse_last_id
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ async def probe(hub: StreamHub, names: Names, grant: StreamGrant) -> tuple[Strea
         last_entries, raw_record = await pipe.execute()
     if last_entries:
         entry_id, fields = last_entries[0]
-        last = to_relayed(key, entry_id, fields)
+        last = parse_entry(key, entry_id, fields)
         if last is not None and last.terminal and last.seq <= grant.after_seq:
             return StreamStatus.FINISHED, "stream already finished"
         return StreamStatus.OPEN, ""

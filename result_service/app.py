@@ -16,14 +16,15 @@ from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
 
 from schemas import Names
+from sluicegate.cancellation import Canceller
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 
 from . import page, sse, websocket
-from .cancel import Canceller
 from .context import RelayContext
+from .control_producer import ControlProducer
 from .hub import RelayConfig, StreamHub
 
 
@@ -53,18 +54,25 @@ def create_app(
         client = redis if redis is not None else create_redis(settings, client_name=config.client_name)
         hub = StreamHub(client, names, config)
         cancel = canceller
+        control: ControlProducer | None = None
         if cancel is None:
-            cancel = Canceller(
-                client,
+            control = ControlProducer(
+                lambda: create_producer(settings, client_id="sluicegate-result-service"),
                 names,
-                ttl_s=settings.stream_ttl_s,
-                producer_factory=lambda: create_producer(settings, client_id="sluicegate-result-service"),
                 kafka_bootstrap=settings.kafka_bootstrap,
                 topic_replication=settings.topic_replication,
             )
+            cancel = Canceller(
+                client,
+                names,
+                marker_ttl_s=settings.stream_ttl_s,
+                marker_format="request",
+                service="relay",
+                lease=control.lease,
+            )
         await hub.start()
         # In the background: relaying never waits for Kafka, but the first Stop should not either.
-        warm_up = asyncio.create_task(cancel.warm_up()) if canceller is None else None
+        warm_up = asyncio.create_task(control.warm_up()) if control is not None else None
         app.state.relay = RelayContext(settings=settings, names=names, hub=hub, canceller=cancel)
         if freeze_heap:
             freeze_startup_heap("result-service")
@@ -76,8 +84,9 @@ def create_app(
                 warm_up.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await warm_up
-            if canceller is None:
+            if control is not None:
                 await cancel.aclose()
+                await control.aclose()
             if redis is None:
                 await client.aclose()
 

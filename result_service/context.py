@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from schemas import Names
+from sluicegate.cancellation import Canceller
 from sluicegate.settings import Settings
 
-from .cancel import Canceller
 from .hub import StreamHub
 
 

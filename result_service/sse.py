@@ -16,9 +16,10 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 
+from sluicegate.stream_follower import SlowConsumer
+
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
 from .context import RelayContext, relay_context
-from .hub import SlowConsumer
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ from fastapi import APIRouter, WebSocket
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocketDisconnect
 
+from sluicegate.stream_follower import SlowConsumer
+
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
 from .context import RelayContext, relay_context
-from .hub import SlowConsumer
 
 log = logging.getLogger(__name__)
 

@@ -7,19 +7,12 @@ fan-out never re-serialises. Entry ids follow :func:`schemas.stream_entry_id` (`
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
-from schemas import STREAM_FIELD, TERMINAL_TYPES, parse_stream_event, seq_from_entry_id
-
-log = logging.getLogger(__name__)
-
-_FIELD_BYTES = STREAM_FIELD.encode()
-#: The cursor before the first entry: "nothing seen yet".
-START_SEQ = -1
+from schemas import seq_from_entry_id
+from sluicegate.stream_entries import parse_entry
+from sluicegate.stream_follower import START_SEQ
 
 
 class BadLastId(ValueError):
@@ -59,51 +52,14 @@ def parse_last_id(value: str | None) -> int:
         ) from None
 
 
-def _decode(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _event_field(fields: Mapping[Any, Any] | Sequence[Any]) -> bytes | str | None:
-    # Raw RESP2 replies give a flat [field, value, ...] list; redis-py's parsed replies give a dict.
-    if isinstance(fields, Mapping):
-        value = fields.get(_FIELD_BYTES)
-        return value if value is not None else fields.get(STREAM_FIELD)
-    for i in range(0, len(fields) - 1, 2):
-        if _decode(fields[i]) == STREAM_FIELD:
-            return fields[i + 1]
-    return None
-
-
 def to_relayed(stream_key: str, entry_id: bytes | str, fields: Mapping[Any, Any] | Sequence[Any]) -> Relayed | None:
-    """The client event for one stream entry, or None (logged) when the entry breaks the contract.
-
-    A malformed entry is a producer bug; skipping it keeps the rest of the stream flowing.
-    """
-    entry = _decode(entry_id)
-    try:
-        seq = seq_from_entry_id(entry)
-    except ValueError:
-        log.warning("relay.bad_entry_id stream=%s entry_id=%s", stream_key, entry)
+    """The client event for one stream entry, or None when the entry breaks the stream contract
+    (logged by :func:`sluicegate.stream_entries.parse_entry`)."""
+    entry = parse_entry(stream_key, entry_id, fields)
+    if entry is None:
         return None
-    raw = _event_field(fields)
-    if raw is None:
-        log.warning("relay.entry_without_event stream=%s entry_id=%s", stream_key, entry)
-        return None
-    try:
-        event = parse_stream_event(raw)
-    except ValidationError as exc:
-        log.warning(
-            "relay.invalid_event stream=%s entry_id=%s error=%s",
-            stream_key,
-            entry,
-            exc.errors(include_url=False)[:3],
-        )
-        return None
-    if event.seq != seq:
-        log.warning("relay.seq_mismatch stream=%s entry_id=%s event_seq=%d", stream_key, entry, event.seq)
-        return None
-    body = event.model_dump(mode="json")
+    body = entry.event.model_dump(mode="json")
     # Clients key on "type" first; "id" is what they pass back as last_id on reconnect.
-    message = {"type": body.pop("type"), "seq": body.pop("seq"), **body, "id": entry}
+    message = {"type": body.pop("type"), "seq": body.pop("seq"), **body, "id": entry.entry_id}
     payload = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
-    return Relayed(seq, entry, payload, event.type in TERMINAL_TYPES)
+    return Relayed(entry.seq, entry.entry_id, payload, entry.terminal)

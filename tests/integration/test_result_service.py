@@ -27,7 +27,7 @@ from websockets.http11 import Response
 from websockets.uri import parse_uri
 
 from result_service.app import create_app
-from result_service.hub import RelayConfig, SlowConsumer, StreamHub
+from result_service.hub import RelayConfig, StreamHub
 from schemas import (
     STREAM_FIELD,
     CancelRequest,
@@ -44,6 +44,7 @@ from schemas import (
 )
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.stream_follower import SlowConsumer
 from sluicegate.stream_tokens import issue_stream_token
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from result_service.wire import START_SEQ, BadLastId, parse_last_id, to_relayed
+from result_service.wire import BadLastId, parse_last_id, to_relayed
 from schemas import DoneEvent, ErrorEvent, RestartEvent, TokenEvent, Usage
+from sluicegate.stream_follower import START_SEQ
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,425 @@
+"""The one Redis stream follower: read a request's stream from an entry id, then follow its live tail
+until the terminal event, for many subscribers over a few Redis connections.
+
+A few reader tasks (one by default) each hold one dedicated connection and issue a single
+multi-stream ``XREAD BLOCK`` over every stream that has a subscriber. Each entry is decoded once, by
+the user's ``decode`` (the result service makes its wire JSON; ingress, with ``stream_entries.parse_entry``,
+the event), and appended to every subscriber's bounded buffer. When a stream joins, ``CLIENT UNBLOCK``
+wakes the blocked reader so its next ``XREAD`` includes the new key; the block timeout is a backstop.
+
+A subscriber that joins a stream the follower already reads first fetches, with ``XRANGE``, the
+entries between its resume point and the reader's cursor for that stream, then continues from its
+buffer. Only a stream's reader advances that cursor, so everything after it reaches the buffer;
+dedupe by ``seq`` makes the seam exact. A subscriber whose buffer overflows is dropped
+(:class:`SlowConsumer`) and resumes losslessly by subscribing again after its ``last_seq``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from redis.asyncio import Redis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import RedisError
+
+from schemas import Names, stream_entry_id
+
+log = logging.getLogger(__name__)
+
+#: The resume point before the first entry: "nothing seen yet".
+START_SEQ = -1
+# Seconds a blocking read may take beyond its BLOCK before the connection counts as dead.
+_READ_GRACE_S = 10.0
+
+
+class Followed(Protocol):
+    """What a decoded entry must tell the follower: its seq (for dedupe) and whether it ends the stream."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def terminal(self) -> bool: ...
+
+
+T = TypeVar("T", bound=Followed)
+#: Turns one entry (stream key, entry id, fields) into the subscribers' item, or None to skip it.
+Decode = Callable[[str, bytes | str, Any], T | None]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True)
+class FollowerConfig:
+    """Tuning of a follower; the defaults suit one process serving thousands of subscribers."""
+
+    #: Reader tasks, each with one connection and one multi-stream XREAD; streams are hashed onto them.
+    readers: int = 1
+    #: Longest XREAD block; wake-ups normally come sooner through CLIENT UNBLOCK.
+    block_ms: int = 1000
+    #: Most entries one XREAD returns per stream.
+    read_count: int = 512
+    #: Entries per XRANGE page when a late subscriber catches up.
+    history_page: int = 1000
+    #: Events buffered per subscriber before it counts as too slow and is dropped.
+    max_pending: int = 4096
+    #: Non-blocking Redis commands (history, probes, wake-ups) in flight at once: bounds the pool.
+    max_commands: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("readers", "block_ms", "read_count", "history_page", "max_pending", "max_commands"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _entry_id_after(seq: int) -> str:
+    """The entry id to read after to get the events following ``seq`` (``0-0``: from the start)."""
+    return stream_entry_id(seq) if seq >= 0 else "0-0"
+
+
+class SlowConsumer(Exception):
+    """The subscriber fell more than ``max_pending`` events behind and was dropped."""
+
+
+class _Stream(Generic[T]):
+    """The follower's state for one stream key: its read cursor and its subscribers."""
+
+    __slots__ = ("cursor", "ended", "key", "read_after", "reader", "subscribers")
+
+    def __init__(self, key: str, cursor: int, reader: _Reader[T]) -> None:
+        self.key = key
+        #: Seq of the last event the reader passed on; only the reader moves it.
+        self.cursor = cursor
+        #: Id of the last entry the reader consumed, valid or not (a malformed entry is read only once).
+        self.read_after = _entry_id_after(cursor)
+        self.ended = False
+        self.reader = reader
+        self.subscribers: set[Subscription[T]] = set()
+
+
+class Subscription(Generic[T]):
+    """One subscriber's view of one stream: history first, then the live tail, each event exactly once."""
+
+    def __init__(self, follower: StreamFollower[T], stream: _Stream[T], after_seq: int, fail_fast: bool) -> None:
+        self._follower = follower
+        self._stream = stream
+        self.key = stream.key
+        #: Seq of the last event handed out; resume point.
+        self.last_seq = after_seq
+        # Entries (after_seq, history_until] passed the reader before we joined: read them with XRANGE.
+        self._history_after: str | None = _entry_id_after(after_seq) if stream.cursor > after_seq else None
+        self._history_until = stream.cursor
+        self._batches: deque[list[T]] = deque()
+        self._pending = 0
+        self._ready = asyncio.Event()
+        self.overflowed = False
+        #: Raise the reader's Redis errors here instead of waiting while it reconnects.
+        self.fail_fast = fail_fast
+        self._error: BaseException | None = None
+        #: True once the terminal event (done or error) has been handed out.
+        self.finished = False
+
+    def _push(self, items: list[T]) -> None:
+        if self.overflowed:
+            return
+        # Falling behind is what counts, not a large batch (one XREAD can return read_count entries).
+        if self._pending and self._pending + len(items) > self._follower.config.max_pending:
+            self.overflowed = True
+            self._batches.clear()
+            self._follower._detach(self)
+        else:
+            self._batches.append(items)
+            self._pending += len(items)
+        self._ready.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._ready.set()
+
+    def _accept(self, items: Sequence[T]) -> list[T]:
+        out: list[T] = []
+        last = self.last_seq
+        for item in items:
+            if item.seq <= last:
+                continue
+            out.append(item)
+            last = item.seq
+            if item.terminal:
+                self.finished = True
+                break
+        self.last_seq = last
+        return out
+
+    async def next_batch(self, max_wait_s: float | None = None) -> list[T]:
+        """The next events in order (never empty unless ``max_wait_s`` passed or the stream finished).
+
+        Raises :class:`SlowConsumer` once the subscriber has been dropped for falling behind, and
+        ``RedisError``/``OSError`` when a history read fails (or, with ``fail_fast``, the live read).
+        """
+        while not self.finished:
+            if self.overflowed:
+                raise SlowConsumer(f"more than {self._follower.config.max_pending} events behind")
+            if self._history_after is not None:
+                items, self._history_after = await self._follower._read_history(
+                    self.key, self._history_after, self._history_until
+                )
+                out = self._accept(items)
+                if out:
+                    return out
+                continue
+            if self._batches:
+                batch = self._batches.popleft()
+                self._pending -= len(batch)
+                out = self._accept(batch)
+                if out:
+                    return out
+                continue
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._stream.ended and self.last_seq >= self._stream.cursor:
+                # Joined after the terminal event it had already seen: nothing more will come.
+                self.finished = True
+                break
+            self._ready.clear()
+            if max_wait_s is None:
+                await self._ready.wait()
+            else:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the wait as a task of its
+                # own, an extra event-loop hop on every event's way to the subscriber.
+                try:
+                    async with asyncio.timeout(max_wait_s):
+                        await self._ready.wait()
+                except TimeoutError:
+                    return []
+        return []
+
+
+class _Reader(Generic[T]):
+    """One dedicated connection running one multi-stream XREAD over its share of the streams."""
+
+    def __init__(self, follower: StreamFollower[T], index: int) -> None:
+        self.follower = follower
+        self.index = index
+        self.streams: dict[str, _Stream[T]] = {}
+        self._changed = asyncio.Event()
+        self._generation = 0
+        self._in_flight: int | None = None
+        self._client_id: int | None = None
+        self._conn: AbstractConnection | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._waker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"stream-reader-{self.index}")
+
+    async def close(self) -> None:
+        for task in (self._waker, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._conn is not None:
+            # A cancelled blocking read leaves a reply pending: the connection cannot be reused.
+            await self._conn.disconnect()
+            await self.follower.redis.connection_pool.release(self._conn)
+            self._conn = None
+
+    def added(self) -> None:
+        """A stream joined: make the next XREAD include it, waking a blocked one."""
+        self._generation += 1
+        self._changed.set()
+        if self._in_flight is not None and (self._waker is None or self._waker.done()):
+            self._waker = asyncio.create_task(self._unblock(), name=f"stream-waker-{self.index}")
+
+    async def _unblock(self) -> None:
+        # CLIENT UNBLOCK can arrive before the XREAD it targets; retry until the reader runs an XREAD
+        # that was issued after the change (or is between reads).
+        while self._in_flight is not None and self._in_flight < self._generation:
+            if self._client_id is not None:
+                try:
+                    async with self.follower._commands:
+                        if await self.follower.redis.client_unblock(self._client_id):
+                            return
+                except RedisError as exc:
+                    log.warning("stream.unblock_failed reader=%d error=%r", self.index, exc)
+                    return
+            await asyncio.sleep(0.001)
+
+    async def _command(self, *args: Any) -> Any:
+        if self._conn is None:
+            self._conn = await self.follower.redis.connection_pool.get_connection()
+        await self._conn.send_command(*args)
+        # Longer than any XREAD block (the pool's socket timeout may be shorter or absent), yet bounded:
+        # a connection that silently stopped answering is replaced instead of hanging the reader.
+        return await self._conn.read_response(timeout=self.follower.config.block_ms / 1000 + _READ_GRACE_S)
+
+    async def _run(self) -> None:
+        config = self.follower.config
+        backoff = 0.05
+        while True:
+            active = {key: s for key, s in self.streams.items() if not s.ended}
+            if not active:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            args: list[Any] = ["XREAD", "COUNT", config.read_count, "BLOCK", config.block_ms, "STREAMS"]
+            args.extend(active)
+            args.extend(s.read_after for s in active.values())
+            try:
+                if self._client_id is None:
+                    self._client_id = int(await self._command("CLIENT", "ID"))
+                self._in_flight = self._generation
+                try:
+                    reply = await self._command(*args)
+                finally:
+                    self._in_flight = None
+            except (RedisError, OSError) as exc:
+                log.warning("stream.read_failed reader=%d error=%r retry_in_s=%.2f", self.index, exc, backoff)
+                self._client_id = None
+                if self._conn is not None:
+                    await self._conn.disconnect()
+                for stream in self.streams.values():
+                    for sub in stream.subscribers:
+                        if sub.fail_fast:
+                            sub._fail(exc)
+                # A stream that joins meanwhile cuts the wait short: its subscriber hears of Redis at once.
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(backoff):
+                        await self._changed.wait()
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.05
+            if reply:
+                self._dispatch(reply, active)
+                # One loop turn for the subscribers, so the frames clients wait for go out before this
+                # reader's next XREAD (a loopback send that also does Redis's receive work) does.
+                await asyncio.sleep(0)
+
+    def _dispatch(self, reply: Any, requested: dict[str, _Stream[T]]) -> None:
+        decode = self.follower.decode
+        per_stream = reply.items() if isinstance(reply, dict) else reply
+        for raw_key, entries in per_stream:
+            key = _text(raw_key)
+            stream = requested.get(key)
+            # A stream dropped and re-added while the read was in flight has a new cursor lineage.
+            if stream is None or self.streams.get(key) is not stream:
+                continue
+            items: list[T] = []
+            for entry_id, fields in entries:
+                stream.read_after = _text(entry_id)
+                item = decode(key, entry_id, fields)
+                if item is None or item.seq <= stream.cursor:
+                    continue
+                stream.cursor = item.seq
+                items.append(item)
+                if item.terminal:
+                    stream.ended = True
+                    break
+            if items:
+                for sub in list(stream.subscribers):
+                    sub._push(items)
+
+
+class StreamFollower(Generic[T]):
+    """Subscriptions to request streams, served by a few shared blocking readers; items are what
+    ``decode`` makes of each entry (``sluicegate.stream_entries.parse_entry`` gives
+    a ``StreamEntry``)."""
+
+    def __init__(self, redis: Redis, names: Names, config: FollowerConfig | None, *, decode: Decode[T]) -> None:
+        self.redis = redis
+        self.names = names
+        self.config = config or FollowerConfig()
+        self.decode = decode
+        self._commands = asyncio.Semaphore(self.config.max_commands)
+        self._readers = [_Reader(self, i) for i in range(self.config.readers)]
+        self._started = False
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    async def start(self) -> None:
+        """Start the reader tasks (on the running event loop); a second call does nothing."""
+        if self._started:
+            return
+        for reader in self._readers:
+            reader.start()
+        self._started = True
+
+    async def close(self) -> None:
+        for reader in self._readers:
+            await reader.close()
+        self._started = False
+
+    @property
+    def stream_count(self) -> int:
+        """Streams with at least one subscriber."""
+        return sum(len(r.streams) for r in self._readers)
+
+    @property
+    def subscriber_count(self) -> int:
+        return sum(len(s.subscribers) for r in self._readers for s in r.streams.values())
+
+    def _reader_for(self, key: str) -> _Reader[T]:
+        if len(self._readers) == 1:
+            return self._readers[0]
+        return self._readers[zlib.crc32(key.encode()) % len(self._readers)]
+
+    @contextlib.asynccontextmanager
+    async def subscribe(
+        self, request_id: str, after_seq: int = START_SEQ, *, fail_fast: bool = False
+    ) -> AsyncIterator[Subscription[T]]:
+        """Subscribe to ``request_id``'s stream from the event after ``after_seq``; with ``fail_fast``
+        the subscription raises the reader's Redis errors instead of waiting for it to reconnect."""
+        if not self._started:
+            raise RuntimeError("StreamFollower.subscribe() before start()")
+        key = self.names.stream_key(request_id)
+        reader = self._reader_for(key)
+        stream = reader.streams.get(key)
+        if stream is None:
+            # The first subscriber sets where the reader starts, so it needs no history read.
+            stream = _Stream(key, after_seq, reader)
+            reader.streams[key] = stream
+            reader.added()
+        sub = Subscription(self, stream, after_seq, fail_fast)
+        stream.subscribers.add(sub)
+        try:
+            yield sub
+        finally:
+            self._detach(sub)
+
+    def _detach(self, sub: Subscription[T]) -> None:
+        stream = sub._stream
+        stream.subscribers.discard(sub)
+        if not stream.subscribers and stream.reader.streams.get(stream.key) is stream:
+            del stream.reader.streams[stream.key]
+
+    async def _read_history(self, key: str, after_id: str, until_seq: int) -> tuple[list[T], str | None]:
+        """One XRANGE page of the entries after ``after_id`` up to seq ``until_seq``, and the id to
+        continue after (None once the range is exhausted; entries trimmed or expired just end it early)."""
+        page = self.config.history_page
+        async with self._commands:
+            entries = await self.redis.xrange(key, f"({after_id}", stream_entry_id(until_seq), count=page)
+        decode = self.decode
+        items = [item for entry_id, fields in entries if (item := decode(key, entry_id, fields)) is not None]
+        if len(entries) < page:
+            return items, None
+        return items, _text(entries[-1][0])
+
+    @contextlib.asynccontextmanager
+    async def bounded(self) -> AsyncIterator[Redis]:
+        """The shared client, for short commands, within the follower's bound on concurrent commands
+        (and so on pool connections)."""
+        async with self._commands:
+            yield self.redis
