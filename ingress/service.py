@@ -161,7 +161,6 @@ class IngressService:
             marker_ttl_s=settings.request_record_ttl_s,
             lease=self._control_producer,
             publish_timeout_s=settings.kafka_timeout_s,
-            marker_format="reason",
             service="ingress",
         )
         # One shared reader for every request's stream (started on first use, on the serving loop); a

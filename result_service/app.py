@@ -66,7 +66,6 @@ def create_app(
                 client,
                 names,
                 marker_ttl_s=settings.stream_ttl_s,
-                marker_format="request",
                 service="relay",
                 lease=control.lease,
             )

@@ -14,7 +14,6 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Literal
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -28,9 +27,6 @@ log = logging.getLogger(__name__)
 
 #: Lends a started producer for one send (raising KafkaError, TimeoutError or OSError when it cannot).
 ProducerLease = Callable[[], AbstractAsyncContextManager[AIOKafkaProducer]]
-#: The marker's value: the reason alone (ingress) or the whole ``CancelRequest`` JSON (result service).
-# Two spellings only because existing tests pin each service's; workers read neither.
-MarkerFormat = Literal["reason", "request"]
 
 
 class Canceller:
@@ -42,7 +38,6 @@ class Canceller:
         names: Names,
         *,
         marker_ttl_s: int,
-        marker_format: MarkerFormat,
         service: str,
         lease: ProducerLease | None = None,
         publish_timeout_s: float = 10.0,
@@ -54,22 +49,18 @@ class Canceller:
         self._ttl_s = marker_ttl_s
         self._lease = lease
         self._publish_timeout_s = publish_timeout_s
-        self._marker_format = marker_format
         # Log event prefix, so an operator sees which service cancelled.
         self._service = service
         self._background: set[asyncio.Task[bool]] = set()
-
-    def _marker(self, message: CancelRequest) -> bytes:
-        if self._marker_format == "reason":
-            return message.reason.encode()
-        return message.model_dump_json().encode()
 
     async def mark(self, request_id: str, tenant: str, reason: str, *, drop: Sequence[str] = ()) -> None:
         """Set the cancel marker, deleting the ``drop`` keys in the same round trip.
 
         Raises ``RedisError`` / ``OSError`` when Redis does not take it.
         """
-        marker = self._marker(CancelRequest(request_id=request_id, tenant=tenant, reason=reason))
+        # The marker holds the same CancelRequest the control topic carries (who, why, when); a worker at
+        # pick-up only needs the key to exist.
+        marker = CancelRequest(request_id=request_id, tenant=tenant, reason=reason).model_dump_json().encode()
         key = self._names.cancel_key(request_id)
         if not drop:
             await self._redis.set(key, marker, ex=self._ttl_s)

@@ -290,7 +290,7 @@ async def test_status_is_per_tenant_and_delete_cancels(ingress: str, settings: S
 
         response = await owner.delete(f"/v1/requests/{rid}")
         assert response.status_code == 202 and response.json() == {"request_id": rid, "status": "cancelling"}
-        assert await redis.get(names.cancel_key(rid)) == b"client_cancelled"
+        assert CancelRequest.model_validate_json(await redis.get(names.cancel_key(rid))).reason == "client_cancelled"
         (message,) = await consume(control, 1)
     cancel = CancelRequest.model_validate_json(message.value)
     assert (cancel.request_id, cancel.reason) == (rid, "client_cancelled")
@@ -445,7 +445,7 @@ async def test_client_disconnect_mid_stream_cancels(ingress: str, settings: Sett
                 seen_text = '"content":"You"' in line
         # The connection is closed now, with the worker still generating.
         await eventually(lambda: redis.exists(names.cancel_key(rid)))
-        assert await redis.get(names.cancel_key(rid)) == b"client_disconnected"
+        assert CancelRequest.model_validate_json(await redis.get(names.cancel_key(rid))).reason == "client_disconnected"
         (message,) = await consume(control, 1)
         assert CancelRequest.model_validate_json(message.value).reason == "client_disconnected"
         assert [r.request_id for _, r in worker.seen] == [rid]
@@ -457,7 +457,8 @@ async def test_client_disconnect_mid_stream_cancels(ingress: str, settings: Sett
         assert len(worker.seen) == 2
         second = worker.seen[1][1].request_id
         await eventually(lambda: redis.exists(names.cancel_key(second)))
-        assert await redis.get(names.cancel_key(second)) == b"client_disconnected"
+        marker = await redis.get(names.cancel_key(second))
+        assert CancelRequest.model_validate_json(marker).reason == "client_disconnected"
 
 
 # --- router stream processor -----------------------------------------------------------------------------------
