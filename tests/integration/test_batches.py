@@ -72,7 +72,7 @@ async def test_batch_runs_to_completion_with_error_lines(
     lines.append(chat_line("bad-body", "x", temperature=5))  # the online API answers 422
     lines.append(chat_line("fails-at-worker", "FAIL please"))
     api = client(ingress)
-    async with ResultsWorker(settings, redis), api:
+    async with ResultsWorker(settings, redis):
         with batch_worker(settings, tmp_path / "batch-worker.log"):
             uploaded = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
             assert (uploaded.purpose, uploaded.bytes) == ("batch", len(jsonl(lines)))
@@ -110,6 +110,7 @@ async def test_batch_runs_to_completion_with_error_lines(
     listed = await api.batches.list(limit=5)
     assert [b.id for b in listed.data] == [batch.id]
     assert (await api.files.retrieve(done.output_file_id)).purpose == "batch_output"
+    await api.close()
 
 
 async def test_bad_uploads_and_batches_get_clear_errors(ingress: str, settings: Settings, redis: Redis) -> None:
@@ -178,7 +179,8 @@ async def test_bad_uploads_and_batches_get_clear_errors(ingress: str, settings: 
 async def test_cancel_keeps_finished_lines(ingress: str, settings: Settings, redis: Redis, tmp_path: Path) -> None:
     await heartbeat(redis, Names(settings.topic_prefix))
     lines = [chat_line(f"ok-{n}", f"fine {n}") for n in range(3)] + [chat_line(f"slow-{n}", "HANG") for n in range(2)]
-    async with ResultsWorker(settings, redis), client(ingress) as api:
+    api = client(ingress)
+    async with ResultsWorker(settings, redis):
         with batch_worker(settings, tmp_path / "batch-worker.log"):
             uploaded = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
             batch = await api.batches.create(
@@ -202,6 +204,7 @@ async def test_cancel_keeps_finished_lines(ingress: str, settings: Settings, red
     # The in-flight lines were cancelled through the one cancel path: their markers are set.
     names = Names(settings.topic_prefix)
     assert await redis.exists(names.cancel_key(f"{batch.id}-L4"), names.cancel_key(f"{batch.id}-L5")) == 2
+    await api.close()
 
 
 async def test_batch_expires_at_the_window_end(
