@@ -234,3 +234,25 @@ async def _sleep(seconds: float) -> None:
     import asyncio
 
     await asyncio.sleep(seconds)
+
+
+async def test_a_result_seen_twice_is_stored_and_counted_once(settings: Settings, redis: Redis) -> None:
+    """``llm.results`` is at-least-once and a collector that crashed re-reads from its stored offsets: the same
+    outcome arriving again changes nothing, and the offsets move in the same atomic step."""
+    from ingress.batches.store import BatchStore, LineOutcome
+    from ingress.limits import Limits
+
+    names = Names(settings.topic_prefix)
+    store = BatchStore(settings, redis, names)
+    batch = await store.create(
+        tenant="acme", endpoint="/v1/chat/completions", input_file_id="file-x", metadata=None, limits=Limits()
+    )
+    outcome = LineOutcome(code="invalid_request", message="no", status_code=400)
+    assert await store.resolve([(batch.id, 1, outcome)], {0: 5}) == 1
+    assert await store.resolve([(batch.id, 1, outcome), (batch.id, 2, outcome)], {0: 7, 1: 3}) == 1
+    state = await store.state(batch.id)
+    assert state is not None and state["failed"] == "2"
+    assert await redis.hgetall(names.batch_collector_offsets_key) == {b"0": b"7", b"1": b"3"}
+    assert await store.transition(batch.id, "in_progress", ("validating",))
+    assert await store.transition(batch.id, "cancelling", ("validating", "in_progress"))
+    assert not await store.transition(batch.id, "finalizing", ("in_progress",))  # a cancel is never overwritten
