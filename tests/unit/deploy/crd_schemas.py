@@ -151,7 +151,10 @@ SERVICE_MONITOR: dict[str, Any] = {
                 "selector": _LABEL_SELECTOR,
                 "namespaceSelector": {
                     "type": "object",
-                    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
                     "additionalProperties": False,
                 },
                 "jobLabel": {"type": "string"},
@@ -165,7 +168,10 @@ SERVICE_MONITOR: dict[str, Any] = {
                             "targetPort": {"type": ["string", "integer"]},
                             "path": {"type": "string", "pattern": "^/"},
                             "scheme": {"enum": ["http", "https"]},
-                            "interval": {"type": "string", "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+                            },
                             "scrapeTimeout": {"type": "string"},
                             "honorLabels": {"type": "boolean"},
                         },
@@ -178,4 +184,7 @@ SERVICE_MONITOR: dict[str, Any] = {
     },
 }
 
-CUSTOM_SCHEMAS = {("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT, ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR}
+CUSTOM_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
+}

@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-from conftest import CHART, KUBE_VERSION, TWO_GPU_VALUES, Manifests, by_kind, parse_cli, run_helm, template_error
 from crd_schemas import CUSTOM_SCHEMAS
+from deploy_support import CHART, KUBE_VERSION, TWO_GPU_VALUES, Manifests, by_kind, parse_cli, run_helm, template_error
 
 from sluicegate.settings import Settings
 
@@ -76,7 +76,10 @@ def test_a_misspelt_field_is_caught_by_validation(rendered: Manifests) -> None:
     with pytest.raises(kubernetes_validate.ValidationError):
         validate_manifest(broken)
     scaled = next(m for m in rendered if m["kind"] == "ScaledObject")
-    trigger = {**scaled["spec"]["triggers"][0], "metadata": {**scaled["spec"]["triggers"][0]["metadata"], "lagTreshold": "5"}}
+    trigger = {
+        **scaled["spec"]["triggers"][0],
+        "metadata": {**scaled["spec"]["triggers"][0]["metadata"], "lagTreshold": "5"},
+    }
     with pytest.raises(jsonschema.ValidationError):
         validate_manifest({**scaled, "spec": {**scaled["spec"], "triggers": [trigger]}})
 
@@ -89,7 +92,10 @@ def test_every_component_and_object_kind_is_rendered(rendered: Manifests) -> Non
     assert set(hpas) == {"sg-sluicegate-ingress", "sg-sluicegate-router", "sg-sluicegate-result-service"}
     for hpa in hpas.values():
         assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
-    pdb_targets = {tuple(sorted(p["spec"]["selector"]["matchLabels"].items())) for p in by_kind(rendered, "PodDisruptionBudget").values()}
+    pdb_targets = {
+        tuple(sorted(p["spec"]["selector"]["matchLabels"].items()))
+        for p in by_kind(rendered, "PodDisruptionBudget").values()
+    }
     for deployment in deployments.values():  # every workload has a disruption budget
         assert tuple(sorted(deployment["spec"]["selector"]["matchLabels"].items())) in pdb_targets
     assert by_kind(rendered, "ServiceMonitor") and by_kind(rendered, "NetworkPolicy") and by_kind(rendered, "Secret")
@@ -189,9 +195,13 @@ def test_a_keys_file_is_mounted_into_ingress(render: Callable[..., Manifests], t
 def test_network_policies_open_only_the_public_ports(rendered: Manifests) -> None:
     policies = by_kind(rendered, "NetworkPolicy")
     assert policies["sg-sluicegate-ingress"]["spec"]["ingress"][0]["ports"] == [{"port": 8000, "protocol": "TCP"}]
-    assert policies["sg-sluicegate-result-service"]["spec"]["ingress"][0]["ports"] == [{"port": 8001, "protocol": "TCP"}]
+    assert policies["sg-sluicegate-result-service"]["spec"]["ingress"][0]["ports"] == [
+        {"port": 8001, "protocol": "TCP"}
+    ]
     internal = policies["sg-sluicegate-metrics-only"]["spec"]
-    components = next(e for e in internal["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component")
+    components = next(
+        e for e in internal["podSelector"]["matchExpressions"] if e["key"] == "app.kubernetes.io/component"
+    )
     assert set(components["values"]) == {"worker", "router", "batch-worker"}
     assert internal["ingress"] == [
         {

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import TWO_GPU_VALUES, Manifests, by_kind, template_error
+from deploy_support import TWO_GPU_VALUES, Manifests, by_kind, template_error
 
 from schemas.names import TIERS, Names
 
@@ -62,7 +62,11 @@ def test_each_model_gets_a_gpu_worker_on_gpu_nodes(two_gpu: Manifests) -> None:
 
 
 def test_grace_period_covers_the_drain(two_gpu: Manifests, default: Manifests) -> None:
-    for manifests, key, drain, margin in ((two_gpu, "llama-8b", 120, 20), (two_gpu, "qwen-32b-batch", 300, 20), (default, "tiny-llama", 30, 15)):
+    for manifests, key, drain, margin in (
+        (two_gpu, "llama-8b", 120, 20),
+        (two_gpu, "qwen-32b-batch", 300, 20),
+        (default, "tiny-llama", 30, 15),
+    ):
         pod = _worker(manifests, key)["spec"]["template"]["spec"]
         assert _env(pod["containers"][0])["SLUICEGATE_DRAIN_TIMEOUT_S"] == str(drain)
         assert pod["terminationGracePeriodSeconds"] == drain + margin
