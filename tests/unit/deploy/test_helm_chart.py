@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from crd_schemas import CUSTOM_SCHEMAS
 from deploy_support import CHART, KUBE_VERSION, TWO_GPU_VALUES, Manifests, by_kind, parse_cli, run_helm, template_error
 
@@ -216,3 +217,20 @@ def test_values_outside_the_schema_are_refused(helm: Path, tmp_path: Path) -> No
     assert "/models/0" in error
     error = template_error(helm, "config:\n  not_a_setting: x\n", tmp_path)
     assert "'not_a_setting' does not match pattern '^SLUICEGATE_" in error
+
+
+def test_restricting_public_access_keeps_the_release_own_pods_in(
+    render: Callable[..., Manifests], tmp_path: Path
+) -> None:
+    values = tmp_path / "np.yaml"
+    lb = {"ipBlock": {"cidr": "10.0.0.0/16"}}
+    values.write_text(yaml.safe_dump({"networkPolicy": {"publicFrom": [lb], "egress": {"enabled": True}}}))
+    manifests = render(values)
+    for manifest in manifests:
+        validate_manifest(manifest)
+    policies = by_kind(manifests, "NetworkPolicy")
+    sources = policies["sg-sluicegate-ingress"]["spec"]["ingress"][0]["from"]
+    assert sources == [lb, {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "sg"}}}]
+    egress = policies["sg-sluicegate-egress"]["spec"]["egress"]
+    assert {"port": 53, "protocol": "UDP"} in egress[0]["ports"]
+    assert egress[1] == {"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "sg"}}}]}
