@@ -38,6 +38,17 @@ if ! cmp -s pyproject.toml "$stamp" 2>/dev/null || ! "$PY" -c "import sluicegate
 fi
 # Broker jars into .sluicegate/kafka/libs, fetched once.
 "$PY" -m sluicegate.stack.devstack fetch >/dev/null
+# helm for the chart tests, at the version pinned in infra/helm/HELM_VERSION, built once from source
+# with the Go toolchain into .sluicegate/bin (without Go the chart tests skip and say why).
+if [[ "$action" == test ]]; then
+    go_bin=$(command -v go || true)
+    [[ -z "$go_bin" && -x /usr/local/go/bin/go ]] && go_bin=/usr/local/go/bin/go
+    helm_version=$(cat infra/helm/HELM_VERSION)
+    if [[ -n "$go_bin" ]] && ! "$go_bin" version -m .sluicegate/bin/helm 2>/dev/null | grep -Eq "mod[[:space:]]+helm.sh/helm/v3[[:space:]]+$helm_version[[:space:]]"; then
+        echo "setup: go install helm.sh/helm/v3/cmd/helm@$helm_version"
+        GOBIN="$PWD/.sluicegate/bin" GOFLAGS=-buildvcs=false "$go_bin" install "helm.sh/helm/v3/cmd/helm@$helm_version"
+    fi
+fi
 
 if [[ "$action" == up ]]; then
     exec "$PY" -m sluicegate.stack.cli up "$@"
