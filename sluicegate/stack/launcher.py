@@ -8,6 +8,7 @@ API key; stops everything on Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 from sluicegate.settings import Settings
 
 DEMO_MODEL_NAME = "tiny-llama"
+MODEL_LOAD_TIMEOUT_S = 900.0
 
 
 @dataclass
@@ -53,6 +55,24 @@ def _wait_http(url: str, child: Child, timeout_s: float) -> None:
         except OSError:
             time.sleep(0.2)
     raise RuntimeError(f"{child.name} did not answer at {url} within {timeout_s:.0f}s; see {child.log_path}")
+
+
+def _wait_model(ingress_url: str, api_key: str, name: str, worker: Child, timeout_s: float) -> None:
+    """Wait until ingress lists ``name``, i.e. the worker has loaded it and its heartbeat is live: before that a
+    request for the model gets a 404, so "up" must not be printed earlier."""
+    request = urllib.request.Request(f"{ingress_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if worker.process.poll() is not None:
+            raise RuntimeError(f"{worker.name} exited with code {worker.process.returncode}; see {worker.log_path}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                if any(card.get("id") == name for card in json.load(response).get("data", [])):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the worker did not serve {name!r} within {timeout_s:.0f}s; see {worker.log_path}")
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Child:
@@ -114,6 +134,9 @@ def up(settings: Settings, *, model: str | None, device: str, model_name: str | 
         result_url = f"http://127.0.0.1:{settings.result_port}"
         _wait_http(f"{ingress_url}/healthz", children[2], 60)
         _wait_http(f"{result_url}/healthz", children[3], 60)
+        # A real checkpoint on a GPU can take minutes to load; the demo model takes seconds.
+        print(f"waiting for the worker to serve {name!r} ...", flush=True)
+        _wait_model(ingress_url, api_key, name, children[0], MODEL_LOAD_TIMEOUT_S)
         print(
             "\nSluicegate is up.\n"
             f"  chat page        {result_url}/\n"
