@@ -121,7 +121,7 @@ async def run_worker(
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     configure_tracing("sluicegate-worker", settings.otlp_endpoint)
     engine = engine or build_engine(settings)
-    telemetry = WorkerTelemetry(engine, model_name, worker_id)
+    telemetry = WorkerTelemetry(engine, model_name, worker_id, queue_budget_s=settings.default_queue_budget_s)
     # Up before the model loads: liveness answers during a long load, readiness says why it is not ready yet.
     probes = _Probes()
     server = await _start_metrics(settings, telemetry, probes)

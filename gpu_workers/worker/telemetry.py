@@ -87,7 +87,15 @@ class WorkerTelemetry:
     """Every metric of one worker in its own registry (served on ``SLUICEGATE_WORKER_METRICS_PORT``), the
     per-request watches, and the background sampler of lag and backlog seconds."""
 
-    def __init__(self, engine: EngineFront, model: str, worker_id: str, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        engine: EngineFront,
+        model: str,
+        worker_id: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        queue_budget_s: float = 0.0,
+    ) -> None:
         self.model = model
         self.worker_id = worker_id
         self.registry = registry or CollectorRegistry()
@@ -173,6 +181,13 @@ class WorkerTelemetry:
             ["model", "worker_id"],
             registry=r,
         )
+        # The default queue-time budget, so an alert can compare backlog seconds with it (0: none).
+        Gauge(
+            "sluicegate_worker_queue_budget_seconds",
+            "SLUICEGATE_DEFAULT_QUEUE_BUDGET_S: the queue-time budget of a request without a deadline (0: none).",
+            ["model"],
+            registry=r,
+        ).labels(model).set(queue_budget_s)
         self.tokens_per_request = TokensPerRequest(DEFAULT_TOKENS_PER_REQUEST)
         self.generation_rate = GenerationRate()
         self._generated = 0  # plain count for the rate sampler (reading a Counter back is slower)
