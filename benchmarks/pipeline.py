@@ -47,6 +47,7 @@ from pathlib import Path
 
 from benchmarks import relay
 from benchmarks.common import fmt, percentile, progress, use_uvloop
+from benchmarks.otlp_sink import OtlpSink
 from benchmarks.pipeline_load import TransportFloor, cpu_seconds, ingress_timers, measure_transport_floor, run_rate
 from benchmarks.pipeline_report import (
     Level,
@@ -128,6 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="process",
         help="the worker's engine: child process or thread",
     )
+    parser.add_argument(
+        "--tracing",
+        choices=("off", "on"),
+        default="off",
+        help="on: every service exports its spans over OTLP/HTTP to a local receiver (a process of its own); "
+        "compare with an 'off' run made right before or after (docs/benchmarks.md pairs them)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -137,7 +145,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     use_uvloop()
     workdir = Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
-    stack = start_stack(args, workdir)
+    sink = OtlpSink() if args.tracing == "on" else None
+    args.otlp_endpoint = sink.url if sink is not None else ""
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        del os.environ[name]  # only --tracing decides
+    try:
+        stack = start_stack(args, workdir)
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
     levels: list[Level] = []
     relay_rows: list[RelayRow] = []
     floor: TransportFloor | None = None
@@ -181,6 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             relay_rows = run_relay(stack, args)
     finally:
         stack.close()
+        if sink is not None:
+            progress(f"tracing on: the receiver took {sink.spans} spans")
+            sink.close()
         if args.keep:
             progress(f"logs and model kept in {workdir}")
         else:
@@ -193,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: tiny random Llama (2 layers, hidden 64) on CPU, 1 torch thread; prompts ~8 tokens, "
         f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
-        f"{args.partitions} partitions per topic; service log level {args.log_level}"
+        f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"
     )
     if levels:
         print(

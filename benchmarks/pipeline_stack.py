@@ -238,6 +238,9 @@ def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
         # The tiny model gains nothing from a second thread on a shared 2-core machine.
         torch_threads=1,
         engine_mode=args.engine,
+        # As deployed: the worker serves its metrics (nobody scrapes here), and traces go where --tracing says.
+        worker_metrics_port=free_port(),
+        otlp_endpoint=getattr(args, "otlp_endpoint", ""),
     )
     settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

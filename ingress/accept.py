@@ -5,16 +5,19 @@ body (``build_request``) and publish it under a span whose context travels in th
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 
 from fastapi import Request
 from opentelemetry import propagate
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 from pydantic import ValidationError
 
 from router.policy import resolve_tier
 from schemas import ChatMessage, InferenceRequest, Tier, TraceContext, utcnow
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
@@ -36,10 +39,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     max_tokens = checked_max_tokens(body, limits)
     check_rate_cost(prompt_tokens + max_tokens, limits)
     heartbeats = await service.model_heartbeats(body.model)
-    parent = propagate.extract(dict(request.headers))
-    with tracer_of(request).start_as_current_span(f"ingress {endpoint}", context=parent, kind=SpanKind.SERVER) as span:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
+    with _request_span(request, endpoint) as (span, carrier):
         trace = None
         if HEADER_TRACEPARENT in carrier:
             trace = TraceContext(traceparent=carrier[HEADER_TRACEPARENT], tracestate=carrier.get(HEADER_TRACESTATE))
@@ -59,9 +59,9 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             raise invalid(exc) from exc
         except ValueError as exc:  # the only other refusal: a deadline already past
             raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
-        span.set_attribute("sluicegate.request_id", inference.request_id)
-        span.set_attribute("sluicegate.model", inference.model)
-        span.set_attribute("sluicegate.tier", tier)
+        if span is not None:
+            span.update_name(f"{genai_operation(inference)} {inference.model}")
+            span.set_attributes(genai_request_attributes(inference))
         route = await service.submit(
             inference,
             max_tier=caller.max_tier,
@@ -71,9 +71,28 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             limits=limits,
             tokens=prompt_tokens + max_tokens,
         )
-        span.set_attribute("messaging.destination.name", route.topic)
-        span.set_attribute("sluicegate.route_reason", route.reason)
+        if span is not None:
+            span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference
+
+
+@contextmanager
+def _request_span(request: Request, endpoint: str) -> Iterator[tuple[Span | None, dict[str, str]]]:
+    """The accepted request's span (a child of the HTTP server span) and the trace carrier for its Kafka
+    record. While tracing is off there is no span object at all: the caller's ``traceparent`` (or a new
+    trace) continues with a new span id, as a string."""
+    if not tracing_enabled():
+        incoming = request.headers.get(HEADER_TRACEPARENT)
+        carrier = {HEADER_TRACEPARENT: child_traceparent(incoming)}
+        state = request.headers.get(HEADER_TRACESTATE)
+        if incoming and state:
+            carrier[HEADER_TRACESTATE] = state
+        yield None, carrier
+        return
+    with tracer_of(request).start_as_current_span(f"ingress {endpoint}", kind=SpanKind.INTERNAL) as span:
+        carrier = {}
+        propagate.inject(carrier)
+        yield span, carrier
 
 
 def build_request(

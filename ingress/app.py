@@ -18,6 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.settings import Settings
+from sluicegate.telemetry import configure_tracing, instrument_app, tracer
 
 from .auth import KeyRing
 from .batches.files import FileStore
@@ -28,7 +29,7 @@ from .lean_route import LeanRoute
 from .openapi import install_openapi
 from .routes import batches, files, native, openai, ops
 from .service import IngressService
-from .telemetry import IngressMetrics, MetricsMiddleware, build_tracer_provider
+from .telemetry import IngressMetrics, MetricsMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     if not settings.stream_token_secret:
         raise ValueError("SLUICEGATE_STREAM_TOKEN_SECRET is empty: ingress needs it to issue stream tokens")
     metrics = IngressMetrics()
-    tracer_provider = build_tracer_provider("sluicegate-ingress", settings.otlp_endpoint)
-    tracer = tracer_provider.get_tracer("sluicegate.ingress")
+    configure_tracing("sluicegate-ingress", settings.otlp_endpoint)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,7 +70,6 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await warmup
             await service.close()
-            tracer_provider.shutdown()
 
     app = FastAPI(
         title="Sluicegate ingress",
@@ -80,7 +79,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     app.state.settings = settings
     app.state.keyring = keyring
     app.state.metrics = metrics
-    app.state.tracer = tracer
+    app.state.tracer = tracer("sluicegate.ingress")
     install_error_handlers(app)
     app.add_middleware(
         CORSMiddleware,
@@ -100,6 +99,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     _add_routes(app, (openai.router, native.router, ops.router, files.router, batches.router))
     install_openapi(app)
+    instrument_app(app)  # outermost: the server span covers the middleware too
     return app
 
 

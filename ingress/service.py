@@ -239,6 +239,7 @@ class IngressService:
             priority=route.tier,
             status="queued",
             created_at=request.created_at,
+            trace=request.trace,
         )
         started = time.perf_counter()
         saving: asyncio.Task[None] | None = None

@@ -1,5 +1,5 @@
-"""Ingress telemetry: an OpenTelemetry tracer (exporting over OTLP only when an endpoint is configured)
-and Prometheus metrics in a per-app registry, plus the ASGI middleware that counts and times requests.
+"""Ingress metrics: Prometheus metrics in a per-app registry, plus the ASGI middleware that counts and times
+requests. Tracing is the process-wide bootstrap of :mod:`sluicegate.telemetry`.
 """
 
 from __future__ import annotations
@@ -7,30 +7,12 @@ from __future__ import annotations
 import logging
 import time
 
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-
-
-def build_tracer_provider(service_name: str, otlp_endpoint: str) -> TracerProvider:
-    """A tracer provider that always makes real span ids (so ``traceparent`` propagates) and exports
-    them over OTLP/HTTP only when ``otlp_endpoint`` is set."""
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        endpoint = otlp_endpoint.rstrip("/")
-        if not endpoint.endswith("/v1/traces"):
-            endpoint += "/v1/traces"
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        log.info("telemetry.otlp_export endpoint=%s", endpoint)
-    return provider
 
 
 class IngressMetrics:

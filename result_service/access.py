@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
-from schemas import Names, RequestRecord
+from schemas import Names, RequestRecord, TraceContext
 from schemas.common import RequestId
 from sluicegate.stream_entries import parse_entry
 from sluicegate.stream_follower import START_SEQ
@@ -76,8 +76,11 @@ class StreamStatus(enum.Enum):
     EXPIRED = "expired"
 
 
-async def probe(hub: StreamHub, names: Names, grant: StreamGrant) -> tuple[StreamStatus, str]:
-    """Where the stream stands relative to the client's resume point, with a human-readable reason."""
+async def probe(
+    hub: StreamHub, names: Names, grant: StreamGrant, *, want_trace: bool = False
+) -> tuple[StreamStatus, str, TraceContext | None]:
+    """Where the stream stands relative to the client's resume point, with a human-readable reason, and (with
+    ``want_trace``, while tracing is on) the request's trace context from its status record."""
     key = names.stream_key(grant.request_id)
     async with hub.bounded() as redis:
         pipe = redis.pipeline(transaction=False)
@@ -88,15 +91,27 @@ async def probe(hub: StreamHub, names: Names, grant: StreamGrant) -> tuple[Strea
         entry_id, fields = last_entries[0]
         last = parse_entry(key, entry_id, fields)
         if last is not None and last.terminal and last.seq <= grant.after_seq:
-            return StreamStatus.FINISHED, "stream already finished"
-        return StreamStatus.OPEN, ""
+            return StreamStatus.FINISHED, "stream already finished", None
+        # The record is parsed only for its trace here, so only while someone wants it.
+        return StreamStatus.OPEN, "", _record(grant, raw_record).trace if want_trace and raw_record else None
     if raw_record is None:
-        return StreamStatus.OPEN, ""
+        return StreamStatus.OPEN, "", None
+    record = _record(grant, raw_record)
+    if record.status in _ENDED_STATUSES:
+        return StreamStatus.EXPIRED, f"request {record.status}; its stream has expired", None
+    return StreamStatus.OPEN, "", record.trace
+
+
+def _record(grant: StreamGrant, raw: bytes) -> RequestRecord | _NoRecord:
     try:
-        record = RequestRecord.model_validate_json(raw_record)
+        return RequestRecord.model_validate_json(raw)
     except ValidationError as exc:
         log.warning("relay.bad_request_record request_id=%s error=%s", grant.request_id, exc.errors()[:1])
-        return StreamStatus.OPEN, ""
-    if record.status in _ENDED_STATUSES:
-        return StreamStatus.EXPIRED, f"request {record.status}; its stream has expired"
-    return StreamStatus.OPEN, ""
+        return _NoRecord()
+
+
+class _NoRecord:
+    """An unreadable status record: says nothing about the stream."""
+
+    status = "unknown"
+    trace = None

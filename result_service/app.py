@@ -11,8 +11,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
 from schemas import Names
@@ -21,11 +22,13 @@ from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.telemetry import configure_tracing, instrument_app
 
 from . import page, sse, websocket
 from .context import RelayContext
 from .control_producer import ControlProducer
 from .hub import RelayConfig, StreamHub
+from .telemetry import RelayMetrics
 
 
 def create_app(
@@ -48,6 +51,8 @@ def create_app(
         )
     config = config or RelayConfig()
     names = Names(settings.topic_prefix)
+    configure_tracing("sluicegate-result-service", settings.otlp_endpoint)
+    metrics = RelayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,7 +77,8 @@ def create_app(
         await hub.start()
         # In the background: relaying never waits for Kafka, but the first Stop should not either.
         warm_up = asyncio.create_task(control.warm_up()) if control is not None else None
-        app.state.relay = RelayContext(settings=settings, names=names, hub=hub, canceller=cancel)
+        metrics.watch_hub(hub)
+        app.state.relay = RelayContext(settings=settings, names=names, hub=hub, canceller=cancel, metrics=metrics)
         if freeze_heap:
             freeze_startup_heap("result-service")
         try:
@@ -98,5 +104,13 @@ def create_app(
     app.include_router(websocket.router)
     app.include_router(sse.router)
     app.include_router(page.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        """Prometheus metrics of this process (rendered in a thread: never holds the event loop)."""
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
+    instrument_app(app)
     return app

@@ -11,6 +11,7 @@ from sluicegate.cancellation import Canceller
 from sluicegate.settings import Settings
 
 from .hub import StreamHub
+from .telemetry import RelayMetrics
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class RelayContext:
     names: Names
     hub: StreamHub
     canceller: Canceller
+    metrics: RelayMetrics
 
 
 def relay_context(connection: HTTPConnection) -> RelayContext:

@@ -16,7 +16,9 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 
+from schemas import TraceContext
 from sluicegate.stream_follower import SlowConsumer
+from sluicegate.telemetry import tracing_enabled
 
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
 from .context import RelayContext, relay_context
@@ -30,20 +32,22 @@ EVENT_STREAM = "text/event-stream"
 _PREAMBLE = "retry: 1000\n\n"
 
 
-async def _events(ctx: RelayContext, grant: StreamGrant) -> AsyncIterator[str]:
+async def _events(ctx: RelayContext, grant: StreamGrant, trace: TraceContext | None) -> AsyncIterator[str]:
     yield _PREAMBLE
     keepalive = ctx.hub.config.sse_keepalive_s
     try:
-        async with ctx.hub.subscribe(grant.request_id, grant.after_seq) as sub:
-            while not sub.finished:
-                batch = await sub.next_batch(max_wait_s=keepalive)
-                if not batch:
-                    # A comment line: keeps proxies and load balancers from closing an idle response.
-                    yield ": keepalive\n\n"
-                    continue
-                yield "".join(f"id: {item.entry_id}\ndata: {item.payload}\n\n" for item in batch)
+        with ctx.metrics.relaying("sse", grant, trace):
+            async with ctx.hub.subscribe(grant.request_id, grant.after_seq) as sub:
+                while not sub.finished:
+                    batch = await sub.next_batch(max_wait_s=keepalive)
+                    if not batch:
+                        # A comment line: keeps proxies and load balancers from closing an idle response.
+                        yield ": keepalive\n\n"
+                        continue
+                    yield "".join(f"id: {item.entry_id}\ndata: {item.payload}\n\n" for item in batch)
     except SlowConsumer:
         log.info("relay.slow_consumer_dropped request_id=%s transport=sse", grant.request_id)
+        ctx.metrics.slow_consumers.labels("sse").inc()
         yield ": client too slow; reconnect with Last-Event-ID to resume\n\n"
     except RedisError as exc:
         log.error("relay.history_failed request_id=%s error=%r", grant.request_id, exc)
@@ -59,7 +63,7 @@ async def _respond(request: Request, request_id: str, token: str | None, last_id
     except BadStreamRequest as exc:
         return JSONResponse({"detail": str(exc)}, status_code=400)
     try:
-        status, why = await probe(ctx.hub, ctx.names, grant)
+        status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled())
     except RedisError as exc:
         log.error("relay.probe_failed request_id=%s error=%r", request_id, exc)
         return JSONResponse({"detail": "stream store unavailable"}, status_code=503, headers={"Retry-After": "1"})
@@ -68,7 +72,7 @@ async def _respond(request: Request, request_id: str, token: str | None, last_id
     if status is StreamStatus.EXPIRED:
         return JSONResponse({"detail": why}, status_code=404)
     return StreamingResponse(
-        _events(ctx, grant),
+        _events(ctx, grant, trace),
         media_type=EVENT_STREAM,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from starlette.websockets import WebSocketDisconnect
 
 from sluicegate.stream_follower import SlowConsumer
+from sluicegate.telemetry import tracing_enabled
 
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
 from .context import RelayContext, relay_context
@@ -88,7 +89,7 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
         await _close(websocket, CLOSE_POLICY_VIOLATION, str(exc))
         return
     try:
-        status, why = await probe(ctx.hub, ctx.names, grant)
+        status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled())
     except RedisError as exc:
         log.error("relay.probe_failed request_id=%s error=%r", request_id, exc)
         await _close(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect later")
@@ -100,14 +101,15 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
         await _close(websocket, CLOSE_STREAM_GONE, why)
         return
 
-    sender = asyncio.create_task(_send_events(websocket, ctx, grant))
-    receiver = asyncio.create_task(_receive_commands(websocket, ctx, grant))
-    try:
-        await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (sender, receiver):
-            task.cancel()
-        await asyncio.gather(sender, receiver, return_exceptions=True)
+    with ctx.metrics.relaying("websocket", grant, trace):
+        sender = asyncio.create_task(_send_events(websocket, ctx, grant))
+        receiver = asyncio.create_task(_receive_commands(websocket, ctx, grant))
+        try:
+            await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, receiver):
+                task.cancel()
+            await asyncio.gather(sender, receiver, return_exceptions=True)
 
     if receiver.done() and not receiver.cancelled() and receiver.exception() is None:
         invalid = receiver.result()
@@ -121,6 +123,7 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
         await _close(websocket, CLOSE_NORMAL, "stream finished")
     elif isinstance(error, SlowConsumer):
         log.info("relay.slow_consumer_dropped request_id=%s", request_id)
+        ctx.metrics.slow_consumers.labels("websocket").inc()
         await _close(websocket, CLOSE_TRY_AGAIN_LATER, "client too slow: reconnect with last_id to resume")
     elif isinstance(error, (WebSocketDisconnect, OSError)):
         return

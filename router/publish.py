@@ -16,6 +16,7 @@ from aiokafka.structs import RecordMetadata
 from schemas import InferenceRequest, Names
 from schemas.names import HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.kafka import ensure_topics
+from sluicegate.telemetry import kafka_injects_trace
 
 from .router import Route, Router
 
@@ -26,8 +27,11 @@ Headers = list[tuple[str, bytes]]
 
 def request_headers(request: InferenceRequest, trace: Mapping[str, str] | None = None) -> Headers:
     """``request_id`` plus W3C trace context: from ``trace`` (a propagator carrier) when it has one,
-    else from the request's own ``trace`` field."""
+    else from the request's own ``trace`` field. While tracing is on, the aiokafka instrumentation injects the
+    producer span's context itself, so none is added here (a record carries one ``traceparent``)."""
     headers: Headers = [(HEADER_REQUEST_ID, request.request_id.encode())]
+    if kafka_injects_trace():
+        return headers
     traceparent = (trace or {}).get(HEADER_TRACEPARENT)
     tracestate = (trace or {}).get(HEADER_TRACESTATE)
     if traceparent is None and request.trace is not None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, RecordMetadata, TopicPartition
+from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -22,10 +24,13 @@ from schemas import InferenceRequest, Names, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.dead_letters import Rejection, dead_letter, header, validate_record
 from sluicegate.kafka import create_consumer, create_producer
+from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.telemetry import configure_tracing, context_from_headers, shutdown_tracing, tracer, tracing_enabled
 
 from .heartbeats import HeartbeatCache
+from .metrics import RouterMetrics
 from .publish import TopicRegistry, request_headers, send_routed
 from .router import Router
 
@@ -77,6 +82,8 @@ class RouterProcessor:
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
         self.dead_lettered = 0
+        self.metrics = RouterMetrics()
+        self.tracer = tracer("sluicegate.router")
 
     async def _live_heartbeats(self, model: str) -> list[WorkerHeartbeat] | None:
         """The model's live heartbeats; None when Redis cannot tell."""
@@ -102,6 +109,23 @@ class RouterProcessor:
         return outcome, beats or []
 
     async def _dispatch(self, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
+        if not tracing_enabled():
+            return await self._dispatch_one(record)
+        # The record's own trace continues here; the instrumented send below nests under this span.
+        with self.tracer.start_as_current_span(
+            f"process {record.topic}",
+            context=context_from_headers(record.headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "process",
+                "messaging.destination.name": record.topic,
+                "messaging.kafka.offset": record.offset,
+            },
+        ):
+            return await self._dispatch_one(record)
+
+    async def _dispatch_one(self, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
         outcome = await self._check(record)
         if not isinstance(outcome, Rejection):
             try:
@@ -120,6 +144,7 @@ class RouterProcessor:
             outcome.detail,
         )
         self.dead_lettered += 1
+        self.metrics.dead_letters.labels("router", outcome.reason).inc()
         return await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
 
     async def _route(
@@ -137,10 +162,12 @@ class RouterProcessor:
         )
         future = await send_routed(self.producer, request, route, request_headers(request, _trace_carrier(record)))
         self.routed += 1
+        self.metrics.routed.labels(request.model, request.priority, route.reason).inc()
         return future
 
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Route or dead-letter every record, wait for all acks, then commit past the batch."""
+        started = time.perf_counter()
         futures = []
         for records in batch.values():
             for record in records:
@@ -149,6 +176,7 @@ class RouterProcessor:
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
         if offsets:
             await self.consumer.commit(offsets)
+        self.metrics.batch_seconds.observe(time.perf_counter() - started)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Loop until ``stop`` is set; a failed batch is re-read from its first offset after a pause."""
@@ -159,6 +187,7 @@ class RouterProcessor:
             try:
                 await self.process(batch)
             except (KafkaError, TimeoutError, OSError) as exc:
+                self.metrics.batch_failures.inc()
                 log.error("router.batch_failed records=%d error=%r; retrying", sum(map(len, batch.values())), exc)
                 assigned = self.consumer.assignment()
                 for tp, records in batch.items():
@@ -179,6 +208,7 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
     ``<prefix><router_group>``, so several routers share the inbound partitions.
     """
     stop = stop or asyncio.Event()
+    configure_tracing("sluicegate-router", settings.otlp_endpoint)
     names = Names(settings.topic_prefix)
     producer = create_producer(settings, client_id="sluicegate-router")
     group = f"{names.prefix}{settings.router_group}"
@@ -190,6 +220,7 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
     )
     redis = create_redis(settings, socket_timeout=5.0, client_name="sluicegate-router")
     processor = RouterProcessor(settings, consumer, producer, redis)
+    server = await _start_metrics(settings, processor)
     await processor.topics.ensure(
         {names.inbound_topic: settings.topic_partitions, names.dlq_topic: settings.topic_partitions}
     )
@@ -204,7 +235,21 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
     finally:
         await producer.stop()
         await redis.aclose()
+        if server is not None:
+            await server.close()
         log.info("router.stopped routed=%d dead_lettered=%d", processor.routed, processor.dead_lettered)
+
+
+async def _start_metrics(settings: Settings, processor: RouterProcessor) -> MetricsServer | None:
+    if not settings.router_metrics_port:
+        return None
+    server = MetricsServer(processor.metrics.registry, settings.router_metrics_port)
+    try:
+        await server.start()
+    except OSError as exc:  # a second router on one host routes, unobserved, rather than not at all
+        log.warning("router.metrics_port_unavailable port=%d error=%s", settings.router_metrics_port, exc)
+        return None
+    return server
 
 
 def serve_router(settings: Settings) -> None:
@@ -218,3 +263,4 @@ def serve_router(settings: Settings) -> None:
         await run_router(settings, stop=stop)
 
     asyncio.run(main())
+    shutdown_tracing()

@@ -8,6 +8,7 @@ from pydantic import AwareDatetime, Field
 
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
 from .events import FinishReason, Usage
+from .requests import TraceContext
 
 
 class CancelRequest(Message):
@@ -94,3 +95,5 @@ class RequestRecord(Message):
     updated_at: AwareDatetime = Field(default_factory=utcnow)
     worker_id: str | None = None
     result: FinalResult | None = None
+    # The request's trace context, so a relay connecting later (no Kafka header to read) joins its trace.
+    trace: TraceContext | None = None

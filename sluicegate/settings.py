@@ -107,7 +107,17 @@ class Settings(BaseSettings):
     # --- telemetry ----------------------------------------------------------------------------------
     log_level: str = Field("INFO", description="Log level for every service.")
     log_format: Literal["json", "kv"] = Field("kv", description="Structured log line format.")
-    otlp_endpoint: str = Field("", description="OTLP endpoint for traces; empty disables export.")
+    otlp_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP endpoint for traces, an alias of OTEL_EXPORTER_OTLP_ENDPOINT (which wins); with "
+        "neither (nor OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) set, tracing is off.",
+    )
+    worker_metrics_port: int = Field(
+        8002, ge=0, le=65535, description="Port of a worker's /metrics, /healthz and /readyz; 0 disables them."
+    )
+    router_metrics_port: int = Field(
+        8003, ge=0, le=65535, description="Port of the router stream processor's /metrics and /healthz; 0 disables."
+    )
 
     # --- ingress and router ---------------------------------------------------------------------------
     ingress_host: str = Field("0.0.0.0", description="Address the ingress API binds to.")

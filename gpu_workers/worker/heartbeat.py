@@ -17,6 +17,7 @@ from schemas import Names, PartitionRef, WorkerHeartbeat
 
 from .config import WorkerConfig
 from .streams import REDIS_UNAVAILABLE
+from .telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class Heartbeats:
         self.producer = producer
         self.consumer = consumer  # the group consumer, for the partitions this worker owns
         self.stopping = stopping
+        # monotonic time of the last successful Redis write (readiness), and the metrics to tell.
+        self.last_written: float | None = None
+        self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     def beat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
@@ -69,6 +73,9 @@ class Heartbeats:
                 pipe.hset(self.names.workers_key(self.config.model_name), self.config.worker_id, payload)
                 pipe.sadd(self.names.models_key, self.config.model_name)
                 await pipe.execute()
+                self.last_written = time.monotonic()
+                if self.telemetry is not None:
+                    self.telemetry.heartbeat_written()
             except REDIS_UNAVAILABLE as exc:
                 # Skipped, not fatal: the next beat goes out once Redis is back.
                 log.warning("worker.heartbeat_redis_failed", extra={"error": str(exc)})

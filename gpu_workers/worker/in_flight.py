@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import TopicPartition
 
@@ -34,6 +35,7 @@ class Active:
     # The engine request started before the pickup reads answered (see ``Serving.start_early``).
     early: RequestStream | None = field(default=None, repr=False)
     prompt: list[int] | None = field(default=None, repr=False)  # token ids, once computed
+    watch: Any = field(default=None, repr=False)  # its telemetry.RequestWatch while it is served
 
     @property
     def provisional_key(self) -> str:

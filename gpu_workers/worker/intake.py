@@ -27,6 +27,7 @@ from .observer import WorkerObserver
 from .offsets import CompletionWatermarks
 from .outputs import Outputs
 from .serving import Serving
+from .telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class Intake:
         self._tiers: dict[str, Tier] = {names.request_topic(config.model_name, t): t for t in TIERS}
         self._room = asyncio.Event()
         self._commit_task: asyncio.Task[None] | None = None
+        self.joined = False  # the group consumer has joined (readiness)
+        self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     @property
     def topics(self) -> list[str]:
@@ -93,6 +96,7 @@ class Intake:
                     "SLUICEGATE_WORKER_SESSION_TIMEOUT_MS within its group.min.session.timeout.ms and "
                     "group.max.session.timeout.ms"
                 ) from exc
+            self.joined = True
             log.info("worker.joined_group", extra={"partitions": len(self.consumer.assignment())})
         while not self.stopping.is_set():
             fatal = self.serving.fatal
@@ -156,6 +160,8 @@ class Intake:
     def _admit(self, record: Any) -> None:
         if self._observer is not None:
             self._observer.record_taken(record)
+        if self.telemetry is not None:
+            self.telemetry.record_taken(record)
         tp = TopicPartition(record.topic, record.partition)
         self.watermarks.started(tp, record.offset)
         entry = self.in_flight.take(tp, record.offset, self._tier_of(tp))

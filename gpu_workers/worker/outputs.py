@@ -24,6 +24,7 @@ from .config import WorkerConfig
 from .in_flight import Active
 from .observer import WorkerObserver
 from .streams import REDIS_UNAVAILABLE, RecordWrite, StreamPublisher
+from .telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Outputs:
         self.publisher = StreamPublisher(redis, names, config.stream_ttl_s, on_send=on_send)
         self._events = asyncio.Event()
         self.dead_lettered = 0
+        self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     # --- Redis streams -------------------------------------------------------------------------------
     def emit(self, entry: Active, event: StreamEvent | RecordWrite) -> bool:
@@ -103,6 +105,7 @@ class Outputs:
             created_at=request.created_at,
             worker_id=self.config.worker_id,
             result=result,
+            trace=request.trace,
         )
         key = self.names.request_key(request.request_id)
         return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s)
@@ -144,6 +147,8 @@ class Outputs:
         value, headers = dead_letter(rejection, record)
         await self.send(self.names.dlq_topic, value, rejection.request_id, headers)
         self.dead_lettered += 1
+        if self.telemetry is not None:
+            self.telemetry.dead_lettered(rejection.reason)
         log.warning(
             "worker.dead_letter",
             extra={

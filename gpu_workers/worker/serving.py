@@ -30,6 +30,7 @@ from schemas import (
 )
 from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, request_id_of
+from sluicegate.telemetry import attached
 
 from .control import Cancels
 from .in_flight import Active, InFlight
@@ -37,6 +38,7 @@ from .outputs import Outputs
 from .prompts import PromptError, prompt_token_ids, sampling_params
 from .resume import Continuation
 from .streams import read_pickup_state, read_stream_state
+from .telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class Serving:
         self.served = 0
         self.resumed = 0
         self.cancelled_before_start = 0
+        self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     async def serve(self, record: Any, entry: Active, parsed: InferenceRequest | Rejection | Exception) -> bool:
         """Serve one record; True once it reached an outcome (``done``/``error`` in its stream, a dead letter,
@@ -80,7 +83,14 @@ class Serving:
                 return True
             if entry.request_id != parsed.request_id and not await self.in_flight.claim(entry, parsed.request_id):
                 return True  # a duplicate of a request this worker is running
-            return await self._serve_request(parsed, entry, record)
+            if self.telemetry is None:
+                return await self._serve_request(parsed, entry, record)
+            entry.watch = self.telemetry.watch(parsed, record)
+            span_context = entry.watch.context()
+            if span_context is None:
+                return await self._serve_request(parsed, entry, record)
+            with attached(span_context):  # Redis and Kafka calls of this task nest under the request's span
+                return await self._serve_request(parsed, entry, record)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -96,6 +106,9 @@ class Serving:
             await self.outputs.dead_letter(record, rejection)
             return True
         finally:
+            if entry.watch is not None:
+                entry.watch.close()
+                entry.watch = None
             self.in_flight.release(entry)
 
     async def _serve_request(self, request: InferenceRequest, entry: Active, record: Any) -> bool:
@@ -147,6 +160,7 @@ class Serving:
         if state.finished:
             # Re-delivered after it finished but before its offset was committed.
             log.info("worker.already_finished", extra={"request_id": rid})
+            self._redelivered(request, "already_finished")
             if state.done is not None and not ended_before:
                 # The previous owner died between ``done`` and its final result: publish that now
                 # (llm.results is at-least-once, keyed by request id).
@@ -184,12 +198,14 @@ class Serving:
                 # The delivered text is not what this model's tokenizer makes of the delivered tokens, so
                 # no seamless continuation exists: start over and tell clients to drop what they have.
                 log.warning("worker.restart", extra={"request_id": rid, "delivered": state.delivered})
+                self._redelivered(request, "restarted")
                 if not self.outputs.emit(entry, RestartEvent(request_id=rid, seq=seq, discard_after_seq=-1)):
                     return False
                 seq += 1
                 resumed = None
             else:
                 self.resumed += 1
+                self._redelivered(request, "resumed")
                 log.info("worker.resuming", extra={"request_id": rid, "delivered": state.delivered, "seq": seq})
                 ended = resumed.finished_already()
                 if ended is not None:
@@ -242,9 +258,13 @@ class Serving:
                     priority=tier_rank(request.priority),
                     tenant=request.tenant,
                 )
+            if entry.watch is not None:
+                entry.watch.generating()
             async with self._reading(deltas):
                 async for delta in deltas:
                     started = True
+                    if delta.final is not None and entry.watch is not None:
+                        entry.watch.engine_finished(delta.final.metrics)
                     if entry.handed_off:
                         return False
                     cached = getattr(delta, "num_cached_tokens", cached) or cached
@@ -301,6 +321,8 @@ class Serving:
         done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage)
         if not self.outputs.emit(entry, done):
             return False
+        if entry.watch is not None:
+            entry.watch.finished(reason, usage)
         # The stream must hold ``done`` before the offset can be committed.
         await self.outputs.flush()
         await self.outputs.publish_result(request, done, tokens, text)
@@ -315,9 +337,15 @@ class Serving:
             seq = state.next_seq
         if not self.outputs.emit(entry, ErrorEvent(request_id=request_id, seq=seq, code=code, message=message[:2000])):
             return False
+        if entry.watch is not None:
+            entry.watch.failed(code)
         await self.outputs.flush()
         await self.outputs.mark_failed(request_id)
         return True
+
+    def _redelivered(self, request: InferenceRequest, outcome: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.redelivered(request.priority, outcome)
 
     @contextlib.asynccontextmanager
     async def _reading(self, stream: RequestStream) -> AsyncIterator[RequestStream]:

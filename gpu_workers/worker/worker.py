@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 
 from gpu_workers.engine import EngineFront
-from schemas import Names, WorkerHeartbeat
+from schemas import TIERS, Names, WorkerHeartbeat
 
 from .config import WorkerConfig
 from .control import Cancels
@@ -46,6 +47,7 @@ from .intake import Intake
 from .observer import WorkerObserver
 from .outputs import Outputs
 from .serving import Serving
+from .telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,10 @@ class Worker:
         consumer: AIOKafkaConsumer,
         control_consumer: AIOKafkaConsumer,
         observer: WorkerObserver | None = None,
+        telemetry: WorkerTelemetry | None = None,
     ) -> None:
         self.engine = engine
+        self.telemetry = telemetry or WorkerTelemetry(engine, config.model_name, config.worker_id)
         self.config = config
         self.names = names
         self._stopping = asyncio.Event()
@@ -77,6 +81,24 @@ class Worker:
             consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping, observer
         )
         self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping)
+        self.telemetry.set_topics({names.request_topic(config.model_name, t): t for t in TIERS})
+        self.outputs.telemetry = self.serving.telemetry = self.intake.telemetry = self.heartbeats.telemetry = (
+            self.telemetry
+        )
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready to serve: the engine runs, the consumer has joined its group and the last heartbeat write
+        succeeded recently (the readiness probe of ``/readyz``)."""
+        if not self.engine.is_running:
+            return False, "engine not running"
+        if not self.intake.joined:
+            return False, "consumer has not joined its group"
+        last = self.heartbeats.last_written
+        if last is None or time.monotonic() - last > 3 * self.config.heartbeat_interval_s:
+            return False, "no recent heartbeat write"
+        if self._stopping.is_set():
+            return False, "draining"
+        return True, "ready"
 
     @property
     def topics(self) -> list[str]:
@@ -118,6 +140,10 @@ class Worker:
             asyncio.create_task(self.outputs.flush_loop(), name="flush"),
             asyncio.create_task(self.cancels.run(), name="control"),
             asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
+            asyncio.create_task(
+                self.telemetry.sample_backlog(self.intake.consumer, self.engine, self.config.heartbeat_interval_s),
+                name="backlog-sampler",
+            ),
         ]
         stopper = asyncio.create_task(stop.wait())
         try:

@@ -233,6 +233,9 @@ def pipeline(
         "SLUICEGATE_HEARTBEAT_INTERVAL_S": "0.5",
         "SLUICEGATE_KV_CACHE_GB": "0.05",
         "SLUICEGATE_LOG_LEVEL": "INFO",
+        # Several pipelines (and workers) share this host: no fixed metrics ports unless a module asks for them.
+        "SLUICEGATE_WORKER_METRICS_PORT": "0",
+        "SLUICEGATE_ROUTER_METRICS_PORT": "0",
         **pipeline_env,
     }
     log_dir = tmp_path_factory.mktemp("pipeline-logs")

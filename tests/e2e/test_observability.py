@@ -1,0 +1,318 @@
+"""Observability end to end: real services exporting spans over OTLP/HTTP to a receiver inside the test (the
+protobuf export decoded with opentelemetry-proto), and each process's ``/metrics`` parsed with
+prometheus_client's parser after requests went through.
+
+One trace per request: the client's ``traceparent`` -> ingress (server span, GenAI request span, Kafka producer
+span) -> worker (consumer span with GenAI usage attributes, engine queue/prefill/decode children) -> result
+service relay (a child of the ingress span, found through the status record); and a Kafka-native producer's
+record on ``llm.inbound`` -> router -> worker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from schemas import Names
+
+from .conftest import Pipeline, free_port
+from .observability_names import dashboard_expressions, exposed_names, referenced_metrics, rule_expressions
+
+pytestmark = pytest.mark.slow
+
+WORKER_METRICS_PORT = free_port()
+ROUTER_METRICS_PORT = free_port()
+
+
+@dataclass
+class Span:
+    service: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    name: str
+    kind: int
+    attributes: dict[str, Any]
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint collecting every exported span."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                receiver.add(request)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def add(self, request: ExportTraceServiceRequest) -> None:
+        spans = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    spans.append(
+                        Span(
+                            service=resource.get("service.name", ""),
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_id=span.parent_span_id.hex(),
+                            name=span.name,
+                            kind=span.kind,
+                            attributes={a.key: _value(a.value) for a in span.attributes},
+                        )
+                    )
+        with self.lock:
+            self.spans.extend(spans)
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self.lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 30) -> list[Span]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            spans = self.trace(trace_id)
+            if names <= {s.name for s in spans}:
+                return spans
+            time.sleep(0.2)
+        got = sorted((s.service, s.name) for s in self.trace(trace_id))
+        raise AssertionError(f"trace {trace_id} lacks {names - {s.name for s in self.trace(trace_id)}}: {got}")
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    receiver = Receiver()
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pipeline_env(receiver: Receiver) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within the test's patience
+        "SLUICEGATE_WORKER_METRICS_PORT": str(WORKER_METRICS_PORT),
+        "SLUICEGATE_ROUTER_METRICS_PORT": str(ROUTER_METRICS_PORT),
+    }
+
+
+def _one(spans: list[Span], service: str, name: str) -> Span:
+    found = [s for s in spans if s.service == service and s.name == name]
+    assert len(found) == 1, (service, name, [(s.service, s.name) for s in spans])
+    return found[0]
+
+
+def _sse_events(pipeline: Pipeline, submitted: dict[str, Any], last_id: str | None = None) -> list[dict[str, Any]]:
+    params = {"token": submitted["stream_token"], **({"last_id": last_id} if last_id else {})}
+    url = f"{pipeline.result_url}/v1/streams/{submitted['request_id']}/sse"
+    events = []
+    with httpx.stream("GET", url, params=params, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] in ("done", "error"):
+                    break
+    return events
+
+
+def test_one_trace_spans_ingress_worker_engine_and_relay(pipeline: Pipeline, receiver: Receiver) -> None:
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    response = httpx.post(
+        f"{pipeline.ingress_url}/v1/requests",
+        json={
+            "model": pipeline.model,
+            "messages": [{"role": "user", "content": "trace me"}],
+            "max_tokens": 6,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "ignore_eos": True,
+            "priority": "interactive",
+        },
+        headers={**pipeline.headers(), "traceparent": f"00-{trace_id}-{client_span}-01"},
+        timeout=30,
+    )
+    assert response.status_code == 202, response.text
+    submitted = response.json()
+    events = _sse_events(pipeline, submitted)
+    assert events[-1]["type"] == "done"
+
+    spans = receiver.wait_for(
+        trace_id, {"chat tiny-e2e", "engine.queue", "engine.prefill", "engine.decode", "relay sse"}
+    )
+    services = {s.service for s in spans}
+    assert {"sluicegate-ingress", "sluicegate-worker", "sluicegate-result-service"} <= services
+
+    # ingress: the HTTP server span continues the client's span; the request span and the producer span nest.
+    server = next(s for s in spans if s.service == "sluicegate-ingress" and s.parent_id == client_span)
+    accepted = _one(spans, "sluicegate-ingress", "chat tiny-e2e")
+    assert accepted.parent_id == server.span_id
+    assert accepted.attributes["gen_ai.operation.name"] == "chat"
+    assert accepted.attributes["gen_ai.request.model"] == pipeline.model
+    assert accepted.attributes["gen_ai.request.max_tokens"] == 6
+    assert accepted.attributes["gen_ai.request.temperature"] == 0.5
+    assert accepted.attributes["gen_ai.request.top_p"] == 0.9
+    produced = next(s for s in spans if s.service == "sluicegate-ingress" and s.kind == 4)  # PRODUCER
+    assert produced.parent_id == accepted.span_id
+
+    # worker: a consumer span under the producer span, with the GenAI response and usage attributes.
+    served = _one(spans, "sluicegate-worker", "chat tiny-e2e")
+    assert served.kind == 5 and served.parent_id == produced.span_id  # CONSUMER
+    attributes = served.attributes
+    assert attributes["gen_ai.response.model"] == pipeline.model
+    assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert attributes["gen_ai.usage.output_tokens"] == 6
+    assert attributes["gen_ai.usage.input_tokens"] > 0
+    assert attributes["gen_ai.usage.cache_read.input_tokens"] >= 0
+    assert attributes["sluicegate.request_id"] == submitted["request_id"]
+    # engine phases, built by the worker from the engine's timestamps
+    for phase in ("engine.queue", "engine.prefill", "engine.decode"):
+        assert _one(spans, "sluicegate-worker", phase).parent_id == served.span_id
+    # the worker's Redis pickup read nests under its span (redis instrumentation)
+    assert any(s.service == "sluicegate-worker" and s.kind == 3 and s.parent_id == served.span_id for s in spans)
+
+    # result service: the relay span joins the request's trace under the ingress span.
+    relay = _one(spans, "sluicegate-result-service", "relay sse")
+    assert relay.parent_id == accepted.span_id
+    assert relay.attributes["sluicegate.request_id"] == submitted["request_id"]
+
+
+def test_kafka_native_record_is_traced_through_the_router(pipeline: Pipeline, receiver: Receiver) -> None:
+    from kafka import KafkaProducer
+
+    trace_id = uuid.uuid4().hex
+    request_id = uuid.uuid4().hex
+    body = {"request_id": request_id, "model": pipeline.model, "prompt": "route me", "sampling": {"max_tokens": 3}}
+    producer = KafkaProducer(bootstrap_servers=pipeline.kafka_bootstrap)
+    try:
+        producer.send(
+            Names(pipeline.prefix).inbound_topic,
+            json.dumps(body).encode(),
+            key=request_id.encode(),
+            headers=[("traceparent", f"00-{trace_id}-{'ab' * 8}-01".encode())],
+        ).get(timeout=30)
+    finally:
+        producer.close()
+    pipeline.wait_stream_end(request_id)
+    spans = receiver.wait_for(trace_id, {"text_completion tiny-e2e", "engine.decode"})
+    routed = next(s for s in spans if s.service == "sluicegate-router" and s.name.startswith("process "))
+    assert routed.parent_id == "ab" * 8
+    router_send = next(s for s in spans if s.service == "sluicegate-router" and s.kind == 4)
+    assert router_send.parent_id == routed.span_id
+    assert _one(spans, "sluicegate-worker", "text_completion tiny-e2e").parent_id == router_send.span_id
+
+
+def _scrape(url: str) -> dict[str, Any]:
+    response = httpx.get(url, timeout=10)
+    assert response.status_code == 200, response.text
+    return {"text": response.text, "families": {f.name: f for f in text_string_to_metric_families(response.text)}}
+
+
+def _total(families: dict[str, Any], name: str, sample: str, **labels: str) -> float:
+    family = families[name]
+    return sum(
+        s.value for s in family.samples if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_every_process_exports_observations(pipeline: Pipeline) -> None:
+    submitted = pipeline.submit(prompt="count me", max_tokens=4, ignore_eos=True, priority="standard")
+    events = _sse_events(pipeline, submitted)
+    _sse_events(pipeline, submitted, last_id=events[1]["id"])  # a resume by last_id
+
+    worker_url = f"http://127.0.0.1:{WORKER_METRICS_PORT}"
+    assert httpx.get(f"{worker_url}/healthz", timeout=5).status_code == 200
+    ready = httpx.get(f"{worker_url}/readyz", timeout=5)
+    assert ready.status_code == 200, ready.text
+
+    worker = _scrape(f"{worker_url}/metrics")["families"]
+    labels = {"model": pipeline.model, "tier": "standard"}
+    for histogram in (
+        "sluicegate:time_to_first_token_seconds",
+        "sluicegate:e2e_request_latency_seconds",
+        "sluicegate:request_queue_time_seconds",
+        "sluicegate:request_prefill_time_seconds",
+        "sluicegate:request_decode_time_seconds",
+        "sluicegate:inter_token_latency_seconds",
+        "sluicegate_worker_kafka_wait_seconds",
+    ):
+        assert _total(worker, histogram, histogram + "_count", **labels) >= 1, histogram
+    assert _total(worker, "sluicegate:generation_tokens", "sluicegate:generation_tokens_total", **labels) >= 4
+    assert _total(worker, "sluicegate:prompt_tokens", "sluicegate:prompt_tokens_total", **labels) >= 1
+    genai = {"gen_ai_operation_name": "text_completion", "gen_ai_request_model": pipeline.model}
+    for histogram in (
+        "gen_ai_server_time_to_first_token_seconds",
+        "gen_ai_server_time_per_output_token_seconds",
+        "gen_ai_server_request_duration_seconds",
+    ):
+        assert _total(worker, histogram, histogram + "_count", **genai) >= 1, histogram
+    assert _total(worker, "sluicegate:kv_cache_usage_perc", "sluicegate:kv_cache_usage_perc") >= 0
+    assert _total(worker, "sluicegate:prefix_cache_queries", "sluicegate:prefix_cache_queries_total") > 0
+    heartbeat = "sluicegate_worker_last_heartbeat_timestamp_seconds"
+    assert time.time() - _total(worker, heartbeat, heartbeat, model=pipeline.model) < 30
+    deadline = time.monotonic() + 10  # the backlog sampler runs every heartbeat interval
+    while "sluicegate_worker_backlog_seconds" not in _scrape(f"{worker_url}/metrics")["text"]:
+        assert time.monotonic() < deadline, "no backlog sample"
+        time.sleep(0.3)
+
+    relay = _scrape(f"{pipeline.result_url}/metrics")["families"]
+    assert _total(relay, "sluicegate_relay_connections", "sluicegate_relay_connections_total", transport="sse") >= 2
+    assert _total(relay, "sluicegate_relay_resumes", "sluicegate_relay_resumes_total", transport="sse") >= 1
+
+    ingress = _scrape(f"{pipeline.ingress_url}/metrics")["families"]
+    assert _total(ingress, "sluicegate_ingress_published", "sluicegate_ingress_published_total") >= 1
+
+    router = _scrape(f"http://127.0.0.1:{ROUTER_METRICS_PORT}/metrics")
+    assert "sluicegate_router_batch_seconds" in router["families"]
+
+
+def test_dashboard_and_rules_name_only_exported_metrics(pipeline: Pipeline) -> None:
+    scraped: set[str] = set()
+    for url in (
+        f"http://127.0.0.1:{WORKER_METRICS_PORT}/metrics",
+        f"http://127.0.0.1:{ROUTER_METRICS_PORT}/metrics",
+        f"{pipeline.result_url}/metrics",
+        f"{pipeline.ingress_url}/metrics",
+    ):
+        scraped |= exposed_names(_scrape(url)["text"])
+    assert referenced_metrics(dashboard_expressions() + rule_expressions()) - scraped == set()
