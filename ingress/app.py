@@ -18,7 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.settings import Settings
-from sluicegate.telemetry import configure_tracing, instrument_app, tracer
+from sluicegate.telemetry import configure_tracing, instrument_app, instrument_celery, tracer
 
 from .auth import KeyRing
 from .batches.files import FileStore
@@ -51,6 +51,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         raise ValueError("SLUICEGATE_STREAM_TOKEN_SECRET is empty: ingress needs it to issue stream tokens")
     metrics = IngressMetrics()
     configure_tracing("sluicegate-ingress", settings.otlp_endpoint)
+    instrument_celery()  # a batch's first step is a Celery task sent from here: its trace continues there
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -13,6 +13,7 @@ from celery import Celery
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from sluicegate.settings import Settings, get_settings
+from sluicegate.telemetry import configure_tracing, instrument_celery
 
 from .celery_app import ADVANCE_TASK, TICK_TASK, make_app
 from .collector import Collector
@@ -84,6 +85,10 @@ def build_worker_app(settings: Settings | None = None) -> Celery:
 def run_worker(settings: Settings, *, beat: bool = True, loglevel: str = "INFO") -> None:
     """Run a batch worker in this process (solo pool: one process, one event loop, nothing to orphan on kill -9),
     with the beat embedded unless ``beat`` is False."""
+    # Solo pool: the tasks run in this process, so its tracing is set up here (a prefork pool would need it in
+    # each child, from ``worker_process_init``). Off without an OTLP endpoint.
+    configure_tracing("sluicegate-batch-worker", settings.otlp_endpoint)
+    instrument_celery()
     app = build_worker_app(settings)
     argv = ["worker", "--pool=solo", f"--loglevel={loglevel}", "--without-gossip", "--without-mingle"]
     # Scale by running more batch workers (``--no-beat``); one beat is enough, a second only duplicates ticks.
