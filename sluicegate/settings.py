@@ -195,6 +195,16 @@ class Settings(BaseSettings):
         description="Default queue-time budget: a request without a deadline gets now + this; 0 means no deadline.",
     )
 
+    # --- the batch CLI (a client of ingress, like any OpenAI SDK user) ------------------------------------------
+    api_base_url: str = Field(
+        "",
+        description="OpenAI base URL `sluicegate batch` talks to; empty means the local ingress "
+        "(http://127.0.0.1:<ingress_port>/v1).",
+    )
+    api_key: str = Field(
+        "", description="API key `sluicegate batch` sends when neither --api-key nor OPENAI_API_KEY is given."
+    )
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
