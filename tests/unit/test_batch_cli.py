@@ -76,3 +76,31 @@ def test_api_key_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "from-openai")
     assert batch_cli.api_key(argparse.Namespace(api_key=None)) == "from-openai"
     assert batch_cli.api_key(argparse.Namespace(api_key="flag")) == "flag"
+
+
+def test_describe_says_where_the_output_is() -> None:
+    from openai.types import Batch
+
+    batch = Batch.model_validate(
+        {
+            "id": "batch_1",
+            "object": "batch",
+            "endpoint": "/v1/chat/completions",
+            "input_file_id": "file-in",
+            "completion_window": "24h",
+            "status": "completed",
+            "created_at": 1_700_000_000,
+            "completed_at": 1_700_000_060,
+            "output_file_id": "file-out",
+            "error_file_id": "file-err",
+            "request_counts": {"total": 3, "completed": 2, "failed": 1},
+            "errors": {"object": "list", "data": [{"code": "invalid_json", "message": "bad", "line": 4}]},
+        }
+    )
+    text = batch_cli.describe(batch, "http://h:1/v1/")
+    assert text.splitlines()[0] == "batch batch_1: completed  (/v1/chat/completions, input file-in)"
+    assert "lines: 2 completed, 1 failed, 3 total" in text
+    assert "output: file-out  (http://h:1/v1/files/file-out/content)" in text
+    assert "errors: file-err  (http://h:1/v1/files/file-err/content)" in text
+    assert "error (line 4): invalid_json: bad" in text
+    assert "sluicegate batch download batch_1" in text
