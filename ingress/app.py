@@ -20,11 +20,13 @@ from sluicegate.heap import freeze_startup_heap
 from sluicegate.settings import Settings
 
 from .auth import KeyRing
+from .batches.files import FileStore
+from .batches.store import BatchStore
 from .body_limit import BodyLimitMiddleware
 from .errors import install_error_handlers
 from .lean_route import LeanRoute
 from .openapi import install_openapi
-from .routes import native, openai, ops
+from .routes import batches, files, native, openai, ops
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware, build_tracer_provider
 
@@ -54,6 +56,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = IngressService(settings, metrics)
         app.state.service = service
+        app.state.files = FileStore(settings, service.redis, service.names)
+        app.state.batches = BatchStore(settings, service.redis, service.names)
         # Connect to Kafka in the background so the first request does not pay for it; a failure here is
         # retried by the first publish.
         warmup = asyncio.create_task(_warm_up(service))
@@ -85,9 +89,16 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         allow_headers=["authorization", "content-type", "x-api-key", HEADER_TRACEPARENT, HEADER_TRACESTATE],
         expose_headers=["x-request-id"],
     )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, keyring=keyring)
+    # A multipart upload carries the file plus a few hundred bytes of framing and the purpose field.
+    upload_limit = settings.batch_max_file_bytes + 64 * 1024
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        keyring=keyring,
+        path_limits={"/v1/files": upload_limit},
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    _add_routes(app, (openai.router, native.router, ops.router))
+    _add_routes(app, (openai.router, native.router, ops.router, files.router, batches.router))
     install_openapi(app)
     return app
 

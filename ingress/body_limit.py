@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -15,10 +16,18 @@ class BodyLimitMiddleware:
     """413 for bodies over the caller's limit (its key's ``max_body_bytes``, else ``max_bytes``): at once from
     ``Content-Length``, or as soon as a streamed (chunked) body grows past it."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, keyring: KeyRing | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        keyring: KeyRing | None = None,
+        path_limits: Mapping[str, int] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.keyring = keyring
+        # Paths with a limit of their own whatever the key (file uploads: OpenAI's 200 MB, not a prompt's 1 MB).
+        self.path_limits = dict(path_limits or {})
 
     def limit_for(self, scope: Scope) -> int:
         """The body limit of the key the request presents (the default for none or an unknown one)."""
@@ -43,7 +52,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit_for(scope)
+        limit = self.path_limits.get(scope.get("path", "")) or self.limit_for(scope)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 if not value.isdigit():

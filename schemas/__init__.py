@@ -3,6 +3,21 @@
 Topic and Redis key names live in :mod:`schemas.names`; nothing else spells them.
 """
 
+from .batches import (
+    BATCH_ENDPOINTS,
+    BATCH_TERMINAL,
+    Batch,
+    BatchEndpoint,
+    BatchError,
+    BatchErrors,
+    BatchInputLine,
+    BatchLineError,
+    BatchOutputLine,
+    BatchRequestCounts,
+    BatchResponse,
+    BatchStatus,
+    FileObject,
+)
 from .common import SCHEMA_VERSION, utcnow
 from .control import (
     CancelRequest,
@@ -28,19 +43,32 @@ from .events import (
     stream_entry_id,
     stream_event_adapter,
 )
-from .names import TIERS, Names, Tier, model_token, tier_rank
+from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
 from .requests import ChatMessage, InferenceRequest, SamplingOptions, TextPart, TraceContext
 
 __all__ = [
+    "BATCH_ENDPOINTS",
+    "BATCH_TERMINAL",
     "SCHEMA_VERSION",
     "STREAM_FIELD",
     "TERMINAL_TYPES",
     "TIERS",
+    "Batch",
+    "BatchEndpoint",
+    "BatchError",
+    "BatchErrors",
+    "BatchInputLine",
+    "BatchLineError",
+    "BatchOutputLine",
+    "BatchRequestCounts",
+    "BatchResponse",
+    "BatchStatus",
     "CancelRequest",
     "ChatMessage",
     "DeadLetter",
     "DoneEvent",
     "ErrorEvent",
+    "FileObject",
     "FinalResult",
     "FinishReason",
     "InferenceRequest",
@@ -57,7 +85,9 @@ __all__ = [
     "TraceContext",
     "Usage",
     "WorkerHeartbeat",
+    "batch_request_id",
     "model_token",
+    "parse_batch_request_id",
     "parse_stream_event",
     "seq_from_entry_id",
     "stream_entry_id",

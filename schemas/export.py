@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter
 
+from .batches import Batch, BatchInputLine, BatchOutputLine, FileObject
 from .control import CancelRequest, DeadLetter, FinalResult, RequestRecord, WorkerHeartbeat
 from .events import StreamEvent
 from .requests import InferenceRequest
@@ -20,6 +21,10 @@ EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
     "FinalResult": FinalResult,
     "DeadLetter": DeadLetter,
     "RequestRecord": RequestRecord,
+    "BatchInputLine": BatchInputLine,
+    "BatchOutputLine": BatchOutputLine,
+    "Batch": Batch,
+    "FileObject": FileObject,
 }
 
 #: Where the checked-in copies live.

@@ -120,6 +120,71 @@ class Names:
         """Counter for one API key's rate limit in one window."""
         return f"{self.prefix}llm:rate:{key_id}:{window}"
 
+    # --- Files and Batches API (Redis keys and the Celery queue) ----------------------------------
+    def file_key(self, file_id: str) -> str:
+        """JSON of one stored file's metadata (owner, storage path, the ``FileObject``)."""
+        return f"{self.prefix}llm:file:{file_id}"
+
+    def files_index_key(self, tenant: str) -> str:
+        """Sorted set of a tenant's file ids, scored by creation time."""
+        return f"{self.prefix}llm:files:{tenant}"
+
+    def batch_key(self, batch_id: str) -> str:
+        """Hash of one batch's state (its ``Batch`` object plus progress)."""
+        return f"{self.prefix}llm:batch:{batch_id}"
+
+    def batch_results_key(self, batch_id: str) -> str:
+        """Hash of a batch's resolved lines: line number -> the line's outcome (JSON)."""
+        return f"{self.prefix}llm:batch:{batch_id}:results"
+
+    def batch_lock_key(self, batch_id: str) -> str:
+        """Lock held by the one batch worker advancing this batch."""
+        return f"{self.prefix}llm:batch:{batch_id}:lock"
+
+    def batches_index_key(self, tenant: str) -> str:
+        """Sorted set of a tenant's batch ids, scored by creation time."""
+        return f"{self.prefix}llm:batches:{tenant}"
+
+    @property
+    def batches_active_key(self) -> str:
+        """Sorted set of batches not yet in a final status, scored by creation time (the order they are served)."""
+        return f"{self.prefix}llm:batches:active"
+
+    @property
+    def batch_collector_lock_key(self) -> str:
+        """Lock held by the one collector reading ``llm.results``."""
+        return f"{self.prefix}llm:batch-collector:lock"
+
+    @property
+    def batch_collector_offsets_key(self) -> str:
+        """Hash of the collector's next ``llm.results`` offset per partition."""
+        return f"{self.prefix}llm:batch-collector:offsets"
+
+    @property
+    def batch_rate_key(self) -> str:
+        """Hash with the measured batch-line completion rate (lines/s) the ETAs divide by."""
+        return f"{self.prefix}llm:batch-collector:rate"
+
+    @property
+    def batch_queue(self) -> str:
+        """The Celery queue of the batch tasks."""
+        return f"{self.prefix}sluicegate-batch"
+
+
+#: Request ids of batch lines: ``<batch id>-L<line>``; the line number makes a republished chunk the same requests.
+_BATCH_REQUEST = re.compile(r"^(batch_[A-Za-z0-9]+)-L([0-9]+)$")
+
+
+def batch_request_id(batch_id: str, line: int) -> str:
+    """The request id of ``batch_id``'s line ``line`` (1-based)."""
+    return f"{batch_id}-L{line}"
+
+
+def parse_batch_request_id(request_id: str) -> tuple[str, int] | None:
+    """(batch id, line) of a batch line's request id; None for any other request."""
+    match = _BATCH_REQUEST.match(request_id)
+    return (match.group(1), int(match.group(2))) if match else None
+
 
 # --- Kafka header names ---------------------------------------------------------------------------
 #: Why a message went to the DLQ.

@@ -195,6 +195,46 @@ class Settings(BaseSettings):
         description="Default queue-time budget: a request without a deadline gets now + this; 0 means no deadline.",
     )
 
+    # --- Files and Batches API, and the Celery batch workers -------------------------------------------
+    files_url: str = Field(
+        "",
+        description="Where uploaded and batch output files are stored: a folder or an fsspec URL (s3://..., "
+        "memory://...); empty means <state_dir>/files.",
+    )
+    batch_broker_url: str = Field("", description="Celery broker of the batch workers; empty means the Redis URL.")
+    batch_max_file_bytes: int = Field(
+        200 * 1024 * 1024, ge=1024, description="Largest batch input file accepted (413 above), OpenAI's 200 MB."
+    )
+    batch_max_lines: int = Field(50_000, ge=1, description="Most lines a batch input file may hold (400 above).")
+    batch_chunk_size: int = Field(200, ge=1, description="Batch lines published to Kafka per acknowledged chunk.")
+    batch_max_in_flight: int = Field(
+        2000,
+        ge=1,
+        description="Lines of one batch published and not yet finished before it waits: Kafka holds the backlog "
+        "either way, this bounds what a cancel must take back.",
+    )
+    batch_tick_s: float = Field(1.0, gt=0, description="Seconds between the batch beat's ticks (advance, collect).")
+    batch_visibility_timeout_s: int = Field(
+        30,
+        ge=5,
+        description="Seconds before the broker re-delivers a task whose batch worker died (kill -9) without acking.",
+    )
+    batch_lock_ttl_s: float = Field(
+        30.0, gt=0, description="Lifetime of a batch's (and the collector's) lock, so a dead holder frees it."
+    )
+    batch_cancel_grace_s: float = Field(
+        5.0, ge=0, description="Seconds a cancelled batch waits for its in-flight lines' aborts before finishing."
+    )
+    batch_stall_check_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds without a new result after which a batch reads its outstanding lines' status records "
+        "(lines that failed at the worker publish no result).",
+    )
+    batch_window_s: int = Field(
+        86400, ge=1, description='Length of the "24h" completion window, in seconds (shorter for tests and demos).'
+    )
+
     # --- the batch CLI (a client of ingress, like any OpenAI SDK user) ------------------------------------------
     api_base_url: str = Field(
         "",

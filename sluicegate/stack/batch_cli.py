@@ -153,19 +153,35 @@ def wait(client: OpenAI, batch: Batch, *, interval_s: float) -> Batch:
         def render(self, task: Task) -> Text:
             return Text("-- lines/s" if task.speed is None else f"{task.speed:,.1f} lines/s", style="cyan")
 
+    class EtaColumn(ProgressColumn):
+        """The server's ETA (``eta_seconds``, from the model's backlog and completion rate) when it gives one,
+        else rich's estimate from the rate seen here."""
+
+        fallback = TimeRemainingColumn()
+
+        def render(self, task: Task) -> Text:
+            eta = task.fields.get("eta")
+            if eta is None:
+                return self.fallback.render(task)
+            minutes, seconds = divmod(int(eta), 60)
+            hours, minutes = divmod(minutes, 60)
+            return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
+
     columns = (
         TextColumn("[bold]{task.description:<11}"),
         BarColumn(),
         TextColumn("[green]{task.fields[ok]}[/] completed [red]{task.fields[failed]}[/] failed {task.fields[n]} total"),
         RateColumn(),
         TextColumn("ETA"),
-        TimeRemainingColumn(),
+        EtaColumn(),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
-        task = bar.add_task(batch.status, total=None, ok=0, failed=0, n="?")
+        task = bar.add_task(batch.status, total=None, ok=0, failed=0, n="?", eta=None)
         while True:
             counts = batch.request_counts
+            eta = (batch.model_extra or {}).get("eta_seconds")  # Sluicegate's extra field; the SDK keeps it
+            bar.update(task, eta=eta if isinstance(eta, int | float) and batch.status == "in_progress" else None)
             if counts is not None and counts.total:
                 bar.update(
                     task,
@@ -193,6 +209,9 @@ def describe(batch: Batch, url: str) -> str:
     lines = [f"batch {batch.id}: {batch.status}  ({batch.endpoint}, input {batch.input_file_id})"]
     if counts is not None:
         lines.append(f"  lines: {counts.completed} completed, {counts.failed} failed, {counts.total} total")
+    eta = (batch.model_extra or {}).get("eta_seconds")
+    if isinstance(eta, int | float) and batch.status not in TERMINAL:
+        lines.append(f"  eta: about {eta:,.0f} s (the server's estimate from the backlog)")
     stamps = [(name.removesuffix("_at"), getattr(batch, name)) for name in _STAMPS if getattr(batch, name)]
     if stamps:
         lines.append("  " + ", ".join(f"{name} {_when(value)}" for name, value in stamps))

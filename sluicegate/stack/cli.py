@@ -87,6 +87,14 @@ def _result_service(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_worker(args: argparse.Namespace) -> int:
+    from ingress.batches.tasks import run_worker
+
+    settings = get_settings()
+    run_worker(settings, beat=not args.no_beat, loglevel=settings.log_level)
+    return 0
+
+
 def _worker_settings(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in {"model": args.model, "device": args.device}.items() if v}
     settings = get_settings().model_copy(update=overrides)
@@ -175,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", help="model folder (default: SLUICEGATE_MODEL)")
     worker.add_argument("--device", choices=["cpu", "cuda"], help="default: SLUICEGATE_DEVICE")
     worker.set_defaults(handler=_worker)
+
+    batch_worker = sub.add_parser(
+        "batch-worker", help="a Celery batch worker (validate, enqueue, collect, finalize batches), beat included"
+    )
+    batch_worker.add_argument(
+        "--no-beat", action="store_true", help="no embedded beat (for extra workers: one beat drives them all)"
+    )
+    batch_worker.set_defaults(handler=_batch_worker)
 
     dlq = sub.add_parser("dlq", help="the dead-letter topic").add_subparsers(dest="action", required=True)
     dlq_list = dlq.add_parser("list", help="print DLQ entries: reason, source topic/partition/offset, request, detail")

@@ -1,7 +1,8 @@
 """``sluicegate up``: the whole local stack in one command.
 
 Starts Kafka and Redis (through :mod:`sluicegate.stack.devstack`), then the router, ingress, result
-service and one worker as child processes with their logs in one folder; prints the URLs and the
+service, one worker and one batch worker (Celery, beat embedded) as child processes with their logs in one
+folder; prints the URLs and the
 API key; stops everything on Ctrl-C or SIGTERM.
 """
 
@@ -108,6 +109,7 @@ def up(settings: Settings, *, model: str | None, device: str, model_name: str | 
         children.append(_spawn("router", ["router"], env, log_dir))
         children.append(_spawn("ingress", ["ingress"], env, log_dir))
         children.append(_spawn("result-service", ["result-service"], env, log_dir))
+        children.append(_spawn("batch-worker", ["batch-worker"], env, log_dir))
         ingress_url = f"http://127.0.0.1:{settings.ingress_port}"
         result_url = f"http://127.0.0.1:{settings.result_port}"
         _wait_http(f"{ingress_url}/healthz", children[2], 60)

@@ -1,0 +1,71 @@
+"""The Celery app of the batch workers: the Redis broker we already run, late acks with re-delivery of a dead
+worker's task after a short visibility timeout, and the beat schedule (one ``tick`` every ``batch_tick_s``).
+
+Every task is idempotent and takes a per-batch Redis lock, so a task delivered twice (a worker killed before its
+ack, two beats) does nothing twice. Queue and broker keys carry the topic prefix, so deployments sharing a Redis
+(and tests) stay apart.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from celery import Celery
+
+from schemas import Names
+from sluicegate.settings import Settings, get_settings
+
+TICK_TASK = "sluicegate.batch.tick"
+ADVANCE_TASK = "sluicegate.batch.advance"
+
+
+def broker_url(settings: Settings) -> str:
+    """The broker: ``batch_broker_url``, else the Redis everything else uses."""
+    return settings.batch_broker_url or settings.redis_url
+
+
+def make_app(settings: Settings) -> Celery:
+    """A Celery app configured from ``settings`` (tasks are registered by :mod:`ingress.batches.tasks`)."""
+    names = Names(settings.topic_prefix)
+    app = Celery("sluicegate-batch", broker=broker_url(settings))
+    app.conf.update(
+        task_default_queue=names.batch_queue,
+        # A task is acked when it ends, not when it starts, and a worker lost mid-task (kill -9) gives it back:
+        # the broker re-delivers it after the visibility timeout, kept short so a batch stalls seconds, not an hour.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={
+            "visibility_timeout": settings.batch_visibility_timeout_s,
+            "global_keyprefix": names.prefix,
+        },
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+        result_backend=None,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        beat_schedule={
+            "batch-tick": {
+                "task": TICK_TASK,
+                "schedule": settings.batch_tick_s,
+                # A tick that waited longer than an interval is stale: the next one does the same work.
+                "options": {"expires": max(settings.batch_tick_s * 2, 1.0)},
+            }
+        },
+        beat_schedule_filename=str((settings.state_dir / f"celerybeat-{names.prefix or 'default'}").resolve()),
+    )
+    return app
+
+
+@lru_cache(maxsize=4)
+def _sender(broker: str, prefix: str, visibility: int) -> Celery:
+    settings = get_settings().model_copy(
+        update={"batch_broker_url": broker, "topic_prefix": prefix, "batch_visibility_timeout_s": visibility}
+    )
+    return make_app(settings)
+
+
+def kick(settings: Settings, batch_id: str) -> None:
+    """Ask a batch worker to advance ``batch_id`` now (blocking: run it off the event loop)."""
+    app = _sender(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
+    app.send_task(ADVANCE_TASK, args=[batch_id], queue=Names(settings.topic_prefix).batch_queue, expires=60)

@@ -1,0 +1,201 @@
+"""Validating a batch: every input line checked and turned into the pipeline's ``InferenceRequest`` by ingress's
+own request building (the body models of :mod:`ingress.bodies`, the key's limits of :mod:`ingress.limits`,
+:func:`ingress.accept.build_request`), so a line is judged exactly as the online API would judge the same call.
+
+A line whose body the online API would refuse becomes an error line carrying that refusal (status, code, message,
+field); a file that is no longer a valid batch file (unreadable line, duplicate custom_id) fails the batch, naming
+the line. The requests go to a "prepared" JSONL file next to the input, cut into chunks the enqueuer publishes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from schemas import InferenceRequest, batch_request_id
+
+from ..accept import build_request
+from ..bodies import ChatCompletionBody, CompletionBody
+from ..errors import ApiError, invalid
+from ..limits import Limits, check_prompt_tokens, checked_max_tokens
+from .files import FileStore
+from .lines import InputFileError, numbered_lines, parse_line
+from .store import LineOutcome
+
+
+class PreparedLine(BaseModel):
+    """One line of the prepared file: its number, its custom_id, and its request (None for an error line)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    line: int
+    custom_id: str
+    request: InferenceRequest | None = None
+
+
+class Chunk(BaseModel):
+    """A run of prepared lines published together: byte range in the prepared file and how many requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int
+    end: int
+    requests: int
+
+
+@dataclass
+class Prepared:
+    """What validation produced."""
+
+    total: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+    errors: list[tuple[int, LineOutcome]] = field(default_factory=list)
+    models: set[str] = field(default_factory=set)
+
+
+def prepared_path(store: FileStore, batch_id: str) -> str:
+    """Where a batch's prepared requests live."""
+    return store.path_for(f"{batch_id}.prepared")
+
+
+def _refusal(exc: ApiError) -> LineOutcome:
+    return LineOutcome(status_code=exc.status, code=exc.code or "invalid_request", message=exc.message, param=exc.param)
+
+
+def build_line_request(
+    body: dict[str, Any],
+    *,
+    endpoint: str,
+    request_id: str,
+    tenant: str,
+    limits: Limits,
+    deadline: datetime,
+    known_models: set[str] | None,
+) -> InferenceRequest | LineOutcome:
+    """The pipeline request for one line's body, or the error the online API would have answered."""
+    model = ChatCompletionBody if endpoint == "/v1/chat/completions" else CompletionBody
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        return _refusal(invalid(exc, root_field="messages" if model is ChatCompletionBody else "prompt"))
+    if parsed.stream:
+        return LineOutcome(
+            status_code=400, code="unsupported_parameter", message="stream is not supported in a batch", param="stream"
+        )
+    if known_models is not None and parsed.model not in known_models:
+        return LineOutcome(
+            status_code=404,
+            code="model_not_found",
+            message=f"The model '{parsed.model}' does not exist or has never had a live worker.",
+            param="model",
+        )
+    try:
+        check_prompt_tokens(parsed, limits)
+        max_tokens = checked_max_tokens(parsed, limits)
+        return build_request(
+            parsed,
+            request_id=request_id,
+            tenant=tenant,
+            tier="batch",
+            trace=None,
+            max_tokens=max_tokens,
+            # A line not started by the end of the window is not started at all.
+            default_deadline=deadline,
+        )
+    except ApiError as exc:
+        return _refusal(exc)
+    except ValidationError as exc:
+        return _refusal(invalid(exc))
+
+
+def prepare(
+    store: FileStore,
+    *,
+    batch_id: str,
+    input_path: str,
+    endpoint: str,
+    tenant: str,
+    limits: Limits,
+    expires_at: int,
+    chunk_size: int,
+    max_lines: int,
+    known_models: set[str] | None,
+) -> Prepared:
+    """Validate the input file and write the prepared file. Blocking (run it in a thread).
+
+    Raises :class:`InputFileError` for a file that is not a valid batch file.
+    """
+    deadline = datetime.fromtimestamp(expires_at, UTC)
+    result = Prepared()
+    seen: dict[str, int] = {}
+    in_chunk = 0
+    chunk_start = 0
+    with store.open_read(input_path) as source, store.open_write(prepared_path(store, batch_id)) as out:
+        position = 0
+        for number, raw in numbered_lines(source):
+            result.total += 1
+            if result.total > max_lines:
+                raise InputFileError(f"The file has more than {max_lines} lines.", code="too_many_lines", line=number)
+            line = parse_line(raw, number)
+            if line.url != endpoint:
+                raise InputFileError(
+                    f"Line {number}: url {line.url!r} differs from the batch's endpoint {endpoint!r}.",
+                    code="mismatched_endpoint",
+                    line=number,
+                )
+            if line.custom_id in seen:
+                raise InputFileError(
+                    f"Line {number}: custom_id {line.custom_id!r} is already used on line {seen[line.custom_id]}.",
+                    code="duplicate_custom_id",
+                    line=number,
+                )
+            seen[line.custom_id] = number
+            built = build_line_request(
+                line.body,
+                endpoint=endpoint,
+                request_id=batch_request_id(batch_id, number),
+                tenant=tenant,
+                limits=limits,
+                deadline=deadline,
+                known_models=known_models,
+            )
+            request = built if isinstance(built, InferenceRequest) else None
+            if isinstance(built, LineOutcome):
+                result.errors.append((number, built))
+            else:
+                result.models.add(built.model)
+            data = PreparedLine(line=number, custom_id=line.custom_id, request=request).model_dump_json().encode()
+            out.write(data + b"\n")
+            position += len(data) + 1
+            if request is not None:
+                in_chunk += 1
+                if in_chunk == chunk_size:
+                    result.chunks.append(Chunk(start=chunk_start, end=position, requests=in_chunk))
+                    chunk_start, in_chunk = position, 0
+        if in_chunk:
+            result.chunks.append(Chunk(start=chunk_start, end=position, requests=in_chunk))
+    if result.total == 0:
+        raise InputFileError("The file holds no requests.", code="empty_file")
+    return result
+
+
+def read_prepared(store: FileStore, batch_id: str, start: int = 0, end: int | None = None) -> list[PreparedLine]:
+    """Prepared lines in the byte range [start, end) (the whole file by default). Blocking."""
+    with store.open_read(prepared_path(store, batch_id)) as handle:
+        handle.seek(start)
+        data = handle.read() if end is None else handle.read(end - start)
+    return [PreparedLine.model_validate_json(raw) for raw in data.splitlines() if raw.strip()]
+
+
+def chunks_json(chunks: list[Chunk]) -> str:
+    """The chunk list as kept in the batch hash."""
+    return json.dumps([c.model_dump() for c in chunks])
+
+
+def chunks_from_json(raw: str | None) -> list[Chunk]:
+    """Inverse of :func:`chunks_json`."""
+    return [Chunk.model_validate(c) for c in json.loads(raw)] if raw else []
