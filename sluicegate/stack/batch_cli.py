@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -61,6 +62,10 @@ def api_key(args: argparse.Namespace) -> str:
 
 def make_client(args: argparse.Namespace) -> OpenAI:
     from openai import OpenAI
+
+    # A line per HTTP call is noise on a user's terminal (the services' log level may be INFO); errors still show.
+    for name in ("httpx", "httpx2", "openai"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
 
     # The SDK's own retries (with backoff) cover a restarting ingress; a batch user never sees a lone blip.
     return OpenAI(base_url=base_url(args), api_key=api_key(args), max_retries=args.retries, timeout=args.timeout)

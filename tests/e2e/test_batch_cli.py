@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,9 @@ def test_submit_wait_then_download(pipeline: Pipeline, batch_worker: Service, tm
 
     done = cli(pipeline, "submit", str(path), "--wait", "--interval", "0.3", cwd=tmp_path)
     assert done.returncode == 0, done.stderr + done.stdout
-    first = done.stdout.splitlines()[0]
-    assert first.startswith("batch ") and first.endswith(": completed"), done.stdout
-    batch_id = first.split()[1].rstrip(":")
+    first = re.match(r"batch (batch_\S+): completed ", done.stdout)
+    assert first, done.stdout
+    batch_id = first.group(1)
     assert "lines: 20 completed, 1 failed, 21 total" in done.stdout
     assert "  output: " in done.stdout
     assert f"sluicegate batch download {batch_id}" in done.stdout
