@@ -31,6 +31,10 @@ def test_batch_benchmark_smoke(kafka_bootstrap: str, redis_url: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     out = result.stdout
     assert "status completed; 20 completed, 0 failed" in out, out
-    assert "| interactive phase | requests | errors | TTFT p50 ms | TTFT p99 ms |" in out, out
-    assert "| without batch (before) |" in out and "| with batch |" in out, out
+    header = "| interactive phase | requests | errors | TTFT p50 ms | TTFT p99 ms | engine p50 ms | engine p99 ms |"
+    assert header in out, out
+    before = next(line for line in out.splitlines() if line.startswith("| without batch (before) |"))
+    cells = [cell.strip() for cell in before.strip("|").split("|")]
+    assert cells[2] == "0" and "n/a" not in cells[3:], before  # no errors; client and engine TTFTs measured
+    assert "| with batch |" in out, out
     assert "TTFT p99 with batch / without:" in out, out
