@@ -19,6 +19,7 @@ from ..auth import Caller
 from ..batches.celery_app import kick
 from ..batches.store import BatchStore
 from ..errors import ApiError
+from ..openapi import errors
 from .files import file_store
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def not_found(batch_id: str) -> ApiError:
     return ApiError(404, f"No such Batch object: {batch_id}", code="not_found", param="batch_id")
 
 
-@router.post("/v1/batches", response_model=Batch, response_model_exclude_none=False)
+@router.post("/v1/batches", response_model=Batch, responses=errors(400, 401, 404, 422, 503))
 async def create_batch(request: Request, caller: Caller, body: CreateBatchBody) -> Batch:
     if body.endpoint not in BATCH_ENDPOINTS:
         raise ApiError(
@@ -102,7 +103,7 @@ async def create_batch(request: Request, caller: Caller, body: CreateBatchBody) 
     return batch
 
 
-@router.get("/v1/batches/{batch_id}", response_model=Batch)
+@router.get("/v1/batches/{batch_id}", response_model=Batch, responses=errors(401, 404, 503))
 async def get_batch(request: Request, caller: Caller, batch_id: str) -> Batch:
     batch = await batch_store(request).get(batch_id, caller.tenant)
     if batch is None:
@@ -110,7 +111,7 @@ async def get_batch(request: Request, caller: Caller, batch_id: str) -> Batch:
     return batch
 
 
-@router.post("/v1/batches/{batch_id}/cancel", response_model=Batch)
+@router.post("/v1/batches/{batch_id}/cancel", response_model=Batch, responses=errors(401, 404, 409, 503))
 async def cancel_batch(request: Request, caller: Caller, batch_id: str) -> Batch:
     store = batch_store(request)
     batch = await store.get(batch_id, caller.tenant)
@@ -138,7 +139,7 @@ async def cancel_batch(request: Request, caller: Caller, batch_id: str) -> Batch
     return current
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", responses=errors(401, 422, 503))
 async def list_batches(
     request: Request,
     caller: Caller,

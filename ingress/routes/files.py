@@ -19,6 +19,7 @@ from ..auth import Caller
 from ..batches.files import FileStore, StoredFile, file_object, new_file_id
 from ..batches.lines import InputFileError, check_input_file
 from ..errors import ApiError
+from ..openapi import errors
 
 router = APIRouter(tags=["files"])
 
@@ -44,7 +45,7 @@ async def owned_file(request: Request, caller: Caller, file_id: str) -> StoredFi
     return stored
 
 
-@router.post("/v1/files", response_model=FileObject)
+@router.post("/v1/files", response_model=FileObject, responses=errors(400, 401, 413, 422, 503))
 async def upload_file(
     request: Request,
     caller: Caller,
@@ -89,7 +90,7 @@ async def upload_file(
     return stored.file
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", responses=errors(401, 422, 503))
 async def list_files(
     request: Request,
     caller: Caller,
@@ -107,12 +108,12 @@ async def list_files(
     }
 
 
-@router.get("/v1/files/{file_id}", response_model=FileObject)
+@router.get("/v1/files/{file_id}", response_model=FileObject, responses=errors(401, 404, 503))
 async def get_file(request: Request, caller: Caller, file_id: str) -> FileObject:
     return (await owned_file(request, caller, file_id)).file
 
 
-@router.get("/v1/files/{file_id}/content")
+@router.get("/v1/files/{file_id}/content", responses=errors(401, 404, 503))
 async def file_content(request: Request, caller: Caller, file_id: str) -> StreamingResponse:
     stored = await owned_file(request, caller, file_id)
     store = file_store(request)
@@ -129,7 +130,7 @@ async def file_content(request: Request, caller: Caller, file_id: str) -> Stream
     return StreamingResponse(chunks(), media_type="application/jsonl", headers=headers)
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", responses=errors(401, 404, 503))
 async def delete_file(request: Request, caller: Caller, file_id: str) -> dict[str, Any]:
     stored = await owned_file(request, caller, file_id)
     await file_store(request).delete(stored)
