@@ -147,7 +147,6 @@ def wait(client: OpenAI, batch: Batch, *, interval_s: float) -> Batch:
         ProgressColumn,
         Task,
         TextColumn,
-        TimeElapsedColumn,
         TimeRemainingColumn,
     )
     from rich.text import Text
@@ -156,7 +155,9 @@ def wait(client: OpenAI, batch: Batch, *, interval_s: float) -> Batch:
         """Finished lines per second, over rich's recent-speed window (so the ETA follows the current pace)."""
 
         def render(self, task: Task) -> Text:
-            return Text("-- lines/s" if task.speed is None else f"{task.speed:,.1f} lines/s", style="cyan")
+            if task.speed is None:
+                return Text("-- lines/s", style="cyan")
+            return Text(f"{task.speed:,.{0 if task.speed >= 10 else 1}f} lines/s", style="cyan")
 
     class EtaColumn(ProgressColumn):
         """The server's ETA (``eta_seconds``, from the model's backlog and completion rate) when it gives one,
@@ -173,13 +174,12 @@ def wait(client: OpenAI, batch: Batch, *, interval_s: float) -> Batch:
             return Text(f"{hours}:{minutes:02d}:{seconds:02d}", style="progress.remaining")
 
     columns = (
-        TextColumn("[bold]{task.description:<11}"),
-        BarColumn(),
-        TextColumn("[green]{task.fields[ok]}[/] completed [red]{task.fields[failed]}[/] failed {task.fields[n]} total"),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=12),
+        TextColumn("[green]{task.fields[ok]}[/] completed, [red]{task.fields[failed]}[/] failed of {task.fields[n]}"),
         RateColumn(),
         TextColumn("ETA"),
         EtaColumn(),
-        TimeElapsedColumn(),
     )
     with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(batch.status, total=None, ok=0, failed=0, n="?", eta=None)
