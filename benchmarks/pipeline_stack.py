@@ -212,8 +212,10 @@ def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Calla
     return info.kafka_bootstrap, info.redis_url, pids, private.close
 
 
-def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
-    """Backbone, tiny model, ingress, result service and the timed worker; returns once the worker heartbeats."""
+def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, str] | None = None) -> Stack:
+    """Backbone, tiny model, ingress, result service and the timed worker; returns once the worker heartbeats.
+
+    ``extra_env`` is added to every service's environment (settings a benchmark needs beyond these)."""
     from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     bootstrap, redis_url, backbone_pids, down = _backbone(args)
@@ -248,6 +250,7 @@ def start_stack(args: argparse.Namespace, workdir: Path) -> Stack:
     for name, value in settings.model_dump(mode="json").items():
         if value is not None:
             env[f"SLUICEGATE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    env.update(extra_env or {})
     stack = Stack(settings, env, workdir, backbone_pids=backbone_pids)
     if down is not None:
         stack.teardown.append(down)

@@ -245,6 +245,16 @@ class Settings(BaseSettings):
         86400, ge=1, description='Length of the "24h" completion window, in seconds (shorter for tests and demos).'
     )
 
+    # --- the batch CLI (a client of ingress, like any OpenAI SDK user) ------------------------------------------
+    api_base_url: str = Field(
+        "",
+        description="OpenAI base URL `sluicegate batch` talks to; empty means the local ingress "
+        "(http://127.0.0.1:<ingress_port>/v1).",
+    )
+    api_key: str = Field(
+        "", description="API key `sluicegate batch` sends when neither --api-key nor OPENAI_API_KEY is given."
+    )
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_replay.add_argument("--dry-run", action="store_true", help="say what would be replayed, publish nothing")
     dlq_replay.set_defaults(handler=_dlq_replay)
 
+    from sluicegate.stack.batch_cli import add_batch_commands
+
+    add_batch_commands(sub)
+
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")
     tiny.add_argument("out")

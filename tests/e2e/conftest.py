@@ -103,6 +103,23 @@ class Pipeline:
             os.kill(service.process.pid, sig)
         service.process.wait(timeout=60)
 
+    def start_batch_worker(self, name: str = "batch-worker") -> Service:
+        """A Celery worker running batches' lives (``sluicegate batch-worker``), as a supervisor starts one."""
+        return self.start(name, "batch-worker")
+
+    def kill_group(self, service: Service) -> None:
+        """``kill -9`` a service and every process it started (a Celery worker's pool children too), as when
+        its machine or container dies."""
+        if service.alive():
+            os.killpg(service.process.pid, signal.SIGKILL)
+        service.process.wait(timeout=60)
+
+    def openai(self, **options: Any) -> Any:
+        """An official ``openai`` SDK client on ingress, with the pipeline's API key."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.ingress_url}/v1", api_key=self.api_key, **options)
+
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
@@ -236,6 +253,8 @@ def pipeline(
         # Several pipelines (and workers) share this host: no fixed metrics ports unless a module asks for them.
         "SLUICEGATE_WORKER_METRICS_PORT": "0",
         "SLUICEGATE_ROUTER_METRICS_PORT": "0",
+        # Uploaded and batch output files: one folder that ingress and the batch workers share.
+        "SLUICEGATE_FILES_URL": str(tmp_path_factory.mktemp("files")),
         **pipeline_env,
     }
     log_dir = tmp_path_factory.mktemp("pipeline-logs")
@@ -260,3 +279,12 @@ def pipeline(
         yield pipe
     finally:
         pipe.stop_all()
+
+
+@pytest.fixture(scope="module")
+def batch_worker(pipeline: Pipeline) -> Service:
+    """A Celery batch worker beside the module's pipeline (tasks wait in the Redis broker until it consumes)."""
+    service = pipeline.start_batch_worker()
+    time.sleep(1.0)
+    assert service.alive(), service.log()
+    return service

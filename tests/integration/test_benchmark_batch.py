@@ -1,0 +1,40 @@
+"""The batch benchmark runs end to end at tiny sizes (a 20-line batch, short phases) and prints its table, on the
+test Kafka and Redis, with a real Celery batch worker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_batch_benchmark_smoke(kafka_bootstrap: str, redis_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEGATE_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    argv = ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url, "--lines", "20", "--rate", "2"]
+    argv += ["--baseline", "2", "--warmup", "0", "--batch-timeout", "120"]
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batch", *argv],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    out = result.stdout
+    assert "status completed; 20 completed, 0 failed" in out, out
+    header = "| interactive phase | requests | errors | TTFT p50 ms | TTFT p99 ms | engine p50 ms | engine p99 ms |"
+    assert header in out, out
+    before = next(line for line in out.splitlines() if line.startswith("| without batch (before) |"))
+    cells = [cell.strip() for cell in before.strip("|").split("|")]
+    assert cells[2] == "0" and "n/a" not in cells[3:], before  # no errors; client and engine TTFTs measured
+    assert "| with batch |" in out, out
+    assert "TTFT p99 with batch / without:" in out, out
