@@ -1,11 +1,9 @@
-// Sluicegate chat page: submits to ingress's native API, then reads the reply's token stream from the
-// result service over WebSocket, resuming with last_id after a dropped connection.
+// Sluicegate chat page: settings, submitting a turn to ingress's native API and showing its errors to
+// the person. The reply's stream (WebSocket, resumed with last_id after a drop, TTFT and tokens/s) is
+// reply_stream.js's job.
 "use strict";
 
 const STORAGE_KEY = "sluicegate.chat.settings";
-// Close codes after which reconnecting cannot help (see result_service/websocket.py).
-const FINAL_CLOSE_CODES = new Set([1000, 1008, 4404]);
-const MAX_BACKOFF_MS = 8000;
 
 const $ = (selector) => document.querySelector(selector);
 const log = $("#log");
@@ -18,6 +16,7 @@ const stopButton = $("#stop");
 let settings = {};
 let conversation = []; // [{role, content}] sent with every turn
 let current = null; // the ReplyStream being received
+let latest = null; // the most recent ReplyStream, kept after its turn ends (for tests)
 
 // --- settings -----------------------------------------------------------------------------------
 
@@ -73,8 +72,8 @@ function showModels(models) {
 
 async function refreshModels() {
   try {
-    const response = await fetch(`${settings.ingressUrl}/v1/models`, { headers: authHeaders() });
-    if (!response.ok) throw new Error(await errorText(response));
+    const response = await reachIngress(`${settings.ingressUrl}/v1/models`, { headers: authHeaders() });
+    if (!response.ok) throw new Error(explainError(await readError(response)));
     const models = ((await response.json()).data || []).map((m) => m.id);
     showModels(models);
     if (!settings.model && models.length) {
@@ -106,126 +105,60 @@ function addMessage(role, text) {
   element.className = `message ${role}`;
   const label = Object.assign(document.createElement("span"), { className: "role", textContent: role });
   const body = Object.assign(document.createElement("span"), { className: "text", textContent: text });
+  const metrics = Object.assign(document.createElement("span"), { className: "metrics" });
   const note = Object.assign(document.createElement("span"), { className: "note" });
-  element.append(label, body, note);
+  element.append(label, body, metrics, note);
   log.append(element);
   log.scrollTop = log.scrollHeight;
-  return { element, body, note };
+  return { element, body, metrics, note };
 }
 
-async function errorText(response) {
+/** Parse an error response (OpenAI's shape, FastAPI's, or plain text) into {status, code, message}. */
+async function readError(response) {
   const raw = await response.text();
+  let message = raw || response.statusText;
+  let code = null;
   try {
     const body = JSON.parse(raw);
     const detail = body.error?.message ?? body.detail ?? raw;
-    return `${response.status}: ${typeof detail === "string" ? detail : JSON.stringify(detail)}`;
+    message = typeof detail === "string" ? detail : JSON.stringify(detail);
+    code = body.error?.code ?? null;
   } catch {
-    return `${response.status}: ${raw || response.statusText}`;
+    // not JSON: the raw text is the message
   }
+  return { status: response.status, code, message, retryAfter: retryAfterSeconds(response, message) };
 }
 
-// --- one reply's stream -------------------------------------------------------------------------
+function retryAfterSeconds(response, message) {
+  // Retry-After is readable only when ingress exposes it to this origin (CORS); its message says it too.
+  const header = Number(response.headers.get("Retry-After"));
+  if (Number.isFinite(header) && header > 0) return header;
+  const said = /retry after (\d+(?:\.\d+)?) ?s/i.exec(message);
+  return said ? Number(said[1]) : null;
+}
 
-class ReplyStream {
-  constructor(streamUrl, token, view) {
-    const url = new URL(streamUrl, location.href);
-    if (url.protocol === "http:") url.protocol = "ws:";
-    if (url.protocol === "https:") url.protocol = "wss:";
-    url.searchParams.set("token", token);
-    this.url = url;
-    this.view = view;
-    this.pieces = new Map(); // seq -> text, in seq order
-    this.lastSeq = -1;
-    this.lastId = null;
-    this.attempt = 0;
-    this.cancelRequested = false;
-    this.socket = null;
-    this.finished = new Promise((resolve) => (this.resolve = resolve));
-    this.outcome = null;
-    view.element.classList.add("streaming");
-    this.connect();
+/** What the person reads for a refused request: what happened, the server's words, what to do. */
+function explainError({ status, code, message, retryAfter }) {
+  if (status === 401 || status === 403) {
+    openSettings(true);
+    return `Not authorised (${status}): ${message} Check the API key in Settings.`;
   }
-
-  connect() {
-    const url = new URL(this.url);
-    if (this.lastId) url.searchParams.set("last_id", this.lastId);
-    const socket = new WebSocket(url);
-    this.socket = socket;
-    socket.onopen = () => {
-      setStatus(this.attempt ? "reconnected" : "streaming");
-      if (this.cancelRequested) socket.send(JSON.stringify({ type: "cancel" }));
-    };
-    socket.onmessage = (message) => this.onEvent(JSON.parse(message.data));
-    socket.onclose = (event) => this.onClose(event);
+  if (status === 404 && (code === "model_not_found" || /model/i.test(message))) {
+    openSettings(true);
+    return `Model not found (404): ${message} Pick another model in Settings.`;
   }
-
-  onEvent(event) {
-    // A resumed connection starts after lastId, but never trust that blindly: no token twice.
-    if (event.seq <= this.lastSeq) return;
-    this.lastSeq = event.seq;
-    this.lastId = event.id;
-    this.attempt = 0;
-    if (event.type === "token") {
-      this.pieces.set(event.seq, event.text);
-    } else if (event.type === "restart") {
-      for (const seq of [...this.pieces.keys()]) if (seq > event.discard_after_seq) this.pieces.delete(seq);
-      this.view.note.textContent = "generation restarted";
-    } else if (event.type === "done") {
-      this.finish({ ok: true, reason: event.finish_reason, usage: event.usage });
-    } else if (event.type === "error") {
-      this.finish({ ok: false, reason: `${event.code}: ${event.message}` });
-    }
-    this.view.body.textContent = this.text;
-    log.scrollTop = log.scrollHeight;
+  if (status === 429) {
+    const wait = retryAfter ? ` Try again in ${retryAfter} s.` : "";
+    return `Too many requests (429): ${message}${wait}`;
   }
-
-  get text() {
-    return [...this.pieces.values()].join("");
-  }
-
-  onClose(event) {
-    if (this.outcome) return;
-    if (FINAL_CLOSE_CODES.has(event.code)) {
-      this.finish({ ok: false, reason: event.reason || `stream closed (${event.code})` });
-      return;
-    }
-    // 1013: the service dropped us for lagging (resume at once, the first time); anything else: the
-    // network or the service restarting. Resume either way, backing off while nothing gets through.
-    const immediate = event.code === 1013 && this.attempt === 0;
-    const delay = immediate ? 0 : Math.min(MAX_BACKOFF_MS, 250 * 2 ** this.attempt);
-    this.attempt += 1;
-    setStatus(`connection lost; reconnecting in ${(delay / 1000).toFixed(1)} s (attempt ${this.attempt})`);
-    setTimeout(() => this.connect(), delay * (0.8 + 0.4 * Math.random()));
-  }
-
-  cancel() {
-    this.cancelRequested = true;
-    if (this.socket && this.socket.readyState === WebSocket.OPEN) {
-      this.socket.send(JSON.stringify({ type: "cancel" }));
-    }
-    setStatus("stopping ...");
-  }
-
-  finish(outcome) {
-    if (this.outcome) return;
-    this.outcome = outcome;
-    this.view.element.classList.remove("streaming");
-    if (!outcome.ok) {
-      this.view.element.classList.add("failed");
-      this.view.note.textContent = outcome.reason;
-    } else {
-      const usage = outcome.usage ? `, ${outcome.usage.completion_tokens} tokens` : "";
-      const stopped = outcome.reason === "abort" ? "stopped" : outcome.reason;
-      this.view.note.textContent = `${stopped}${usage}`;
-    }
-    if (this.socket && this.socket.readyState <= WebSocket.OPEN) this.socket.close(1000);
-    this.resolve(outcome);
-  }
+  if (status >= 500) return `The service failed (${status}): ${message} Try again shortly.`;
+  return `Request refused (${status}): ${message}`;
 }
 
 // --- a turn -------------------------------------------------------------------------------------
 
 async function submit(prompt) {
+  const startedAt = performance.now();
   addMessage("user", prompt);
   const messages = [...conversation, { role: "user", content: prompt }];
   if (settings.system) messages.unshift({ role: "system", content: settings.system });
@@ -233,7 +166,7 @@ async function submit(prompt) {
   setBusy(true);
   try {
     setStatus("submitting ...");
-    const response = await fetch(`${settings.ingressUrl}/v1/requests`, {
+    const response = await reachIngress(`${settings.ingressUrl}/v1/requests`, {
       method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify({
@@ -243,10 +176,16 @@ async function submit(prompt) {
         temperature: settings.temperature,
       }),
     });
-    if (!response.ok) throw new Error(await errorText(response));
+    if (!response.ok) throw new Error(explainError(await readError(response)));
     const { request_id: requestId, stream_url: streamUrl, stream_token: token } = await response.json();
+    view.element.dataset.requestId = requestId;
     setStatus(`queued as ${requestId}`);
-    current = new ReplyStream(streamUrl, token, view);
+    current = new ReplyStream(streamUrl, token, view, {
+      startedAt,
+      onStatus: setStatus,
+      onChange: () => (log.scrollTop = log.scrollHeight),
+    });
+    latest = current;
     const outcome = await current.finished;
     // Keep the turn (a stopped one too) so the next message has its context; drop a failed one.
     if (outcome.ok) {
@@ -255,11 +194,21 @@ async function submit(prompt) {
     setStatus(outcome.ok ? "idle" : "failed");
   } catch (err) {
     view.element.classList.add("failed");
+    view.element.dataset.state = "failed";
     view.note.textContent = err.message;
     setStatus("failed");
   } finally {
     current = null;
     setBusy(false);
+  }
+}
+
+/** fetch, with a network failure (ingress down, CORS refused) turned into words for the person. */
+async function reachIngress(url, init) {
+  try {
+    return await fetch(url, init);
+  } catch (err) {
+    throw new Error(`Could not reach ingress at ${settings.ingressUrl} (${err.message}). Is it running, and is the URL in Settings right?`);
   }
 }
 
@@ -312,5 +261,15 @@ $("#new-chat").addEventListener("click", () => {
   log.replaceChildren();
   setStatus("idle");
 });
+
+// For tests and the curious: the reply being received and the latest one (connections, text, dropConnection()).
+window.sluicegateChat = {
+  get current() {
+    return current;
+  },
+  get latest() {
+    return latest;
+  },
+};
 
 loadSettings();

@@ -1,0 +1,232 @@
+"""The chat page in a real browser (headless Chromium driven by Selenium) against the real stack.
+
+Settings are typed into the page, a message is sent with Enter, the reply streams in with TTFT and
+tokens/s under it, Stop ends the request as cancelled by the worker, a WebSocket the page drops
+resumes from ``last_id`` with exactly the text the Redis stream holds, and refused requests are
+explained to the person. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test``
+installs them); without them the module skips and says so. ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
+writes the screenshots into ``docs/screenshots/`` (they always go to the test's tmp dir).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas import DoneEvent, TokenEvent, seq_from_entry_id
+
+from .conftest import Pipeline
+
+pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[dev]')")
+
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service as ChromeService
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.remote.webelement import WebElement
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+PROMPT = "Tell me a long story about a river and its sluice gates."
+# Stop must find the reply still streaming: greedy decoding of the random paced model (~5 ms a token on an
+# idle core) goes on for hundreds of tokens, seconds, long after the test has clicked.
+LONG = 1500
+TTFT_AND_RATE = re.compile(r"^TTFT \d+(?: ms|\.\d\d s) · \d+\.\d tok/s · \d+ tokens$")
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
+        reason="headless Chromium not installed: apt-get install -y chromium chromium-driver "
+        "(bash infra/local/run.sh test does it)",
+    ),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(paced_model_dir: Path) -> Path:
+    """Replies must still be streaming when the test clicks Stop or drops the socket."""
+    return paced_model_dir
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1100,760"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=ChromeService(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def page(browser: webdriver.Chrome, pipeline: Pipeline) -> webdriver.Chrome:
+    """The chat page, freshly loaded with no saved settings."""
+    browser.get(f"{pipeline.result_url}/")
+    browser.execute_script("localStorage.clear()")
+    browser.get(f"{pipeline.result_url}/")
+    # /config.json filled the ingress URL and (listing ingress's models) the model.
+    wait_for(lambda: field(browser, "model").get_attribute("value") == pipeline.model, "model from /config.json")
+    return browser
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def field(driver: webdriver.Chrome, name: str) -> WebElement:
+    return driver.find_element(By.CSS_SELECTOR, f'#settings [name="{name}"]')
+
+
+def configure(driver: webdriver.Chrome, **values: str) -> None:
+    """Open Settings (when closed), type the values, Save."""
+    if not driver.find_element(By.ID, "settings").is_displayed():
+        driver.find_element(By.ID, "toggle-settings").click()
+    for name, value in values.items():
+        element = field(driver, name)
+        element.clear()
+        element.send_keys(value)
+    driver.find_element(By.CSS_SELECTOR, '#settings button[type="submit"]').click()
+
+
+def send(driver: webdriver.Chrome, prompt: str = PROMPT) -> WebElement:
+    """Type the prompt, press Enter; the assistant message that appears for it."""
+    before = len(driver.find_elements(By.CSS_SELECTOR, ".message.assistant"))
+    driver.find_element(By.CSS_SELECTOR, '#composer [name="prompt"]').send_keys(prompt, Keys.ENTER)
+    return wait_for(
+        lambda: (m := driver.find_elements(By.CSS_SELECTOR, ".message.assistant"))[before:] and m[before],
+        "the assistant message",
+    )
+
+
+def reply_text(driver: webdriver.Chrome, message: WebElement) -> str:
+    # textContent, not .text: Selenium's .text folds whitespace, and the comparison is exact.
+    return driver.execute_script("return arguments[0].querySelector('.text').textContent", message)
+
+
+def state(message: WebElement) -> str | None:
+    return message.get_attribute("data-state")
+
+
+def wait_ended(message: WebElement, timeout_s: float = 240) -> str:
+    return wait_for(lambda: (s := state(message)) in ("done", "stopped", "failed") and s, "the reply to end", timeout_s)
+
+
+def stream_text(events: list[Any]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokenEvent))
+
+
+def screenshot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> None:
+    driver.save_screenshot(str(tmp_path / name))
+    if os.environ.get("SLUICEGATE_SAVE_SCREENSHOTS") == "1":
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(SCREENSHOTS / name))
+
+
+def test_settings_send_and_the_reply_streams_in_with_ttft_and_tokens_per_second(
+    page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
+) -> None:
+    assert field(page, "ingressUrl").get_attribute("value") == pipeline.ingress_url
+    assert page.find_element(By.ID, "settings").is_displayed(), "settings open while no API key is set"
+    configure(page, apiKey=pipeline.api_key, maxTokens="60", temperature="0")
+    assert not page.find_element(By.ID, "settings").is_displayed()
+
+    message = send(page)
+    # Streamed: text shows while the reply is still streaming, and only grows.
+    partial = wait_for(lambda: state(message) == "streaming" and reply_text(page, message), "streamed text")
+    assert page.find_element(By.ID, "stop").is_enabled()
+    assert wait_ended(message) == "done", message.text
+    final = reply_text(page, message)
+    assert final.startswith(partial) and len(final) > len(partial)
+
+    events = pipeline.wait_stream_end(message.get_attribute("data-request-id"))
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason in ("stop", "length"), done
+    assert final == stream_text(events)
+    metrics = message.find_element(By.CLASS_NAME, "metrics").text
+    assert TTFT_AND_RATE.match(metrics), metrics
+    assert metrics.endswith(f"· {done.usage.completion_tokens} tokens")
+    expected_note = {"stop": "finished", "length": "finished: reached max tokens"}[done.finish_reason]
+    assert message.find_element(By.CLASS_NAME, "note").text == expected_note
+    screenshot(page, tmp_path, "reply-with-metrics.png")
+
+
+def test_stop_cancels_the_request_and_the_worker_aborts_it(
+    page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
+) -> None:
+    configure(page, apiKey=pipeline.api_key, maxTokens=str(LONG), temperature="0")
+    message = send(page)
+    wait_for(lambda: len(reply_text(page, message)) > 20, "some streamed text")
+    page.find_element(By.ID, "stop").click()
+    assert wait_ended(message, timeout_s=60) == "stopped", message.text
+
+    request_id = message.get_attribute("data-request-id")
+    events = pipeline.wait_stream_end(request_id)
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "abort", done
+    assert done.usage.completion_tokens < LONG
+    wait_for(lambda: (r := pipeline.record(request_id)) is not None and r.status == "cancelled", "status cancelled")
+    assert reply_text(page, message) == stream_text(events)
+    assert message.find_element(By.CLASS_NAME, "note").text == "stopped"
+    assert TTFT_AND_RATE.match(message.find_element(By.CLASS_NAME, "metrics").text)
+    assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
+    screenshot(page, tmp_path, "stopped-reply.png")
+
+
+def test_a_dropped_websocket_resumes_from_last_id_with_exactly_the_streams_text(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    configure(page, apiKey=pipeline.api_key, maxTokens="120", temperature="0")
+    message = send(page)
+    wait_for(lambda: len(reply_text(page, message)) > 20, "some streamed text")
+    assert page.execute_script("return window.sluicegateChat.current.dropConnection()") is True
+    wait_for(
+        lambda: len(page.execute_script("return window.sluicegateChat.latest.connections")) > 1, "a second connection"
+    )
+    assert state(message) == "streaming", "the drop ended the reply instead of resuming it"
+    assert wait_ended(message) == "done", message.text
+
+    events = pipeline.wait_stream_end(message.get_attribute("data-request-id"))
+    assert reply_text(page, message) == stream_text(events)  # nothing missing, nothing twice
+    connections = page.execute_script("return window.sluicegateChat.latest.connections")
+    assert len(connections) == 2, connections
+    first, resumed = connections
+    assert first["lastId"] is None and first["droppedByPage"] is True
+    # The resume asked for everything after the last event seen, and the stream went on from exactly there.
+    assert resumed["lastId"] is not None and resumed["firstSeq"] == seq_from_entry_id(resumed["lastId"]) + 1
+
+
+def test_refused_requests_are_explained_to_the_person(
+    page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
+) -> None:
+    configure(page, apiKey="sk-not-a-real-key", maxTokens="16")
+    message = send(page, "Hello?")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert note.startswith("Not authorised (401):") and "Check the API key in Settings." in note, note
+    assert page.find_element(By.ID, "settings").is_displayed(), "settings opened to fix the key"
+    assert page.find_element(By.ID, "send").is_enabled()
+    screenshot(page, tmp_path, "error-bad-api-key.png")
+
+    configure(page, apiKey=pipeline.api_key, model="no-such-model")
+    message = send(page, "Hello again?")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert note.startswith("Model not found (404):") and "no-such-model" in note, note
