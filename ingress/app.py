@@ -87,7 +87,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         allow_origins=cors_origins(settings),
         allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
         allow_headers=["authorization", "content-type", "x-api-key", HEADER_TRACEPARENT, HEADER_TRACESTATE],
-        expose_headers=["x-request-id"],
+        expose_headers=["x-request-id", "retry-after"],  # the chat page reads Retry-After of a 429
     )
     # A multipart upload carries the file plus a few hundred bytes of framing and the purpose field.
     upload_limit = settings.batch_max_file_bytes + 64 * 1024

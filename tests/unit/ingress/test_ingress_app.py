@@ -116,6 +116,13 @@ async def test_cors_allows_the_result_service_and_configured_origins(client: htt
     assert "access-control-allow-origin" not in refused.headers
 
 
+async def test_a_browser_on_another_origin_can_read_retry_after_and_the_request_id(client: httpx.AsyncClient) -> None:
+    """The chat page (the result service's origin) shows how long to wait after a 429: the header must be exposed."""
+    response = await client.get("/v1/models", headers={"Origin": "http://127.0.0.1:8123"})
+    exposed = {h.strip().lower() for h in response.headers["access-control-expose-headers"].split(",")}
+    assert {"retry-after", "x-request-id"} <= exposed
+
+
 async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json()["status"] == "ok"
     await client.post("/v1/chat/completions", json=CHAT)
