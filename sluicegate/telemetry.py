@@ -10,9 +10,13 @@ from the exporter's own ``OTEL_EXPORTER_OTLP_*`` variables. Off, nothing is inst
 
 On, :func:`configure_tracing` installs the global tracer provider (``service.name`` per service) and the
 instrumentation packages for aiokafka (producer spans; ``traceparent`` injected into record headers) and Redis
-(one span per command or pipeline). Client calls made outside any request (heartbeats, the worker's batched
-stream flushes, the relay's shared stream reads, consumer polls) would each start a trace of their own; the
-sampler drops such parentless CLIENT/PRODUCER/CONSUMER spans, so a trace is a request.
+(one span per command or pipeline). Client calls made outside any request (heartbeats, consumer polls) would
+each start a trace of their own; the sampler drops such parentless CLIENT/PRODUCER/CONSUMER spans, so a trace
+is a request. The asyncio Redis client is gated (:func:`_gate_async_redis`): a call made while no recording
+span is current goes straight to redis-py, skipping the instrumentation's work (it formats every command of a
+pipeline before asking the sampler), and work that serves many requests at once (the worker's batched stream
+appends, the relay's wake-ups of its shared reader) runs under :func:`untraced`, so its span never lands in
+whichever request's context happened to start it.
 
 Celery (the batch tasks) joins the same way: in the Celery app module, call
 ``configure_tracing("sluicegate-batch-worker")`` and then :func:`instrument_celery` from a
@@ -27,7 +31,8 @@ import os
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import wraps
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -43,8 +48,10 @@ from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 
 log = logging.getLogger(__name__)
 
-# Paths whose requests are probes and scrapes, never worth a trace.
-EXCLUDED_URLS = "healthz,readyz,metrics"
+# Paths whose requests get no HTTP server span: probes and scrapes, and the result service's stream relays
+# (a browser's WebSocket sends no traceparent, so that span was a trace of its own per connection; the relay's
+# span, in the request's own trace, covers the connection: result_service/telemetry.py).
+EXCLUDED_URLS = "healthz,readyz,metrics,v1/streams/"
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-([0-9a-f]{2})$")
 
@@ -127,15 +134,71 @@ def _instrument_clients(provider: TracerProvider) -> None:
     # Redis call (most of the spans, and of tracing's CPU cost: docs/benchmarks.md).
     disabled = {n.strip() for n in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
     if "aiokafka" not in disabled:
+        import aiokafka
         from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
+        from opentelemetry.instrumentation.utils import unwrap
 
         AIOKafkaInstrumentor().instrument(tracer_provider=provider)
+        # Keep the producer side (the PRODUCER span, traceparent injected into the record's headers) but not the
+        # consumer's "receive" span per record: the worker and the router open their own consumer span per
+        # record, from its headers, with the GenAI and messaging attributes, so that one was a second span per
+        # request on the worker's hot path saying less.
+        unwrap(aiokafka.AIOKafkaConsumer, "getone")
+        unwrap(aiokafka.AIOKafkaConsumer, "getmany")
         global _kafka_injects
         _kafka_injects = True
     if "redis" not in disabled:
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
+        originals = _async_redis_methods()
         RedisInstrumentor().instrument(tracer_provider=provider)
+        _gate_async_redis(originals)
+
+
+def _async_redis_methods() -> dict[tuple[type, str], Any]:
+    import redis.asyncio
+    import redis.asyncio.client
+
+    return {
+        (cls, name): cls.__dict__[name]
+        for cls, name in (
+            (redis.asyncio.Redis, "execute_command"),
+            (redis.asyncio.client.Pipeline, "execute"),
+            (redis.asyncio.client.Pipeline, "immediate_execute_command"),
+        )
+    }
+
+
+def _gate_async_redis(originals: dict[tuple[type, str], Any]) -> None:
+    """Route each asyncio Redis call outside a recording span to the plain redis-py method: its span would be
+    dropped by the sampler anyway, after the instrumentation had built its name and statement (every command of
+    a pipeline formatted). Inside a request's trace the instrumentation's wrapper runs as installed."""
+    for (cls, name), original in originals.items():
+        traced = cls.__dict__[name]
+        if traced is original:  # the instrumentation did not wrap it (another redis-py layout): leave it
+            continue
+
+        def gate(traced: Any = traced, original: Any = original) -> Any:
+            @wraps(original)
+            async def gated(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if trace.get_current_span().is_recording():
+                    return await traced.__get__(self, type(self))(*args, **kwargs)
+                return await original(self, *args, **kwargs)
+
+            return gated
+
+        setattr(cls, name, gate())
+
+
+def untraced() -> AbstractContextManager[Any]:
+    """A block whose client calls make no spans: for work that serves many requests at once (one Redis pipeline
+    carrying several requests' events), whose span would otherwise join whichever request's context started it.
+    A no-op while tracing is off."""
+    if _provider is None:
+        return nullcontext()
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    return suppress_instrumentation()
 
 
 def instrument_celery() -> None:
