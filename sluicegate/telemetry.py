@@ -12,11 +12,10 @@ On, :func:`configure_tracing` installs the global tracer provider (``service.nam
 instrumentation packages for aiokafka (producer spans; ``traceparent`` injected into record headers) and Redis
 (one span per command or pipeline). Client calls made outside any request (heartbeats, consumer polls) would
 each start a trace of their own; the sampler drops such parentless CLIENT/PRODUCER/CONSUMER spans, so a trace
-is a request. The asyncio Redis client is gated (:func:`_gate_async_redis`): a call made while no recording
-span is current goes straight to redis-py, skipping the instrumentation's work (it formats every command of a
-pipeline before asking the sampler), and work that serves many requests at once (the worker's batched stream
-appends, the relay's wake-ups of its shared reader) runs under :func:`untraced`, so its span never lands in
-whichever request's context happened to start it.
+is a request. Work that serves many requests at once (the worker's batched stream appends, the relay's wake-ups
+of its shared reader) runs under :func:`untraced`, so its span never lands in whichever request's trace
+happened to start it. (Skipping the instrumentation's wrapper outside a request was measured too: within noise,
+about 20 us per parentless pipeline, so it is not done; docs/benchmarks.md.)
 
 Celery (the batch tasks) joins the same way: in the Celery app module, call
 ``configure_tracing("sluicegate-batch-worker")`` and then :func:`instrument_celery` from a
@@ -32,7 +31,6 @@ import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from functools import wraps
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -150,44 +148,7 @@ def _instrument_clients(provider: TracerProvider) -> None:
     if "redis" not in disabled:
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
-        originals = _async_redis_methods()
         RedisInstrumentor().instrument(tracer_provider=provider)
-        _gate_async_redis(originals)
-
-
-def _async_redis_methods() -> dict[tuple[type, str], Any]:
-    import redis.asyncio
-    import redis.asyncio.client
-
-    return {
-        (cls, name): cls.__dict__[name]
-        for cls, name in (
-            (redis.asyncio.Redis, "execute_command"),
-            (redis.asyncio.client.Pipeline, "execute"),
-            (redis.asyncio.client.Pipeline, "immediate_execute_command"),
-        )
-    }
-
-
-def _gate_async_redis(originals: dict[tuple[type, str], Any]) -> None:
-    """Route each asyncio Redis call outside a recording span to the plain redis-py method: its span would be
-    dropped by the sampler anyway, after the instrumentation had built its name and statement (every command of
-    a pipeline formatted). Inside a request's trace the instrumentation's wrapper runs as installed."""
-    for (cls, name), original in originals.items():
-        traced = cls.__dict__[name]
-        if traced is original:  # the instrumentation did not wrap it (another redis-py layout): leave it
-            continue
-
-        def gate(traced: Any = traced, original: Any = original) -> Any:
-            @wraps(original)
-            async def gated(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if trace.get_current_span().is_recording():
-                    return await traced.__get__(self, type(self))(*args, **kwargs)
-                return await original(self, *args, **kwargs)
-
-            return gated
-
-        setattr(cls, name, gate())
 
 
 def untraced() -> AbstractContextManager[Any]:
