@@ -200,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.close()
         if sink is not None:
             progress(f"tracing on: the receiver took {sink.spans} spans")
+            for name, count in sorted(sink.by_name().items(), key=lambda kv: -kv[1]):
+                progress(f"  {count:7d}  {name}")
             sink.close()
         if args.keep:
             progress(f"logs and model kept in {workdir}")

@@ -3,7 +3,9 @@
 Metrics: connections and resumes by ``last_id`` per transport, connections open now, clients dropped as too
 slow, and the hub's fan-out (streams followed, subscribers reading them) read at scrape time. While tracing is
 on, each relayed connection gets a span in the request's own trace, whose context the request's status record
-carries (a browser's WebSocket sends no ``traceparent``); the HTTP server span is linked to it.
+carries (a browser's WebSocket sends no ``traceparent``). The stream routes get no HTTP server span
+(``sluicegate.telemetry.EXCLUDED_URLS``: it was a one-span trace of its own per connection); were one current,
+the relay span would link to it.
 """
 
 from __future__ import annotations

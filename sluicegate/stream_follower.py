@@ -31,6 +31,8 @@ from redis.exceptions import RedisError
 
 from schemas import Names, stream_entry_id
 
+from .telemetry import untraced
+
 log = logging.getLogger(__name__)
 
 #: The resume point before the first entry: "nothing seen yet".
@@ -247,8 +249,11 @@ class _Reader(Generic[T]):
         while self._in_flight is not None and self._in_flight < self._generation:
             if self._client_id is not None:
                 try:
+                    # Wakes the reader shared by every stream: a call of no single request's trace.
                     async with self.follower._commands:
-                        if await self.follower.redis.client_unblock(self._client_id):
+                        with untraced():
+                            unblocked = await self.follower.redis.client_unblock(self._client_id)
+                        if unblocked:
                             return
                 except RedisError as exc:
                     log.warning("stream.unblock_failed reader=%d error=%r", self.index, exc)

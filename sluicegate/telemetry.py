@@ -10,9 +10,12 @@ from the exporter's own ``OTEL_EXPORTER_OTLP_*`` variables. Off, nothing is inst
 
 On, :func:`configure_tracing` installs the global tracer provider (``service.name`` per service) and the
 instrumentation packages for aiokafka (producer spans; ``traceparent`` injected into record headers) and Redis
-(one span per command or pipeline). Client calls made outside any request (heartbeats, the worker's batched
-stream flushes, the relay's shared stream reads, consumer polls) would each start a trace of their own; the
-sampler drops such parentless CLIENT/PRODUCER/CONSUMER spans, so a trace is a request.
+(one span per command or pipeline). Client calls made outside any request (heartbeats, consumer polls) would
+each start a trace of their own; the sampler drops such parentless CLIENT/PRODUCER/CONSUMER spans, so a trace
+is a request. Work that serves many requests at once (the worker's batched stream appends, the relay's wake-ups
+of its shared reader) runs under :func:`untraced`, so its span never lands in whichever request's trace
+happened to start it. (Skipping the instrumentation's wrapper outside a request was measured too: within noise,
+about 20 us per parentless pipeline, so it is not done; docs/benchmarks.md.)
 
 Celery (the batch tasks) joins the same way: in the Celery app module, call
 ``configure_tracing("sluicegate-batch-worker")`` and then :func:`instrument_celery` from a
@@ -27,7 +30,7 @@ import os
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -43,8 +46,10 @@ from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 
 log = logging.getLogger(__name__)
 
-# Paths whose requests are probes and scrapes, never worth a trace.
-EXCLUDED_URLS = "healthz,readyz,metrics"
+# Paths whose requests get no HTTP server span: probes and scrapes, and the result service's stream relays
+# (a browser's WebSocket sends no traceparent, so that span was a trace of its own per connection; the relay's
+# span, in the request's own trace, covers the connection: result_service/telemetry.py).
+EXCLUDED_URLS = "healthz,readyz,metrics,v1/streams/"
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-([0-9a-f]{2})$")
 
@@ -127,15 +132,34 @@ def _instrument_clients(provider: TracerProvider) -> None:
     # Redis call (most of the spans, and of tracing's CPU cost: docs/benchmarks.md).
     disabled = {n.strip() for n in os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "").split(",")}
     if "aiokafka" not in disabled:
+        import aiokafka
         from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
+        from opentelemetry.instrumentation.utils import unwrap
 
         AIOKafkaInstrumentor().instrument(tracer_provider=provider)
+        # Keep the producer side (the PRODUCER span, traceparent injected into the record's headers) but not the
+        # consumer's "receive" span per record: the worker and the router open their own consumer span per
+        # record, from its headers, with the GenAI and messaging attributes, so that one was a second span per
+        # request on the worker's hot path saying less.
+        unwrap(aiokafka.AIOKafkaConsumer, "getone")
+        unwrap(aiokafka.AIOKafkaConsumer, "getmany")
         global _kafka_injects
         _kafka_injects = True
     if "redis" not in disabled:
         from opentelemetry.instrumentation.redis import RedisInstrumentor
 
         RedisInstrumentor().instrument(tracer_provider=provider)
+
+
+def untraced() -> AbstractContextManager[Any]:
+    """A block whose client calls make no spans: for work that serves many requests at once (one Redis pipeline
+    carrying several requests' events), whose span would otherwise join whichever request's context started it.
+    A no-op while tracing is off."""
+    if _provider is None:
+        return nullcontext()
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+    return suppress_instrumentation()
 
 
 def instrument_celery() -> None:

@@ -29,6 +29,7 @@ from schemas import (
     parse_stream_event,
     stream_entry_id,
 )
+from sluicegate.telemetry import untraced
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,8 @@ class StreamPublisher:
             pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
             if isinstance(event, DoneEvent | ErrorEvent):
                 pipe.expire(key, self._ttl_s)
-        results = await pipe.execute(raise_on_error=False)
+        with untraced():  # one pipeline for many requests' events: a span of no single request
+            results = await pipe.execute(raise_on_error=False)
         for result in results:
             if isinstance(result, ResponseError):
                 if _DUPLICATE_ID in str(result):

@@ -195,6 +195,9 @@ class WorkerTelemetry:
         self._itl = {tier: self._hist["itl"].labels(model, tier) for tier in TIERS}
         self._kafka_wait = {tier: self.kafka_wait.labels(model, tier) for tier in TIERS}
         self._tier_of_topic: dict[str, Tier] = {}
+        # Request spans waiting for their first token (tracing on only): the event marks the token reaching this
+        # loop, from where the next stream append (one pipeline for every request's events) publishes it.
+        self._awaiting_first: dict[str, trace.Span] = {}
         self.tracer = trace.get_tracer("sluicegate.worker")
         engine.add_delta_observer(self._on_deltas)
 
@@ -225,6 +228,8 @@ class WorkerTelemetry:
     def _on_deltas(self, deltas: list[RequestDelta]) -> None:
         now = time.perf_counter()
         last_delta = self._last_delta
+        if self._awaiting_first:
+            self._first_token_events(deltas)
         for delta in deltas:
             seen = last_delta.get(delta.request_id)
             if seen is None or not delta.token_ids:
@@ -233,6 +238,12 @@ class WorkerTelemetry:
             if previous > 0:
                 self._itl[tier].observe(now - previous)
             last_delta[delta.request_id] = (tier, now)
+
+    def _first_token_events(self, deltas: list[RequestDelta]) -> None:
+        awaiting = self._awaiting_first
+        for delta in deltas:
+            if delta.token_ids and delta.request_id in awaiting:
+                awaiting.pop(delta.request_id).add_event("sluicegate.first_token.emitted")
 
     # --- the background sampler ------------------------------------------------------------------------------
     async def sample_backlog(self, consumer: AIOKafkaConsumer, engine: EngineFront, interval_s: float) -> None:
@@ -301,6 +312,8 @@ class RequestWatch:
     def generating(self) -> None:
         """The request is in the engine: its deltas count for inter-token latency from now."""
         self.owner._last_delta[self.request.request_id] = (self.tier, 0.0)
+        if self.span is not None:
+            self.owner._awaiting_first[self.request.request_id] = self.span
 
     def engine_finished(self, metrics: RequestMetrics) -> None:
         self.engine_metrics = metrics
@@ -341,6 +354,7 @@ class RequestWatch:
         """End the span and stop inter-token tracking (also for a request handed off mid-way)."""
         self.owner._last_delta.pop(self.request.request_id, None)
         if self.span is not None:
+            self.owner._awaiting_first.pop(self.request.request_id, None)
             self.span.end()
 
     def _observe_engine(self, m: RequestMetrics, usage: Usage) -> None:

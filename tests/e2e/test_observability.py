@@ -47,6 +47,7 @@ class Span:
     name: str
     kind: int
     attributes: dict[str, Any]
+    events: list[str]
 
 
 class Receiver:
@@ -92,6 +93,7 @@ class Receiver:
                             name=span.name,
                             kind=span.kind,
                             attributes={a.key: _value(a.value) for a in span.attributes},
+                            events=[e.name for e in span.events],
                         )
                     )
         with self.lock:
@@ -210,6 +212,12 @@ def test_one_trace_spans_ingress_worker_engine_and_relay(pipeline: Pipeline, rec
         assert _one(spans, "sluicegate-worker", phase).parent_id == served.span_id
     # the worker's Redis pickup read nests under its span (redis instrumentation)
     assert any(s.service == "sluicegate-worker" and s.kind == 3 and s.parent_id == served.span_id for s in spans)
+    # the first token reaching the worker's loop for the stream append, as an event of the request's span
+    assert "sluicegate.first_token.emitted" in served.events
+    # the worker's stream appends carry every request's events: none of their spans lands in this trace
+    assert not [s.name for s in spans if "XADD" in s.name]
+    # one consumer span per request at the worker (its own, with the GenAI attributes; no per-record receive span)
+    assert [s.name for s in spans if s.service == "sluicegate-worker" and s.kind == 5] == [served.name]
 
     # result service: the relay span joins the request's trace under the ingress span.
     relay = _one(spans, "sluicegate-result-service", "relay sse")
