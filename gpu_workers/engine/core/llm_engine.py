@@ -237,9 +237,9 @@ class LLMEngine:
             sample_seqs, logits = self._fork_choices(sample_seqs, logits)
         token_mask = None
         if any(seq.guided is not None for seq in sample_seqs):
-            from ..guided.matcher import allowed_token_mask
+            from ..guided.matcher import grammar_bitmask
 
-            token_mask = allowed_token_mask([seq.guided for seq in sample_seqs], logits.shape[1], logits.device)
+            token_mask = grammar_bitmask([seq.guided for seq in sample_seqs], logits.shape[1])
         sampled = self.sampler(logits, sample_seqs, token_mask)
         now = time.time()
         outputs = []
