@@ -17,7 +17,8 @@ from .entrypoints.async_engine import AsyncEngine
 from .entrypoints.engine_front import EngineFront, RequestStream
 from .entrypoints.llm import LLM
 from .entrypoints.process_engine import ProcessEngine
-from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from .guided import GuidedDecoding
+from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "EngineConfig",
     "EngineFront",
     "EngineStats",
+    "GuidedDecoding",
     "IncrementalDetokenizer",
     "LLMEngine",
     "ProcessEngine",
@@ -34,4 +36,5 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "TokenLogprob",
 ]

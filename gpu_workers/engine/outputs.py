@@ -46,6 +46,9 @@ class RequestOutput:
     # The stop string or stop token id that ended the request, if any.
     stop_reason: str | int | None
     metrics: RequestMetrics
+    # The choice (n > 1) and, when asked for, one ``TokenLogprob`` per entry of ``token_ids``.
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -57,12 +60,24 @@ class RequestOutput:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's logprob and the ``top`` alternatives as (token id, logprob), best first,
+    from the log-softmax of the model's raw logits."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class RequestDelta:
     """What one request gained in one engine step (the unit the async API streams).
 
     ``text`` and ``token_ids`` are increments; joined over the stream they give the final output.
     Text that might be the start of a stop string is held back until it is known not to be one.
     ``final`` carries the full ``RequestOutput`` on the last delta.
+    ``index`` is the choice (for ``n > 1``: each choice ends on its own finished delta, and the
+    request's stream ends after all ``n``); ``logprobs`` is aligned with ``token_ids`` when asked for.
     """
 
     request_id: str
@@ -75,6 +90,8 @@ class RequestDelta:
     num_cached_tokens: int
     num_output_tokens: int
     final: RequestOutput | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .guided import GuidedDecoding
+
+#: The most top-logprob alternatives a request may ask for (OpenAI's and vLLM's default cap).
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -14,6 +19,18 @@ class SamplingParams:
     end generation with the text cut right before the match; ``stop_token_ids`` and EOS end it with
     the token kept in ``token_ids`` (and hidden from ``text`` if it is a special token).
     ``seed`` gives the request its own random generator, so its tokens repeat run after run.
+
+    Penalties follow vLLM: ``presence_penalty`` / ``frequency_penalty`` (OpenAI semantics, over the
+    generated tokens, each in [-2, 2]), ``repetition_penalty`` (Hugging Face semantics, over prompt +
+    generated tokens, > 0; 1 is off), then ``logit_bias`` (token id -> bias in [-100, 100]); ``min_p``
+    ([0, 1]) drops tokens whose probability is below ``min_p`` times the top token's.
+
+    ``logprobs``: None for none; ``k >= 0`` (at most 20) returns each generated token's logprob plus
+    the top ``k`` alternatives, taken from the log-softmax of the model's RAW logits (before penalties,
+    logit_bias, temperature and top-k/top-p/min-p), which is vLLM's default (``raw_logprobs``).
+
+    ``n`` choices share the prompt's KV blocks (one prefill); with a ``seed``, choice ``i`` samples
+    from its own generator seeded ``seed + i``. ``guided`` constrains the output to a grammar.
     """
 
     temperature: float = 1.0
@@ -26,6 +43,14 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    n: int = 1
+    guided: GuidedDecoding | None = None
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -72,6 +97,53 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        """Penalties, min_p, logit_bias, logprobs, n and guided decoding (vLLM's names and ranges)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.min_p = _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias: dict[int, float] = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+                value = _number(f"logit_bias[{token}]", value)
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+                bias[token] = value
+            self.logit_bias = bias or None
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
+                raise ValueError(f"logprobs must be an int or None, got {self.logprobs!r}")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"guided must be a GuidedDecoding, got {type(self.guided).__name__}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must apply penalties, logit_bias or min_p to this request's row."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.logit_bias is not None
+            or self.min_p > 0.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -81,3 +153,9 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop_list), default=0)
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)

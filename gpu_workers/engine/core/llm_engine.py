@@ -120,6 +120,7 @@ class LLMEngine:
             ),
             generator=generator,
             tenant=request.tenant,
+            logprobs=[] if params.logprobs is not None else None,
         )
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
@@ -162,10 +163,14 @@ class LLMEngine:
             self.block_manager.cache_computed_blocks(seq)
         if logits is None:
             return []
-        tokens = self.sampler(logits, sample_seqs)
+        sampled = self.sampler(logits, sample_seqs)
         now = time.time()
         outputs = []
-        for seq, token in zip(sample_seqs, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(sample_seqs, sampled.tokens, strict=True)):
+            if sampled.logprobs is not None and seq.logprobs is not None:
+                logprob = sampled.logprobs[i]
+                assert logprob is not None
+                seq.logprobs.append(logprob)
             self._append_token(seq, token, now)
             outputs.append(self._make_delta(seq))
         return outputs
@@ -225,6 +230,7 @@ class LLMEngine:
         seq.num_text_sent = emit_to
         start = seq.num_prompt_tokens + seq.num_tokens_sent
         new_tokens = seq.token_ids[start:]
+        new_logprobs = seq.logprobs[seq.num_tokens_sent :] if seq.logprobs is not None else None
         seq.num_tokens_sent = seq.num_output_tokens
         return RequestDelta(
             request_id=seq.request_id,
@@ -237,6 +243,8 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_output_tokens=seq.num_output_tokens,
             final=self._make_output(seq) if finished else None,
+            index=seq.index,
+            logprobs=new_logprobs,
         )
 
     @staticmethod
@@ -259,6 +267,8 @@ class LLMEngine:
                 num_output_tokens=seq.num_output_tokens,
                 num_preemptions=seq.num_preemptions,
             ),
+            index=seq.index,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -12,6 +12,8 @@ from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ..detokenizer import IncrementalDetokenizer
+    from ..guided.matcher import GuidedState
+    from ..outputs import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +78,14 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # The choice this sequence is (n > 1: siblings share request_id and differ by index).
+    index: int = 0
+    # Choices still to fork from this one once its prompt is computed (n - 1 on the first choice).
+    num_pending_forks: int = 0
+    # One entry per generated token when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    # The grammar matcher of a guided request.
+    guided: GuidedState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -69,6 +69,10 @@ class AsyncEngine(EngineFront):
         return self.engine.eos_token_ids
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

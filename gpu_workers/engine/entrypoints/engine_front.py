@@ -68,6 +68,11 @@ class EngineFront(ABC):
 
     @property
     @abstractmethod
+    def max_model_len(self) -> int:
+        """The context length (prompt + output tokens) one request may reach."""
+
+    @property
+    @abstractmethod
     def is_running(self) -> bool: ...
 
     @abstractmethod

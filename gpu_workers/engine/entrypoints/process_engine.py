@@ -90,6 +90,12 @@ class ProcessEngine(EngineFront):
         return self._spec.eos_token_ids
 
     @property
+    def max_model_len(self) -> int:
+        if self._spec is None:
+            raise RuntimeError("the engine is not started")
+        return self._spec.max_model_len
+
+    @property
     def spec(self) -> EngineSpec | None:
         return self._spec
 

@@ -1,4 +1,9 @@
-"""Picks the next token for every sampling row: greedy, or temperature + top-k + top-p sampling.
+"""Picks the next token for every sampling row: greedy, or temperature + min-p + top-k + top-p sampling.
+
+Order (vLLM's): raw logprobs are captured first; then min_tokens bans, the grammar bitmask, logit_bias,
+repetition / frequency / presence penalties; greedy rows take the argmax; random rows divide by the
+temperature, apply min_p, then top-k / top-p. Every step is batched over the rows that need it, so a
+batch without penalties, logprobs or grammars runs exactly the plain path.
 
 Random rows draw through the exponential-race trick (``argmax(p / q)`` with ``q ~ Exp(1)`` equals
 sampling from ``p``), which lets each seeded request use its own ``torch.Generator`` for its own
@@ -7,9 +12,23 @@ noise while the arithmetic stays batched. Unseeded rows share the engine's gener
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..core.sequence import Sequence
+from ..outputs import TokenLogprob
+from .logprobs import RawLogprobs
+from .penalties import apply_bias_and_penalties, apply_min_p
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row, and per row its ``TokenLogprob`` (None where not asked; the list is None when no
+    row asked)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 class Sampler:
@@ -19,9 +38,21 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """``logits`` is float32 ``[len(seqs), vocab]``; returns one token id per row."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], token_mask: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """``logits`` is float32 ``[len(seqs), vocab]``; ``token_mask`` (bool, same shape, True = allowed)
+        constrains the rows with a grammar. Returns one token id per row (and logprobs where asked)."""
+        raw = RawLogprobs.capture(logits, [s.params.logprobs for s in seqs])
+        tokens = self._pick(logits, seqs, token_mask)
+        return SamplerOutput(tokens, raw.resolve(tokens, len(seqs)) if raw is not None else None)
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], token_mask: torch.Tensor | None) -> list[int]:
         self._suppress_early_stops(logits, seqs)
+        if token_mask is not None:
+            logits.masked_fill_(~token_mask, float("-inf"))
+        if any(s.params.has_penalties for s in seqs):
+            apply_bias_and_penalties(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy_rows) == len(seqs):
             return logits.argmax(dim=-1).tolist()
@@ -47,6 +78,9 @@ class Sampler:
         dev = logits.device
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=dev)
         logits = logits / temps[:, None]
+        min_ps = [s.params.min_p for s in seqs]
+        if any(p > 0.0 for p in min_ps):
+            logits = apply_min_p(logits, min_ps)
         top_ks = [s.params.top_k for s in seqs]
         top_ps = [s.params.top_p for s in seqs]
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
