@@ -193,10 +193,8 @@ class ToolCallStream:
             if not stripped:
                 return []
             self._decided = True
-            if (
-                stripped.startswith("{")
-                or (stripped.startswith(PYTHON_TAG[:1])
-                and PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)]))
+            if stripped.startswith("{") or (
+                stripped.startswith(PYTHON_TAG[:1]) and PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)])
             ):
                 self._buffering = True
                 return []
