@@ -303,10 +303,28 @@ class ChatCompletionBody(_OpenAIBody):
             value, (None, "none"), "'function_call' is deprecated and not supported; use 'tool_choice'"
         )
 
-    @model_validator(mode="after")
-    def _tools_consistent(self) -> ChatCompletionBody:
-        if self.top_logprobs and not self.logprobs:
+    # Fields are validated in declaration order, so each check below sees the fields it depends on.
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
             raise PydanticCustomError("top_logprobs_needs_logprobs", "top_logprobs needs logprobs set to true")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_offered(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        guided_for(info.data.get("tools"), value, None, None)  # raises for a choice the tools cannot meet
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _one_constraint(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        guided_for(info.data.get("tools"), info.data.get("tool_choice"), value, None)
+        return value
+
+    @model_validator(mode="after")
+    def _constraint(self) -> ChatCompletionBody:
         self._guided = guided_for(self.tools, self.tool_choice, self.response_format, self.parallel_tool_calls)
         return self
 

@@ -119,7 +119,7 @@ def guided_for(
         if not named:
             raise PydanticCustomError(
                 "unknown_tool",
-                "tool_choice names function {name!r}, which is not in 'tools'",
+                "tool_choice names function '{name}', which is not in 'tools'",
                 {"name": choice.function.name},
             )
         forced = _parameters(named[0])
