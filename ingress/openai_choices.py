@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import TokenLogprob
+from schemas import DoneEvent, FinalResult, TokenEvent, TokenLogprob
 from schemas.events import FinishReason
 
 from .assembler import ChoiceDelta, StreamAssembler
@@ -117,3 +117,34 @@ class ChoiceChunks:
         for index in range(self.plan.n):
             out.extend(self.close(index, assembler.finish_reason(index)))
         return out
+
+
+def result_choices(
+    kind: Kind, result: FinalResult, logprobs: bool, tools: ToolPlan | None = None
+) -> list[dict[str, Any]]:
+    """The choices of a finished request from its :class:`schemas.FinalResult` (the Batch API's output)."""
+    assembler = StreamAssembler()
+    seq = 0
+    for choice in result.choices or []:
+        assembler.feed_choices(
+            TokenEvent(
+                request_id=result.request_id,
+                seq=seq,
+                text=choice.text,
+                token_ids=choice.token_ids,
+                index=choice.index,
+                logprobs=choice.logprobs,
+                finish_reason=choice.finish_reason,
+            )
+        )
+        seq += 1
+    if not result.choices:
+        assembler.feed_choices(
+            TokenEvent(request_id=result.request_id, seq=0, text=result.text, token_ids=result.token_ids)
+        )
+        seq = 1
+    assembler.feed_choices(
+        DoneEvent(request_id=result.request_id, seq=seq, finish_reason=result.finish_reason, usage=result.usage)
+    )
+    plan = ChoicePlan(kind, n=max(1, len(result.choices or [])), logprobs=logprobs, tools=tools or ToolPlan())
+    return whole_choices(assembler, plan)
