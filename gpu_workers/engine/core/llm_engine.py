@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,7 @@ from ..config import EngineConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
+from ..guided import GuidedDecoding
 from ..models.loader import load_model
 from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
@@ -23,6 +25,10 @@ from .block_manager import KVBlockManager
 from .request import EngineRequest, PromptInput
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
+
+if TYPE_CHECKING:
+    from ..guided.compiler import GrammarCompiler
+    from ..guided.matcher import GuidedState
 
 
 class LLMEngine:
@@ -56,6 +62,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.tenant_weights
         )
         self.sampler = Sampler(config.seed, self.device)
+        # Built on the first guided request (it indexes the whole vocabulary once).
+        self._grammar_compiler: GrammarCompiler | None = None
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -121,7 +129,18 @@ class LLMEngine:
             generator=generator,
             tenant=request.tenant,
             logprobs=[] if params.logprobs is not None else None,
+            guided=self._guided_state(params.guided) if params.guided is not None else None,
         )
+
+    def _guided_state(self, guided: GuidedDecoding) -> GuidedState:
+        """A fresh matcher for the request's grammar (compiled once per constraint), replayed past the tokens
+        delivered before a crash; ``ValueError`` for a bad constraint or a replay the grammar refuses."""
+        from ..guided.compiler import GrammarCompiler
+        from ..guided.matcher import GuidedState
+
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return GuidedState(self._grammar_compiler.compile(guided), guided)
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Stop a waiting or running request and free its blocks; returns its final delta, or None
@@ -163,7 +182,12 @@ class LLMEngine:
             self.block_manager.cache_computed_blocks(seq)
         if logits is None:
             return []
-        sampled = self.sampler(logits, sample_seqs)
+        token_mask = None
+        if any(seq.guided is not None for seq in sample_seqs):
+            from ..guided.matcher import allowed_token_mask
+
+            token_mask = allowed_token_mask([seq.guided for seq in sample_seqs], logits.shape[1], logits.device)
+        sampled = self.sampler(logits, sample_seqs, token_mask)
         now = time.time()
         outputs = []
         for i, (seq, token) in enumerate(zip(sample_seqs, sampled.tokens, strict=True)):
@@ -182,6 +206,10 @@ class LLMEngine:
         delta = seq.detokenizer.step(token)
         seq.text += delta
         status = self._check_stop(seq, token, delta)
+        if seq.guided is not None and status is None:
+            # The grammar ends the output once complete; a refused token (nothing was allowed) ends it too.
+            if not seq.guided.accept(token) or seq.guided.is_terminated:
+                status = RequestStatus.FINISHED_STOPPED
         if status is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -3,4 +3,6 @@
 
 from .params import GuidedDecoding
 
+# The compiler and matcher import xgrammar; they are loaded by the engine only (``guided.compiler``,
+# ``guided.matcher``), so the parameters stay importable wherever SamplingParams is.
 __all__ = ["GuidedDecoding"]
