@@ -182,13 +182,14 @@ def test_named_tool_choice_forces_a_valid_call(pipeline: Pipeline) -> None:
 def test_required_tool_choice_calls_offered_tools(pipeline: Pipeline) -> None:
     schemas = {"get_weather": WEATHER, "get_time": TIME}
     for seed in (4, 5):
-        out = _chat(pipeline, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=200)
+        # One call per answer: a random model would otherwise list calls until max_tokens.
+        out = _chat(pipeline, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=seed)
         assert out.choices[0].finish_reason == "tool_calls"
         calls = out.choices[0].message.tool_calls
-        assert calls and len({c.id for c in calls}) == len(calls)
+        assert len(calls) == 1 and calls[0].id.startswith("call_")
         for call in calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        chunks = _streamed(pipeline, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=200)
+        chunks = _streamed(pipeline, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=seed)
         streamed = _reassembled_calls(chunks)
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
             (c.function.name, json.loads(c.function.arguments)) for c in calls
@@ -237,12 +238,14 @@ def test_completion_logprobs_shape(pipeline: Pipeline) -> None:
 
 
 def test_n_choices_streamed_and_not(pipeline: Pipeline) -> None:
-    out = _chat(pipeline, n=3, max_tokens=10, temperature=1.0)
+    out = _chat(pipeline, n=3, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason == "length" for c in out.choices), out.choices
     assert len({c.message.content for c in out.choices}) > 1, "sampled choices differ"
-    chunks = _streamed(pipeline, n=3, max_tokens=10, temperature=1.0)
+    assert out.usage.completion_tokens == 30
+    chunks = _streamed(pipeline, n=3, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
     assert [_content(chunks, i) for i in range(3)] == [c.message.content for c in out.choices]
-    assert all(_finish(chunks, i) in ("stop", "length") for i in range(3))
+    assert all(_finish(chunks, i) == "length" for i in range(3))
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
 
 
