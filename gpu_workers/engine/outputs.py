@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -49,6 +49,8 @@ class RequestOutput:
     # The choice (n > 1) and, when asked for, one ``TokenLogprob`` per entry of ``token_ids``.
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # ``LLM.generate`` only: every choice of the request, by index (this one first).
+    choices: list[RequestOutput] = field(default_factory=list, repr=False)
 
     @property
     def finished(self) -> bool:

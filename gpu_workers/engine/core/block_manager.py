@@ -195,6 +195,32 @@ class KVBlockManager:
             seq.block_ids.append(self._next_block(seq))
         return True
 
+    def blocks_to_fork(self, parent: Sequence) -> int:
+        """Free blocks a fork of ``parent`` takes: one when its last block is partial (copy-on-write), else 0."""
+        return 1 if len(parent.block_ids) > parent.num_computed_tokens // self.block_size else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give ``child`` (a block-less copy of ``parent`` at the same token) the parent's blocks: full
+        blocks shared by reference, the partial last block (if any) on a fresh block of its own, since both
+        will write their next tokens there. Returns the (source, destination) blocks whose K/V the caller
+        must copy, or None. Check ``blocks_to_fork`` against ``num_free_blocks`` first.
+        """
+        if child.block_ids:
+            raise RuntimeError(f"request {child.request_id} already holds blocks")
+        if self.blocks_to_fork(parent) > len(self._free):
+            raise RuntimeError("no free block for the forked partial block")
+        num_full = parent.num_computed_tokens // self.block_size
+        for block_id in parent.block_ids[:num_full]:
+            self._ref_counts[block_id] += 1
+        child.block_ids = list(parent.block_ids[:num_full])
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        if len(parent.block_ids) == num_full:
+            return None
+        child.block_ids.append(self._next_block(child))
+        return parent.block_ids[num_full], child.block_ids[-1]
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks are queued first so that they are evicted
         before the prefix blocks other requests are more likely to share."""

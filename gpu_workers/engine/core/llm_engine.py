@@ -22,6 +22,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import load_tokenizer, resolve_eos_token_ids
 from .admission import RequestValidator, max_output_tokens
 from .block_manager import KVBlockManager
+from .choices import fork_choices
 from .request import EngineRequest, PromptInput
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
@@ -64,7 +65,8 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.device)
         # Built on the first guided request (it indexes the whole vocabulary once).
         self._grammar_compiler: GrammarCompiler | None = None
-        self._requests: dict[str, Sequence] = {}
+        # Each request's unfinished sequences: one per choice still generating (n > 1 forks siblings).
+        self._requests: dict[str, list[Sequence]] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
 
@@ -100,7 +102,8 @@ class LLMEngine:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         seq = self._make_sequence(request)
-        self._requests[seq.request_id] = seq
+        seq.num_pending_forks = request.params.n - 1
+        self._requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -109,10 +112,6 @@ class LLMEngine:
         params = request.params
         prompt_token_ids = request.prompt_token_ids
         assert prompt_token_ids is not None  # admitted
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
         return Sequence(
             request_id=request.request_id,
             prompt=request.prompt_text,
@@ -126,10 +125,44 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, self.special_token_ids
             ),
-            generator=generator,
+            generator=self._generator(params, 0),
             tenant=request.tenant,
             logprobs=[] if params.logprobs is not None else None,
             guided=self._guided_state(params.guided) if params.guided is not None else None,
+        )
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """The choice's own random stream when the request is seeded: ``seed + index``."""
+        if params.seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed + index)
+        return generator
+
+    def _make_sibling(self, parent: Sequence, index: int) -> Sequence:
+        """Choice ``index`` of ``parent``'s request, at the same point (prompt computed, nothing generated)."""
+        params = parent.params
+        return Sequence(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=params,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            arrival_index=parent.arrival_index,
+            max_tokens=parent.max_tokens,
+            eos_token_ids=parent.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens, self.special_token_ids
+            ),
+            generator=self._generator(params, index),
+            tenant=parent.tenant,
+            token_ids=list(parent.token_ids),
+            num_cached_tokens=parent.num_cached_tokens,
+            first_scheduled_time=parent.first_scheduled_time,
+            index=index,
+            logprobs=[] if params.logprobs is not None else None,
+            guided=parent.guided.fork() if parent.guided is not None else None,
         )
 
     def _guided_state(self, guided: GuidedDecoding) -> GuidedState:
@@ -142,19 +175,37 @@ class LLMEngine:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return GuidedState(self._grammar_compiler.compile(guided), guided)
 
+    def abort(self, request_id: str) -> list[RequestDelta]:
+        """Stop a waiting or running request (every unfinished choice) and free its blocks; returns one final
+        delta per choice stopped (none when the id is unknown or already finished)."""
+        seqs = self._requests.pop(request_id, [])
+        now = time.time()
+        deltas = []
+        for seq in seqs:
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            seq.finish_time = now
+            deltas.append(self._make_delta(seq))
+        if seqs and seqs[0].num_pending_forks:
+            # Siblings not forked yet finish too, so the request's stream sees all n choices end.
+            deltas += [
+                self._make_delta(self._aborted_sibling(seqs[0], i)) for i in range(1, 1 + seqs[0].num_pending_forks)
+            ]
+        return deltas
+
+    def _aborted_sibling(self, parent: Sequence, index: int) -> Sequence:
+        sibling = self._make_sibling(parent, index)
+        sibling.status = RequestStatus.FINISHED_ABORTED
+        sibling.finish_time = parent.finish_time
+        return sibling
+
     def abort_request(self, request_id: str) -> RequestDelta | None:
-        """Stop a waiting or running request and free its blocks; returns its final delta, or None
-        when the id is unknown or already finished."""
-        seq = self._requests.pop(request_id, None)
-        if seq is None:
-            return None
-        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-        seq.finish_time = time.time()
-        return self._make_delta(seq)
+        """``abort`` for a one-choice request: its final delta, or None when unknown or finished."""
+        deltas = self.abort(request_id)
+        return deltas[0] if deltas else None
 
     def abort_all(self) -> list[RequestDelta]:
         """Abort every unfinished request (shutdown); returns their final deltas."""
-        return [d for rid in list(self._requests) if (d := self.abort_request(rid)) is not None]
+        return [d for rid in list(self._requests) for d in self.abort(rid)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -182,11 +233,13 @@ class LLMEngine:
             self.block_manager.cache_computed_blocks(seq)
         if logits is None:
             return []
+        if any(seq.num_pending_forks for seq in sample_seqs):
+            sample_seqs, logits = self._fork_choices(sample_seqs, logits)
         token_mask = None
         if any(seq.guided is not None for seq in sample_seqs):
-            from ..guided.matcher import allowed_token_mask
+            from ..guided.matcher import grammar_bitmask
 
-            token_mask = allowed_token_mask([seq.guided for seq in sample_seqs], logits.shape[1], logits.device)
+            token_mask = grammar_bitmask([seq.guided for seq in sample_seqs], logits.shape[1])
         sampled = self.sampler(logits, sample_seqs, token_mask)
         now = time.time()
         outputs = []
@@ -198,6 +251,21 @@ class LLMEngine:
             self._append_token(seq, token, now)
             outputs.append(self._make_delta(seq))
         return outputs
+
+    def _fork_choices(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Fork the siblings of every first choice whose prompt is now computed; they sample from its row."""
+        rows = list(range(len(seqs)))
+        seqs = list(seqs)
+        for row in range(len(rows)):
+            parent = seqs[row]
+            if parent.num_pending_forks:
+                forked, queued = fork_choices(
+                    parent, self._make_sibling, self.block_manager, self.scheduler, self.runner.copy_block
+                )
+                self._requests[parent.request_id] += forked + queued
+                seqs += forked
+                rows += [row] * len(forked)
+        return seqs, logits[torch.tensor(rows, device=logits.device)]
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         seq.token_ids.append(token)
@@ -218,7 +286,10 @@ class LLMEngine:
                 seq.text += seq.detokenizer.flush()
             self.scheduler.finish(seq, status)
             seq.finish_time = now
-            del self._requests[seq.request_id]
+            live = self._requests[seq.request_id]
+            live.remove(seq)
+            if not live:
+                del self._requests[seq.request_id]
 
     @staticmethod
     def _check_stop(seq: Sequence, token: int, delta: str) -> RequestStatus | None:

@@ -77,6 +77,15 @@ class Scheduler:
         self.tiers[seq.priority] = self.tiers.get(seq.priority, 0) + 1
         self._enqueue(seq)
 
+    def add_fork(self, seq: Sequence, running: bool) -> None:
+        """Count a sibling choice forked from a running sequence: straight into ``running`` when it got its
+        blocks (and a seat), else into the waiting queue to be recomputed from the prefix cache."""
+        self.add(seq)
+        if running:
+            self.waiting.remove(seq)
+            seq.status = RequestStatus.RUNNING
+            bisect.insort(self.running, seq, key=_sort_key)
+
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = RequestStatus.WAITING
         bisect.insort(self.waiting, seq, key=_sort_key)

@@ -158,9 +158,9 @@ class AsyncEngine(EngineFront):
                 except ValueError as exc:
                     self._post(self._fail_one, payload.request_id, exc)
             elif kind == _ABORT:
-                delta = self.engine.abort_request(payload)
-                if delta is not None:
-                    self._post(self._deliver, [delta])
+                aborted = self.engine.abort(payload)
+                if aborted:
+                    self._post(self._deliver, aborted)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -19,15 +19,27 @@ from ..sampling_params import SamplingParams
 
 
 class RequestStream:
-    """Async iterator over one request's ``RequestDelta``s; ends after the finished delta."""
+    """Async iterator over one request's ``RequestDelta``s; ends after the finished delta of each of its
+    ``num_choices`` choices (``SamplingParams.n``; deltas carry their choice in ``index``)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_choices: int = 1) -> None:
         self.request_id = request_id
+        self.num_choices = num_choices
         self.finished = False
+        # Finished deltas handed in by the step loop, and handed out to the reader.
+        self.num_finished_put = 0
+        self._num_finished_read = 0
         self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestDelta | BaseException) -> None:
+        if isinstance(item, RequestDelta) and item.finished:
+            self.num_finished_put += 1
         self._queue.put_nowait(item)
+
+    @property
+    def all_put(self) -> bool:
+        """Every choice's finished delta has been handed in."""
+        return self.num_finished_put >= self.num_choices
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -40,7 +52,9 @@ class RequestStream:
             self.finished = True
             raise item
         if item.finished:
-            self.finished = True
+            self._num_finished_read += 1
+            if self._num_finished_read >= self.num_choices:
+                self.finished = True
         return item
 
 
@@ -121,7 +135,7 @@ class EngineFront(ABC):
         request = self._admit(
             EngineRequest.build(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
         )
-        stream = self._open_stream(request.request_id)
+        stream = self._open_stream(request.request_id, request.params.n)
         self._submit(request)
         return stream
 
@@ -154,10 +168,10 @@ class EngineFront(ABC):
         """Abort a request; its stream ends with a delta whose ``finish_reason`` is ``"abort"``."""
         self._abort_soon(request_id)
 
-    def _open_stream(self, request_id: str) -> RequestStream:
+    def _open_stream(self, request_id: str, num_choices: int = 1) -> RequestStream:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, num_choices)
         self._streams[request_id] = stream
         return stream
 
@@ -170,7 +184,7 @@ class EngineFront(ABC):
             if stream is None:
                 continue
             stream.put(delta)
-            if delta.finished:
+            if stream.all_put:
                 del self._streams[delta.request_id]
 
     def _fail_one(self, request_id: str, exc: BaseException) -> None:

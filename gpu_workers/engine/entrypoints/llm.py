@@ -107,15 +107,24 @@ class LLM:
         for request in requests:
             self.engine.submit(request)
         pending = {request.request_id for request in requests}
-        results: dict[str, RequestOutput] = {}
+        choices_left = {request.request_id: request.params.n for request in requests}
+        results: dict[str, list[RequestOutput]] = {request.request_id: [] for request in requests}
         try:
             while pending:
                 for delta in self.engine.step():
                     if delta.final is not None and delta.request_id in pending:
-                        results[delta.request_id] = delta.final
-                        pending.discard(delta.request_id)
+                        results[delta.request_id].append(delta.final)
+                        choices_left[delta.request_id] -= 1
+                        if choices_left[delta.request_id] == 0:
+                            pending.discard(delta.request_id)
         finally:
             # An exception mid-run (e.g. KeyboardInterrupt) must not leave requests holding blocks.
             for request_id in pending:
-                self.engine.abort_request(request_id)
-        return [results[request.request_id] for request in requests]
+                self.engine.abort(request_id)
+        outputs = []
+        for request in requests:
+            # One output per prompt: choice 0, carrying every choice (n > 1) in ``choices``, by index.
+            choices = sorted(results[request.request_id], key=lambda o: o.index)
+            choices[0].choices = choices
+            outputs.append(choices[0])
+        return outputs

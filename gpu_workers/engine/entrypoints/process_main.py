@@ -83,9 +83,7 @@ class _StepLoop:
                     except ValueError as exc:
                         self.channel.send(("rejected", payload.request_id, str(exc)))
                 elif kind == "abort":
-                    delta = engine.abort_request(payload)
-                    if delta is not None:
-                        deltas.append(delta)
+                    deltas += engine.abort(payload)
             if engine.has_unfinished():
                 deltas += engine.step()
             if deltas:

@@ -134,6 +134,11 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one KV block's keys and values in every layer (copy-on-write of a forked partial block)."""
+        assert self.kv_cache is not None
+        self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+
     def profile_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         """How many KV blocks fit: a share of free GPU memory after a full-budget forward, or the
         configured CPU share (never more than ``max_num_seqs`` full-length sequences need)."""

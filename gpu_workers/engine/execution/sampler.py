@@ -13,6 +13,7 @@ noise while the arithmetic stays batched. Unseeded rows share the engine's gener
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -20,6 +21,12 @@ from ..core.sequence import Sequence
 from ..outputs import TokenLogprob
 from .logprobs import RawLogprobs
 from .penalties import apply_bias_and_penalties, apply_min_p
+
+
+class TokenMask(Protocol):
+    """Forbids tokens per row (guided decoding's ``TokenBitmask``): sets their logits to -inf in place."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -39,18 +46,18 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], token_mask: torch.Tensor | None = None
+        self, logits: torch.Tensor, seqs: list[Sequence], token_mask: TokenMask | None = None
     ) -> SamplerOutput:
-        """``logits`` is float32 ``[len(seqs), vocab]``; ``token_mask`` (bool, same shape, True = allowed)
-        constrains the rows with a grammar. Returns one token id per row (and logprobs where asked)."""
+        """``logits`` is float32 ``[len(seqs), vocab]``; ``token_mask`` (the batch's grammar bitmask) sets the
+        logits its grammars forbid to -inf. Returns one token id per row (and logprobs where asked)."""
         raw = RawLogprobs.capture(logits, [s.params.logprobs for s in seqs])
         tokens = self._pick(logits, seqs, token_mask)
         return SamplerOutput(tokens, raw.resolve(tokens, len(seqs)) if raw is not None else None)
 
-    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], token_mask: torch.Tensor | None) -> list[int]:
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], token_mask: TokenMask | None) -> list[int]:
         self._suppress_early_stops(logits, seqs)
         if token_mask is not None:
-            logits.masked_fill_(~token_mask, float("-inf"))
+            token_mask.apply(logits)
         if any(s.params.has_penalties for s in seqs):
             apply_bias_and_penalties(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]

@@ -7,8 +7,6 @@ import xgrammar as xgr
 
 from .params import GuidedDecoding
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 class GuidedState:
     """A request's grammar matcher: replays delivered tokens, fills its row of the mask, accepts tokens."""
@@ -38,16 +36,27 @@ class GuidedState:
         return self.matcher.is_terminated()
 
 
-def allowed_token_mask(states: list[GuidedState | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """``[len(states), vocab_size]`` bool, True where the row's grammar allows the token (every token on
-    rows without a grammar); None when no row has one. One bitmask for the batch, unpacked in one go."""
-    rows = [i for i, s in enumerate(states) if s is not None]
-    if not rows:
+class TokenBitmask:
+    """The batch's allowed tokens as xgrammar's packed bitmask (one bit per token, rows without a grammar
+    untouched); ``apply`` sets every disallowed logit to -inf in place with xgrammar's kernel, which is an
+    order of magnitude cheaper on CPU than unpacking the bits into a boolean mask."""
+
+    def __init__(self, states: list[GuidedState | None], vocab_size: int) -> None:
+        self.rows = [i for i, s in enumerate(states) if s is not None]
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+        for i in self.rows:
+            state = states[i]
+            assert state is not None
+            state.matcher.fill_next_token_bitmask(self.bitmask, i)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        bitmask = self.bitmask if logits.device.type == "cpu" else self.bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self.rows)
+
+
+def grammar_bitmask(states: list[GuidedState | None], vocab_size: int) -> TokenBitmask | None:
+    """The batch's ``TokenBitmask``; None when no row has a grammar."""
+    if all(s is None for s in states):
         return None
-    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)  # all bits set: everything allowed
-    for i in rows:
-        state = states[i]
-        assert state is not None
-        state.matcher.fill_next_token_bitmask(bitmask, i)
-    bits = (bitmask[:, :, None] >> _BITS) & 1
-    return bits.reshape(len(states), -1)[:, :vocab_size].bool().to(device)
+    return TokenBitmask(states, vocab_size)
