@@ -53,6 +53,14 @@ class RequestValidator:
                 f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds "
                 f"max_model_len={self.max_model_len}"
             )
+        params = request.params
+        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if params.guided is not None:
+            out_of_vocab += [t for t in params.guided.replay_token_ids if t >= self.vocab_size]
+        if out_of_vocab:
+            raise ValueError(
+                f"token ids out of range [0, {self.vocab_size}) in logit_bias or replay: {out_of_vocab[:5]}"
+            )
         # The engine guarantees its cache holds max_model_len tokens, so a request that passes the check
         # above always fits once it has the pool to itself.
         return replace(request, prompt_token_ids=token_ids)

@@ -114,3 +114,11 @@ def test_bad_constraints_and_replays_are_refused(make_llm, model_dir) -> None:
         GuidedDecoding(regex="a", json_object=True)
     with pytest.raises(ValueError, match="json_schema is not valid JSON"):
         GuidedDecoding(json_schema="{nope")
+
+
+def test_ebnf_grammar(make_llm, model_dir) -> None:
+    llm = make_llm(model_dir("llama"))
+    grammar = GuidedDecoding(grammar='root ::= "id-" [0-9] [0-9]? ("!" | "?")')
+    for seed in range(3):
+        out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=seed, max_tokens=20, guided=grammar))[0]
+        assert re.fullmatch(r"id-[0-9]{1,2}[!?]", out.text), out.text

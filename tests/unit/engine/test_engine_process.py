@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_workers.engine import LLM, RequestDelta, SamplingParams
+from gpu_workers.engine import LLM, GuidedDecoding, RequestDelta, SamplingParams
 from gpu_workers.engine.entrypoints.process_engine import ProcessEngine
 
 from .conftest import MAX_MODEL_LEN, HFReference, random_prompts
@@ -204,3 +204,22 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+async def test_choices_logprobs_and_grammars_cross_the_process_boundary(engine: ProcessEngine) -> None:
+    """n > 1, logprobs and a grammar through the engine process: every choice streams, ends, and is valid."""
+    assert engine.max_model_len == MAX_MODEL_LEN
+    params = SamplingParams(
+        temperature=1.0, seed=2, n=2, max_tokens=40, logprobs=2, guided=GuidedDecoding(choice=["alpha", "beta"])
+    )
+    deltas = await _collect(engine, [5, 6, 7, 8], params)
+    assert sorted(d.index for d in deltas if d.finished) == [0, 1]
+    for index in (0, 1):
+        mine = [d for d in deltas if d.index == index]
+        assert "".join(d.text for d in mine) in ("alpha", "beta")
+        tokens = [t for d in mine for t in d.token_ids]
+        logprobs = [lp for d in mine for lp in d.logprobs or []]
+        assert [lp.token_id for lp in logprobs] == tokens and all(len(lp.top) == 2 for lp in logprobs)
+    with pytest.raises(ValueError, match="invalid regex"):
+        await _collect(engine, [5, 6], SamplingParams(guided=GuidedDecoding(regex="(unclosed")))
+    await _wait_idle(engine)

@@ -117,3 +117,9 @@ def test_validation_errors_are_clear(kwargs, message) -> None:
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)
     assert message in str(info.value)
+
+
+def test_out_of_vocabulary_bias_is_refused_at_admission(make_llm, model_dir) -> None:
+    llm = make_llm(model_dir("llama"))
+    with pytest.raises(ValueError, match=r"token ids out of range \[0, 512\) in logit_bias"):
+        llm.generate([PROMPT], SamplingParams(logit_bias={512: 1.0}))
