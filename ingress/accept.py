@@ -15,13 +15,13 @@ from opentelemetry.trace import Span, SpanKind
 from pydantic import ValidationError
 
 from router.policy import resolve_tier
-from schemas import ChatMessage, InferenceRequest, Tier, TraceContext, utcnow
+from schemas import ChatMessage, InferenceRequest, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
-from .bodies import AnyBody, ChatCompletionBody, CompletionBody
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody
 from .errors import ApiError, invalid
 from .limits import check_prompt_tokens, check_rate_cost, checked_max_tokens
 
@@ -39,6 +39,8 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     max_tokens = checked_max_tokens(body, limits)
     check_rate_cost(prompt_tokens + max_tokens, limits)
     heartbeats = await service.model_heartbeats(body.model)
+    max_tokens = check_context(body, max_tokens, heartbeats)
+    request.state.tool_call_format = _tool_call_format(heartbeats)
     with _request_span(request, endpoint) as (span, carrier):
         trace = None
         if HEADER_TRACEPARENT in carrier:
@@ -74,6 +76,39 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference
+
+
+def model_context(heartbeats: list[WorkerHeartbeat]) -> int | None:
+    """The model's context length as its workers report it (the smallest, should they differ)."""
+    lengths = [b.max_model_len for b in heartbeats if b.max_model_len]
+    return min(lengths) if lengths else None
+
+
+def check_context(body: AnyBody, max_tokens: int, heartbeats: list[WorkerHeartbeat]) -> int:
+    """``max_tokens`` within the model's context: a default above it is lowered to it, an explicit value above
+    it is a 400 naming the parameter (the request could never finish as asked)."""
+    context = model_context(heartbeats)
+    if context is None or max_tokens <= context:
+        return max_tokens
+    field = "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set else "max_tokens"
+    if field not in body.model_fields_set:
+        return context
+    raise ApiError(
+        400,
+        f"'{field}' is {max_tokens}, more than the model's context length of {context} tokens.",
+        code="context_length_exceeded",
+        param=field,
+    )
+
+
+def _tool_call_format(heartbeats: list[WorkerHeartbeat]) -> ToolCallFormat | None:
+    formats = {b.tool_call_format for b in heartbeats if b.tool_call_format}
+    return formats.pop() if len(formats) == 1 else None
+
+
+def tool_call_format(request: Request) -> ToolCallFormat | None:
+    """How the accepted request's model writes tool calls (from its workers' heartbeats), if known."""
+    return getattr(request.state, "tool_call_format", None)
 
 
 @contextmanager
@@ -115,12 +150,16 @@ def build_request(
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     deadline: datetime | None = None
+    tools = None
     if isinstance(body, ChatCompletionBody):
         messages = body.chat_messages()
+        tools = body.offered_tools()
     elif isinstance(body, CompletionBody):
         prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
     else:
+        assert isinstance(body, NativeRequestBody)
         prompt = body.prompt
+        tools = body.tools
         messages = [m.to_schema() for m in body.messages] if body.messages else None
         deadline = body.absolute_deadline(now)
         if deadline is not None and deadline <= now:
@@ -133,6 +172,8 @@ def build_request(
         prompt=prompt,
         messages=messages,
         sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
+        guided=body.guided_spec(),
+        tools=tools or None,
         priority=tier,
         tenant=tenant,
         deadline=deadline,

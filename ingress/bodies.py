@@ -1,22 +1,24 @@
 """Request bodies of the OpenAI-compatible and native endpoints: what each accepts and how it is checked
 (:func:`ingress.accept.build_request` turns one into the pipeline's :class:`schemas.InferenceRequest`).
 
-OpenAI fields Sluicegate does not implement (``n`` > 1, ``logprobs``, ``tools``...) are rejected with a
+OpenAI fields Sluicegate does not implement (``functions``, ``audio``, ``echo``...) are rejected with a
 400 naming them instead of being ignored; fields that change nothing (``user``, ``metadata``...) are
-accepted. vLLM-style extras (``top_k``, ``ignore_eos``, ``stop_token_ids``) and ``priority`` are
-accepted on every endpoint.
+accepted. vLLM-style extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``) and ``priority`` are accepted on every endpoint. ``response_format`` and a forced
+``tool_choice`` become a :class:`schemas.GuidedSpec` (:mod:`ingress.tool_calls` builds the tool-call schema).
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -25,12 +27,17 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from schemas import (
+    MAX_TOP_LOGPROBS,
     ChatMessage,
+    GuidedSpec,
     SamplingOptions,
-    TextPart,
     Tier,
+    ToolSpec,
     utcnow,
 )
+
+from .chat_messages import ChatMessageIn
+from .response_format import ResponseFormat, ToolChoice, guided_for
 
 #: ``max_tokens`` when a chat or native request gives none (OpenAI's own default is "until the context
 #: ends", which a queue-based service should not assume).
@@ -81,56 +88,6 @@ class StreamOptions(_Body):
         return value
 
 
-class ContentPart(_Body):
-    """One part of a message's content array; only text is supported."""
-
-    type: str
-    text: str | None = None
-    model_config = ConfigDict(
-        extra="allow",
-        json_schema_extra={
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-            "required": ["type", "text"],
-            "additionalProperties": False,
-        },
-    )
-
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text":
-            raise _unsupported(f"content parts of type {self.type!r} are not supported; only 'text'")
-        if self.text is None or self.model_extra:
-            raise PydanticCustomError("invalid_text_part", "a text part is {'type': 'text', 'text': '...'}")
-        return self
-
-
-class ChatMessageIn(_Body):
-    """A chat message as clients send it."""
-
-    role: Annotated[
-        Literal["system", "user", "assistant", "developer", "tool", "function"],
-        _only("system", "user", "assistant", "developer", description="Tool and function messages are not supported."),
-    ]
-    content: str | list[ContentPart]
-    name: str | None = Field(None, max_length=256)
-
-    @field_validator("role")
-    @classmethod
-    def _no_tool_roles(cls, value: str) -> str:
-        if value in ("tool", "function"):
-            raise _unsupported(f"'{value}' messages are not supported (no tool calling)")
-        return value
-
-    def to_schema(self) -> ChatMessage:
-        """The pipeline's chat message."""
-        content: str | list[TextPart]
-        if isinstance(self.content, str):
-            content = self.content
-        else:
-            content = [TextPart(type="text", text=part.text or "") for part in self.content]
-        return ChatMessage(role=self.role, content=content, name=self.name)  # type: ignore[arg-type]
-
-
 StopField = Annotated[
     str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None,
     WithJsonSchema(
@@ -157,6 +114,14 @@ class _SamplingBody(_Body):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = False
     priority: Tier | None = None
+    n: int | None = Field(None, ge=1, le=32, description="Choices; they share the prompt's KV cache.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="vLLM-style, over prompt + output.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: (
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = Field(None, max_length=1024, description="Token id -> bias added to its logit.")
 
     @field_validator("top_k")
     @classmethod
@@ -172,10 +137,25 @@ class _SamplingBody(_Body):
             raise ValueError("a stop string must not be empty")
         return value
 
+    def token_logprobs(self) -> int | None:
+        """How many alternatives per token to return logprobs for (None: no logprobs)."""
+        return None
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """The constraint on the output, if any."""
+        return None
+
     def sampling(self, max_tokens: int) -> SamplingOptions:
         """The pipeline's sampling options."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingOptions(
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            min_p=self.min_p or 0.0,
+            logit_bias={key: float(value) for key, value in self.logit_bias.items()} if self.logit_bias else None,
+            logprobs=self.token_logprobs(),
+            n=self.n or 1,
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=self.top_k,
@@ -198,26 +178,7 @@ class _OpenAIBody(_SamplingBody):
 
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int | None, _only(1, None, description="One choice per request.")] = None
-    presence_penalty: Annotated[float | None, _only(0, None)] = None
-    frequency_penalty: Annotated[float | None, _only(0, None)] = None
-    logit_bias: Annotated[dict[str, float] | None, _nullable({"type": "object", "maxProperties": 0})] = None
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, value: int | None) -> int | None:
-        return _reject_unless(value, (None, 1), "n > 1 is not supported; send one request per choice")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        return _reject_unless(value, (None, 0, 0.0), "presence/frequency penalties are not supported")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        return _reject_unless(value or None, (None,), "logit_bias is not supported")
 
     @field_validator("stream_options")
     @classmethod
@@ -239,25 +200,15 @@ class ChatCompletionBody(_OpenAIBody):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    logprobs: Annotated[bool | None, _only(False, None)] = None
-    top_logprobs: Annotated[int | None, _only(0, None)] = None
-    tools: Annotated[list[Any] | None, _NOTHING] = None
-    tool_choice: Annotated[Any, _only("none", None)] = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
     functions: Annotated[list[Any] | None, _NOTHING] = None
     function_call: Annotated[Any, _only("none", None)] = None
     parallel_tool_calls: bool | None = None
-    response_format: Annotated[
-        dict[str, Any] | None,
-        _nullable(
-            {
-                "type": "object",
-                "properties": {"type": {"const": "text"}},
-                "required": ["type"],
-                "additionalProperties": False,
-            },
-            "Only plain text output.",
-        ),
-    ] = None
+    response_format: ResponseFormat | None = None
+    _guided: GuidedSpec | None = PrivateAttr(None)
     modalities: Annotated[list[str] | None, _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1})] = (
         None
     )
@@ -269,32 +220,54 @@ class ChatCompletionBody(_OpenAIBody):
     store: bool | None = None
     service_tier: str | None = None
 
-    @field_validator("logprobs")
+    @field_validator("functions")
     @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        return _reject_unless(value, (None, False), "logprobs are not supported")
+    def _no_functions(cls, value: list[Any] | None) -> list[Any] | None:
+        return _reject_unless(value or None, (None,), "'functions' is deprecated and not supported; use 'tools'")
 
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: Any) -> Any:
+        return _reject_unless(
+            value, (None, "none"), "'function_call' is deprecated and not supported; use 'tool_choice'"
+        )
+
+    # Fields are validated in declaration order, so each check below sees the fields it depends on.
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        return _reject_unless(value, (None, 0), "top_logprobs is not supported")
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs_needs_logprobs", "top_logprobs needs logprobs set to true")
+        return value
 
-    @field_validator("tools", "functions")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        return _reject_unless(value or None, (None,), "tool and function calling are not supported")
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        return _reject_unless(value, (None, "none"), "tool and function calling are not supported")
+    def _tool_choice_offered(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        guided_for(info.data.get("tools"), value, None, None)  # raises for a choice the tools cannot meet
+        return value
 
     @field_validator("response_format")
     @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value != {"type": "text"}:
-            raise _unsupported("only response_format {'type': 'text'} is supported")
+    def _one_constraint(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        guided_for(info.data.get("tools"), info.data.get("tool_choice"), value, None)
         return value
+
+    @model_validator(mode="after")
+    def _constraint(self) -> ChatCompletionBody:
+        self._guided = guided_for(self.tools, self.tool_choice, self.response_format, self.parallel_tool_calls)
+        return self
+
+    def token_logprobs(self) -> int | None:
+        """``top_logprobs`` alternatives when ``logprobs`` is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """From ``response_format`` or a forced ``tool_choice``."""
+        return self._guided
+
+    def offered_tools(self) -> list[ToolSpec] | None:
+        """The tools the chat template renders (none when ``tool_choice`` is 'none')."""
+        return None if self.tool_choice == "none" else self.tools
 
     @field_validator("modalities")
     @classmethod
@@ -345,7 +318,8 @@ class CompletionBody(_OpenAIBody):
     echo: Annotated[bool | None, _only(False, None)] = None
     suffix: Annotated[str | None, _only("", None)] = None
     best_of: Annotated[int | None, _only(1, None)] = None
-    logprobs: Annotated[int | None, _only(None)] = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -378,10 +352,13 @@ class CompletionBody(_OpenAIBody):
     def _no_best_of(cls, value: int | None) -> int | None:
         return _reject_unless(value, (None, 1), "best_of > 1 is not supported")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        return _reject_unless(value, (None,), "logprobs are not supported")
+    def token_logprobs(self) -> int | None:
+        """``logprobs`` (an int on this endpoint)."""
+        return self.logprobs
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """From ``response_format`` (a vLLM extra on completions)."""
+        return guided_for(None, None, self.response_format, None)
 
     def resolved_max_tokens(self) -> int:
         """``max_tokens`` or the completions default."""
@@ -402,6 +379,12 @@ class NativeRequestBody(_SamplingBody):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)] | None = None
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000)
     deadline: AwareDatetime | Annotated[float, Field(gt=0, le=MAX_DEADLINE_S)] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per token.")
+    response_format: ResponseFormat | None = None
+    guided: GuidedSpec | None = Field(
+        None, description="Any constraint: json_schema, json_object, regex, choice, grammar."
+    )
+    tools: list[ToolSpec] | None = Field(None, max_length=128, description="Rendered by the chat template.")
 
     @field_validator("prompt")
     @classmethod
@@ -414,7 +397,19 @@ class NativeRequestBody(_SamplingBody):
     def _one_input(self) -> NativeRequestBody:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' and 'messages' must be given")
+        if self.guided is not None and self.response_format is not None:
+            raise ValueError("give at most one of 'guided' and 'response_format'")
+        if self.tools and self.messages is None:
+            raise ValueError("'tools' need 'messages' (the chat template renders them)")
         return self
+
+    def token_logprobs(self) -> int | None:
+        """``logprobs``."""
+        return self.logprobs
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """``guided`` as given, or from ``response_format``."""
+        return self.guided or guided_for(None, None, self.response_format, None)
 
     def absolute_deadline(self, now: datetime | None = None) -> datetime | None:
         """The deadline as an aware datetime (relative seconds counted from ``now``)."""

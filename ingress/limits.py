@@ -93,10 +93,14 @@ def estimate_prompt_tokens(body: AnyBody) -> int:
         return len(prompt) if isinstance(prompt, list) else _text_tokens(prompt or "")
     total = 0
     for message in messages:
-        content = message.content
+        content = message.content or ""
         if not isinstance(content, str):
             content = "".join(part.text or "" for part in content)
-        total += TOKENS_PER_MESSAGE + _text_tokens(content)
+        calls = "".join(c.function.name + c.function.arguments for c in message.tool_calls or [])
+        total += TOKENS_PER_MESSAGE + _text_tokens(content + calls)
+    tools = getattr(body, "tools", None)
+    if tools:  # rendered into the prompt by the chat template
+        total += _text_tokens("".join(t.model_dump_json() for t in tools))
     return total
 
 

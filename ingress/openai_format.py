@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from schemas import Usage
+from schemas import TokenLogprob, Usage
 
 Kind = Literal["chat", "completion"]
 
@@ -30,6 +30,38 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying ``payload`` as compact JSON."""
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs`` object: ``content`` entries with token, logprob, bytes, top_logprobs."""
+    content = [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": _bytes(lp.token),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in lp.top],
+        }
+        for lp in logprobs
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """A completion choice's legacy ``logprobs`` object (parallel lists; top alternatives as dicts)."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
 
 
 def openai_usage(usage: Usage) -> dict[str, Any]:
@@ -66,6 +98,14 @@ class ResponseIds:
         }
 
     # --- streaming ------------------------------------------------------------------------------
+    def choices_chunk(self, choices: list[dict[str, Any]], *, include_usage: bool = False) -> dict[str, Any]:
+        """A chunk carrying already-shaped choices (chat: ``index``/``delta``...; completion: ``index``/``text``...)."""
+        body = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = choices
+        if include_usage:
+            body["usage"] = None
+        return body
+
     def chunk(
         self,
         *,
@@ -103,6 +143,13 @@ class ResponseIds:
         return body
 
     # --- whole responses ------------------------------------------------------------------------
+    def choices_response(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        """The non-streaming object around already-shaped choices."""
+        body = self._base("chat.completion" if self.kind == "chat" else "text_completion")
+        body["choices"] = choices
+        body["usage"] = openai_usage(usage)
+        return body
+
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
         """The non-streaming ``chat.completion`` or ``text_completion`` object."""
         if self.kind == "chat":

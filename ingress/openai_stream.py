@@ -15,6 +15,7 @@ from fastapi import Request
 
 from .assembler import StreamAssembler
 from .errors import ApiError, error_body
+from .openai_choices import ChoiceChunks, ChoicePlan
 from .openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, sse
 from .service import IngressService
 from .telemetry import IngressMetrics
@@ -78,28 +79,30 @@ async def sse_events(
     include_usage: bool,
     accepted_at: float,
     metrics: IngressMetrics,
+    plan: ChoicePlan | None = None,
 ) -> AsyncIterator[str]:
     """OpenAI server-sent events for one request; cancels it when the client goes away mid-stream (or the
     relay cannot go on)."""
     cancel_reason: str | None = "client_disconnected"
     first_text = True
+    chunks = ChoiceChunks(plan or ChoicePlan(ids.kind))
     try:
-        if ids.kind == "chat":
-            yield sse(ids.chunk(role=True, include_usage=include_usage))
+        for choice in chunks.opening():
+            yield sse(ids.choices_chunk([choice], include_usage=include_usage))
         assembler = StreamAssembler()
         try:
             async for event in service.events(ids.request_id, timeout_s=service.settings.request_timeout_s):
-                delta = assembler.feed(event)
+                deltas = assembler.feed_choices(event)
                 if assembler.diverged:
                     cancel_reason = "stream_diverged"
                     message = "The worker restarted this request and produced different text."
                     yield sse(error_body(message, type_="server_error", code="stream_diverged"))
                     return
-                if delta:
-                    if first_text:
-                        metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
-                        first_text = False
-                    yield sse(ids.chunk(text=delta, include_usage=include_usage))
+                if first_text and any(d.text for d in deltas):
+                    metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
+                    first_text = False
+                for choice in chunks.feed(deltas):
+                    yield sse(ids.choices_chunk([choice], include_usage=include_usage))
         except TimeoutError as exc:
             cancel_reason = "timeout"
             yield sse(error_body(str(exc), type_="server_error", code="timeout"))
@@ -114,7 +117,8 @@ async def sse_events(
             yield sse(failure.body())
             return
         assert assembler.done is not None
-        yield sse(ids.chunk(finish_reason=assembler.done.finish_reason, include_usage=include_usage))
+        for choice in chunks.close_all(assembler):
+            yield sse(ids.choices_chunk([choice], include_usage=include_usage))
         if include_usage:
             yield sse(ids.usage_chunk(assembler.done.usage))
         yield SSE_DONE

@@ -54,17 +54,51 @@ class UsageOut(_Doc):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCallOut(_Doc):
+    name: str
+    arguments: str = Field(description="The call's arguments as JSON text.")
+
+
+class ToolCallOut(_Doc):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="Null when the answer is tool calls.")
+    refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class TopLogprobOut(_Doc):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(_Doc):
+    content: list[TokenLogprobOut] | None
     refusal: None = None
 
 
 class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
+
+
+class TextLogprobs(_Doc):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class ChatCompletion(_Doc):
@@ -82,7 +116,7 @@ class ChatCompletion(_Doc):
 class TextChoice(_Doc):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
     finish_reason: str
 
 

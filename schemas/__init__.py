@@ -21,6 +21,7 @@ from .batches import (
 from .common import SCHEMA_VERSION, utcnow
 from .control import (
     CancelRequest,
+    ChoiceResult,
     DeadLetter,
     FinalResult,
     PartitionRef,
@@ -43,12 +44,24 @@ from .events import (
     stream_entry_id,
     stream_event_adapter,
 )
+from .generation import (
+    MAX_TOP_LOGPROBS,
+    FunctionCall,
+    FunctionSpec,
+    GuidedSpec,
+    TokenLogprob,
+    ToolCall,
+    ToolCallFormat,
+    ToolSpec,
+    TopLogprob,
+)
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
 from .requests import ChatMessage, InferenceRequest, SamplingOptions, TextPart, TraceContext
 
 __all__ = [
     "BATCH_ENDPOINTS",
     "BATCH_TERMINAL",
+    "MAX_TOP_LOGPROBS",
     "SCHEMA_VERSION",
     "STREAM_FIELD",
     "TERMINAL_TYPES",
@@ -65,12 +78,16 @@ __all__ = [
     "BatchStatus",
     "CancelRequest",
     "ChatMessage",
+    "ChoiceResult",
     "DeadLetter",
     "DoneEvent",
     "ErrorEvent",
     "FileObject",
     "FinalResult",
     "FinishReason",
+    "FunctionCall",
+    "FunctionSpec",
+    "GuidedSpec",
     "InferenceRequest",
     "Names",
     "PartitionRef",
@@ -82,6 +99,11 @@ __all__ = [
     "TextPart",
     "Tier",
     "TokenEvent",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallFormat",
+    "ToolSpec",
+    "TopLogprob",
     "TraceContext",
     "Usage",
     "WorkerHeartbeat",

@@ -8,6 +8,7 @@ from pydantic import AwareDatetime, Field
 
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
 from .events import FinishReason, Usage
+from .generation import TokenLogprob, ToolCallFormat
 from .requests import TraceContext
 
 
@@ -43,6 +44,18 @@ class WorkerHeartbeat(Message):
     device: str = "cpu"
     draining: bool = False
     sent_at: AwareDatetime = Field(default_factory=utcnow)
+    max_model_len: int | None = Field(None, ge=1, description="The engine's context length (prompt + output).")
+    tool_call_format: ToolCallFormat | None = Field(None, description="How the model writes tool calls.")
+
+
+class ChoiceResult(Message):
+    """One choice of a finished request (``n`` > 1, or logprobs asked for)."""
+
+    index: int = Field(ge=0)
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
 
 
 class FinalResult(Message):
@@ -58,6 +71,9 @@ class FinalResult(Message):
     usage: Usage
     error_code: str | None = None
     error_message: str | None = None
+    choices: list[ChoiceResult] | None = Field(
+        None, description="Every choice, when n > 1 or logprobs were asked for; text/token_ids are choice 0's."
+    )
     worker_id: str
     created_at: AwareDatetime
     finished_at: AwareDatetime = Field(default_factory=utcnow)

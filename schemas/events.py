@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
 
 from .common import Message, RequestId
+from .generation import TokenLogprob
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -33,11 +34,30 @@ class _Event(Message):
 
 
 class TokenEvent(_Event):
-    """New text (may be empty while a multi-byte character is incomplete) and its token ids."""
+    """New text (may be empty while a multi-byte character is incomplete) and its token ids.
+
+    With ``n`` > 1 each event names its choice (``index``) and a choice's last event carries its
+    ``finish_reason``; the request's ``done`` follows once every choice ended. ``logprobs`` (aligned with
+    ``token_ids``) appear only when asked for. Fields at their defaults are left out of the JSON, so a
+    one-choice stream without logprobs reads exactly as it did before they existed.
+    """
 
     type: Literal["token"] = "token"
     text: str
     token_ids: list[Annotated[int, Field(ge=0)]]
+    index: int = Field(0, ge=0)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = Field(None, description="Set on a choice's last event when n > 1.")
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data = handler(self)
+        if data.get("index") == 0:
+            data.pop("index")
+        for optional in ("logprobs", "finish_reason"):
+            if data.get(optional) is None:
+                data.pop(optional, None)
+        return data
 
 
 class DoneEvent(_Event):

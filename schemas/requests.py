@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import AwareDatetime, Field, field_validator, model_validator
 
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
+from .generation import MAX_TOP_LOGPROBS, GuidedSpec, ToolCall, ToolSpec
 from .names import Tier
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -21,14 +22,28 @@ class TextPart(Message):
 
 
 class ChatMessage(Message):
-    """One OpenAI chat message; content may be a string or an array of text parts."""
+    """One OpenAI chat message; content may be a string or an array of text parts. An assistant message may
+    carry the ``tool_calls`` it made (content then may be null); a ``tool`` message answers one by
+    ``tool_call_id``."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only on an assistant message with tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         """The message content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -45,6 +60,17 @@ class SamplingOptions(Message):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="HF semantics, over prompt + output.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    logit_bias: (
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = Field(None, max_length=1024, description="Token id (as a string, JSON keys are strings) -> bias.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="None: none; k: the sampled token's logprob and the top k."
+    )
+    n: int = Field(1, ge=1, le=32, description="Choices sharing one prompt (its KV blocks are shared).")
 
 
 class TraceContext(Message):
@@ -65,6 +91,8 @@ class InferenceRequest(Message):
     )
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    guided: GuidedSpec | None = Field(None, description="Constrain the output (JSON Schema, regex...).")
+    tools: list[ToolSpec] | None = Field(None, max_length=128, description="Tools the chat template renders.")
     priority: Tier = "standard"
     tenant: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")
     deadline: AwareDatetime | None = Field(None, description="Absolute time after which not to start.")
@@ -82,6 +110,8 @@ class InferenceRequest(Message):
     def _exactly_one_input(self) -> InferenceRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of 'prompt' and 'messages' must be given")
+        if self.tools and self.messages is None:
+            raise ValueError("'tools' need 'messages' (they are rendered by the chat template)")
         return self
 
     def expired(self, now: datetime | None = None) -> bool:

@@ -16,6 +16,7 @@ from gpu_workers.engine import EngineFront
 from schemas import Names, PartitionRef, WorkerHeartbeat
 
 from .config import WorkerConfig
+from .prompts import tool_call_format
 from .streams import REDIS_UNAVAILABLE
 from .telemetry import WorkerTelemetry
 
@@ -45,6 +46,7 @@ class Heartbeats:
         # monotonic time of the last successful Redis write (readiness), and the metrics to tell.
         self.last_written: float | None = None
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
+        self._tool_call_format = tool_call_format(engine.tokenizer)
 
     def beat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
@@ -59,6 +61,8 @@ class Heartbeats:
             prefix_cache_hit_rate=min(1.0, max(0.0, stats.prefix_cache_hit_rate)),
             device=self.config.device,
             draining=self.stopping.is_set(),
+            max_model_len=self.engine.max_model_len,
+            tool_call_format=self._tool_call_format,
         )
 
     async def run(self) -> None:

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas import DoneEvent, FinalResult, InferenceRequest, Names, RequestRecord, StreamEvent, utcnow
+from schemas import ChoiceResult, DoneEvent, FinalResult, InferenceRequest, Names, RequestRecord, StreamEvent, utcnow
 from sluicegate.dead_letters import Rejection, dead_letter
 
 from .config import WorkerConfig
@@ -124,7 +124,14 @@ class Outputs:
             await self.redis_call(lambda: self.redis.set(key, update.model_dump_json(), keepttl=True))
 
     # --- Kafka ---------------------------------------------------------------------------------------
-    async def publish_result(self, request: InferenceRequest, done: DoneEvent, tokens: list[int], text: str) -> None:
+    async def publish_result(
+        self,
+        request: InferenceRequest,
+        done: DoneEvent,
+        tokens: list[int],
+        text: str,
+        choices: list[ChoiceResult] | None = None,
+    ) -> None:
         """The final result to ``llm.results``, then the status record; a record that says the request
         ended therefore means its result went out."""
         result = FinalResult(
@@ -135,6 +142,7 @@ class Outputs:
             token_ids=tokens,
             finish_reason=done.finish_reason,
             usage=done.usage,
+            choices=choices,
             worker_id=self.config.worker_id,
             created_at=request.created_at,
         )

@@ -1,24 +1,58 @@
-"""Turning a contract-level request into what the engine takes: prompt token ids and sampling params."""
+"""Turning a contract-level request into what the engine takes (prompt token ids, sampling params with the
+grammar), and the engine's per-token logprobs back into the contract's shape."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from gpu_workers.engine import SamplingParams
-from schemas import InferenceRequest
+from gpu_workers.engine import GuidedDecoding, SamplingParams
+from gpu_workers.engine import TokenLogprob as EngineLogprob
+from schemas import ChatMessage, InferenceRequest, TokenLogprob, ToolCallFormat, TopLogprob
 
 
 class PromptError(ValueError):
     """The request cannot be turned into a prompt for this model (reported as an ``error`` event)."""
 
 
+def _arguments(raw: str) -> Any:
+    # Chat templates render a call's arguments with ``tojson``: they expect the object, not its text.
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
 def prompt_token_ids(request: InferenceRequest, tokenizer: Any) -> list[int]:
-    """Token ids of the request's prompt; chat messages go through the model's chat template."""
+    """Token ids of the request's prompt; chat messages (tool calls and results included) and the offered
+    tools go through the model's chat template."""
     if request.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"model {request.model!r} has no chat template; send 'prompt' instead")
-        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        conversation = [_template_message(m) for m in request.messages]
+        tools = [t.model_dump(mode="json", exclude_none=True) for t in request.tools] if request.tools else None
+        try:
+            ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # a template's own raise_exception, or a message shape it cannot render
+            raise PromptError(f"the model's chat template cannot render these messages: {exc}") from exc
         # transformers 5 returns a BatchEncoding-like mapping for some tokenizers.
         if not isinstance(ids, list):
             ids = list(ids["input_ids"])
@@ -32,9 +66,35 @@ def prompt_token_ids(request: InferenceRequest, tokenizer: Any) -> list[int]:
     return list(request.prompt or [])
 
 
-def sampling_params(request: InferenceRequest, already_generated: int = 0) -> SamplingParams:
-    """Engine sampling params; a resumed request only generates what is still owed."""
+def tool_call_format(tokenizer: Any) -> ToolCallFormat | None:
+    """How the model writes tool calls, read from its chat template (advertised in heartbeats)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or '"parameters": ' in template:
+        return "llama3_json"
+    return None
+
+
+def sampling_params(
+    request: InferenceRequest, already_generated: int = 0, delivered: list[int] | None = None
+) -> SamplingParams:
+    """Engine sampling params; a resumed request only generates what is still owed, and its grammar first
+    replays the ``delivered`` tokens so the output stays valid across the crash."""
     opts = request.sampling
+    guided = None
+    if request.guided is not None:
+        spec = request.guided
+        guided = GuidedDecoding(
+            json_schema=spec.json_schema,
+            json_object=spec.json_object,
+            regex=spec.regex,
+            choice=list(spec.choice) if spec.choice else None,
+            grammar=spec.grammar,
+            replay_token_ids=list(delivered or []),
+        )
     return SamplingParams(
         temperature=opts.temperature,
         top_p=opts.top_p,
@@ -44,4 +104,46 @@ def sampling_params(request: InferenceRequest, already_generated: int = 0) -> Sa
         stop_token_ids=list(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos,
         seed=opts.seed,
+        presence_penalty=opts.presence_penalty,
+        frequency_penalty=opts.frequency_penalty,
+        repetition_penalty=opts.repetition_penalty,
+        min_p=opts.min_p,
+        logit_bias={int(k): v for k, v in opts.logit_bias.items()} if opts.logit_bias else None,
+        logprobs=opts.logprobs,
+        n=opts.n,
+        guided=guided,
     )
+
+
+class LogprobText:
+    """Token strings for logprobs (each id decoded on its own, as vLLM does), cached per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def token(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+    def convert(self, logprobs: list[EngineLogprob] | None) -> list[TokenLogprob] | None:
+        """The contract's logprobs for an engine delta's."""
+        if logprobs is None:
+            return None
+        return [
+            TokenLogprob(
+                token_id=lp.token_id,
+                token=self.token(lp.token_id),
+                logprob=_finite(lp.logprob),
+                top=[TopLogprob(token_id=t, token=self.token(t), logprob=_finite(v)) for t, v in lp.top],
+            )
+            for lp in logprobs
+        ]
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; a token masked out entirely reads as a very unlikely one.
+    return max(float(value), -9999.0)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from gpu_workers.engine import EngineFront, RequestStream
 from schemas import (
+    ChoiceResult,
     DoneEvent,
     ErrorEvent,
     InferenceRequest,
@@ -32,10 +33,11 @@ from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, request_id_of
 from sluicegate.telemetry import attached
 
+from .choices import ChoiceTracker
 from .control import Cancels
 from .in_flight import Active, InFlight
 from .outputs import Outputs
-from .prompts import PromptError, prompt_token_ids, sampling_params
+from .prompts import LogprobText, PromptError, prompt_token_ids, sampling_params
 from .resume import Continuation
 from .streams import read_pickup_state, read_stream_state
 from .telemetry import WorkerTelemetry
@@ -62,6 +64,7 @@ class Serving:
         self.in_flight = in_flight
         self.cancels = cancels
         self._eos_ids = engine.eos_token_ids
+        self._logprob_text = LogprobText(engine.tokenizer)
         # Set when the engine itself failed: the fetch loop stops the worker rather than take more work.
         self.fatal: BaseException | None = None
         # Counters for logs and tests.
@@ -193,8 +196,12 @@ class Serving:
 
         resumed: Continuation | None = None
         if state.delivered:
-            resumed = Continuation(request, self.engine.tokenizer, prompt, state.token_ids, state.text, self._eos_ids)
-            if not resumed.consistent:
+            # Several choices (n > 1) are not continued token by token: they start over.
+            if request.sampling.n == 1:
+                resumed = Continuation(
+                    request, self.engine.tokenizer, prompt, state.token_ids, state.text, self._eos_ids
+                )
+            if resumed is None or not resumed.consistent:
                 # The delivered text is not what this model's tokenizer makes of the delivered tokens, so
                 # no seamless continuation exists: start over and tell clients to drop what they have.
                 log.warning("worker.restart", extra={"request_id": rid, "delivered": state.delivered})
@@ -243,6 +250,8 @@ class Serving:
         finish: FinishReason = "stop"
         cached = 0
         started = False
+        opts = request.sampling
+        tracker = ChoiceTracker(opts.n, self._logprob_text) if opts.n > 1 or opts.logprobs is not None else None
         # No await between this check and the engine taking the request (an early start has it already;
         # ``add_request`` queues it at once), so a cancel is either seen here or reaches the engine.
         if entry.cancelled:
@@ -250,7 +259,7 @@ class Serving:
         try:
             deltas, entry.early = entry.early, None
             if deltas is None:
-                params = sampling_params(request, len(delivered))
+                params = sampling_params(request, len(delivered), delivered)
                 deltas = self.engine.add_request(
                     prompt + delivered,
                     params,
@@ -268,6 +277,17 @@ class Serving:
                     if entry.handed_off:
                         return False
                     cached = getattr(delta, "num_cached_tokens", cached) or cached
+                    if opts.n > 1:
+                        assert tracker is not None
+                        choice_event = tracker.event(rid, seq, delta)
+                        if choice_event is not None:
+                            if not self.outputs.emit(entry, choice_event):
+                                return False
+                            seq += 1
+                        if tracker.all_ended:
+                            finish = tracker.finish_reason()
+                            break
+                        continue
                     reason: FinishReason | None = delta.finish_reason
                     if resumed is None:
                         piece = delta.text
@@ -280,8 +300,11 @@ class Serving:
                         piece = resumed.take(final=reason is not None)
                         tokens = resumed.token_ids
                     text += piece
+                    logprobs = tracker.add(0, delta.token_ids, piece, delta.logprobs) if tracker else None
                     if piece or delta.token_ids:
-                        event = TokenEvent(request_id=rid, seq=seq, text=piece, token_ids=list(delta.token_ids))
+                        event = TokenEvent(
+                            request_id=rid, seq=seq, text=piece, token_ids=list(delta.token_ids), logprobs=logprobs
+                        )
                         if not self.outputs.emit(entry, event):
                             return False
                         seq += 1
@@ -299,7 +322,12 @@ class Serving:
             return True
         if entry.handed_off:
             return False
-        return await self._finish(entry, request, seq, finish, list(tokens), text, len(prompt), cached)
+        choices = None
+        if tracker is not None:
+            choices = tracker.results(finish, opts.logprobs is not None)
+            if opts.n > 1:
+                tokens, text = tracker.first()
+        return await self._finish(entry, request, seq, finish, list(tokens), text, len(prompt), cached, choices)
 
     async def _finish(
         self,
@@ -311,11 +339,13 @@ class Serving:
         text: str,
         prompt_tokens: int,
         cached: int,
+        choices: list[ChoiceResult] | None = None,
     ) -> bool:
+        completion = sum(len(c.token_ids) for c in choices) if choices else len(tokens)
         usage = Usage(
             prompt_tokens=prompt_tokens,
-            completion_tokens=len(tokens),
-            total_tokens=prompt_tokens + len(tokens),
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
             cached_tokens=cached,
         )
         done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage)
@@ -325,7 +355,7 @@ class Serving:
             entry.watch.finished(reason, usage)
         # The stream must hold ``done`` before the offset can be committed.
         await self.outputs.flush()
-        await self.outputs.publish_result(request, done, tokens, text)
+        await self.outputs.publish_result(request, done, tokens, text, choices)
         self.served += 1
         return True
 

@@ -11,6 +11,7 @@ import anyio.to_thread
 from schemas import BatchLineError, BatchOutputLine, BatchResponse, batch_request_id
 
 from ..errors import error_body
+from ..openai_choices import result_choices
 from ..openai_format import ResponseIds
 from .files import StoredFile, file_object
 from .prepare import PreparedLine, read_prepared
@@ -32,7 +33,8 @@ def output_line(batch_id: str, line: PreparedLine, outcome: LineOutcome, endpoin
         result = outcome.result
         kind = "chat" if endpoint == "/v1/chat/completions" else "completion"
         ids = ResponseIds(kind, request_id, result.model, int(result.created_at.timestamp()))
-        body = ids.response(result.text, result.finish_reason, result.usage)
+        logprobs = line.request is not None and line.request.sampling.logprobs is not None
+        body = ids.choices_response(result_choices(kind, result, logprobs), result.usage)
         response = BatchResponse(status_code=200, request_id=request_id, body=body)
     else:
         body = error_body(

@@ -10,16 +10,18 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..accept import SUBMIT_ERRORS, accept
+from ..accept import SUBMIT_ERRORS, accept, tool_call_format
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..bodies import ChatCompletionBody, CompletionBody
 from ..body_parsing import parse_body
 from ..errors import ApiError
 from ..lean_route import lean_post
+from ..openai_choices import ChoicePlan, whole_choices
 from ..openai_format import Kind, ResponseIds
 from ..openai_stream import collect_or_cancel, sse_events, stream_failure
 from ..openapi import ChatCompletion, ModelCard, ModelList, TextCompletion, errors, json_body, ok
+from ..tool_calls import ToolPlan, plan_for
 
 router = APIRouter(tags=["openai"])
 
@@ -32,6 +34,14 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
     accepted_at = time.perf_counter()
     inference = await accept(request, caller, body, f"/v1/{'chat/' if kind == 'chat' else ''}completions")
     ids = ResponseIds(kind, inference.request_id, inference.model, int(time.time()))
+    plan = ChoicePlan(
+        kind,
+        n=inference.sampling.n,
+        logprobs=inference.sampling.logprobs is not None,
+        tools=plan_for(body.tools, body.tool_choice, tool_call_format(request))
+        if isinstance(body, ChatCompletionBody)
+        else ToolPlan(),
+    )
     headers = {"x-request-id": inference.request_id}
     service = service_of(request)
     if body.stream:
@@ -42,6 +52,7 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
             include_usage=body.include_usage,
             accepted_at=accepted_at,
             metrics=service.metrics,
+            plan=plan,
         )
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
@@ -53,7 +64,7 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
     if failure is not None:
         raise failure
     assert assembler.done is not None
-    payload = ids.response(assembler.text, assembler.done.finish_reason, assembler.done.usage)
+    payload = ids.choices_response(whole_choices(assembler, plan), assembler.done.usage)
     return JSONResponse(payload, headers=headers)
 
 

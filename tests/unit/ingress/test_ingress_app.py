@@ -77,8 +77,8 @@ async def test_oversized_bodies_are_413_by_length_or_by_stream(client: httpx.Asy
 async def test_validation_errors_are_422_or_400_naming_the_field(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/chat/completions", json=CHAT | {"temperature": 9}, headers=AUTH)
     assert_openai_error(response, 422, "invalid_value", "temperature")
-    response = await client.post("/v1/chat/completions", json=CHAT | {"n": 3}, headers=AUTH)
-    assert_openai_error(response, 400, "unsupported_parameter", "n")
+    response = await client.post("/v1/chat/completions", json=CHAT | {"functions": [{"name": "f"}]}, headers=AUTH)
+    assert_openai_error(response, 400, "unsupported_parameter", "functions")
     response = await client.post("/v1/requests", json={"model": "m", "prompt": "x", "priority": "gold"}, headers=AUTH)
     assert_openai_error(response, 422, "invalid_value", "priority")
     response = await client.post("/v1/completions", content=b"{oops", headers=AUTH)

@@ -1,0 +1,100 @@
+"""What a request may ask of generation beyond plain sampling, and what the stream gives back for it:
+guided (constrained) decoding, tools the chat template renders, tool calls in the conversation, and per-token
+log probabilities. The OpenAI surface maps ``response_format`` and ``tool_choice`` onto :class:`GuidedSpec`;
+a Kafka-native producer may set it directly (regex, choice and EBNF grammars included)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from .common import Message
+
+#: Most alternatives per token OpenAI (and vLLM) return in ``top_logprobs``.
+MAX_TOP_LOGPROBS = 20
+
+
+class GuidedSpec(Message):
+    """Constrain the output to exactly one of: a JSON Schema, any JSON object, a regex, one of some strings,
+    or an EBNF grammar. The worker hands it to the engine's grammar matcher as a token mask."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = Field(None, min_length=1, max_length=10_000)
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = Field(None, min_length=1, max_length=100_000)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> GuidedSpec:
+        given = [
+            name
+            for name, value in (
+                ("json_schema", self.json_schema is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", self.choice is not None),
+                ("grammar", self.grammar is not None),
+            )
+            if value
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "guided decoding takes exactly one of json_schema, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
+        return self
+
+
+class FunctionSpec(Message):
+    """A function the model may call, as OpenAI describes it."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(Message):
+    """One tool offered to the model (rendered by the chat template)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FunctionCall(Message):
+    """A call's function name and its JSON arguments, as a string (OpenAI's shape)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCall(Message):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+#: How a model writes tool calls in plain text, from its chat template (advertised in heartbeats):
+#: ``hermes``: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; ``llama3_json``: a JSON object
+#: ``{"name": ..., "parameters": ...}``, possibly after ``<|python_tag|>``.
+ToolCallFormat = Literal["hermes", "llama3_json"]
+
+
+class TopLogprob(Message):
+    """One alternative for a sampled position."""
+
+    token_id: int = Field(ge=0)
+    token: str
+    logprob: float
+
+
+class TokenLogprob(Message):
+    """The sampled token's log probability (from the model's raw logits) and the top alternatives."""
+
+    token_id: int = Field(ge=0)
+    token: str
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
