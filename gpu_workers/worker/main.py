@@ -50,6 +50,7 @@ def engine_arguments(settings: Settings) -> dict[str, object]:
         dtype=settings.dtype,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        lower_tier_max_batched_tokens=settings.lower_tier_max_batched_tokens or None,
         cpu_kv_cache_gb=settings.kv_cache_gb,
         attention_backend=settings.attention_backend,
         quantization=settings.quantization or None,
