@@ -77,6 +77,12 @@ class Settings(BaseSettings):
         "keeps an interactive request out); more than max_num_seqs lets the engine's per-tenant fair queuing see past "
         "one tenant's flood. 0 means 4 x max_num_seqs.",
     )
+    worker_lower_tier_lookahead_busy: int = Field(
+        0,
+        ge=0,
+        description="Requests of less important tiers (batch) a worker holds at most while it holds any of a more "
+        "important tier (interactive); the rest wait in Kafka. 0 means only worker_lookahead applies.",
+    )
     tenant_weights: dict[str, float] = Field(
         {},  # pydantic copies a mutable default per instance
         description='Relative share of a tier per tenant under contention, as JSON (e.g. {"acme": 2}); others weigh 1.',

@@ -187,6 +187,7 @@ async def _run_started(
         model_name=model_name,
         worker_id=worker_id,
         max_in_flight=settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
+        lower_tier_in_flight_while_busy=settings.worker_lower_tier_lookahead_busy,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         stream_ttl_s=settings.stream_ttl_s,
         drain_timeout_s=settings.drain_timeout_s,
