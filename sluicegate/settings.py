@@ -64,11 +64,11 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1, description="Most sequences the worker's engine runs at once.")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Engine token budget per step.")
     lower_tier_max_batched_tokens: int = Field(
-        32,
+        4,
         ge=0,
-        description="Tokens a step gives the less important tiers together (decodes and prefill chunks) while a more "
-        "important tier has work, so batch work never makes an interactive request wait behind a long step; "
-        "0 means no cap.",
+        description="Tokens a CPU engine's step gives the less important tiers together (decodes and prefill chunks) "
+        "while a more important tier has work, so batch work never makes an interactive request wait behind a long "
+        "step on shared cores; 0 means no cap. CUDA engines are not capped (unmeasured there).",
     )
     worker_lookahead: int = Field(
         0,
@@ -78,10 +78,11 @@ class Settings(BaseSettings):
         "one tenant's flood. 0 means 4 x max_num_seqs.",
     )
     worker_lower_tier_lookahead_busy: int = Field(
-        0,
+        16,
         ge=0,
-        description="Requests of less important tiers (batch) a worker holds at most while it holds any of a more "
-        "important tier (interactive); the rest wait in Kafka. 0 means only worker_lookahead applies.",
+        description="Requests of less important tiers (batch) a CPU worker holds at most while it holds any of a more "
+        "important tier (interactive); the rest wait in Kafka. 0 means only worker_lookahead applies. CUDA workers "
+        "are not limited (unmeasured there).",
     )
     tenant_weights: dict[str, float] = Field(
         {},  # pydantic copies a mutable default per instance
