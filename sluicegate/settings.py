@@ -63,12 +63,26 @@ class Settings(BaseSettings):
     worker_id: str = Field("", description="Worker identity in heartbeats (defaults to host-pid).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences the worker's engine runs at once.")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Engine token budget per step.")
+    lower_tier_max_batched_tokens: int = Field(
+        4,
+        ge=0,
+        description="Tokens a CPU engine's step gives the less important tiers together (decodes and prefill chunks) "
+        "while a more important tier has work, so batch work never makes an interactive request wait behind a long "
+        "step on shared cores; 0 means no cap. CUDA engines are not capped (unmeasured there).",
+    )
     worker_lookahead: int = Field(
         0,
         ge=0,
         description="Requests a worker takes from Kafka at one time, counted per tier and above (batch work never "
         "keeps an interactive request out); more than max_num_seqs lets the engine's per-tenant fair queuing see past "
         "one tenant's flood. 0 means 4 x max_num_seqs.",
+    )
+    worker_lower_tier_lookahead_busy: int = Field(
+        16,
+        ge=0,
+        description="Requests of less important tiers (batch) a CPU worker holds at most while it holds any of a more "
+        "important tier (interactive); the rest wait in Kafka. 0 means only worker_lookahead applies. CUDA workers "
+        "are not limited (unmeasured there).",
     )
     tenant_weights: dict[str, float] = Field(
         {},  # pydantic copies a mutable default per instance
@@ -222,6 +236,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Lines of one batch published and not yet finished before it waits: Kafka holds the backlog "
         "either way, this bounds what a cancel must take back.",
+    )
+    batch_worker_cpu_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness of a batch worker's process (validate, enqueue, collect): on cores shared with "
+        "interactive serving it runs when they idle; 0 keeps normal priority.",
     )
     batch_tick_s: float = Field(1.0, gt=0, description="Seconds between the batch beat's ticks (advance, collect).")
     batch_visibility_timeout_s: int = Field(

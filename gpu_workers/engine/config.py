@@ -66,6 +66,9 @@ class EngineConfig:
     seed: int = 0
     # Relative share of a tier's throughput per tenant under contention; tenants not listed weigh 1.
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # While a more important tier has unfinished work, the less important tiers together compute at most this
+    # many tokens a step (decodes and prefill chunks), so its steps stay short; None: no cap.
+    lower_tier_max_batched_tokens: int | None = None
     torch_dtype: torch.dtype | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.lower_tier_max_batched_tokens is not None:
+            _positive("lower_tier_max_batched_tokens", self.lower_tier_max_batched_tokens)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb <= 0:

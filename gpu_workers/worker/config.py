@@ -14,6 +14,9 @@ class WorkerConfig:
     # Requests taken from Kafka at one time, counted per tier and above (an interactive request is never
     # kept out by batch work): more than the engine's seats, so its fair queuing sees past a flood.
     max_in_flight: int = 64
+    # While requests of a more important tier are held, those of less important tiers are held at most this many
+    # (0: no such limit): batch intake and its output writes wait while interactive requests need the CPU.
+    lower_tier_in_flight_while_busy: int = 0
     heartbeat_interval_s: float = 2.0
     stream_ttl_s: int = 3600
     drain_timeout_s: float = 30.0

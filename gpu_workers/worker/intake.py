@@ -134,9 +134,13 @@ class Intake:
             held[entry.tier] += 1
         rooms: dict[Tier, int] = {}
         at_or_above = 0
+        busy_cap = self.config.lower_tier_in_flight_while_busy
         for tier in TIERS:
+            rooms[tier] = self.config.max_in_flight - at_or_above - held[tier]
+            if busy_cap and at_or_above:
+                # A more important tier is held: this tier and those below may hold only ``busy_cap`` in all.
+                rooms[tier] = min(rooms[tier], busy_cap - (sum(held.values()) - at_or_above))
             at_or_above += held[tier]
-            rooms[tier] = self.config.max_in_flight - at_or_above
         return rooms
 
     async def _fetch_by_tier(self, open_tps: list[TopicPartition], rooms: dict[Tier, int]) -> list[Any]:

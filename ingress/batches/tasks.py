@@ -85,6 +85,9 @@ def build_worker_app(settings: Settings | None = None) -> Celery:
 def run_worker(settings: Settings, *, beat: bool = True, loglevel: str = "INFO") -> None:
     """Run a batch worker in this process (solo pool: one process, one event loop, nothing to orphan on kill -9),
     with the beat embedded unless ``beat`` is False."""
+    if settings.batch_worker_cpu_nice:
+        # Batch work is never urgent: on cores it shares with interactive serving it takes what they leave.
+        os.nice(settings.batch_worker_cpu_nice)
     # Solo pool: the tasks run in this process, so its tracing is set up here (a prefork pool would need it in
     # each child, from ``worker_process_init``). Off without an OTLP endpoint.
     configure_tracing("sluicegate-batch-worker", settings.otlp_endpoint)

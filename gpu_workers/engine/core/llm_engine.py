@@ -60,7 +60,11 @@ class LLMEngine:
         self.runner.setup_decode(config, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.tenant_weights
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.tenant_weights,
+            lower_tier_max_batched_tokens=config.lower_tier_max_batched_tokens,
         )
         self.sampler = Sampler(config.seed, self.device)
         # Built on the first guided request (it indexes the whole vocabulary once).

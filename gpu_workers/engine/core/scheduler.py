@@ -13,6 +13,10 @@ requests has a virtual time, advanced by the tokens scheduled for it divided by 
 next admission goes to the tenant with the smallest one (its earliest request). A tenant that joins
 starts at the smallest virtual time among the others, so idling earns no credit. A tenant flooding a
 tier thus cannot hold back another tenant of that tier beyond the sequences already running.
+
+While the most important tier has unfinished work (running or waiting), the less important tiers together
+compute at most ``lower_tier_max_batched_tokens`` tokens a step (their decode seats and prefill chunks alike),
+so the step an interactive request waits behind stays short; with only one tier left they get the whole budget.
 """
 
 from __future__ import annotations
@@ -51,11 +55,14 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         tenant_weights: Mapping[str, float] | None = None,
+        lower_tier_max_batched_tokens: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tenant_weights: dict[str, float] = dict(tenant_weights or {})
+        # None: no cap. Otherwise the lower tiers' token share of a step while a more important tier has work.
+        self.lower_tier_max_batched_tokens = lower_tier_max_batched_tokens
         # Tenants with unfinished sequences only, so the map is as small as the live tenant set.
         self.tenants: dict[str, TenantShare] = {}
         # Unfinished sequences per priority: the tiers a step works through, lowest number first.
@@ -110,6 +117,9 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
         step = _StepState(budget=self.max_num_batched_tokens)
+        if self.lower_tier_max_batched_tokens is not None and len(self.tiers) > 1:
+            step.top_tier = min(self.tiers)
+            step.lower_budget = self.lower_tier_max_batched_tokens
         self._schedule_running(step, decode_phase=True)
         admitting = True
         for tier in sorted(self.tiers):
@@ -135,15 +145,17 @@ class Scheduler:
             if seq in step.scheduled or (remaining == 1) != decode_phase:
                 idx += 1
                 continue
-            num_new = min(remaining, step.budget)
+            num_new = min(remaining, step.room_for(seq))
+            if num_new <= 0:
+                idx += 1  # a lower tier whose share of this step is spent: it waits, keeping its blocks
+                continue
             while not self.block_manager.append_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, step)
                 if victim is seq:
                     break
             else:
-                step.scheduled[seq] = num_new
-                step.budget -= num_new
+                step.take(seq, num_new)
                 self._charge(seq, num_new)
                 idx += 1
                 continue
@@ -160,12 +172,14 @@ class Scheduler:
             if idx is None:
                 return True
             seq = self.waiting[idx]
+            if step.room_for(seq) <= 0:
+                return False  # the lower tiers' share of this step is spent
             if len(self.running) >= self.max_num_seqs:
                 if not self._preempt_lower_tier(seq, step):
                     return False
                 continue
             hits = bm.lookup_prefix(seq)
-            num_new = min(seq.num_tokens - len(hits) * bm.block_size, step.budget)
+            num_new = min(seq.num_tokens - len(hits) * bm.block_size, step.room_for(seq))
             if not bm.allocate(seq, hits, num_new):
                 if not self._preempt_lower_tier(seq, step):
                     return False
@@ -175,8 +189,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = RequestStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
-            step.scheduled[seq] = num_new
-            step.budget -= num_new
+            step.take(seq, num_new)
             self._charge(seq, num_new)
         return False
 
@@ -220,8 +233,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence, step: _StepState) -> None:
         self.running.remove(victim)
         if victim in step.scheduled:
-            taken_back = step.scheduled.pop(victim)
-            step.budget += taken_back
+            taken_back = step.give_back(victim)
             self._charge(victim, -taken_back)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0
@@ -246,6 +258,28 @@ class _StepState:
     budget: int
     scheduled: dict[Sequence, int] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    # Set while a more important tier has work: that tier, and what the tiers below it may still take.
+    top_tier: int | None = None
+    lower_budget: int = 0
+
+    def room_for(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may still be given this step."""
+        if self.top_tier is not None and seq.priority > self.top_tier:
+            return min(self.budget, self.lower_budget)
+        return self.budget
+
+    def take(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduled[seq] = num_tokens
+        self.budget -= num_tokens
+        if self.top_tier is not None and seq.priority > self.top_tier:
+            self.lower_budget -= num_tokens
+
+    def give_back(self, seq: Sequence) -> int:
+        num_tokens = self.scheduled.pop(seq)
+        self.budget += num_tokens
+        if self.top_tier is not None and seq.priority > self.top_tier:
+            self.lower_budget += num_tokens
+        return num_tokens
 
 
 def _sort_key(seq: Sequence) -> tuple[int, int]:
