@@ -242,8 +242,10 @@ def test_kafka_native_record_is_traced_through_the_router(pipeline: Pipeline, re
     finally:
         producer.close()
     pipeline.wait_stream_end(request_id)
-    spans = receiver.wait_for(trace_id, {"text_completion tiny-e2e", "engine.decode"})
-    routed = next(s for s in spans if s.service == "sluicegate-router" and s.name.startswith("process "))
+    # Each process exports its spans on its own schedule: wait for the router's as well as the worker's.
+    inbound = Names(pipeline.prefix).inbound_topic
+    spans = receiver.wait_for(trace_id, {f"process {inbound}", "text_completion tiny-e2e", "engine.decode"})
+    routed = _one(spans, "sluicegate-router", f"process {inbound}")
     assert routed.parent_id == "ab" * 8
     router_send = next(s for s in spans if s.service == "sluicegate-router" and s.kind == 4)
     assert router_send.parent_id == routed.span_id
