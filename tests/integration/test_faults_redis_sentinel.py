@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -254,7 +255,7 @@ async def test_primary_killed_mid_stream_every_stream_ends_once(
         tokens_each=max_tokens,
         events_seen_at_kill=sorted(at_kill.values()),
         kill_to_all_done_s=round(finished_s, 2),
-        longest_pause_s=round(max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False)), 2),
+        longest_pause_s=round(max(b - a for a, b in itertools.pairwise(arrivals)), 2),
         promoted=role[0].decode(),
         losses=0,
         duplicates=0,
