@@ -42,7 +42,7 @@ from schemas import STREAM_FIELD, Names, parse_stream_event
 from sluicegate.settings import Settings
 from sluicegate.stack import devstack
 
-API_KEY = "sk-soak"
+API_KEY = "sk-soak-key"
 MODEL = "tiny-soak"
 TIERS = {"interactive": (16, 0.5), "standard": (48, 0.4), "batch": (96, 0.6)}  # max_tokens, seconds between
 PROMPTS = ["The harbour at dawn", "Rivers run to the sea", "A lamp in the window", "Snow on the pass"]
@@ -294,7 +294,8 @@ def main() -> int:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or soak.services["ingress"].poll() is not None:
+                args.keep = True
                 raise SystemExit(f"ingress not ready; logs in {workdir}")
             time.sleep(0.5)
         time.sleep(5)  # the workers join their group

@@ -252,7 +252,8 @@ async def test_broker_leader_killed_under_load_loses_nothing_and_heals(
             assert time.monotonic() - killed_at < 30, "no new leaders within 30 s"
             await asyncio.sleep(0.1)
         reelected_s = time.monotonic() - killed_at
-        await asyncio.sleep(35)  # load on two brokers: p99 must have recovered within 30 s of the kill
+        # Load on two brokers until 32 s after the kill: p99 must have recovered within 30 s of it.
+        await asyncio.sleep(max(0.0, killed_at + 32 - time.monotonic()))
 
         load.phase = "restarting"
         restart_at = time.monotonic()
@@ -286,7 +287,7 @@ async def test_broker_leader_killed_under_load_loses_nothing_and_heals(
 
     # The steady state before the kill: the last 100 answers (the first ones waited for topic creation).
     baseline = p99([a.elapsed_s for a in answers if a.phase == "before"][-100:])
-    recovered = [a.elapsed_s for a in answers if a.phase == "outage" and 30 <= a.finished_at - killed_at]
+    recovered = [a.elapsed_s for a in answers if a.phase == "outage" and 22 <= a.finished_at - killed_at]
     windows = {}
     for a in answers:
         if a.phase in ("outage", "restarting"):
