@@ -228,7 +228,7 @@ async def test_broker_leader_killed_under_load_loses_nothing_and_heals(
         await asyncio.sleep(0)
         reader_task = asyncio.create_task(reader.run())
         deadline = time.monotonic() + 60
-        while load.count("before", 202) < 150:
+        while load.count("before", 202) < 250:
             assert time.monotonic() < deadline, Counter(a.status for a in load.answers)
             await asyncio.sleep(0.1)
 
@@ -285,15 +285,16 @@ async def test_broker_leader_killed_under_load_loses_nothing_and_heals(
     ]
     assert not late, f"503s after new leaders were elected: {late}"
 
-    # The steady state before the kill: the last 100 answers (the first ones waited for topic creation).
-    baseline = p99([a.elapsed_s for a in answers if a.phase == "before"][-100:])
+    # The steady state before the kill: without the first 100 answers (they waited for topic creation).
+    baseline = p99([a.elapsed_s for a in answers if a.phase == "before"][100:])
     recovered = [a.elapsed_s for a in answers if a.phase == "outage" and 22 <= a.finished_at - killed_at]
     windows = {}
     for a in answers:
         if a.phase in ("outage", "restarting"):
             windows.setdefault(int((a.finished_at - killed_at) // 5) * 5, []).append(a.elapsed_s)
     assert recovered, "no answers 30 s after the kill"
-    assert p99(recovered) <= max(3 * baseline, baseline + 0.25), (baseline, p99(recovered))
+    # Back to normal: within 3 x the steady p99, and never near a Kafka timeout (2 s) of waiting.
+    assert p99(recovered) <= max(3 * baseline, 0.5), (baseline, p99(recovered))
 
     accepted = {a.request_id for a in answers if a.status == 202}
     on_kafka = await read_all(settings, existing)
