@@ -120,29 +120,44 @@ async def ensure_topics(
 
     Returns ``{name: partition count}`` as the broker reports it; an existing topic with fewer
     partitions than asked for is logged, not altered (growing a topic reshuffles keyed records).
-    ``replication`` defaults to ``Settings.topic_replication``.
+    ``replication`` defaults to ``Settings.topic_replication``. With ``Settings.topic_replication_auto`` (the
+    default) it is raised to what the cluster allows, min(3, brokers), and topics with 3 or more replicas get
+    ``min.insync.replicas`` 2: with ``acks=all`` a write is then on two brokers before it is acknowledged,
+    and one broker may die without a write being lost or refused.
     """
     for name, partitions in topics.items():
         if not name or partitions < 1:
             raise ValueError(f"topic {name!r}: need a non-empty name and partitions >= 1, got {partitions}")
     if not topics:
         return {}
-    replication = replication if replication is not None else get_settings().topic_replication
+    settings = get_settings()
+    replication = replication if replication is not None else settings.topic_replication
+    auto = settings.topic_replication_auto
 
     if isinstance(admin_or_bootstrap, str):
         admin = create_admin(bootstrap=admin_or_bootstrap)
         await admin.start()
         try:
-            return await _ensure_topics(admin, topics, replication, timeout_s)
+            return await _ensure_topics(admin, topics, replication, timeout_s, auto)
         finally:
             await admin.close()
-    return await _ensure_topics(admin_or_bootstrap, topics, replication, timeout_s)
+    return await _ensure_topics(admin_or_bootstrap, topics, replication, timeout_s, auto)
+
+
+def replication_plan(requested: int, brokers: int, auto: bool) -> tuple[int, int]:
+    """(replication, min.insync.replicas) for a new topic: ``requested`` raised to min(3, ``brokers``) when
+    ``auto``; 2 in-sync replicas required from 3 replicas up, else 1 (a lone replica must take writes)."""
+    replication = max(requested, min(3, brokers)) if auto else requested
+    return replication, 2 if replication >= 3 else 1
 
 
 async def _ensure_topics(
-    admin: AIOKafkaAdminClient, topics: Mapping[str, int], replication: int, timeout_s: float
+    admin: AIOKafkaAdminClient, topics: Mapping[str, int], replication: int, timeout_s: float, auto: bool = True
 ) -> dict[str, int]:
-    new = [NewTopic(name, partitions, replication) for name, partitions in topics.items()]
+    brokers = len((await admin.describe_cluster())["brokers"]) if auto else 1
+    replication, min_isr = replication_plan(replication, brokers, auto)
+    configs = {"min.insync.replicas": str(min_isr)}
+    new = [NewTopic(name, partitions, replication, topic_configs=configs) for name, partitions in topics.items()]
     response = await admin.create_topics(new, timeout_ms=int(timeout_s * 1000))
     for entry in response.topic_errors:
         name, code = entry[0], entry[1]

@@ -1,6 +1,10 @@
 """Redis client setup shared by every service: one async client factory with timeouts that suit
 blocking stream reads, and a readiness wait.
 
+Besides ``redis://`` and ``rediss://``, ``redis+sentinel://host:port[,host:port...]/service_name[/db]`` asks
+those Sentinels for the primary of ``service_name`` (redis-py's ``Sentinel``): the client re-asks them after
+a connection error, so a failover to a promoted replica is a short stall, not an outage.
+
 Values stay bytes (``decode_responses=False``): stream entries carry JSON and token ids that the
 caller decodes once, and entry ids compare correctly as bytes.
 """
@@ -10,13 +14,55 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import RedisError
 
 from sluicegate.settings import Settings, get_settings
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """``redis+sentinel://[:password@]h:p,h:p/service[/db]`` -> (sentinels, service name, db, password).
+
+    The password (if any) is the data nodes'; the Sentinels themselves are asked without one."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL: {url!r}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    password = unquote(userinfo.partition(":")[2]) or None if userinfo else None
+    sentinels = []
+    for entry in hosts.split(","):
+        host, sep, port = entry.strip().rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"{url!r}: each Sentinel must be host:port, got {entry!r}")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [segment for segment in parts.path.split("/") if segment]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"{url!r}: expected /service_name or /service_name/db after the Sentinels")
+    return sentinels, path[0], int(path[1]) if len(path) == 2 else 0, password
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME + "://")
+
+
+def _client(url: str, **options: Any) -> Redis:
+    """``Redis.from_url``, or the Sentinel-discovered primary for a ``redis+sentinel://`` URL."""
+    if not is_sentinel_url(url):
+        return Redis.from_url(url, **options)
+    sentinels, service, db, password = parse_sentinel_url(url)
+    probe = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
+    # Sentinels answer quickly or not at all: bound their calls even when data reads may block for long.
+    probe["socket_timeout"] = probe.get("socket_timeout") or 2.0
+    sentinel = Sentinel(sentinels, sentinel_kwargs=probe)
+    return sentinel.master_for(service, redis_class=Redis, db=db, password=password, **options)
 
 
 def create_redis(
@@ -39,7 +85,7 @@ def create_redis(
     """
     if socket_timeout is not None and socket_timeout <= 0:
         raise ValueError(f"socket_timeout must be positive or None, got {socket_timeout}")
-    return Redis.from_url(
+    return _client(
         url or (settings or get_settings()).redis_url,
         decode_responses=False,
         socket_timeout=socket_timeout,
@@ -69,9 +115,7 @@ async def wait_for_redis(
     deadline = time.monotonic() + timeout_s
     while True:
         # No retries inside a probe: the loop here is the retry, with its own deadline.
-        client = Redis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), retries=0)
-        )
+        client = _client(url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), retries=0))
         try:
             await client.ping()
             info = await client.info("server")

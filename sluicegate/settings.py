@@ -27,6 +27,11 @@ class Settings(BaseSettings):
     )
     topic_partitions: int = Field(6, ge=1, description="Partitions per request topic created.")
     topic_replication: int = Field(1, ge=1, description="Replication factor for topics Sluicegate creates.")
+    topic_replication_auto: bool = Field(
+        True,
+        description="Raise the replication of topics Sluicegate creates to min(3, brokers in the cluster), with "
+        "min.insync.replicas 2 at 3 replicas, so one broker may fail without losing or refusing a write.",
+    )
 
     # --- local dev stack ----------------------------------------------------------------------
     state_dir: Path = Field(
@@ -34,6 +39,13 @@ class Settings(BaseSettings):
     )
     kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
     redis_port: int = Field(6379, description="Port of the local Redis server.")
+    kafka_brokers: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Brokers of the local Kafka (`sluicegate dev up --brokers N`): node i listens on kafka_port + 2i "
+        "(controller + 1); from 3 brokers topics get 3 replicas and min.insync.replicas 2.",
+    )
     kafka_full_jit: bool = Field(
         False,
         description="Let the local broker's JVM compile hot code with C2, as a production broker does, instead of "

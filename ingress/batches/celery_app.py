@@ -9,10 +9,12 @@ ack, two beats) does nothing twice. Queue and broker keys carry the topic prefix
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from celery import Celery
 
 from schemas import Names
+from sluicegate.redis_client import is_sentinel_url, parse_sentinel_url
 from sluicegate.settings import Settings, get_settings
 
 TICK_TASK = "sluicegate.batch.tick"
@@ -24,10 +26,22 @@ def broker_url(settings: Settings) -> str:
     return settings.batch_broker_url or settings.redis_url
 
 
+def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
+    """(kombu URL, extra transport options). A ``redis+sentinel://h:p,h:p/service/db`` URL becomes kombu's
+    ``sentinel://h:p/db;sentinel://h:p/db`` with ``master_name`` = service, so the broker follows a failover
+    like every other Redis client of the pipeline; any other URL is used as it is."""
+    if not is_sentinel_url(url):
+        return url, {}
+    sentinels, service, db, password = parse_sentinel_url(url)
+    auth = f":{password}@" if password else ""
+    return ";".join(f"sentinel://{auth}{host}:{port}/{db}" for host, port in sentinels), {"master_name": service}
+
+
 def make_app(settings: Settings) -> Celery:
     """A Celery app configured from ``settings`` (tasks are registered by :mod:`ingress.batches.tasks`)."""
     names = Names(settings.topic_prefix)
-    app = Celery("sluicegate-batch", broker=broker_url(settings))
+    broker, sentinel_options = kombu_broker(broker_url(settings))
+    app = Celery("sluicegate-batch", broker=broker)
     app.conf.update(
         task_default_queue=names.batch_queue,
         # A task is acked when it ends, not when it starts, and a worker lost mid-task (kill -9) gives it back:
@@ -38,6 +52,7 @@ def make_app(settings: Settings) -> Celery:
         broker_transport_options={
             "visibility_timeout": settings.batch_visibility_timeout_s,
             "global_keyprefix": names.prefix,
+            **sentinel_options,
         },
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,

@@ -33,6 +33,8 @@ def _dev(args: argparse.Namespace) -> int:
     from sluicegate.stack import devstack
 
     settings = get_settings()
+    if args.brokers is not None:
+        settings = settings.model_copy(update={"kafka_brokers": args.brokers})
     try:
         if args.action == "up":
             print("\n".join(devstack.up(settings).lines()))
@@ -164,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     dev = sub.add_parser("dev", help="local Kafka (KRaft) + Redis stack")
     dev.add_argument("action", choices=["up", "status", "down"])
+    dev.add_argument(
+        "--brokers", type=int, default=None, help="Kafka brokers (KRaft nodes) of the local stack, 1..5 (default 1)"
+    )
     dev.set_defaults(handler=_dev)
 
     up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, one worker")

@@ -24,7 +24,16 @@ from sluicegate.kafka import probe_kafka, wait_for_kafka
 from sluicegate.redis_client import wait_for_redis
 from sluicegate.settings import Settings, get_settings
 from sluicegate.stack.jars import ensure_jars, find_java
-from sluicegate.stack.kafka_broker import KAFKA_START_TIMEOUT_S, KAFKA_STOP_TIMEOUT_S, kafka_owner, start_kafka
+from sluicegate.stack.kafka_broker import KAFKA_START_TIMEOUT_S, KAFKA_STOP_TIMEOUT_S, kafka_owner
+from sluicegate.stack.kafka_cluster import (
+    check_size,
+    cluster_bootstrap,
+    node_layouts,
+    recorded_size,
+    running_pids,
+    start_nodes,
+    wait_for_brokers,
+)
 from sluicegate.stack.layout import DevStackError, StackLayout
 from sluicegate.stack.processes import (
     Running,
@@ -66,6 +75,7 @@ class StackInfo:
     state_dir: Path
     started: tuple[str, ...] = ()  # services this call started; the others were already running
     elapsed_s: float = 0.0
+    kafka_pids: tuple[int, ...] = ()  # every node of a multi-broker stack (node 0 first)
 
     def env(self) -> dict[str, str]:
         """Environment that points Sluicegate services at this stack."""
@@ -84,7 +94,8 @@ class StackInfo:
 
         services = []
         if self.kafka_pid is not None:
-            services.append(f"kafka  {self.kafka_bootstrap}  pid {self.kafka_pid} ({state('kafka')})")
+            pids = ", ".join(str(p) for p in self.kafka_pids) or str(self.kafka_pid)
+            services.append(f"kafka  {self.kafka_bootstrap}  pid {pids} ({state('kafka')})")
         if self.redis_pid is not None:
             services.append(f"redis  {self.redis_url}  pid {self.redis_pid} ({state('redis')})")
         return [
@@ -170,17 +181,22 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
     layout = StackLayout.of(settings)
     want_kafka, want_redis = "kafka" in services, "redis" in services
     started_at = time.monotonic()
+    nodes = node_layouts(layout, settings.kafka_brokers)
     with locked(layout.state):
-        kafka_owns, redis_owns = kafka_owner(layout), redis_owner(layout)
-        kafka_pid = running_pid(layout.kafka_pid, kafka_owns) if want_kafka else None
+        redis_owns = redis_owner(layout)
+        node_pids = running_pids(nodes) if want_kafka else []
         redis_pid = running_pid(layout.redis_pid, redis_owns) if want_redis else None
-        start_kafka_now, start_redis_now = want_kafka and kafka_pid is None, want_redis and redis_pid is None
+        # A node that is not running is started (also one node of a cluster whose others run: a restart).
+        missing = [i for i, pid in enumerate(node_pids) if pid is None]
+        start_kafka_now, start_redis_now = bool(missing), want_redis and redis_pid is None
         started: list[str] = []
 
         if start_kafka_now:
-            for port in (layout.kafka_port, layout.kafka_port + 1):
-                if port_in_use(port):
-                    raise _busy_port_error(port, "SLUICEGATE_KAFKA_PORT")
+            check_size(layout, settings.kafka_brokers)
+            for i in missing:
+                for port in (nodes[i].kafka_port, nodes[i].kafka_port + 1):
+                    if port_in_use(port):
+                        raise _busy_port_error(port, "SLUICEGATE_KAFKA_PORT")
         if start_redis_now and port_in_use(layout.redis_port):
             raise _busy_port_error(layout.redis_port, "SLUICEGATE_REDIS_PORT")
 
@@ -194,32 +210,33 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
                 redis_pid = start_redis(layout, redis_server)
                 started.append("redis")
             if start_kafka_now:
-                kafka_pid = start_kafka(layout, settings, java, libs)
+                for i, pid in start_nodes(nodes, settings, java, libs, missing).items():
+                    node_pids[i] = pid
                 started.append("kafka")
-            run_coro(_wait_ready(layout, kafka_pid, redis_pid))
+            kafka_pid = node_pids[0] if node_pids else None
+            run_coro(_wait_ready(layout, kafka_pid, redis_pid, nodes if want_kafka else []))
         except BaseException:
             # Leave nothing half-started behind: a retry then starts from a clean slate.
-            ours = {
-                "kafka": (kafka_pid, layout.kafka_pid, kafka_owns, KAFKA_STOP_TIMEOUT_S),
-                "redis": (redis_pid, layout.redis_pid, redis_owns, REDIS_STOP_TIMEOUT_S),
-            }
-            stop(
-                {
-                    name: Running(pid, pid_file, owns, timeout_s)
-                    for name, (pid, pid_file, owns, timeout_s) in ours.items()
-                    if name in started and pid is not None
-                }
-            )
+            ours: dict[str, Running] = {}
+            if "redis" in started and redis_pid is not None:
+                ours["redis"] = Running(redis_pid, layout.redis_pid, redis_owns, REDIS_STOP_TIMEOUT_S)
+            for i in missing if "kafka" in started else []:
+                pid = node_pids[i]
+                if pid is not None:
+                    node = nodes[i]
+                    ours[f"kafka-{i}"] = Running(pid, node.kafka_pid, kafka_owner(node), KAFKA_STOP_TIMEOUT_S)
+            stop(ours)
             raise
 
     info = StackInfo(
-        kafka_bootstrap=layout.bootstrap,
+        kafka_bootstrap=cluster_bootstrap(nodes) if want_kafka else layout.bootstrap,
         redis_url=layout.redis_url,
         kafka_pid=kafka_pid,
         redis_pid=redis_pid,
         state_dir=layout.state,
         started=tuple(started),
         elapsed_s=time.monotonic() - started_at,
+        kafka_pids=tuple(p for p in node_pids if p is not None) if len(nodes) > 1 else (),
     )
     log.info(
         "devstack.up bootstrap=%s redis_url=%s kafka_pid=%s redis_pid=%s started=%s elapsed_s=%.2f",
@@ -233,22 +250,29 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
     return info
 
 
-async def _wait_ready(layout: StackLayout, kafka_pid: int | None, redis_pid: int | None) -> None:
+async def _wait_ready(
+    layout: StackLayout, kafka_pid: int | None, redis_pid: int | None, nodes: list[StackLayout] | None = None
+) -> None:
     """Until each service given a pid answers; a process that exits meanwhile fails at once with its log's reason."""
+    nodes = nodes or [layout]
 
     def kafka_check() -> None:
-        if kafka_pid is not None and not alive(kafka_pid, kafka_owner(layout)):
-            raise DevStackError(
-                f"kafka exited during startup: {last_problem(layout.kafka_out, layout.kafka_logs / 'server.log')}"
-                f" (logs in {layout.kafka_logs})"
-            )
+        for node in nodes:
+            pid = running_pid(node.kafka_pid, kafka_owner(node))
+            if pid is None:
+                raise DevStackError(
+                    f"kafka exited during startup: {last_problem(node.kafka_out, node.kafka_logs / 'server.log')}"
+                    f" (logs in {node.kafka_logs})"
+                )
 
     def redis_check() -> None:
         if redis_pid is not None and not alive(redis_pid, redis_owner(layout)):
             raise DevStackError(f"redis exited during startup: {last_problem(layout.redis_log)}")
 
     waits: list[Awaitable[object]] = []
-    if kafka_pid is not None:
+    if kafka_pid is not None and len(nodes) > 1:
+        waits.append(wait_for_brokers(cluster_bootstrap(nodes), len(nodes), KAFKA_START_TIMEOUT_S, kafka_check))
+    elif kafka_pid is not None:
         waits.append(wait_for_kafka(layout.bootstrap, KAFKA_START_TIMEOUT_S, check=kafka_check))
     if redis_pid is not None:
         waits.append(wait_for_redis(layout.redis_url, REDIS_START_TIMEOUT_S, check=redis_check))
@@ -305,11 +329,16 @@ def down(settings: Settings | None = None, services: tuple[str, ...] = SERVICES)
     layout = StackLayout.of(settings or get_settings())
     with locked(layout.state):
         ours: dict[str, Running] = {}
+        # Every node of a multi-broker stack (its size is recorded in node 0's folder).
+        kafka_nodes = node_layouts(layout, recorded_size(layout))
         for name, pid_file, owns, timeout_s in (
-            ("kafka", layout.kafka_pid, kafka_owner(layout), KAFKA_STOP_TIMEOUT_S),
+            *(
+                (f"kafka-{i}" if i else "kafka", node.kafka_pid, kafka_owner(node), KAFKA_STOP_TIMEOUT_S)
+                for i, node in enumerate(kafka_nodes)
+            ),
             ("redis", layout.redis_pid, redis_owner(layout), REDIS_STOP_TIMEOUT_S),
         ):
-            if name not in services:
+            if name.split("-")[0] not in services:
                 continue
             pid = running_pid(pid_file, owns)
             if pid is None:

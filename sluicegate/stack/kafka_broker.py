@@ -1,6 +1,7 @@
 """The local Kafka broker: one JVM in KRaft mode (broker and controller together) on ``kafka_port`` and
 ``kafka_port + 1``. Writes its ``server.properties`` from ``infra/local/server.properties.template``,
-formats its storage once and starts it in the background.
+formats its storage once and starts it in the background. A local cluster (``kafka_cluster.py``) runs one
+of these per node, each given its :class:`Quorum` (node id, voters, replication).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import base64
 import string
 import subprocess
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from sluicegate.settings import Settings
@@ -39,6 +41,22 @@ KAFKA_JVM_OPTS: tuple[str, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Quorum:
+    """What one node of a KRaft quorum needs to know: its id, every voter, and the replication that
+    the cluster's size allows (default and internal topics)."""
+
+    node_id: int
+    voters: str
+    replication: int
+    min_isr: int
+    cluster_id: str = ""  # every node of a cluster is formatted with the same id; "" = make one
+
+    @classmethod
+    def single(cls, layout: StackLayout) -> Quorum:
+        return cls(1, f"1@127.0.0.1:{layout.kafka_port + 1}", 1, 1)
+
+
 def kafka_jvm_opts(settings: Settings) -> list[str]:
     """The broker's JVM options: ``KAFKA_JVM_OPTS``, without the C1-only cap when ``kafka_full_jit``."""
     return [o for o in KAFKA_JVM_OPTS if not (settings.kafka_full_jit and o == C1_ONLY)]
@@ -50,7 +68,7 @@ def kafka_owner(layout: StackLayout) -> Owner:
     return lambda tokens: "kafka.Kafka" in tokens and props in tokens
 
 
-def _write_config(layout: StackLayout, settings: Settings) -> Path:
+def _write_config(layout: StackLayout, settings: Settings, quorum: Quorum) -> Path:
     template = string.Template(infra_file(SERVER_TEMPLATE).read_text())
     try:
         text = template.substitute(
@@ -58,6 +76,10 @@ def _write_config(layout: StackLayout, settings: Settings) -> Path:
             controller_port=layout.kafka_port + 1,
             log_dirs=layout.kafka_dir / "data",
             num_partitions=settings.topic_partitions,
+            node_id=quorum.node_id,
+            quorum_voters=quorum.voters,
+            replication=quorum.replication,
+            min_isr=quorum.min_isr,
         )
     except (KeyError, ValueError) as exc:
         raise DevStackError(f"{SERVER_TEMPLATE} has an unknown or malformed placeholder: {exc}") from exc
@@ -70,11 +92,13 @@ def _log_opts(layout: StackLayout) -> list[str]:
     return [f"-Dkafka.logs.dir={layout.kafka_logs}", f"-Dlog4j.configuration={infra_file(LOG4J_CONFIG).as_uri()}"]
 
 
-def _format_storage(layout: StackLayout, java: str, libs: Path) -> None:
+def _format_storage(layout: StackLayout, java: str, libs: Path, cluster_id: str = "") -> None:
     """Format the KRaft metadata log once (``meta.properties`` marks a formatted folder)."""
     if (layout.kafka_dir / "data" / "meta.properties").exists():
         return
     id_file = layout.kafka_dir / "cluster.id"
+    if cluster_id:
+        id_file.write_text(cluster_id + "\n")
     cluster_id = id_file.read_text().strip() if id_file.exists() else ""
     if not cluster_id:
         # Kafka's Uuid text form: 16 random bytes, URL-safe base64 without padding.
@@ -102,10 +126,12 @@ def _format_storage(layout: StackLayout, java: str, libs: Path) -> None:
     log.info("devstack.kafka_formatted cluster_id=%s dir=%s", cluster_id, layout.kafka_dir / "data")
 
 
-def start_kafka(layout: StackLayout, settings: Settings, java: str, libs: Path) -> int:
-    """Write the config, format storage when new, and start the broker; returns its pid (not yet ready)."""
-    _write_config(layout, settings)
-    _format_storage(layout, java, libs)
+def start_kafka(layout: StackLayout, settings: Settings, java: str, libs: Path, quorum: Quorum | None = None) -> int:
+    """Write the config, format storage when new, and start the broker; returns its pid (not yet ready).
+    ``quorum`` places it in a cluster; ``None`` is a one-node cluster of its own."""
+    quorum = quorum or Quorum.single(layout)
+    _write_config(layout, settings, quorum)
+    _format_storage(layout, java, libs, quorum.cluster_id)
     cmd = [
         java,
         *kafka_jvm_opts(settings),

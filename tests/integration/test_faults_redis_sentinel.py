@@ -1,0 +1,284 @@
+"""Redis failover under live streams: a primary, a replica and three Sentinels (Debian's ``redis-server`` and
+``redis-sentinel``, started here on free ports), the worker and the readers on a ``redis+sentinel://`` URL.
+The primary is SIGKILLed while the worker streams; the Sentinels promote the replica and every client
+follows it. Every stream must still end with its ``done``: seq 0..n, tokens equal to the uninterrupted run,
+and a reader that follows the streams live sees no token twice and no gap.
+
+Prints one ``FAULT-REPORT`` line (run with ``-s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from redis.exceptions import RedisError
+from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
+    PROMPT,
+    _free_port,
+    engine,
+    model_dir,
+    publish,
+    reference_run,
+    report,
+    request_for,
+)
+
+from gpu_workers.engine import AsyncEngine, SamplingParams
+from gpu_workers.worker.main import run_worker
+from schemas import STREAM_FIELD, Names, TokenEvent, WorkerHeartbeat, parse_stream_event
+from sluicegate.kafka import create_admin
+from sluicegate.redis_client import create_redis, wait_for_redis
+from sluicegate.settings import Settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+SERVICE = "sluicegate-primary"
+
+
+@dataclass
+class SentinelSet:
+    """redis-server primary + replica and three redis-sentinel processes of this test's own."""
+
+    folder: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{self.ports[f'sentinel{i}']}" for i in range(3))
+        return f"redis+sentinel://{hosts}/{SERVICE}/0"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log = (self.folder / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self) -> None:
+        server, sentinel = shutil.which("redis-server"), shutil.which("redis-sentinel")
+        if server is None or sentinel is None:
+            pytest.skip("redis-server and redis-sentinel are needed (apt-get install redis-sentinel)")
+        for name in ("primary", "replica", "sentinel0", "sentinel1", "sentinel2"):
+            self.ports[name] = _free_port()
+        for name in ("primary", "replica"):
+            data = self.folder / name
+            data.mkdir()
+            args = [server, "--port", str(self.ports[name]), "--bind", "127.0.0.1", "--save", "", "--dir", str(data)]
+            if name == "replica":
+                args += ["--replicaof", "127.0.0.1", str(self.ports["primary"])]
+            self._spawn(name, args)
+        for i in range(3):
+            name = f"sentinel{i}"
+            conf = self.folder / f"{name}.conf"  # a Sentinel rewrites its config file: one each
+            conf.write_text(
+                f"port {self.ports[name]}\nbind 127.0.0.1\ndir {self.folder}\n"
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['primary']} 2\n"
+                f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+                f"sentinel failover-timeout {SERVICE} 5000\n"
+            )
+            self._spawn(name, [sentinel, str(conf)])
+
+    def kill(self, name: str) -> None:
+        os.kill(self.processes[name].pid, signal.SIGKILL)
+        self.processes[name].wait(timeout=10)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+
+
+@dataclass
+class Worker:
+    settings: Settings
+    names: Names
+
+
+@contextlib.asynccontextmanager
+async def running_worker(kafka_bootstrap: str, redis_url: str, model_path: Path, prefix: str) -> AsyncIterator[Worker]:
+    """The worker in this process on ``redis_url`` (a Sentinel URL), until it owns its partition."""
+    settings = Settings(
+        kafka_bootstrap=kafka_bootstrap,
+        redis_url=redis_url,
+        topic_prefix=prefix,
+        topic_partitions=1,
+        model=str(model_path),
+        model_name="tiny-worker",
+        worker_id="w-sentinel",
+        kv_cache_gb=0.05,
+        heartbeat_interval_s=0.3,
+        drain_timeout_s=5.0,
+    )
+    names = Names(prefix)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_worker(settings, stop))
+    redis = create_redis(url=redis_url, socket_timeout=5)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the worker never owned its partition"
+            assert not task.done(), task.exception()
+            with contextlib.suppress(OSError, RedisError):
+                beats = await redis.hgetall(names.workers_key("tiny-worker"))
+                if any(WorkerHeartbeat.model_validate_json(v).partitions for v in beats.values()):
+                    break
+            await asyncio.sleep(0.1)
+        yield Worker(settings, names)
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+        await redis.aclose()
+        admin = create_admin(bootstrap=kafka_bootstrap)
+        await admin.start()
+        with contextlib.suppress(Exception):
+            await admin.delete_topics([t for t in await admin.list_topics() if t.startswith(prefix)])
+        await admin.close()
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
+    group = SentinelSet(tmp_path)
+    try:
+        group.start()
+        yield group
+    finally:
+        group.stop()
+
+
+async def replica_in_sync(group: SentinelSet) -> None:
+    """Until the Sentinels know the replica (so they can promote it) and it has synced."""
+    client = create_redis(url=f"redis://127.0.0.1:{group.ports['sentinel0']}/0", socket_timeout=2)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RedisError, OSError):
+                # One dict per replica (a Sentinel refreshes a replica's link state every few seconds).
+                replicas = await client.execute_command("SENTINEL", "REPLICAS", SERVICE)
+                if any(r.get(b"master-link-status") == b"ok" for r in replicas or []):
+                    return
+            await asyncio.sleep(0.2)
+    finally:
+        await client.aclose()
+    raise AssertionError("the Sentinels never saw a synced replica")
+
+
+async def follow(
+    url: str, names: Names, request_ids: list[str], seen: dict[str, list[int]], arrivals: list[float]
+) -> None:
+    """A live reader on the Sentinel URL: XREAD from the last id it has, recording every seq it receives."""
+    client = create_redis(url=url, socket_timeout=5)
+    last = {names.stream_key(rid): "0-0" for rid in request_ids}
+    done: set[str] = set()
+    try:
+        while len(done) < len(request_ids):
+            try:
+                answer = await client.xread({k: v for k, v in last.items() if k not in done}, block=500)
+            except (RedisError, OSError):
+                await asyncio.sleep(0.1)
+                continue
+            for key, entries in answer or []:
+                key = key.decode()
+                rid = key.rsplit(":", 1)[-1]
+                for entry_id, fields in entries:
+                    event = parse_stream_event(fields[STREAM_FIELD.encode()])
+                    seen[rid].append(event.seq)
+                    arrivals.append(time.monotonic())
+                    last[key] = entry_id.decode()
+                    if event.type in ("done", "error"):
+                        done.add(key)
+    finally:
+        await client.aclose()
+
+
+async def test_primary_killed_mid_stream_every_stream_ends_once(
+    kafka_bootstrap: str,
+    model_dir: Path,  # noqa: F811
+    engine: AsyncEngine,  # noqa: F811
+    sentinels: SentinelSet,
+    unique_prefix: str,
+) -> None:
+    await wait_for_redis(sentinels.url, timeout_s=20)
+    await replica_in_sync(sentinels)
+    max_tokens = 400
+    prompt_ids = list(engine.tokenizer.encode(PROMPT))
+    ref = await reference_run(
+        engine, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
+    requests = [request_for(max_tokens) for _ in range(3)]
+    ids = [r.request_id for r in requests]
+    async with running_worker(kafka_bootstrap, sentinels.url, model_dir, unique_prefix) as worker:
+        names = worker.names
+        seen: dict[str, list[int]] = {rid: [] for rid in ids}
+        arrivals: list[float] = []
+        reader = asyncio.create_task(follow(sentinels.url, names, ids, seen, arrivals))
+        await publish(worker, *requests)
+        deadline = time.monotonic() + 30
+        while min(len(v) for v in seen.values()) < 10:
+            assert time.monotonic() < deadline, {k: len(v) for k, v in seen.items()}
+            await asyncio.sleep(0.02)
+        at_kill = {rid: len(v) for rid, v in seen.items()}
+        sentinels.kill("primary")
+        killed = time.monotonic()
+        await asyncio.wait_for(reader, 120)
+        finished_s = time.monotonic() - killed
+
+        client = create_redis(url=sentinels.url, socket_timeout=5)
+        try:
+            role = await client.execute_command("ROLE")
+            for rid in ids:
+                entries = await client.xrange(names.stream_key(rid))
+                events = [parse_stream_event(f[STREAM_FIELD.encode()]) for _, f in entries]
+                seqs = [e.seq for e in events]
+                assert seqs == list(range(len(events))), f"{rid}: stream has a gap or duplicate"
+                assert [e.type for e in events].count("done") == 1 and events[-1].type == "done"
+                tokens = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+                assert tokens == ref.token_ids
+                assert seen[rid] == seqs, f"{rid}: the live reader saw {seen[rid][:5]}... != stream"
+        finally:
+            await client.aclose()
+    assert role[0] == b"master"
+    assert all(0 < n < max_tokens for n in at_kill.values()), at_kill
+    report(
+        "redis_sentinel_failover",
+        requests=len(requests),
+        tokens_each=max_tokens,
+        events_seen_at_kill=sorted(at_kill.values()),
+        kill_to_all_done_s=round(finished_s, 2),
+        longest_pause_s=round(max(b - a for a, b in itertools.pairwise(arrivals)), 2),
+        promoted=role[0].decode(),
+        losses=0,
+        duplicates=0,
+    )
+
+
+def test_sentinel_urls_parse_for_redis_py_and_kombu() -> None:
+    from ingress.batches.celery_app import kombu_broker
+    from sluicegate.kafka import replication_plan
+    from sluicegate.redis_client import parse_sentinel_url
+
+    assert parse_sentinel_url("redis+sentinel://h1:1,h2:2/svc/3") == ([("h1", 1), ("h2", 2)], "svc", 3, None)
+    assert parse_sentinel_url("redis+sentinel://:pw@h1:1/svc") == ([("h1", 1)], "svc", 0, "pw")
+    for bad in ("redis+sentinel://h1/svc", "redis+sentinel://h1:1/", "redis+sentinel://h1:1/svc/x"):
+        with pytest.raises(ValueError):
+            parse_sentinel_url(bad)
+    assert kombu_broker("redis+sentinel://h1:1,h2:2/svc/3") == (
+        "sentinel://h1:1/3;sentinel://h2:2/3",
+        {"master_name": "svc"},
+    )
+    assert kombu_broker("redis://h:1/0") == ("redis://h:1/0", {})
+    # One broker: 1 replica; three: 3 replicas and 2 in sync; auto off keeps what was asked for.
+    assert replication_plan(1, 1, True) == (1, 1)
+    assert replication_plan(1, 3, True) == (3, 2)
+    assert replication_plan(1, 5, True) == (3, 2)
+    assert replication_plan(1, 3, False) == (1, 1)
