@@ -14,6 +14,8 @@ missing=()
 command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# Sentinel for the Redis failover test (a primary, a replica and three sentinels started by the test).
+[[ "$action" == test ]] && ! command -v redis-sentinel >/dev/null 2>&1 && missing+=(redis-sentinel)
 if ((${#missing[@]})); then
     if [[ "$(id -u)" -ne 0 ]]; then
         echo "error: missing ${missing[*]}; run as root or install them (apt-get install ${missing[*]})" >&2
