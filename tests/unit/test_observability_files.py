@@ -72,3 +72,11 @@ def test_a_misspelt_metric_is_caught() -> None:
     assert referenced_metrics(['rate(sluicegate:time_to_first_token_second_bucket{tier="x"}[5m])']) - (
         registered_names()
     ) == {"sluicegate:time_to_first_token_second_bucket"}
+
+
+def test_the_charts_autoscaling_query_reads_a_registered_metric() -> None:
+    """KEDA's prometheus trigger scales worker pools on the backlog gauge the worker exports under this name."""
+    values = yaml.safe_load((DASHBOARD.parents[1] / "helm" / "sluicegate" / "values.yaml").read_text())
+    metric = values["keda"]["backlogMetric"]
+    assert referenced_metrics([f'max({metric}{{model="m"}})']) == {metric}
+    assert metric in registered_names()

@@ -110,7 +110,7 @@ def test_kafka_triggers_watch_each_tier_topic_of_the_models_group(two_gpu: Manif
 def test_backlog_trigger_reads_the_models_gauge(two_gpu: Manifests) -> None:
     (prometheus,) = [t for t in _scaled(two_gpu, "llama-8b")["triggers"] if t["type"] == "prometheus"]
     assert prometheus["metricType"] == "Value"  # seconds of backlog are not divided among replicas
-    assert prometheus["metadata"]["query"] == f'max(sluicegate:backlog_seconds{{model="{LLAMA}"}})'
+    assert prometheus["metadata"]["query"] == f'max(sluicegate_worker_backlog_seconds{{model="{LLAMA}"}})'
     assert (prometheus["metadata"]["threshold"], prometheus["metadata"]["activationThreshold"]) == ("10", "2")
 
 
