@@ -32,6 +32,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports (a multi-broker stack derives its ports from one)."""
+    for _ in range(200):
+        base = free_port()
+        if base + count < 65535 and all(_bindable(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no run of {count} free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (``q`` in [0, 1]); NaN for no values."""
     if not values:

@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 from redis.asyncio import Redis
 
-from benchmarks.common import REPO_ROOT, free_port, percentile, progress
+from benchmarks.common import REPO_ROOT, free_port, free_port_run, percentile, progress
 from schemas import STREAM_FIELD, Names, parse_stream_event
 from sluicegate.settings import Settings
 from sluicegate.stack import devstack
@@ -46,24 +46,6 @@ API_KEY = "sk-soak-key"
 MODEL = "tiny-soak"
 TIERS = {"interactive": (16, 0.5), "standard": (48, 0.4), "batch": (96, 0.6)}  # max_tokens, seconds between
 PROMPTS = ["The harbour at dawn", "Rivers run to the sea", "A lamp in the window", "Snow on the pass"]
-
-
-def free_run(count: int) -> int:
-    import socket
-
-    for _ in range(200):
-        base = free_port()
-        ok = True
-        for i in range(count):
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", base + i))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no run of free ports")
 
 
 @dataclass
@@ -258,7 +240,7 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="sluicegate-soak-"))
     model = make_tiny_model(workdir / MODEL, arch="llama", num_layers=2, hidden_size=64)
-    base = free_run(7)
+    base = free_port_run(7)
     settings = Settings(
         state_dir=REPO_ROOT / ".sluicegate", kafka_port=base, redis_port=base + 6, kafka_brokers=3, topic_partitions=4
     )

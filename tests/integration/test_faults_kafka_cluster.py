@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +30,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from ingress_support import KEY, MODEL, running_ingress
 
+from benchmarks.common import free_port_run
 from schemas import InferenceRequest, Names
 from sluicegate.kafka import create_admin, create_consumer
 from sluicegate.settings import Settings
@@ -46,26 +46,6 @@ PARTITIONS = 6
 KAFKA_TIMEOUT_S = 2.0
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_run(count: int) -> int:
-    """The first of ``count`` consecutive free ports."""
-    for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + count < 65535 and all(_bindable(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no run of free ports found")
-
-
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
@@ -73,7 +53,7 @@ def p99(values: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Settings, devstack.StackInfo]]:
-    base = free_run(2 * BROKERS + 1)
+    base = free_port_run(2 * BROKERS + 1)
     config = Settings(
         state_dir=REPO_ROOT / ".sluicegate",
         kafka_port=base,
