@@ -55,6 +55,7 @@ class _ValueScanner:
     in_string: bool = False
     escaped: bool = False
     scalar: bool = False  # a bare number/true/false/null: it ends at the first delimiter
+    quoted: bool = False  # a JSON string (arguments some models write as an encoded object)
 
     def scan(self, text: str) -> tuple[int, int, bool]:
         """``(skip, upto, ended)``: leading whitespace to drop, where the value's text ends in ``text``, and
@@ -67,6 +68,7 @@ class _ValueScanner:
                     continue
                 self.started = True
                 self.scalar = char not in '{["'
+                self.quoted = char == '"'
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
@@ -102,6 +104,7 @@ class ToolCallStream:
     _index: int = 0  # the next call's index
     _decided: bool = False  # auto: whether the output is Llama-style JSON or Hermes-style text is known
     _scanner: _ValueScanner = field(default_factory=_ValueScanner)
+    _quoted: str = ""  # a string-valued arguments literal, until it is complete
 
     def __post_init__(self) -> None:
         if self.plan.mode == "required":
@@ -191,11 +194,14 @@ class ToolCallStream:
             if name is None or name not in self.plan.tool_names:
                 self._state = "after" if self._index else "fallback"
                 return None
-            self._buf, self._state, self._scanner = buf[match.end() :], "args", _ValueScanner()
+            self._buf, self._state, self._scanner, self._quoted = buf[match.end() :], "args", _ValueScanner(), ""
             return [self._header(name)]
         if state == "args":
             skip, upto, ended = self._scanner.scan(buf)
             piece, self._buf = buf[skip:upto], buf[upto:]
+            if self._scanner.quoted:  # arguments as a JSON string: sent whole, as the text it encodes
+                self._quoted += piece
+                piece = (_json_string(self._quoted[1:-1]) or "") if ended else ""
             out = [self._arguments(self._index, piece)] if piece else []
             if ended:
                 self._state, self._index = "close", self._index + 1

@@ -96,6 +96,7 @@ STREAMED_CASES = [
     (LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "utc"}}'),
     (LLAMA, ' {"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "x"}}'),
     (AUTO_ANY, '{"name": "get_time", "parameters": {"zone": 5}}'),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"utc\\"}"}</tool_call>'),
     (AUTO_ANY, 'Hi <tool_call>{"name": "get_time", "arguments": {"zone": 1.5}}</tool_call>'),
     (REQUIRED, '[{"name": "get_time", "parameters": {"zone": "cet"}}, {"name": "get_weather", "parameters": {}}]'),
 ]
