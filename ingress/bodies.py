@@ -208,6 +208,8 @@ class ChatCompletionBody(_OpenAIBody):
     function_call: Annotated[Any, _only("none", None)] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's extra_body name: the output must match this regular expression.
+    guided_regex: str | None = Field(None, min_length=1, max_length=10_000)
     _guided: GuidedSpec | None = PrivateAttr(None)
     modalities: Annotated[list[str] | None, _nullable({"type": "array", "items": {"const": "text"}, "minItems": 1})] = (
         None
@@ -252,9 +254,18 @@ class ChatCompletionBody(_OpenAIBody):
         guided_for(info.data.get("tools"), info.data.get("tool_choice"), value, None)
         return value
 
+    @field_validator("guided_regex")
+    @classmethod
+    def _regex_alone(cls, value: str | None, info: ValidationInfo) -> str | None:
+        data = info.data
+        guided_for(data.get("tools"), data.get("tool_choice"), data.get("response_format"), None, value)
+        return value
+
     @model_validator(mode="after")
     def _constraint(self) -> ChatCompletionBody:
-        self._guided = guided_for(self.tools, self.tool_choice, self.response_format, self.parallel_tool_calls)
+        self._guided = guided_for(
+            self.tools, self.tool_choice, self.response_format, self.parallel_tool_calls, self.guided_regex
+        )
         return self
 
     def token_logprobs(self) -> int | None:

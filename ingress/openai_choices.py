@@ -12,7 +12,8 @@ from schemas.events import FinishReason
 
 from .assembler import ChoiceDelta, StreamAssembler
 from .openai_format import Kind, chat_logprobs, completion_logprobs
-from .tool_calls import ToolCallStream, ToolPlan, parse_output
+from .tool_call_stream import ToolCallStream
+from .tool_calls import ToolPlan, parse_output
 
 
 @dataclass(frozen=True)

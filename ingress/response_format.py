@@ -110,8 +110,19 @@ def guided_for(
     tool_choice: ToolChoice | None,
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None,
     parallel_tool_calls: bool | None,
+    regex: str | None = None,
 ) -> GuidedSpec | None:
-    """The grammar a body asks for; a ``PydanticCustomError`` naming the parameter for contradictions."""
+    """The grammar a body asks for; a ``PydanticCustomError`` naming the parameter for contradictions.
+
+    ``regex`` is vLLM's ``guided_regex`` extra: it combines with no other constraint, but with
+    ``tool_choice`` 'auto' (the model may then be made to write a call in its own format)."""
+    if regex is not None:
+        if guided_for(tools, tool_choice, response_format, parallel_tool_calls) is not None:
+            raise PydanticCustomError(
+                "conflicting_constraints",
+                "guided_regex cannot be combined with response_format or a forced tool_choice",
+            )
+        return GuidedSpec(regex=regex)
     choice = effective_tool_choice(tools, tool_choice)
     forced: dict[str, Any] | None = None
     if isinstance(choice, NamedToolChoice):

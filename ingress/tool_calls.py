@@ -7,9 +7,7 @@ the chat template: Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</to
 optional content, or Llama-3.1-style JSON ``{"name": ..., "parameters": ...}`` (optionally behind
 ``<|python_tag|>``, several separated by ``;``). Text that does not parse as calls of offered tools stays content.
 
-Streamed, a named call's argument fragments go out as they are generated; other calls are held until the
-choice ends (a half-written call cannot be told from prose) and then sent the way OpenAI sends them: per call
-a delta with ``index``, ``id``, ``type`` and the function name, then its argument fragments.
+Streamed, calls are read as they are written by :mod:`ingress.tool_call_stream`.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from schemas import ToolCallFormat, ToolSpec
@@ -151,83 +149,3 @@ def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if call["function"]["arguments"]:
             deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]})
     return deltas
-
-
-@dataclass
-class ToolCallStream:
-    """One choice's streamed message deltas (``content`` or ``tool_calls``) under a plan."""
-
-    plan: ToolPlan
-    called: bool = False
-    _held: str = ""  # text not yet relayed: a possible marker prefix, or a whole call being written
-    _buffering: bool = False
-    _decided: bool = False  # auto, Llama format: whether the output opens with a call is known
-    _sent_header: bool = False
-    _content: list[str] = field(default_factory=list)
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """Deltas to send for new text."""
-        if not text:
-            return []
-        mode = self.plan.mode
-        if mode == "content":
-            return [{"content": text}]
-        if mode == "named":
-            out: list[dict[str, Any]] = []
-            if not self._sent_header:
-                self._sent_header = self.called = True
-                assert self.plan.named is not None
-                head = {"index": 0, "id": new_call_id(), "type": "function"}
-                out.append({"tool_calls": [head | {"function": {"name": self.plan.named, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return out
-        self._held += text
-        if mode == "required" or self._buffering:
-            return []
-        return self._auto_content()
-
-    def _auto_content(self) -> list[dict[str, Any]]:
-        llama_possible = self.plan.fmt in ("llama3_json", None)
-        if not self._decided and llama_possible:
-            stripped = self._held.lstrip()
-            if not stripped:
-                return []
-            self._decided = True
-            if stripped.startswith("{") or (
-                stripped.startswith(PYTHON_TAG[:1]) and PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)])
-            ):
-                self._buffering = True
-                return []
-        if self.plan.fmt == "llama3_json":
-            out, self._held = self._held, ""
-            return [{"content": out}]
-        marker = self._held.find(HERMES_OPEN)
-        if marker != -1:
-            out, self._held, self._buffering = self._held[:marker], self._held[marker:], True
-        else:
-            keep = _partial_suffix(self._held, HERMES_OPEN)
-            out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
-        if out:
-            self._content.append(out)
-            return [{"content": out}]
-        return []
-
-    def finish(self) -> list[dict[str, Any]]:
-        """Deltas held until the choice ended."""
-        if self.plan.mode in ("content", "named") or not self._held:
-            return []
-        held, self._held = self._held, ""
-        if self.plan.mode == "required" or self._buffering:
-            _, calls = parse_output("".join(self._content) + held, self.plan)
-            if calls:
-                self.called = True
-                return call_deltas(calls)
-        return [{"content": held}]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

@@ -31,21 +31,40 @@ class ChoiceTracker:
 
     def event(self, request_id: str, seq: int, delta: RequestDelta) -> TokenEvent | None:
         """The stream event for one of the engine's deltas with ``n`` > 1 (None when it adds nothing)."""
-        choice = self._choices[delta.index]
-        logprobs = self.add(delta.index, delta.token_ids, delta.text, delta.logprobs)
-        if delta.finish_reason is not None:
-            choice.finish_reason = _reason(delta.finish_reason)
-        if not (delta.text or delta.token_ids or delta.finish_reason):
+        return self.choice_event(
+            request_id, seq, delta.index, delta.token_ids, delta.text, delta.logprobs, delta.finish_reason
+        )
+
+    def choice_event(
+        self,
+        request_id: str,
+        seq: int,
+        index: int,
+        token_ids: list[int],
+        text: str,
+        logprobs: object,
+        finish_reason: str | None,
+    ) -> TokenEvent | None:
+        """Record a choice's new tokens and text (and its end): the stream event for them, or None."""
+        choice = self._choices[index]
+        converted = self.add(index, token_ids, text, logprobs)
+        if finish_reason is not None:
+            choice.finish_reason = _reason(finish_reason)
+        if not (text or token_ids or finish_reason):
             return None
         return TokenEvent(
             request_id=request_id,
             seq=seq,
-            text=delta.text,
-            token_ids=list(delta.token_ids),
-            index=delta.index,
-            logprobs=logprobs,
+            text=text,
+            token_ids=list(token_ids),
+            index=index,
+            logprobs=converted,
             finish_reason=choice.finish_reason,
         )
+
+    def restore(self, index: int, token_ids: list[int], text: str, finish_reason: FinishReason | None) -> None:
+        """A choice as a resumed request's stream already holds it (its logprobs are not kept there)."""
+        self._choices[index] = _Choice(list(token_ids), text, [], finish_reason)
 
     def add(self, index: int, token_ids: list[int], text: str, logprobs: object) -> list[TokenLogprob] | None:
         """Record a choice's new tokens; returns their logprobs in the contract's shape."""

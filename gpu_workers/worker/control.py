@@ -61,4 +61,5 @@ class Cancels:
                 continue
             log.info("worker.cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
             entry.cancelled = True
-            await self.engine.abort(cancel.request_id)
+            for engine_id in entry.engine_request_ids:
+                await self.engine.abort(engine_id)

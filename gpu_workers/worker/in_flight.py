@@ -36,6 +36,13 @@ class Active:
     early: RequestStream | None = field(default=None, repr=False)
     prompt: list[int] | None = field(default=None, repr=False)  # token ids, once computed
     watch: Any = field(default=None, repr=False)  # its telemetry.RequestWatch while it is served
+    # The engine's ids for it when not its request id: a resumed request with n > 1 runs one per choice.
+    engine_ids: tuple[str, ...] = ()
+
+    @property
+    def engine_request_ids(self) -> tuple[str, ...]:
+        """What to abort in the engine to stop this request."""
+        return self.engine_ids or (self.request_id,)
 
     @property
     def provisional_key(self) -> str:

@@ -235,8 +235,9 @@ class Intake:
         moving = [entry for entry in self.in_flight if entry.partition in revoked]
         for entry in moving:
             entry.handed_off = True
-            with contextlib.suppress(Exception):
-                await self.engine.abort(entry.request_id)
+            for engine_id in entry.engine_request_ids:
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(engine_id)
         await self.outputs.flush()
         await self.commit()
         for tp in revoked:

@@ -66,6 +66,14 @@ def prompt_token_ids(request: InferenceRequest, tokenizer: Any) -> list[int]:
     return list(request.prompt or [])
 
 
+def prompt_len_or_zero(request: InferenceRequest, tokenizer: Any) -> int:
+    """The prompt's length in tokens, or 0 for one that cannot be rendered (usage of a request never run)."""
+    try:
+        return len(prompt_token_ids(request, tokenizer))
+    except PromptError:
+        return 0
+
+
 def tool_call_format(tokenizer: Any) -> ToolCallFormat | None:
     """How the model writes tool calls, read from its chat template (advertised in heartbeats)."""
     template = getattr(tokenizer, "chat_template", None)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from gpu_workers.engine import EngineFront, RequestStream
 from schemas import (
@@ -23,7 +23,6 @@ from schemas import (
     ErrorEvent,
     InferenceRequest,
     Names,
-    RequestRecord,
     RestartEvent,
     TokenEvent,
     Usage,
@@ -33,11 +32,12 @@ from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, request_id_of
 from sluicegate.telemetry import attached
 
+from .choice_resume import ChoiceResume
 from .choices import ChoiceTracker
 from .control import Cancels
 from .in_flight import Active, InFlight
 from .outputs import Outputs
-from .prompts import LogprobText, PromptError, prompt_token_ids, sampling_params
+from .prompts import LogprobText, PromptError, prompt_len_or_zero, prompt_token_ids, sampling_params
 from .resume import Continuation
 from .streams import read_pickup_state, read_stream_state
 from .telemetry import WorkerTelemetry
@@ -159,7 +159,7 @@ class Serving:
     async def _serve_picked_up(self, request: InferenceRequest, entry: Active, record: Any) -> bool:
         rid = request.request_id
         pickup = await self.outputs.redis_call(lambda: read_pickup_state(self.redis, self.names, rid))
-        state, ended_before = pickup.stream, _record_says_ended(pickup.record)
+        state, ended_before = pickup.stream, pickup.ended_before
         if state.finished:
             # Re-delivered after it finished but before its offset was committed.
             log.info("worker.already_finished", extra={"request_id": rid})
@@ -175,7 +175,7 @@ class Serving:
         if self.cancels.requested(entry, pickup.cancel_marked):
             self.cancelled_before_start += 1
             log.info("worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered})
-            prompt_len = _prompt_len_or_zero(request, self.engine.tokenizer)
+            prompt_len = prompt_len_or_zero(request, self.engine.tokenizer)
             return await self._finish(entry, request, seq, "abort", state.token_ids, state.text, prompt_len, 0)
         if not state.exists and request.expired():
             # Checked here, not when the record was parsed: the deadline is about starting, and only the
@@ -194,14 +194,14 @@ class Serving:
             await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid))
             return True
 
-        resumed: Continuation | None = None
+        resumed: Continuation | ChoiceResume | None = None
         if state.delivered:
-            # Several choices (n > 1) are not continued token by token: they start over.
-            if request.sampling.n == 1:
-                resumed = Continuation(
-                    request, self.engine.tokenizer, prompt, state.token_ids, state.text, self._eos_ids
-                )
-            if resumed is None or not resumed.consistent:
+            tokenizer = self.engine.tokenizer
+            if request.sampling.n > 1:
+                resumed = ChoiceResume(request, tokenizer, prompt, state, self._eos_ids, self._logprob_text)
+            else:
+                resumed = Continuation(request, tokenizer, prompt, state.token_ids, state.text, self._eos_ids)
+            if not resumed.consistent:
                 # The delivered text is not what this model's tokenizer makes of the delivered tokens, so
                 # no seamless continuation exists: start over and tell clients to drop what they have.
                 log.warning("worker.restart", extra={"request_id": rid, "delivered": state.delivered})
@@ -214,7 +214,7 @@ class Serving:
                 self.resumed += 1
                 self._redelivered(request, "resumed")
                 log.info("worker.resuming", extra={"request_id": rid, "delivered": state.delivered, "seq": seq})
-                ended = resumed.finished_already()
+                ended = resumed.finished_already() if isinstance(resumed, Continuation) else None
                 if ended is not None:
                     # The previous owner died between the last token and ``done``.
                     resumed.close(ended)
@@ -235,7 +235,7 @@ class Serving:
         record: Any,
         prompt: list[int],
         seq: int,
-        resumed: Continuation | None,
+        resumed: Continuation | ChoiceResume | None,
     ) -> bool:
         rid = request.request_id
         if resumed is not None and entry.early is not None:
@@ -245,6 +245,14 @@ class Serving:
         # engine starts, and still ahead of the final record (which waits for a flush).
         if not self.outputs.emit(entry, self.outputs.record_write(request, "running")):
             return False
+        if isinstance(resumed, ChoiceResume):  # n > 1: each open choice from its own delivered tokens
+            end = await resumed.run(
+                self.engine, entry, seq, functools.partial(self.outputs.emit, entry), self._withdraw
+            )
+            if end is None or entry.handed_off:
+                return False
+            reason, tokens, text, results = resumed.outcome(request.sampling.logprobs is not None)
+            return await self._finish(entry, request, end, reason, tokens, text, len(prompt), 0, results)
         delivered = list(resumed.token_ids) if resumed is not None else []
         tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
         finish: FinishReason = "stop"
@@ -389,21 +397,3 @@ class Serving:
             yield stream
         finally:
             await self._withdraw(stream)
-
-
-def _record_says_ended(raw: bytes | None) -> bool:
-    """Whether a status record says the request ended (its stream may since have expired)."""
-    if raw is None:
-        return False
-    try:
-        status = RequestRecord.model_validate_json(raw).status
-    except ValidationError:
-        return False
-    return status in ("finished", "cancelled", "failed")
-
-
-def _prompt_len_or_zero(request: InferenceRequest, tokenizer: Any) -> int:
-    try:
-        return len(prompt_token_ids(request, tokenizer))
-    except PromptError:
-        return 0

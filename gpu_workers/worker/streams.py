@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -23,12 +24,14 @@ from schemas import (
     DoneEvent,
     ErrorEvent,
     Names,
+    RequestRecord,
     RestartEvent,
     StreamEvent,
     TokenEvent,
     parse_stream_event,
     stream_entry_id,
 )
+from schemas.events import FinishReason
 from sluicegate.telemetry import untraced
 
 log = logging.getLogger(__name__)
@@ -42,15 +45,25 @@ REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (RedisConnectionError, Redi
 
 
 @dataclass
+class DeliveredChoice:
+    """What one choice (``n`` > 1) already delivered, and its end if its last event carried one."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
 class StreamState:
     """What a request's stream already holds, for continuing it after a re-delivery."""
 
     exists: bool = False
     next_seq: int = 0
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every choice's, in stream order
     text: str = ""
     done: DoneEvent | None = None
     error: ErrorEvent | None = None
+    choices: dict[int, DeliveredChoice] = field(default_factory=dict)  # by index
 
     @property
     def finished(self) -> bool:
@@ -74,6 +87,17 @@ class PickupState:
     record: bytes | None  # the RequestRecord JSON, if any
     cancel_marked: bool
 
+    @property
+    def ended_before(self) -> bool:
+        """Whether the status record says the request ended (its stream may since have expired)."""
+        if self.record is None:
+            return False
+        try:
+            status = RequestRecord.model_validate_json(self.record).status
+        except ValidationError:
+            return False
+        return status in ("finished", "cancelled", "failed")
+
 
 async def read_pickup_state(redis: aioredis.Redis, names: Names, request_id: str) -> PickupState:
     """The stream, the status record and the cancel marker in one pipelined round trip.
@@ -91,20 +115,25 @@ async def read_pickup_state(redis: aioredis.Redis, names: Names, request_id: str
 def stream_state_from_entries(entries: list[Any]) -> StreamState:
     """Fold XRANGE entries into what the client has received."""
     state = StreamState(exists=bool(entries))
-    tokens: list[tuple[int, list[int], str]] = []
+    tokens: list[TokenEvent] = []
     for _entry_id, fields in entries:
         event = parse_stream_event(fields[STREAM_FIELD.encode()])
         state.next_seq = event.seq + 1
         if isinstance(event, TokenEvent):
-            tokens.append((event.seq, event.token_ids, event.text))
+            tokens.append(event)
         elif isinstance(event, RestartEvent):
-            tokens = [t for t in tokens if t[0] <= event.discard_after_seq]
+            tokens = [t for t in tokens if t.seq <= event.discard_after_seq]
         elif isinstance(event, DoneEvent):
             state.done = event
         elif isinstance(event, ErrorEvent):
             state.error = event
-    state.token_ids = [tid for _, ids, _ in tokens for tid in ids]
-    state.text = "".join(text for _, _, text in tokens)
+    state.token_ids = [tid for t in tokens for tid in t.token_ids]
+    state.text = "".join(t.text for t in tokens)
+    for token in tokens:
+        choice = state.choices.setdefault(token.index, DeliveredChoice())
+        choice.token_ids += token.token_ids
+        choice.text += token.text
+        choice.finish_reason = token.finish_reason or choice.finish_reason
     return state
 
 

@@ -148,7 +148,8 @@ function explainError({ status, code, message, retryAfter }) {
     return `Model not found (404): ${message} Pick another model in Settings.`;
   }
   if (status === 429) {
-    const wait = retryAfter ? ` Try again in ${retryAfter} s.` : "";
+    // Said once: ingress's own message already names the wait ("Retry after N s.").
+    const wait = retryAfter && !/retry after/i.test(message) ? ` Try again in ${retryAfter} s.` : "";
     return `Too many requests (429): ${message}${wait}`;
   }
   if (status >= 500) return `The service failed (${status}): ${message} Try again shortly.`;

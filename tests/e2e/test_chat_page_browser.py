@@ -2,14 +2,16 @@
 
 Settings are typed into the page, a message is sent with Enter, the reply streams in with TTFT and
 tokens/s under it, Stop ends the request as cancelled by the worker, a WebSocket the page drops
-resumes from ``last_id`` with exactly the text the Redis stream holds, and refused requests are
-explained to the person. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test``
+resumes from ``last_id`` with exactly the text the Redis stream holds, and refused requests (a bad key,
+an unknown model, a rate limit's 429) and a stream that ends in an ``error`` event are explained to the
+person. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test``
 installs them); without them the module skips and says so. ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
 writes the screenshots into ``docs/screenshots/`` (they always go to the test's tmp dir).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -39,6 +41,7 @@ PROMPT = "Tell me a long story about a river and its sluice gates."
 # Stop must find the reply still streaming: greedy decoding of the random paced model (~5 ms a token on an
 # idle core) goes on for hundreds of tokens, seconds, long after the test has clicked.
 LONG = 1500
+THROTTLED_KEY = "sk-throttled-page-test-key"
 TTFT_AND_RATE = re.compile(r"^TTFT \d+(?: ms|\.\d\d s) · \d+\.\d tok/s · \d+ tokens$")
 
 pytestmark = [
@@ -55,6 +58,14 @@ pytestmark = [
 def tiny_model_dir(paced_model_dir: Path) -> Path:
     """Replies must still be streaming when the test clicks Stop or drops the socket."""
     return paced_model_dir
+
+
+@pytest.fixture(scope="module")
+def pipeline_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A second key, limited to one request a minute, so the page meets a real 429."""
+    keys = tmp_path_factory.mktemp("keys") / "keys.jsonl"
+    keys.write_text(json.dumps({"key": THROTTLED_KEY, "tenant": "throttled", "rpm": 1}) + "\n")
+    return {"SLUICEGATE_API_KEYS_FILE": str(keys)}
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +241,39 @@ def test_refused_requests_are_explained_to_the_person(
     assert wait_ended(message, timeout_s=30) == "failed"
     note = message.find_element(By.CLASS_NAME, "note").text
     assert note.startswith("Model not found (404):") and "no-such-model" in note, note
+
+
+def test_a_rate_limit_is_explained_with_when_to_try_again(
+    page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
+) -> None:
+    configure(page, apiKey=THROTTLED_KEY, maxTokens="8", temperature="0")
+    first = send(page, "Hello?")
+    assert wait_ended(first) == "done", first.text  # the minute's one request
+    message = send(page, "And again?")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    # What happened, ingress's own words (which limit), and when to try again, said once.
+    assert note.startswith("Too many requests (429): Rate limit reached") and "1 requests per minute" in note, note
+    assert len(re.findall(r"(?:Retry after|Try again in) \d+(?:\.\d+)? s\.", note)) == 1, note
+    assert message.get_attribute("data-request-id") is None, "nothing was queued"
+    assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
+    screenshot(page, tmp_path, "error-rate-limited.png")
+
+
+def test_a_stream_that_ends_in_an_error_event_is_explained(
+    page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
+) -> None:
+    """The worker refuses a request whose prompt + max_tokens pass the model's context (ingress checks
+    max_tokens alone): the request was accepted and its stream ends with ``error``, which the page shows."""
+    context = max(b.max_model_len or 0 for b in pipeline.heartbeats().values())
+    assert context > 0, "the worker reports its context length"
+    configure(page, apiKey=pipeline.api_key, maxTokens=str(context - 2), temperature="0")
+    message = send(page, PROMPT)
+    assert wait_ended(message, timeout_s=60) == "failed", message.text
+    events = pipeline.wait_stream_end(message.get_attribute("data-request-id"))
+    error = events[-1]
+    assert error.type == "error" and error.code == "context_length_exceeded", error
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert note == f"Generation failed ({error.code}): {error.message}", note
+    assert page.find_element(By.ID, "send").is_enabled()
+    screenshot(page, tmp_path, "error-in-stream.png")

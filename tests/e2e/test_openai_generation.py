@@ -6,13 +6,14 @@ read as ``<tool_call>`` blocks."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, OpenAI, UnprocessableEntityError
 
 from gpu_workers.engine import LLM, SamplingParams
 
@@ -195,6 +196,45 @@ def test_required_tool_choice_calls_offered_tools(pipeline: Pipeline) -> None:
             (c.function.name, json.loads(c.function.arguments)) for c in calls
         ]
         assert _finish(chunks) == "tool_calls"
+
+
+def test_auto_tool_calls_are_read_from_the_models_own_format(pipeline: Pipeline) -> None:
+    """``tool_choice`` auto. A random-weight model never writes a tool call by itself, so vLLM's ``guided_regex``
+    extra makes it write one in its own (Hermes) format, with a free choice inside; the grammar only shapes
+    the sampled text, which then takes the path a real model's does: the chat template, the worker, the
+    stream, and ingress's reading of ``<tool_call>`` blocks, whole and while they are written."""
+    call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}</tool_call>'
+    weather = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "unit": "[cf]"\}\}</tool_call>'
+    for regex, names in [
+        (r"Let me check\." + call, ["get_time"]),
+        (call + "\n" + weather, ["get_time", "get_weather"]),
+    ]:
+        extra = {"tools": TOOLS, "max_tokens": 400, "extra_body": {"guided_regex": regex}}
+        out = _chat(pipeline, **extra)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content == ("Let me check." if len(names) == 1 else None)
+        whole = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert [n for n, _ in whole] == names and all(c.id.startswith("call_") for c in choice.message.tool_calls)
+        for name, arguments in whole:
+            jsonschema.validate(arguments, {"get_time": TIME, "get_weather": WEATHER}[name])
+
+        chunks = _streamed(pipeline, **extra)
+        assert _content(chunks) == (choice.message.content or "")
+        assert not any("<tool" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+        streamed = _reassembled_calls(chunks)
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == whole  # same seed, same text
+        fragments = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or [] if not d.id]
+        assert len(fragments) > len(names), "the arguments arrive in pieces while the call is written"
+        assert _finish(chunks) == "tool_calls"
+
+
+def test_guided_regex_combines_with_no_other_constraint(pipeline: Pipeline) -> None:
+    with pytest.raises(UnprocessableEntityError) as caught:  # a contradiction, like response_format's (422)
+        _chat(pipeline, response_format={"type": "json_object"}, extra_body={"guided_regex": "[a-z]+"})
+    assert caught.value.body["param"] == "guided_regex", caught.value.body
+    plain = _chat(pipeline, max_tokens=40, extra_body={"guided_regex": "[a-z]{3,8}-[0-9]{2}"})
+    assert re.fullmatch(r"[a-z]{3,8}-[0-9]{2}", plain.choices[0].message.content)
 
 
 def test_tools_and_tool_messages_go_through_the_chat_template(pipeline: Pipeline) -> None:

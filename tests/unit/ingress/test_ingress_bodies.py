@@ -144,6 +144,11 @@ def test_harmless_defaults_of_unsupported_fields_are_accepted() -> None:
             "stream_options",
         ),
         (ChatCompletionBody, {"messages": USER}, "model"),
+        (
+            ChatCompletionBody,
+            {"model": "m", "messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "guided_regex",
+        ),
         (ChatCompletionBody, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         (CompletionBody, {"model": "m", "prompt": ""}, "prompt"),
         (CompletionBody, {"model": "m", "prompt": [1, -2]}, "prompt.1"),
@@ -164,3 +169,12 @@ def test_invalid_values_are_422_naming_the_field(model: type[BaseModel], body: d
 def test_several_prompts_in_one_completion_are_unsupported() -> None:
     error = rejected(CompletionBody, {"model": "m", "prompt": ["a", "b"]})
     assert error.status == 400 and "one request per prompt" in error.message
+
+
+def test_guided_regex_goes_with_auto_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = ChatCompletionBody.model_validate({"model": "m", "messages": USER, "tools": tools, "guided_regex": "x+"})
+    spec = body.guided_spec()
+    assert spec is not None and spec.regex == "x+" and spec.json_schema is None
+    forced = {"model": "m", "messages": USER, "tools": tools, "tool_choice": "required", "guided_regex": "x+"}
+    assert rejected(ChatCompletionBody, forced, "messages").body()["error"]["param"] == "guided_regex"

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from ingress.assembler import StreamAssembler
 from ingress.openai_choices import ChoiceChunks, ChoicePlan, whole_choices
-from ingress.tool_calls import ToolCallStream, ToolPlan, parse_output
+from ingress.tool_call_stream import ToolCallStream
+from ingress.tool_calls import ToolPlan, parse_output
 from schemas import DoneEvent, TokenEvent, TokenLogprob, Usage
 
 NAMES = frozenset({"get_weather", "get_time"})
@@ -80,20 +83,67 @@ def _reassemble(deltas: list[dict[str, Any]]) -> tuple[str, list[tuple[str, str]
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
-def test_streamed_hermes_sends_content_then_whole_calls() -> None:
-    text = 'Sure <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
-    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # the marker arrives split
-    deltas, called = _stream(HERMES, pieces)
+REQUIRED = ToolPlan("required", None, NAMES)
+AUTO_ANY = ToolPlan("auto", None, NAMES, None)  # the worker advertised no format: both are read
+
+STREAMED_CASES = [
+    (HERMES, 'Sure <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'),
+    (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "O\\"slo}", "days": [1, {"x": 2}]}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    ),
+    (LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "utc"}}'),
+    (LLAMA, ' {"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "x"}}'),
+    (AUTO_ANY, '{"name": "get_time", "parameters": {"zone": 5}}'),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"utc\\"}"}</tool_call>'),
+    (AUTO_ANY, 'Hi <tool_call>{"name": "get_time", "arguments": {"zone": 1.5}}</tool_call>'),
+    (REQUIRED, '[{"name": "get_time", "parameters": {"zone": "cet"}}, {"name": "get_weather", "parameters": {}}]'),
+]
+
+
+@pytest.mark.parametrize(("plan", "text"), STREAMED_CASES)
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_calls_equal_the_whole_reading(plan: ToolPlan, text: str, size: int) -> None:
+    deltas, called = _stream(plan, [text[i : i + size] for i in range(0, len(text), size)])
     content, calls = _reassemble(deltas)
-    assert called and content == "Sure " and [(n, json.loads(a)) for n, a in calls] == [("get_time", {"zone": "utc"})]
-    assert not any("<tool" in (d.get("content") or "") for d in deltas)
+    whole_content, whole_calls = parse_output(text, plan)
+    assert called and content.strip() == (whole_content or "")  # whole, the content is stripped
+    assert [(n, json.loads(a)) for n, a in calls] == _calls(whole_calls)
+    assert not any("<tool" in (d.get("content") or "") or "python_tag" in (d.get("content") or "") for d in deltas)
+    heads = [c for d in deltas for c in d.get("tool_calls", []) if "id" in c]
+    assert [h["index"] for h in heads] == list(range(len(heads)))
+    assert all(h["type"] == "function" and h["function"]["arguments"] == "" for h in heads)
 
 
-def test_streamed_prose_with_a_lookalike_is_all_content() -> None:
-    deltas, called = _stream(HERMES, ["a <to", "ol> b"])
-    assert not called and _reassemble(deltas) == ("a <tool> b", [])
-    deltas, called = _stream(LLAMA, ["  {not", " a call}"])
-    assert not called and _reassemble(deltas)[0] == "  {not a call}"
+def test_arguments_stream_while_the_call_is_written() -> None:
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}</tool_call>'
+    stream = ToolCallStream(HERMES)
+    sent: list[dict[str, Any]] = []
+    for i, char in enumerate(text):
+        sent += stream.feed(char)
+        if text[: i + 1].endswith('"arguments": {"ci'):
+            head = sent[0]["tool_calls"][0]
+            assert head["function"]["name"] == "get_weather", "the header goes out once the name is known"
+            assert _reassemble(sent)[1] == [("get_weather", '{"ci')], "fragments go out as they arrive"
+    assert stream.finish() == []
+    assert _reassemble(sent)[1] == [("get_weather", '{"city": "Oslo", "days": 3}')]
+
+
+def test_streamed_calls_that_cannot_be_followed_are_read_at_the_end() -> None:
+    # Keys in another order: held, then read whole (the same calls as parse_output).
+    text = '<tool_call>{"arguments": {"zone": "x"}, "name": "get_time"}</tool_call>'
+    deltas, called = _stream(HERMES, [text[i : i + 4] for i in range(0, len(text), 4)])
+    assert called and _reassemble(deltas) == ("", [("get_time", '{"zone": "x"}')])
+    # A tool that was not offered, or a block that is not JSON: content, as read whole.
+    for text in ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{not json</tool_call>"):
+        deltas, called = _stream(HERMES, [text[i : i + 2] for i in range(0, len(text), 2)])
+        assert not called and _reassemble(deltas) == (text, [])
+
+
+def test_a_call_cut_short_keeps_what_was_streamed() -> None:
+    deltas, called = _stream(HERMES, ['ok <tool_call>{"name": "get_time", "arguments": {"zo'])
+    assert called and _reassemble(deltas) == ("ok ", [("get_time", '{"zo')])
 
 
 def test_streamed_named_call_sends_header_then_argument_fragments() -> None:
