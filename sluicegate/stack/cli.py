@@ -148,7 +148,7 @@ def _up(args: argparse.Namespace) -> int:
     from sluicegate.stack.launcher import up
 
     return up(
-        get_settings(), model=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack
+        get_settings(), models=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack
     )
 
 
@@ -171,9 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dev.set_defaults(handler=_dev)
 
-    up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, one worker")
-    up.add_argument("--model", help="model folder to serve (default: a tiny random-weight demo model)")
-    up.add_argument("--model-name", help="public model name (default: the folder name)")
+    up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, a worker per model")
+    up.add_argument(
+        "--model",
+        action="append",
+        metavar="PATH[=NAME]",
+        help="model folder to serve, optionally with its public name (default: the folder name); repeat for "
+        "several models, each with its own worker group (default: a tiny random-weight demo model)",
+    )
+    up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
     up.set_defaults(handler=_up)
