@@ -64,6 +64,13 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))
+        cache_key, lookup = service.cache.plan(inference, request.headers.get("cache-control"))
+        if lookup and cache_key is not None and await service.cache.replay(inference, cache_key):
+            # Answered from the response cache: no GPU, but the key still pays for the call.
+            await service.charge(caller.key_id, limits, prompt_tokens + max_tokens)
+            if span is not None:
+                span.set_attribute("sluicegate.route_reason", "response_cache")
+            return inference
         route = await service.submit(
             inference,
             max_tier=caller.max_tier,
@@ -73,6 +80,8 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             limits=limits,
             tokens=prompt_tokens + max_tokens,
         )
+        if cache_key is not None:
+            service.cache.fill_later(inference, cache_key)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference

@@ -37,6 +37,7 @@ from .backlog import BacklogMonitor
 from .errors import ApiError
 from .limits import Limits
 from .ratelimit import RateLimiter
+from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)
@@ -168,10 +169,12 @@ class IngressService:
         self.follower: StreamFollower[StreamEntry] = StreamFollower(
             self.redis, self.names, FollowerConfig(), decode=parse_entry
         )
+        self.cache = ResponseCache(self.redis, self.names, settings, metrics, follow=self.events)
 
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
         try:
+            await self.cache.close()
             await self.follower.close()
             await self.backlog.close()
             await self.producers.close()

@@ -70,6 +70,18 @@ class IngressMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.response_cache = Counter(
+            "sluicegate_ingress_response_cache_total",
+            "Response-cache lookups of deterministic requests, by model version and outcome (hit, miss, bypass).",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.response_cache_bytes = Counter(
+            "sluicegate_ingress_response_cache_bytes_total",
+            "Bytes of cached replies (their stream events, JSON) stored and served.",
+            ["direction"],
+            registry=self.registry,
+        )
         self.cancellations = Counter(
             "sluicegate_ingress_cancellations_total",
             "Cancellations ingress issued, by cause.",

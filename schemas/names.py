@@ -116,6 +116,10 @@ class Names:
         """Set of model names that have had a live worker."""
         return f"{self.prefix}llm:models"
 
+    def response_cache_key(self, model: str, digest: str) -> str:
+        """A cached reply (its stream events) of ``model`` for one request digest (tenant included unless shared)."""
+        return f"{self.prefix}llm:reply-cache:{model_token(model)}:{digest}"
+
     def rate_key(self, key_id: str, window: str) -> str:
         """Counter for one API key's rate limit in one window."""
         return f"{self.prefix}llm:rate:{key_id}:{window}"
