@@ -4,6 +4,7 @@ body (``build_request``) and publish it under a span whose context travels in th
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,13 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     """Check the model, build the pipeline request and publish it under a span whose context travels
     in the Kafka headers."""
     service = service_of(request)
+    accepted_at = time.perf_counter()
+    request_id = uuid.uuid4().hex
+    version = service.routes.resolve(body, tenant=caller.tenant, request_key=request_id)
+    if version is not None:
+        # A routed public name: from here on the request is for the chosen version (its workers, its topic, its
+        # cache entries, and the ``model`` of the response).
+        body = body.model_copy(update={"model": version.version})
     tier = resolve_tier(body.priority, default_tier=caller.default_tier, max_tier=caller.max_tier)
     limits = caller.limits.resolve(service.settings)
     prompt_tokens = check_prompt_tokens(body, limits)
@@ -49,7 +57,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         try:
             inference = build_request(
                 body,
-                request_id=uuid.uuid4().hex,
+                request_id=request_id,
                 tenant=caller.tenant,
                 tier=tier,
                 trace=trace,
@@ -82,6 +90,8 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         )
         if cache_key is not None:
             service.cache.fill_later(inference, cache_key)
+        if version is not None:
+            service.routes.observe(version, inference.request_id, accepted_at)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference

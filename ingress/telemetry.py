@@ -82,6 +82,29 @@ class IngressMetrics:
             ["direction"],
             registry=self.registry,
         )
+        self.routed = Counter(
+            "sluicegate_ingress_routed_total",
+            "Requests for a routed model name, by route, the version chosen and why (split, fast_path).",
+            ["route", "version", "reason"],
+            registry=self.registry,
+        )
+        self.route_weight = Gauge(
+            "sluicegate_ingress_route_weight",
+            "A version's live weight in its route (0 after a canary rollback).",
+            ["route", "version"],
+            registry=self.registry,
+        )
+        self.canary_rollbacks = Counter(
+            "sluicegate_ingress_canary_rollbacks_total",
+            "Canaries rolled back to weight 0, by route, version and cause (error_rate, ttft_p99).",
+            ["route", "version", "cause"],
+            registry=self.registry,
+        )
+        self.routes_reload_failures = Counter(
+            "sluicegate_ingress_routes_reload_failures_total",
+            "Changed routing files that failed validation (the previous routes stay in force).",
+            registry=self.registry,
+        )
         self.cancellations = Counter(
             "sluicegate_ingress_cancellations_total",
             "Cancellations ingress issued, by cause.",

@@ -196,6 +196,13 @@ class Settings(BaseSettings):
         1_000_000, ge=1024, description="Largest reply (its stream events, JSON) the response cache keeps."
     )
 
+    routes_file: Path | None = Field(
+        None,
+        description="Routing file (YAML): public model names -> weighted, sticky versions, canaries with rollback, "
+        "a fast path for short prompts; reloaded on change. `sluicegate routes check FILE` validates one.",
+    )
+    routes_reload_s: float = Field(1.0, gt=0, description="How often ingress checks the routing file for changes.")
+
     # --- worker reliability ---------------------------------------------------------------------------
     worker_session_timeout_ms: int = Field(
         6000,

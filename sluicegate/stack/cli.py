@@ -152,6 +152,23 @@ def _up(args: argparse.Namespace) -> int:
     )
 
 
+def _routes_check(args: argparse.Namespace) -> int:
+    from ingress.model_routes import load_table
+    from router.routes import RoutesError
+
+    try:
+        table = load_table(Path(args.file))
+    except RoutesError as exc:
+        raise CliError(str(exc)) from exc
+    for name, spec in table.routes.routes.items():
+        split = ", ".join(f"{t.model} {t.weight:g}{' (canary)' if t.canary else ''}" for t in spec.targets)
+        fast = spec.fast_path
+        extra = f"; under {fast.max_prompt_tokens} tokens -> {fast.model}" if fast else ""
+        print(f"{name}: {split}; sticky per {spec.sticky}{extra}")
+    print(f"{args.file}: {len(table.routes.routes)} route(s), valid")
+    return 0
+
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -216,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     from sluicegate.stack.batch_cli import add_batch_commands
 
     add_batch_commands(sub)
+
+    routes = sub.add_parser("routes", help="model routes (SLUICEGATE_ROUTES_FILE)").add_subparsers(
+        dest="action", required=True
+    )
+    check = routes.add_parser("check", help="validate a routing file (YAML) and its fast paths' tokenizers")
+    check.add_argument("file")
+    check.set_defaults(handler=_routes_check)
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")
