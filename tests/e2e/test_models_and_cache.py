@@ -4,6 +4,7 @@ on a version that never answers), and the official ``openai`` SDK as the client.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from schemas import Names
 
 from .conftest import API_KEY, MODEL_NAME, Pipeline
+from .test_pipeline_native import read_ws
 
 OTHER_KEY = "sk-e2e-other-tenant"
 BIG_MODEL = "tiny-e2e-big"
@@ -92,7 +94,9 @@ def two_models(pipeline: Pipeline, big_model_dir: Path) -> Pipeline:
 
 def test_models_lists_each_model_and_an_unknown_one_is_a_404(two_models: Pipeline) -> None:
     client = two_models.openai()
-    assert {MODEL_NAME, BIG_MODEL} <= {m.id for m in client.models.list()}
+    # The two versions, and the routed public names that have a live version.
+    assert {MODEL_NAME, BIG_MODEL, "ab", "fast", "canary"} <= {m.id for m in client.models.list()}
+    assert client.models.retrieve("ab").id == "ab"
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert caught.value.body["code"] == "model_not_found"  # type: ignore[index]
@@ -179,6 +183,10 @@ def test_the_native_api_replays_a_hit_through_the_stream(two_models: Pipeline) -
     ]
     assert replayed[-1].usage.cached and not original[-1].usage.cached
     assert two_models.record(second["request_id"]).status == "finished"
+    # A WebSocket client of the result service gets the hit as it gets any reply.
+    relayed, _ = asyncio.run(read_ws(f"{second['stream_url']}?token={second['stream_token']}"))
+    assert "".join(e.get("text", "") for e in relayed) == "".join(getattr(e, "text", "") for e in original)
+    assert relayed[-1]["type"] == "done" and relayed[-1]["usage"]["cached"] is True
 
 
 def _other_client(pipeline: Pipeline) -> openai.OpenAI:
