@@ -7,14 +7,18 @@ tokenizers are built on, without loading ``transformers`` into ingress). A chat 
 text, not the chat template's few framing tokens; token-id prompts count their ids. A prompt longer than
 ``_MAX_CHARS_PER_TOKEN`` characters per allowed token is not short, and is not tokenized on the event loop.
 
-Rollbacks live in this process: each ingress replica judges the outcomes it sees and logs its verdict; an edit
-of the route in the file (an operator's decision) clears them.
+Each ingress replica judges the outcomes it sees; a rollback it decides is logged and written to Redis, where
+every replica picks it up at its next file check (so all of them stop sending traffic to the canary, and a
+restarted one does not forget). A rollback applies to the route as it was written (a digest of its spec):
+editing the route in the file (an operator's decision) clears it everywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import time
@@ -22,12 +26,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 from tokenizers import Tokenizer
 
-from router.canary import CanaryJudge, Outcome
+from router.canary import CanaryJudge, Outcome, Rollback
 from router.routes import RoutesError, RoutesFile, RouteSpec, load_routes
 from router.versions import VersionChoice, choose_version
-from schemas import DoneEvent, ErrorEvent, StreamEvent, TokenEvent
+from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
 from sluicegate.settings import Settings
 
 from .bodies import AnyBody, ChatCompletionBody, NativeRequestBody
@@ -37,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # No tokenizer in use averages more characters than this per token; a longer prompt is long without counting.
 _MAX_CHARS_PER_TOKEN = 32
+# A rollback outlives any sensible canary window; an operator edits the route long before this.
+_ROLLBACK_TTL_S = 7 * 24 * 3600
 
 Follow = Callable[..., AsyncIterator[StreamEvent]]
 
@@ -72,6 +80,11 @@ def load_table(path: Path) -> _Table:
     return _Table(routes, tokenizers, stamp)
 
 
+def spec_digest(spec: RouteSpec) -> str:
+    """A short digest of a route as written: a rollback recorded under it applies to this spec only."""
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
+
+
 def prompt_of(body: AnyBody) -> str | list[int]:
     """What the fast path counts: the prompt (text or ids), or the messages' text joined."""
     if isinstance(body, ChatCompletionBody):
@@ -93,10 +106,14 @@ def count_tokens(tokenizer: Tokenizer, prompt: str | list[int], limit: int) -> i
 class ModelRoutes:
     """The routes in force for one ingress process."""
 
-    def __init__(self, settings: Settings, metrics: IngressMetrics, *, follow: Follow) -> None:
+    def __init__(
+        self, settings: Settings, metrics: IngressMetrics, *, follow: Follow, redis: Redis, names: Names
+    ) -> None:
         self._settings = settings
         self._metrics = metrics
         self._follow = follow
+        self._redis = redis
+        self._names = names
         self._path = settings.routes_file
         # Loaded at start-up, so a bad file stops ingress with the reason instead of serving without routes.
         self._table = load_table(self._path) if self._path is not None else _Table(RoutesFile(), {}, None)
@@ -181,21 +198,49 @@ class ModelRoutes:
             log.info("ingress.canary_watch_lost request_id=%s error=%r", request_id, exc)
             return
         self._judge.record(choice.route, choice.version, Outcome(time.monotonic(), ok, ttft))
-        self._judge_route(choice.route, spec)
+        for verdict in self._judge.verdicts(choice.route, spec, self.weights(choice.route, spec), now=time.monotonic()):
+            await self.roll_back(verdict, spec)
 
-    def _judge_route(self, route: str, spec: RouteSpec) -> None:
-        for verdict in self._judge.verdicts(route, spec, self.weights(route, spec), now=time.monotonic()):
-            self._rolled_back.add((route, verdict.version))
-            self._metrics.canary_rollbacks.labels(route, verdict.version, verdict.cause).inc()
-            log.warning(
-                "ingress.canary_rolled_back route=%s version=%s cause=%s canary[%s] stable[%s]",
-                route,
-                verdict.version,
-                verdict.cause,
-                verdict.canary.line(),
-                verdict.stable.line(),
-            )
+    async def roll_back(self, verdict: Rollback, spec: RouteSpec) -> None:
+        """Set the canary to weight 0 here, log why, and record it in Redis for the other replicas."""
+        self._rolled_back.add((verdict.route, verdict.version))
+        self._metrics.canary_rollbacks.labels(verdict.route, verdict.version, verdict.cause).inc()
         self._publish_weights()
+        log.warning(
+            "ingress.canary_rolled_back route=%s version=%s cause=%s canary[%s] stable[%s]",
+            verdict.route,
+            verdict.version,
+            verdict.cause,
+            verdict.canary.line(),
+            verdict.stable.line(),
+        )
+        record = {"spec": spec_digest(spec), "cause": verdict.cause, "at": time.time()}
+        try:
+            key = self._names.route_rollback_key(verdict.route, verdict.version)
+            await self._redis.set(key, json.dumps(record), ex=_ROLLBACK_TTL_S)
+        except (RedisError, OSError) as exc:
+            log.warning("ingress.canary_rollback_not_shared route=%s error=%r", verdict.route, exc)
+
+    async def sync_rollbacks(self) -> None:
+        """Take in the rollbacks other replicas recorded for the routes as they are now written."""
+        wanted = [
+            (route, t.model, spec_digest(spec))
+            for route, spec in self._table.routes.routes.items()
+            for t in spec.targets
+            if t.canary and (route, t.model) not in self._rolled_back
+        ]
+        if not wanted:
+            return
+        raw = await self._redis.mget([self._names.route_rollback_key(r, v) for r, v, _ in wanted])
+        changed = False
+        for (route, version, digest), value in zip(wanted, raw, strict=True):
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                if value is not None and json.loads(value)["spec"] == digest:
+                    self._rolled_back.add((route, version))
+                    log.info("ingress.canary_rollback_adopted route=%s version=%s", route, version)
+                    changed = True
+        if changed:
+            self._publish_weights()
 
     def _publish_weights(self) -> None:
         for route, spec in self._table.routes.routes.items():
@@ -205,6 +250,10 @@ class ModelRoutes:
     # --- reloading --------------------------------------------------------------------------------
     async def _watch_file(self, path: Path) -> None:
         while True:
+            try:
+                await self.sync_rollbacks()
+            except (RedisError, OSError) as exc:
+                log.warning("ingress.canary_rollbacks_unread error=%r", exc)
             await asyncio.sleep(self._settings.routes_reload_s)
             stamp = await asyncio.to_thread(_stamp, path)
             if stamp is None or stamp == self._table.stamp:

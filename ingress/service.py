@@ -171,7 +171,7 @@ class IngressService:
             self.redis, self.names, FollowerConfig(), decode=parse_entry
         )
         self.cache = ResponseCache(self.redis, self.names, settings, metrics, follow=self.events)
-        self.routes = ModelRoutes(settings, metrics, follow=self.events)
+        self.routes = ModelRoutes(settings, metrics, follow=self.events, redis=self.redis, names=self.names)
 
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
