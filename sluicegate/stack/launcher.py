@@ -34,7 +34,8 @@ class ModelSpec:
 
 
 def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None) -> list[ModelSpec | None]:
-    """``PATH[=NAME]`` arguments as specs; ``[None]`` (the demo model) when there are none.
+    """``PATH[=NAME]`` arguments as specs; ``[None]`` (the demo model, named ``model_name`` if given) when there are
+    none.
 
     ``model_name`` (the older ``--model-name``) names a single unnamed model. Two models under one public
     name would share one worker group and one topic, so that is a ``ValueError``, as is an empty part.
@@ -136,7 +137,7 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
     from sluicegate.stack import devstack
 
     specs = [
-        spec or ModelSpec(str(_demo_model(settings)), DEMO_MODEL_NAME)
+        spec or ModelSpec(str(_demo_model(settings)), model_name or DEMO_MODEL_NAME)
         for spec in parse_model_specs(models, model_name=model_name)
     ]
     info = devstack.up(settings)
