@@ -24,7 +24,7 @@ from .app_state import service_of, tracer_of
 from .auth import ApiKey
 from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody
 from .errors import ApiError, invalid
-from .limits import check_prompt_tokens, check_rate_cost, checked_max_tokens
+from .limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
 SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
@@ -73,19 +73,24 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))
         cache_key, lookup = service.cache.plan(inference, request.headers.get("cache-control"))
-        if lookup and cache_key is not None and await service.cache.replay(inference, cache_key):
-            # Answered from the response cache: no GPU, but the key still pays for the call.
+        charge: Limits | None = limits
+        cached = await service.cache.lookup(inference, cache_key) if lookup and cache_key is not None else None
+        if cached is not None:
+            # Answered from the response cache: no GPU, but the key still pays for the call (first: a 429 leaves
+            # nothing behind).
             await service.charge(caller.key_id, limits, prompt_tokens + max_tokens)
-            if span is not None:
-                span.set_attribute("sluicegate.route_reason", "response_cache")
-            return inference
+            if await service.cache.replay(inference, cached):
+                if span is not None:
+                    span.set_attribute("sluicegate.route_reason", "response_cache")
+                return inference
+            charge = None  # already charged: the worker answers, and submit must not charge again
         route = await service.submit(
             inference,
             max_tier=caller.max_tier,
             heartbeats=heartbeats,
             trace_carrier=carrier,
             key_id=caller.key_id,
-            limits=limits,
+            limits=charge,
             tokens=prompt_tokens + max_tokens,
         )
         if cache_key is not None:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -77,6 +78,14 @@ def request_digest(request: InferenceRequest, *, shared: bool) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Cached:
+    """A looked-up reply: its events, already the new request's, and the entry's size in bytes."""
+
+    events: list[StreamEvent]
+    size: int
+
+
 class ResponseCache:
     """Lookups, replays and background fills for one ingress process."""
 
@@ -107,10 +116,9 @@ class ResponseCache:
         digest = request_digest(request, shared=self._settings.response_cache_shared)
         return self._names.response_cache_key(request.model, digest), lookup
 
-    async def replay(self, request: InferenceRequest, key: str) -> bool:
-        """Answer ``request`` from the entry at ``key`` if there is one: its events go into the request's
-        stream (and a ``finished`` status record) in one round trip. False on a miss; a Redis failure or a
-        damaged entry counts as a miss (the worker answers instead)."""
+    async def lookup(self, request: InferenceRequest, key: str) -> Cached | None:
+        """The cached reply at ``key`` as ``request``'s events, or None on a miss (a Redis failure or a damaged
+        entry counts as a miss: the worker answers instead)."""
         try:
             raw = await self._redis.get(key)
             events = None if raw is None else _renumbered(raw, request.request_id)
@@ -119,7 +127,13 @@ class ResponseCache:
             events = None
         if not events:
             self._metrics.response_cache.labels(request.model, "miss").inc()
-            return False
+            return None
+        return Cached(events, len(raw or b""))
+
+    async def replay(self, request: InferenceRequest, cached: Cached) -> bool:
+        """Answer ``request`` with a looked-up reply: its events go into the request's stream (and a ``finished``
+        status record) in one round trip. False when Redis fails (then the worker answers instead)."""
+        events = cached.events
         record = RequestRecord(
             request_id=request.request_id,
             model=request.model,
@@ -149,7 +163,7 @@ class ResponseCache:
             self._metrics.response_cache.labels(request.model, "miss").inc()
             return False
         self._metrics.response_cache.labels(request.model, "hit").inc()
-        self._metrics.response_cache_bytes.labels("served").inc(len(raw or b""))
+        self._metrics.response_cache_bytes.labels("served").inc(cached.size)
         return True
 
     def fill_later(self, request: InferenceRequest, key: str) -> None:
