@@ -4,6 +4,7 @@ body (``build_request``) and publish it under a span whose context travels in th
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from .app_state import service_of, tracer_of
 from .auth import ApiKey
 from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody
 from .errors import ApiError, invalid
-from .limits import check_prompt_tokens, check_rate_cost, checked_max_tokens
+from .limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
 SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
@@ -33,6 +34,13 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     """Check the model, build the pipeline request and publish it under a span whose context travels
     in the Kafka headers."""
     service = service_of(request)
+    accepted_at = time.perf_counter()
+    request_id = uuid.uuid4().hex
+    version = service.routes.resolve(body, tenant=caller.tenant, request_key=request_id)
+    if version is not None:
+        # A routed public name: from here on the request is for the chosen version (its workers, its topic, its
+        # cache entries, and the ``model`` of the response).
+        body = body.model_copy(update={"model": version.version})
     tier = resolve_tier(body.priority, default_tier=caller.default_tier, max_tier=caller.max_tier)
     limits = caller.limits.resolve(service.settings)
     prompt_tokens = check_prompt_tokens(body, limits)
@@ -49,7 +57,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         try:
             inference = build_request(
                 body,
-                request_id=uuid.uuid4().hex,
+                request_id=request_id,
                 tenant=caller.tenant,
                 tier=tier,
                 trace=trace,
@@ -64,15 +72,31 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))
+        cache_key, lookup = service.cache.plan(inference, request.headers.get("cache-control"))
+        charge: Limits | None = limits
+        cached = await service.cache.lookup(inference, cache_key) if lookup and cache_key is not None else None
+        if cached is not None:
+            # Answered from the response cache: no GPU, but the key still pays for the call (first: a 429 leaves
+            # nothing behind).
+            await service.charge(caller.key_id, limits, prompt_tokens + max_tokens)
+            if await service.cache.replay(inference, cached):
+                if span is not None:
+                    span.set_attribute("sluicegate.route_reason", "response_cache")
+                return inference
+            charge = None  # already charged: the worker answers, and submit must not charge again
         route = await service.submit(
             inference,
             max_tier=caller.max_tier,
             heartbeats=heartbeats,
             trace_carrier=carrier,
             key_id=caller.key_id,
-            limits=limits,
+            limits=charge,
             tokens=prompt_tokens + max_tokens,
         )
+        if cache_key is not None:
+            service.cache.fill_later(inference, cache_key)
+        if version is not None:
+            service.routes.observe(version, inference.request_id, accepted_at)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference

@@ -57,6 +57,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = IngressService(settings, metrics)
         app.state.service = service
+        service.routes.start()  # watch the routing file for changes
         app.state.files = FileStore(settings, service.redis, service.names)
         app.state.batches = BatchStore(settings, service.redis, service.names)
         # Connect to Kafka in the background so the first request does not pay for it; a failure here is

@@ -65,13 +65,17 @@ def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> d
 
 
 def openai_usage(usage: Usage) -> dict[str, Any]:
-    """OpenAI's usage object, with cached prompt tokens in ``prompt_tokens_details``."""
-    return {
+    """OpenAI's usage object, with cached prompt tokens in ``prompt_tokens_details``, and ``cached: true`` on a
+    reply the response cache served (the one thing that tells a client so)."""
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.cached:
+        body["cached"] = True
+    return body
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,9 @@ from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, 
 from .backlog import BacklogMonitor
 from .errors import ApiError
 from .limits import Limits
+from .model_routes import ModelRoutes
 from .ratelimit import RateLimiter
+from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)
@@ -168,10 +170,14 @@ class IngressService:
         self.follower: StreamFollower[StreamEntry] = StreamFollower(
             self.redis, self.names, FollowerConfig(), decode=parse_entry
         )
+        self.cache = ResponseCache(self.redis, self.names, settings, metrics, follow=self.events)
+        self.routes = ModelRoutes(settings, metrics, follow=self.events, redis=self.redis, names=self.names)
 
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
         try:
+            await self.cache.close()
+            await self.routes.close()
             await self.follower.close()
             await self.backlog.close()
             await self.producers.close()

@@ -70,6 +70,41 @@ class IngressMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.response_cache = Counter(
+            "sluicegate_ingress_response_cache_total",
+            "Response-cache lookups of deterministic requests, by model version and outcome (hit, miss, bypass).",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.response_cache_bytes = Counter(
+            "sluicegate_ingress_response_cache_bytes_total",
+            "Bytes of cached replies (their stream events, JSON) stored and served.",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.routed = Counter(
+            "sluicegate_ingress_routed_total",
+            "Requests for a routed model name, by route, the version chosen and why (split, fast_path).",
+            ["route", "version", "reason"],
+            registry=self.registry,
+        )
+        self.route_weight = Gauge(
+            "sluicegate_ingress_route_weight",
+            "A version's live weight in its route (0 after a canary rollback).",
+            ["route", "version"],
+            registry=self.registry,
+        )
+        self.canary_rollbacks = Counter(
+            "sluicegate_ingress_canary_rollbacks_total",
+            "Canaries rolled back to weight 0, by route, version and cause (error_rate, ttft_p99).",
+            ["route", "version", "cause"],
+            registry=self.registry,
+        )
+        self.routes_reload_failures = Counter(
+            "sluicegate_ingress_routes_reload_failures_total",
+            "Changed routing files that failed validation (the previous routes stay in force).",
+            registry=self.registry,
+        )
         self.cancellations = Counter(
             "sluicegate_ingress_cancellations_total",
             "Cancellations ingress issued, by cause.",

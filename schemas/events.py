@@ -26,6 +26,15 @@ class Usage(Message):
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
     cached_tokens: int = Field(0, ge=0)
+    cached: bool = Field(False, description="The reply came from ingress's response cache, not a worker.")
+
+    @model_serializer(mode="wrap")
+    def _omit_uncached(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Left out unless set, so a worker's usage reads exactly as it did before the response cache existed.
+        data = handler(self)
+        if not data.get("cached"):
+            data.pop("cached", None)
+        return data
 
 
 class _Event(Message):

@@ -116,6 +116,14 @@ class Names:
         """Set of model names that have had a live worker."""
         return f"{self.prefix}llm:models"
 
+    def response_cache_key(self, model: str, digest: str) -> str:
+        """A cached reply (its stream events) of ``model`` for one request digest (tenant included unless shared)."""
+        return f"{self.prefix}llm:reply-cache:{model_token(model)}:{digest}"
+
+    def route_rollback_key(self, route: str, version: str) -> str:
+        """A canary rolled back to weight 0 (JSON: the route spec's digest it applies to, cause, time)."""
+        return f"{self.prefix}llm:route-rollback:{model_token(route)}:{model_token(version)}"
+
     def rate_key(self, key_id: str, window: str) -> str:
         """Counter for one API key's rate limit in one window."""
         return f"{self.prefix}llm:rate:{key_id}:{window}"

@@ -182,6 +182,27 @@ class Settings(BaseSettings):
         0.05, ge=0.0, le=1.0, description="Free KV-block fraction below which a worker counts as overloaded."
     )
 
+    # --- response cache and model routes (issue 21) ------------------------------------------------------
+    response_cache_ttl_s: int = Field(
+        0,
+        ge=0,
+        description="Seconds a deterministic request's reply (temperature 0, or a seed) is kept in Redis and "
+        "replayed to an identical request; 0 turns the response cache off.",
+    )
+    response_cache_shared: bool = Field(
+        False, description="Share cached replies across tenants (by default each tenant has its own)."
+    )
+    response_cache_max_bytes: int = Field(
+        1_000_000, ge=1024, description="Largest reply (its stream events, JSON) the response cache keeps."
+    )
+
+    routes_file: Path | None = Field(
+        None,
+        description="Routing file (YAML): public model names -> weighted, sticky versions, canaries with rollback, "
+        "a fast path for short prompts; reloaded on change. `sluicegate routes check FILE` validates one.",
+    )
+    routes_reload_s: float = Field(1.0, gt=0, description="How often ingress checks the routing file for changes.")
+
     # --- worker reliability ---------------------------------------------------------------------------
     worker_session_timeout_ms: int = Field(
         6000,

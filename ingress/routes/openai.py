@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the whole
 answer, or server-sent events with ``stream``), and the model listing ``GET /v1/models[/{model}]`` (models
-with a live worker)."""
+with a live worker, and the routed public names one of whose versions has one)."""
 
 from __future__ import annotations
 
@@ -92,15 +92,26 @@ async def completions(request: Request) -> Response:
     return await _answer(request, caller, body, "completion")
 
 
+async def _listed(request: Request) -> dict[str, list[Any]]:
+    """Models with a live worker, and the routed public names with a live version (their versions' beats)."""
+    service = service_of(request)
+    models = await service.live_models()
+    for name, spec in service.routes.routes.routes.items():
+        beats = [b for version in spec.versions if version in models for b in models[version]]
+        if beats and name not in models:
+            models[name] = beats
+    return models
+
+
 @router.get("/v1/models", responses=ok(ModelList) | errors(401, 503))
 async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
-    models = await service_of(request).live_models()
+    models = await _listed(request)
     return {"object": "list", "data": [_model_card(name, beats) for name, beats in models.items()]}
 
 
 @router.get("/v1/models/{model:path}", responses=ok(ModelCard) | errors(401, 404, 503))
 async def get_model(request: Request, caller: Caller, model: str) -> dict[str, Any]:
-    models = await service_of(request).live_models()
+    models = await _listed(request)
     if model not in models:
         raise ApiError(
             404, f"The model '{model}' does not exist or has no live worker.", code="model_not_found", param="model"

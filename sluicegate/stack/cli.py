@@ -148,8 +148,25 @@ def _up(args: argparse.Namespace) -> int:
     from sluicegate.stack.launcher import up
 
     return up(
-        get_settings(), model=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack
+        get_settings(), models=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack
     )
+
+
+def _routes_check(args: argparse.Namespace) -> int:
+    from ingress.model_routes import load_table
+    from router.routes import RoutesError
+
+    try:
+        table = load_table(Path(args.file))
+    except RoutesError as exc:
+        raise CliError(str(exc)) from exc
+    for name, spec in table.routes.routes.items():
+        split = ", ".join(f"{t.model} {t.weight:g}{' (canary)' if t.canary else ''}" for t in spec.targets)
+        fast = spec.fast_path
+        extra = f"; under {fast.max_prompt_tokens} tokens -> {fast.model}" if fast else ""
+        print(f"{name}: {split}; sticky per {spec.sticky}{extra}")
+    print(f"{args.file}: {len(table.routes.routes)} route(s), valid")
+    return 0
 
 
 Handler = Callable[[argparse.Namespace], int]
@@ -171,9 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dev.set_defaults(handler=_dev)
 
-    up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, one worker")
-    up.add_argument("--model", help="model folder to serve (default: a tiny random-weight demo model)")
-    up.add_argument("--model-name", help="public model name (default: the folder name)")
+    up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, a worker per model")
+    up.add_argument(
+        "--model",
+        action="append",
+        metavar="PATH[=NAME]",
+        help="model folder to serve, optionally with its public name (default: the folder name); repeat for "
+        "several models, each with its own worker group (default: a tiny random-weight demo model)",
+    )
+    up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
     up.set_defaults(handler=_up)
@@ -210,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     from sluicegate.stack.batch_cli import add_batch_commands
 
     add_batch_commands(sub)
+
+    routes = sub.add_parser("routes", help="model routes (SLUICEGATE_ROUTES_FILE)").add_subparsers(
+        dest="action", required=True
+    )
+    check = routes.add_parser("check", help="validate a routing file (YAML) and its fast paths' tokenizers")
+    check.add_argument("file")
+    check.set_defaults(handler=_routes_check)
 
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")

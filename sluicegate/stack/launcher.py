@@ -1,8 +1,8 @@
 """``sluicegate up``: the whole local stack in one command.
 
 Starts Kafka and Redis (through :mod:`sluicegate.stack.devstack`), then the router, ingress, result
-service, one worker and one batch worker (Celery, beat embedded) as child processes with their logs in one
-folder; prints the URLs and the
+service, one worker per model (``--model PATH[=NAME]``, repeatable: each model its own worker group) and one
+batch worker (Celery, beat embedded) as child processes with their logs in one folder; prints the URLs and the
 API key; stops everything on Ctrl-C or SIGTERM.
 """
 
@@ -23,6 +23,38 @@ from sluicegate.settings import Settings
 
 DEMO_MODEL_NAME = "tiny-llama"
 MODEL_LOAD_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model ``sluicegate up`` serves: its folder (or hub id) and its public name."""
+
+    path: str
+    name: str
+
+
+def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None) -> list[ModelSpec | None]:
+    """``PATH[=NAME]`` arguments as specs; ``[None]`` (the demo model, named ``model_name`` if given) when there are
+    none.
+
+    ``model_name`` (the older ``--model-name``) names a single unnamed model. Two models under one public
+    name would share one worker group and one topic, so that is a ``ValueError``, as is an empty part.
+    """
+    if not specs:
+        return [None]
+    if model_name and len(specs) > 1:
+        raise ValueError("--model-name names one model; give several models as --model PATH=NAME")
+    out: list[ModelSpec | None] = []
+    for spec in specs:
+        path, sep, name = spec.rpartition("=") if "=" in spec else (spec, "", "")
+        if not path or (sep and not name):
+            raise ValueError(f"--model {spec!r}: expected PATH or PATH=NAME")
+        out.append(ModelSpec(path, name or model_name or Path(path.rstrip("/")).name))
+    names = [m.name for m in out if m is not None]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"--model: the public name(s) {', '.join(duplicates)} are given to more than one model")
+    return out
 
 
 @dataclass
@@ -100,13 +132,16 @@ def _stop(children: list[Child]) -> None:
             child.process.kill()
 
 
-def up(settings: Settings, *, model: str | None, device: str, model_name: str | None, keep_stack: bool) -> int:
+def up(settings: Settings, *, models: list[str] | None, device: str, model_name: str | None, keep_stack: bool) -> int:
     """Run the full stack until interrupted; returns the exit code."""
     from sluicegate.stack import devstack
 
+    specs = [
+        spec or ModelSpec(str(_demo_model(settings)), model_name or DEMO_MODEL_NAME)
+        for spec in parse_model_specs(models, model_name=model_name)
+    ]
     info = devstack.up(settings)
-    model_path = model or str(_demo_model(settings))
-    name = model_name or (DEMO_MODEL_NAME if model is None else Path(model).name)
+    model_path, name = specs[0].path, specs[0].name
     api_key = settings.api_keys.split(",")[0].strip() if settings.api_keys else ""
     generated_key = not api_key
     if generated_key:
@@ -125,22 +160,34 @@ def up(settings: Settings, *, model: str | None, device: str, model_name: str | 
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     try:
-        children.append(_spawn("worker", ["worker"], env, log_dir))
+        # One worker (its own consumer group and topics) per model; the first keeps the plain name "worker".
+        workers = [
+            _spawn(
+                "worker" if n == 0 else f"worker-{spec.name}",
+                ["worker"],
+                {**env, "SLUICEGATE_MODEL": spec.path, "SLUICEGATE_MODEL_NAME": spec.name},
+                log_dir,
+            )
+            for n, spec in enumerate(specs)
+        ]
+        children.extend(workers)
+        ingress = _spawn("ingress", ["ingress"], env, log_dir)
+        results = _spawn("result-service", ["result-service"], env, log_dir)
         children.append(_spawn("router", ["router"], env, log_dir))
-        children.append(_spawn("ingress", ["ingress"], env, log_dir))
-        children.append(_spawn("result-service", ["result-service"], env, log_dir))
-        children.append(_spawn("batch-worker", ["batch-worker"], env, log_dir))
+        children += [ingress, results, _spawn("batch-worker", ["batch-worker"], env, log_dir)]
         ingress_url = f"http://127.0.0.1:{settings.ingress_port}"
         result_url = f"http://127.0.0.1:{settings.result_port}"
-        _wait_http(f"{ingress_url}/healthz", children[2], 60)
-        _wait_http(f"{result_url}/healthz", children[3], 60)
+        _wait_http(f"{ingress_url}/healthz", ingress, 60)
+        _wait_http(f"{result_url}/healthz", results, 60)
         # A real checkpoint on a GPU can take minutes to load; the demo model takes seconds.
-        print(f"waiting for the worker to serve {name!r} ...", flush=True)
-        _wait_model(ingress_url, api_key, name, children[0], MODEL_LOAD_TIMEOUT_S)
+        for spec, worker in zip(specs, workers, strict=True):
+            print(f"waiting for the worker to serve {spec.name!r} ...", flush=True)
+            _wait_model(ingress_url, api_key, spec.name, worker, MODEL_LOAD_TIMEOUT_S)
+        served = ", ".join(repr(spec.name) for spec in specs)
         print(
             "\nSluicegate is up.\n"
             f"  chat page        {result_url}/\n"
-            f"  OpenAI API       {ingress_url}/v1  (model {name!r})\n"
+            f"  OpenAI API       {ingress_url}/v1  (model{'s' if len(specs) > 1 else ''} {served})\n"
             f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
             f"  Kafka            {info.kafka_bootstrap}\n"
             f"  Redis            {info.redis_url}\n"
