@@ -64,9 +64,11 @@ def _round_to_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
-    # Subnormal range: fixed spacing 2^-9; adding 1.5 * 2^14 puts x where fp32's spacing is 2^-9,
-    # so the fp32 add itself rounds (ties to even), and subtracting it back is exact.
-    subnormal = (x + 24576.0) - 24576.0
+    # Subnormal range: fixed spacing 2^-9; adding 1.5 * 2^14 puts |x| where fp32's spacing is 2^-9,
+    # so the fp32 add itself rounds (ties to even), and subtracting it back is exact. The sign is
+    # put back from the bits so that small negatives round to -0.0, as the cast does.
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(bits < 0, -magnitude, magnitude)
     return tl.where(tl.abs(x) >= 0.015625, normal, subnormal)
 
 
