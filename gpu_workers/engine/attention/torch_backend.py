@@ -13,8 +13,9 @@ is needed for a single query), so grouped-query attention needs no K/V copies; p
 ``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask offset by the cached context.
 
 With an FP8 cache (``kv_quant.py``) new rows are quantized as they are written, and a sequence's
-context is cast back to the query dtype as it is read; the per-head scales are folded into the query
-(K's) and the output (V's) rather than multiplied into every cached element. A prompt attended whole
+context is widened as it is read (to fp32 on a CPU, with integer ops that vectorize where torch's
+float8 cast does not); the per-head scales are folded into the query (K's) and the output (V's)
+rather than multiplied into every cached element. A prompt attended whole
 in one step uses its fresh K/V, as with any cache dtype.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import calibrate_scales, is_fp8_cache, quantize_rows
+from .kv_quant import FP8_AS_FP16_FACTOR, calibrate_scales, fp8_codes_as, is_fp8_cache, quantize_rows
 from .metadata import AttentionMetadata
 
 # Flat slot ranges [start, end) that, concatenated, hold one sequence's context in order.
@@ -127,11 +128,14 @@ class TorchAttentionBackend:
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         # FP8: q @ (s_k K)^T = (s_k q) @ K^T and P @ (s_v V) = s_v (P @ V), per KV head, so the
-        # cached context is only cast; these multiply the query and output (shaped per decode row,
-        # [kv_heads, 1, 1], and per prefill chunk, [heads, 1, 1]).
+        # cached context is only widened (fp8_codes_as, whose factor joins the scales); these
+        # multiply the query and output (per decode row [kv_heads, 1, 1], per prefill chunk
+        # [heads, 1, 1]). A CPU computes these rows in fp32 (16-bit math there is slower).
+        work = torch.float32 if q.device.type == "cpu" else q.dtype
         k_rows = v_rows = k_heads = v_heads = None
         if fp8 and k_scale is not None and v_scale is not None:  # (write_kv refused missing scales)
-            k_rows, v_rows = k_scale.to(q.dtype)[:, None, None], v_scale.to(q.dtype)[:, None, None]
+            k_rows = (k_scale * FP8_AS_FP16_FACTOR).to(work)[:, None, None]
+            v_rows = (v_scale * FP8_AS_FP16_FACTOR).to(work)[:, None, None]
             k_heads = k_rows.repeat_interleave(group, dim=0)
             v_heads = v_rows.repeat_interleave(group, dim=0)
         out = torch.empty_like(q)
@@ -145,7 +149,7 @@ class TorchAttentionBackend:
                 values = _read(flat_v, runs[i]).transpose(0, 1)
                 query = q[start].view(num_kv_heads, group, head_dim)
                 if fp8:
-                    query, keys, values = query * k_rows, keys.to(q.dtype), values.to(q.dtype)
+                    query, keys, values = query.to(work) * k_rows, fp8_codes_as(keys, work), fp8_codes_as(values, work)
                 attn = F.scaled_dot_product_attention(query, keys, values, scale=scale)
                 if fp8:
                     attn = attn * v_rows
@@ -161,7 +165,7 @@ class TorchAttentionBackend:
                 positions = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= positions[:, None]
                 if fp8:
-                    query, keys, values = query * k_heads, keys.to(q.dtype), values.to(q.dtype)
+                    query, keys, values = query.to(work) * k_heads, fp8_codes_as(keys, work), fp8_codes_as(values, work)
             attn = F.scaled_dot_product_attention(
                 query,
                 keys.transpose(0, 1),

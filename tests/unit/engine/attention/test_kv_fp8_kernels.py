@@ -22,10 +22,12 @@ from test_triton_kernels import DEVICES, MIXED_SEQS, TOLERANCE, Batch, dense_att
 from gpu_workers.engine.attention import triton_kernels as tk
 from gpu_workers.engine.attention.kv_quant import (
     CALIBRATION_HEADROOM,
+    FP8_AS_FP16_FACTOR,
     FP8_KV_DTYPE,
     FP8_KV_MAX,
     calibrate_scales,
     dequantize_rows,
+    fp8_codes_as,
     quantize_rows,
 )
 from gpu_workers.engine.attention.torch_backend import TorchAttentionBackend, write_kv
@@ -150,6 +152,14 @@ def test_torch_backend_reads_fp8_cache_like_the_reference() -> None:
         fp8.q, fp8.k_new, fp8.v_new, fp8.k_cache, fp8.v_cache, fp8.meta, 0.125, k_scale=k_scale, v_scale=v_scale
     )
     _assert_matches(out, fp8, 0.125, torch.float32)
+
+
+def test_fp8_codes_widen_exactly() -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(FP8_KV_DTYPE)  # every code but the two NaNs
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        widened = fp8_codes_as(codes, dtype).float() * FP8_AS_FP16_FACTOR
+        assert torch.equal(widened, codes.float()), dtype
 
 
 def test_calibration_leaves_headroom_per_head() -> None:
