@@ -20,6 +20,7 @@ Usage (CPU, the figures in docs/benchmarks.md): ``PYTHONPATH=. python3 benchmark
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -100,16 +101,28 @@ def capacity(path: Path, engine_args: dict[str, Any], kv_cache_dtype: str, work:
         peak = max(peak, engine.stats().num_running)
     stats = engine.stats()
     wall = time.perf_counter() - start
+    cache_bytes = engine.runner.kv_cache.nbytes if engine.runner.kv_cache is not None else 0
+    _release(engine)
     return {
         "kv_cache_dtype": kv_cache_dtype,
         "kv_blocks": blocks,
-        "kv_cache_bytes": engine.runner.kv_cache.nbytes if engine.runner.kv_cache is not None else 0,
+        "kv_cache_bytes": cache_bytes,
         "peak_running": peak,
         "preemptions": stats.num_preemptions,
         "steps": steps,
         "wall_s": wall,
         "tokens_per_s": work.requests * work.output_len / wall,
     }
+
+
+def _release(*engines: LLMEngine) -> None:
+    """Drop the engines' weights and caches now (a GPU holds one or two copies of a large model)."""
+    for engine in engines:
+        engine.runner.decode_graphs = None
+        engine.runner.kv_cache = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _decoding(engine: LLMEngine, batch: int) -> bool:
@@ -160,6 +173,7 @@ def itl(path: Path, engine_args: dict[str, Any], work: Workload) -> dict[str, di
         for d, t in steps.items()
     }
     result["paired"] = {"fp8_over_auto_p50": statistics.median(ratios), "pairs": len(ratios)}
+    _release(*engines.values())
     return result
 
 
