@@ -195,7 +195,7 @@ def report(result: dict[str, Any], title: str) -> str:
     lines = [
         f"### {title}",
         "",
-        f"KV budget {work['kv_budget_bytes'] / (1 << 20):.0f} MiB; capacity: {work['requests']} requests x "
+        f"KV budget {work['kv_budget_bytes'] / (1 << 20):g} MiB; capacity: {work['requests']} requests x "
         f"({work['prompt_len']} prompt + {work['output_len']} output) tokens submitted at once. ITL: "
         f"{work['itl_batch']} sequences x {work['itl_context']}-token prompts, {work['itl_steps']} decode steps x "
         f"{work['rounds']} interleaved rounds.",

@@ -239,3 +239,34 @@ def test_padded_decode_path_calibrates_eagerly_then_matches_eager(
     assert runner.kv_scales is not None and runner.kv_scales.fixed
     assert torch.equal(runner.kv_scales.tensor, eager.engine.runner.kv_scales.tensor)
     assert results[0] == results[1]
+
+
+@pytest.mark.skipif(not _triton_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_cascade_over_a_shared_fp8_prefix_matches_plain_attention(
+    model_dir: Callable[[str], Path], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_workers.engine.attention import triton_backend
+
+    calls: list[int] = []
+    real = triton_backend.cascade_paged_attention
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "cascade_paged_attention", counting)
+    path = model_dir("llama")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kwargs = dict(attention_backend="triton", device=device, kv_cache_dtype="fp8", num_kv_blocks=48, enforce_eager=True)
+    plain = make_llm(path, enable_cascade_attention=False, **kwargs)
+    cascade = make_llm(path, **kwargs)
+    cascade.engine.runner.cascade_min_prefix_len = 16
+    cascade.engine.runner.cascade_min_seqs = 2
+    prefix = _prompt(31, 40)
+    prompts = [prefix + _prompt(40 + i, n) for i, n in enumerate((3, 8, 1))]
+    results = []
+    for llm in (plain, cascade):
+        llm.generate([prefix[:33]], _greedy(1))  # calibrates on the prefix and caches its two whole blocks
+        results.append([o.token_ids for o in llm.generate(prompts, _greedy(4))])
+    assert calls, "the shared-prefix decode steps should have taken the cascade path"
+    assert results[0] == results[1]
