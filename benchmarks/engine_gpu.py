@@ -19,11 +19,14 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
    ``generate`` (one static batch; all prompts have the same length, so no padding), and
    transformers' continuous batching (the manager behind ``generate_batch``, paged sdpa).
 5. decode ITL at concurrency 1 with FP8 weights (and bnb-int8 when bitsandbytes imports).
+6. FP8 KV cache against the bf16 cache (``benchmarks/kv_cache_fp8.py``, Triton backend): peak
+   concurrent sequences at one fixed KV budget, and decode ITL of two engines stepping in lockstep.
 
 Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
 caching TTFT p50 at c=1 >= 5x lower than off; FP8 ITL <= 0.6x bf16; >= 3x transformers continuous
-batching tok/s at c=64), then a markdown section; writes ``$OUT/engine_gpu.json`` when ``OUT`` is set.
+batching tok/s at c=64; FP8 KV cache >= 2x the concurrent sequences of bf16 at the same KV budget),
+then a markdown section; writes ``$OUT/engine_gpu.json`` when ``OUT`` is set.
 
 Usage: ``PYTHONPATH=. python3 benchmarks/engine_gpu.py`` on one H100 (about 8 minutes;
 ``--budget-s`` bounds it: phases shrink their request counts, later ones are skipped with a note),
@@ -56,6 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.common import fmt, percentile
+from benchmarks.kv_cache_fp8 import Workload as KVFp8Workload
+from benchmarks.kv_cache_fp8 import compare as compare_kv_cache_dtypes
+from benchmarks.kv_cache_fp8 import report as kv_cache_report
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
@@ -72,6 +78,11 @@ TOKS_FACTOR = 1.6
 PREFIX_TTFT_FACTOR = 5.0
 FP8_FACTOR = 0.6
 CB_FACTOR = 3.0
+KV_FP8_CAPACITY_FACTOR = 2.0
+# FP8 KV phase: an 8B model's bf16 KV is 128 KiB a token, so 2 GiB holds 16k tokens: about 14 sequences of
+# 1024 + 128 tokens (fp8: 28); ITL over 32 sequences of 2048-token prompts.
+KV_FP8_GPU = KVFp8Workload(2 << 30, 64, 1024, 128, 32, 2048, 32, 3)
+KV_FP8_SMOKE = KVFp8Workload(24 * 16 * 512, 40, 32, 8, 4, 32, 4, 1)
 LLAMA31_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -692,6 +703,13 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if "itl_p50_ms" in fp8 and c1:
         ratio = fp8["itl_p50_ms"] / c1["itl_p50_ms"]
         targets.append(_target("FP8 c=1 ITL / bf16", f"<= {FP8_FACTOR}x", ratio, ratio <= FP8_FACTOR, "x"))
+    kv_fp8 = results.get("kv_fp8", {})
+    if "capacity_ratio" in kv_fp8:
+        ratio = kv_fp8["capacity_ratio"]
+        ok = ratio >= KV_FP8_CAPACITY_FACTOR
+        goal = f">= {KV_FP8_CAPACITY_FACTOR:.0f}x"
+        targets.append(_target("FP8 KV: concurrent seqs / bf16, same budget", goal, ratio, ok, "x"))
+        targets.append(_target("FP8 KV: decode ITL / bf16 (paired)", "measured", kv_fp8["itl_ratio"], None, "x"))
     peers = results.get("peers", {})
     ours, cb = peers.get("ours", {}), peers.get("hf_cb", {})
     shared = sorted(set(ours) & set(cb))
@@ -777,6 +795,8 @@ def print_report(results: dict[str, Any]) -> None:
             print(f"\n- {label} decode at concurrency 1: ITL p50 {q['itl_p50_ms']:.2f} ms.")
         elif q:
             print(f"\n- {label}: {q.get('skipped')}")
+    if "capacity_ratio" in results.get("kv_fp8", {}):
+        print("\n" + kv_cache_report(results["kv_fp8"], "FP8 KV cache against the bf16 cache (Triton backend)"))
     if results["budget_skipped"]:
         print("\nSkipped for the time budget: " + "; ".join(results["budget_skipped"]))
     if results["errors"]:
@@ -905,6 +925,18 @@ def quantized_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
         free_engine(setup)
 
 
+def kv_fp8_phase(setup: Setup, path: Path) -> dict[str, Any]:
+    """FP8 KV cache vs the model-dtype cache: capacity at one KV budget and paired decode ITL."""
+    engine_args = {
+        "device": setup.device,
+        "dtype": setup.dtype,
+        "attention_backend": "auto" if not setup.smoke else "torch",
+    }
+    result = compare_kv_cache_dtypes(path, engine_args, KV_FP8_SMOKE if setup.smoke else KV_FP8_GPU)
+    log(f"fp8 KV cache: {result['capacity_ratio']:.2f}x concurrent sequences, ITL {result['itl_ratio']:.2f}x")
+    return result
+
+
 def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
     budget = Budget(setup.budget_s)
     import transformers
@@ -961,6 +993,13 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
         if budget.allows("transformers peers", 60 if not setup.smoke else 3):
             prompts_by_c = peer_prompts(setup)
             guarded(results, "transformers peers", lambda: run_peers(path, setup, prompts_by_c, budget, results))
+            free_engine(setup)
+
+        # Last: it loads the model four times (two capacity engines, then two in lockstep for ITL).
+        if budget.allows("fp8 KV cache", 150 if not setup.smoke else 3):
+            results["kv_fp8"] = guarded(results, "fp8 KV cache", lambda: kv_fp8_phase(setup, path)) or {
+                "skipped": "failed (see errors)"
+            }
             free_engine(setup)
 
     results["targets"] = evaluate_targets(results)

@@ -104,6 +104,11 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
     quantization: str = Field("", description="Weight quantization: bnb-int8, bnb-nf4, fp8 or empty.")
     attention_backend: str = Field("auto", description="Attention backend: auto, torch, triton, flash_attn.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV cache dtype: auto (the model's) or fp8 (= fp8_e4m3: e4m3 with per-layer, per-KV-head scales "
+        "from the checkpoint or the first prompts; twice the blocks of a 16-bit cache; triton or torch backend).",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block (flash_attn needs a multiple of 256).")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of shared prompt prefixes.")
     enable_cascade_attention: bool = Field(

@@ -59,6 +59,9 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0
     attention_backend: str = "auto"
     quantization: str | None = None
+    # "auto": the cache in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with per-layer,
+    # per-KV-head scales from the checkpoint or the first prompts (attention/kv_quant.py).
+    kv_cache_dtype: str = "auto"
     # Decode steps replay CUDA graphs on CUDA unless True (on CPU graphs are never used).
     enforce_eager: bool = False
     # Decode batches sharing a long prefix attend it once (backends with a cascade path: triton).
@@ -70,6 +73,8 @@ class EngineConfig:
     # many tokens a step (decodes and prefill chunks), so its steps stay short; None: no cap.
     lower_tier_max_batched_tokens: int | None = None
     torch_dtype: torch.dtype | None = field(init=False, default=None)
+    # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
+    kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not str(self.model):
@@ -99,6 +104,13 @@ class EngineConfig:
                 f"unknown attention_backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(KNOWN_ATTENTION_BACKENDS)}"
             )
+        from .attention.kv_quant import parse_kv_cache_dtype
+
+        self.kv_cache_torch_dtype = parse_kv_cache_dtype(self.kv_cache_dtype)
+        if self.attention_backend == "flash_attn" and self.kv_cache_torch_dtype is not None:
+            from .attention.flash_attn_backend import FP8_KV_REFUSAL
+
+            raise ValueError(FP8_KV_REFUSAL)
         if self.attention_backend == "flash_attn":
             from .attention.flash_attn_backend import flash_attn_block_size_problem
 

@@ -54,6 +54,7 @@ def engine_arguments(settings: Settings) -> dict[str, object]:
         cpu_kv_cache_gb=settings.kv_cache_gb,
         attention_backend=settings.attention_backend,
         quantization=settings.quantization or None,
+        kv_cache_dtype=settings.kv_cache_dtype,
         tenant_weights=dict(settings.tenant_weights),
         block_size=settings.block_size,
         enable_prefix_caching=settings.enable_prefix_caching,

@@ -4,6 +4,10 @@
 then the Triton kernel on CUDA, and the pure-torch reference everywhere else. ``triton`` asked for
 by name also runs on CPU tensors when Triton's interpreter is on (``TRITON_INTERPRET=1`` set before
 triton's first import), which is how the tests exercise it without a GPU.
+
+An FP8 KV cache (``kv_cache_dtype``, see ``kv_quant.py``) is read by the Triton and torch backends;
+flash-attn 2 cannot read one, so ``auto`` then skips it and ``flash_attn`` by name is refused. On
+CUDA the Triton kernels need float8e4nv, which Triton compiles for compute capability 8.9+ only.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from .metadata import AttentionMetadata
 from .torch_backend import TorchAttentionBackend
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+FP8_TRITON_MIN_CAPABILITY = (8, 9)
 
 
 def _flash_attn_problem(device: torch.device, block_size: int | None, dtype: torch.dtype | None) -> str | None:
@@ -37,6 +42,19 @@ def _flash_attn_problem(device: torch.device, block_size: int | None, dtype: tor
     return "; ".join(problems) or None
 
 
+def _triton_fp8_problem(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot use an FP8 KV cache on ``device``, or None when they can."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= FP8_TRITON_MIN_CAPABILITY:
+        return None
+    return (
+        f"the Triton kernels' FP8 KV cache needs compute capability >= 8.9 (Ada, Hopper: Triton's float8e4nv); "
+        f"{device} has {major}.{minor}. Use attention_backend='torch' or kv_cache_dtype='auto'"
+    )
+
+
 def _triton_interpreted() -> bool:
     from .triton_kernels import INTERPRETED
 
@@ -54,22 +72,26 @@ def get_attention_backend(
     device: torch.device | str,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """Build the backend called ``name`` (or the best available one for ``"auto"``).
 
-    Raises ``ValueError`` for an unknown name or a backend that cannot run here.
+    ``kv_cache_dtype`` is the cache's dtype when it differs from ``dtype`` (float8_e4m3fn for an
+    FP8 cache). Raises ``ValueError`` for an unknown name or a backend that cannot run here.
     """
     device = torch.device(device)
+    fp8_kv = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
     if name == "auto":
         if device.type == "cuda":
-            if _flash_attn_problem(device, block_size, dtype) is None:
+            if not fp8_kv and _flash_attn_problem(device, block_size, dtype) is None:
                 from .flash_attn_backend import FlashAttnBackend
 
                 return FlashAttnBackend()
-            try:
-                return _make_triton()
-            except ImportError:
-                pass
+            if not (fp8_kv and _triton_fp8_problem(device)):
+                try:
+                    return _make_triton()
+                except ImportError:
+                    pass
         return TorchAttentionBackend()
     if name == "torch":
         return TorchAttentionBackend()
@@ -83,8 +105,15 @@ def get_attention_backend(
                 "attention backend 'triton' needs a CUDA device (on CPU only under Triton's interpreter: "
                 "TRITON_INTERPRET=1 set before triton is first imported)"
             )
+        problem = _triton_fp8_problem(device) if fp8_kv else None
+        if problem is not None:
+            raise ValueError(f"attention backend 'triton' is unavailable: {problem}")
         return backend
     if name == "flash_attn":
+        if fp8_kv:
+            from .flash_attn_backend import FP8_KV_REFUSAL
+
+            raise ValueError(FP8_KV_REFUSAL)
         problem = _flash_attn_problem(device, block_size, dtype)
         if problem is not None:
             raise ValueError(f"attention backend 'flash_attn' is unavailable: {problem}")

@@ -16,7 +16,10 @@ class AttentionBackend(Protocol):
     Shapes: ``q`` is ``[num_tokens, num_heads, head_dim]``; ``k`` and ``v`` are
     ``[num_tokens, num_kv_heads, head_dim]``; caches follow ``metadata.py``. A slot of ``-1`` in
     ``meta.slot_mapping`` means "do not store" (padding rows of a CUDA-graph batch). Returns a
-    ``[num_tokens, num_heads, head_dim]`` tensor in ``q``'s dtype.
+    ``[num_tokens, num_heads, head_dim]`` tensor in ``q``'s dtype. An FP8 (float8_e4m3fn) cache
+    comes with the layer's ``k_scale``/``v_scale`` (fp32 ``[num_kv_heads]``, see ``kv_quant.py``):
+    rows are stored as ``x / scale`` and read back times the scale; with
+    ``meta.calibrate_kv_scales`` the backend first sets the scales from this step's K/V.
 
     Optional class attributes the model runner reads (absent means False): ``supports_cascade``,
     the backend honours ``meta.common_prefix_len`` (shared-prefix attention); ``cuda_graph_safe``,
@@ -34,4 +37,6 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

@@ -8,7 +8,8 @@ only when the block size is a multiple of 256 and the dtype is fp16/bf16; ``get_
 checks both before picking this backend. Causal masking in flash-attn aligns the query block to
 the end of the key range, which is exactly the "new tokens are the last q_len of the context"
 layout of ``metadata.py``. New K/V rows are written first with the Triton store kernel, which
-skips slot -1 without a host sync (the torch fallback needs one).
+skips slot -1 without a host sync (the torch fallback needs one). An FP8 KV cache is refused
+(``FP8_KV_REFUSAL``): flash-attn 2 has no fp8 K/V input.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from .metadata import AttentionMetadata
 from .torch_backend import write_kv
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256
+# FlashAttention-2's kernels take fp16/bf16 K/V only. Dequantizing the whole cache each step would
+# cost more memory traffic than the fp8 cache saves, so an FP8 cache is refused instead.
+FP8_KV_REFUSAL = (
+    "flash_attn (FlashAttention-2) cannot read an FP8 KV cache (its kernels take fp16/bf16 K/V only); "
+    "use attention_backend='triton' (or 'auto', which picks it) with kv_cache_dtype='fp8', or kv_cache_dtype='auto'"
+)
 
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -66,7 +73,12 @@ class FlashAttnBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if k_scale is not None or v_scale is not None or k_cache.dtype.itemsize == 1:
+            # get_attention_backend refuses this pairing; a direct caller gets the same answer.
+            raise ValueError(FP8_KV_REFUSAL)
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             # One query row per sequence: the decode kernel, with split-KV chosen by flash-attn.

@@ -47,6 +47,9 @@ class AttentionMetadata:
     # ``common_prefix_len`` then only says that the cascade path is on (any positive multiple of
     # the block size), and a device value of 0 makes the shared-prefix pass empty.
     common_prefix_len_device: torch.Tensor | None = None
+    # FP8 KV cache only: each layer sets its K/V scales from this step's new K/V before writing them
+    # (the model runner asks once, on the cache's first step; see ``kv_quant.py``).
+    calibrate_kv_scales: bool = False
 
     @property
     def num_seqs(self) -> int:

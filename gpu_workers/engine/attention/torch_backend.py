@@ -11,6 +11,12 @@ and reused by every layer.
 Decode rows fold the query heads that share a KV head into the query-length axis (no causal mask
 is needed for a single query), so grouped-query attention needs no K/V copies; prefill chunks use
 ``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask offset by the cached context.
+
+With an FP8 cache (``kv_quant.py``) new rows are quantized as they are written, and a sequence's
+context is widened as it is read (to fp32 on a CPU, with integer ops that vectorize where torch's
+float8 cast does not); the per-head scales are folded into the query (K's) and the output (V's)
+rather than multiplied into every cached element. A prompt attended whole
+in one step uses its fresh K/V, as with any cache dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import FP8_AS_FP16_FACTOR, calibrate_scales, fp8_codes_as, is_fp8_cache, quantize_rows
 from .metadata import AttentionMetadata
 
 # Flat slot ranges [start, end) that, concatenated, hold one sequence's context in order.
@@ -25,15 +32,29 @@ SlotRuns = list[tuple[int, int]]
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store this step's K/V at their slots; slots of -1 are skipped."""
+    """Store this step's K/V at their slots; slots of -1 are skipped. An FP8 cache needs the
+    layer's per-head scales and stores the rows quantized with them."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
+    if is_fp8_cache(k_cache):
+        if k_scale is None or v_scale is None:
+            raise ValueError("an FP8 KV cache needs k_scale and v_scale to write")
+        # index_copy_ has no float8 kernel on CPU; the same bytes go in as uint8.
+        flat_k.view(torch.uint8).index_copy_(0, slot_mapping, quantize_rows(k, k_scale).view(torch.uint8))
+        flat_v.view(torch.uint8).index_copy_(0, slot_mapping, quantize_rows(v, v_scale).view(torch.uint8))
+        return
     flat_k.index_copy_(0, slot_mapping, k)
     flat_v.index_copy_(0, slot_mapping, v)
 
@@ -91,8 +112,13 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        fp8 = is_fp8_cache(k_cache)
+        if fp8 and meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
+            calibrate_scales(k, v, k_scale, v_scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -101,6 +127,17 @@ class TorchAttentionBackend:
         runs = self._runs_for(meta, block_size, seq_lens)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+        # FP8: q @ (s_k K)^T = (s_k q) @ K^T and P @ (s_v V) = s_v (P @ V), per KV head, so the
+        # cached context is only widened (fp8_codes_as, whose factor joins the scales); these
+        # multiply the query and output (per decode row [kv_heads, 1, 1], per prefill chunk
+        # [heads, 1, 1]). A CPU computes these rows in fp32 (16-bit math there is slower).
+        work = torch.float32 if q.device.type == "cpu" else q.dtype
+        k_rows = v_rows = k_heads = v_heads = None
+        if fp8 and k_scale is not None and v_scale is not None:  # (write_kv refused missing scales)
+            k_rows = (k_scale * FP8_AS_FP16_FACTOR).to(work)[:, None, None]
+            v_rows = (v_scale * FP8_AS_FP16_FACTOR).to(work)[:, None, None]
+            k_heads = k_rows.repeat_interleave(group, dim=0)
+            v_heads = v_rows.repeat_interleave(group, dim=0)
         out = torch.empty_like(q)
         for i, ctx_len in enumerate(seq_lens):
             start, end = query_start[i], query_start[i + 1]
@@ -111,17 +148,24 @@ class TorchAttentionBackend:
                 keys = _read(flat_k, runs[i]).transpose(0, 1)  # [kv_heads, ctx, d]
                 values = _read(flat_v, runs[i]).transpose(0, 1)
                 query = q[start].view(num_kv_heads, group, head_dim)
+                if fp8:
+                    query, keys, values = query.to(work) * k_rows, fp8_codes_as(keys, work), fp8_codes_as(values, work)
                 attn = F.scaled_dot_product_attention(query, keys, values, scale=scale)
+                if fp8:
+                    attn = attn * v_rows
                 out[start] = attn.view(num_heads, head_dim)
                 continue
             query = q[start:end].transpose(0, 1)  # [heads, q_len, d]
-            if ctx_len == q_len:
+            from_cache = ctx_len != q_len
+            if not from_cache:
                 # Whole sequence in this step: attend over the fresh K/V, plain causal mask.
                 keys, values, mask = k[start:end], v[start:end], None
             else:
                 keys, values = _read(flat_k, runs[i]), _read(flat_v, runs[i])
                 positions = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
                 mask = torch.arange(ctx_len, device=q.device)[None, :] <= positions[:, None]
+                if fp8:
+                    query, keys, values = query.to(work) * k_heads, fp8_codes_as(keys, work), fp8_codes_as(values, work)
             attn = F.scaled_dot_product_attention(
                 query,
                 keys.transpose(0, 1),
@@ -131,5 +175,7 @@ class TorchAttentionBackend:
                 scale=scale,
                 enable_gqa=group > 1,
             )
+            if fp8 and from_cache:
+                attn = attn * v_heads
             out[start:end] = attn.transpose(0, 1)
         return out

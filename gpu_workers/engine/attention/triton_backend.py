@@ -1,5 +1,5 @@
 """The "triton" attention backend: FlashAttention-style Triton kernels over the paged KV cache, for
-any block size, mixed prefill/decode batches in one launch, and GQA.
+any block size, mixed prefill/decode batches in one launch, GQA, and an FP8 (e4m3) KV cache.
 
 Importing this module raises ImportError when the ``triton`` package is not installed, so the
 backend selector can fall back to another backend.
@@ -14,6 +14,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import torch
 
+from .kv_quant import calibrate_scales
 from .metadata import AttentionMetadata
 from .triton_kernels import cascade_paged_attention, paged_attention, store_kvcache
 
@@ -37,12 +38,18 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # An FP8 cache: the kernels quantize on store and dequantize on read with these scales.
+        if meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
+            calibrate_scales(k, v, k_scale, v_scale)
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.common_prefix_len > 0:
             device_len = meta.common_prefix_len_device
             shared = device_len if device_len is not None else meta.common_prefix_len
             return cascade_paged_attention(
-                q, k_cache, v_cache, meta, scale, shared, num_splits=None, prefix_splits=None
-            )
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+                q, k_cache, v_cache, meta, scale, shared, num_splits=None, prefix_splits=None,
+                k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
+        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)

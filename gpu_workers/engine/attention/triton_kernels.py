@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
@@ -54,12 +54,33 @@ _MERGE_BLOCK_H = 16
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """fp32 values already clamped to +-448 -> the nearest float8_e4m3fn value (ties to even), still
+    in fp32, so the cast that follows is exact. Rounding here rather than in the cast because
+    Triton's interpreter (the CPU tests) drops the carry into the exponent when it rounds a
+    downcast (7.96 -> 4.0 instead of 8.0); compiled code rounds the same as this."""
+    # Normal range (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; a carry out of
+    # the mantissa moves into the exponent, as rounding up should.
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
+    # Subnormal range: fixed spacing 2^-9; adding 1.5 * 2^14 puts |x| where fp32's spacing is 2^-9,
+    # so the fp32 add itself rounds (ties to even), and subtracting it back is exact. The sign is
+    # put back from the bits so that small negatives round to -0.0, as the cast does.
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(bits < 0, -magnitude, magnitude)
+    return tl.where(tl.abs(x) >= 0.015625, normal, subnormal)
+
+
+@triton.jit
 def _store_kvcache_kernel(
     k_ptr,
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_size,
     num_kv_heads,
     stride_kt,
@@ -79,7 +100,10 @@ def _store_kvcache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    FP8: tl.constexpr,
 ):
+    # FP8: the cache is float8_e4m3fn; each row is divided by its KV head's scale, saturated at
+    # +-448 and rounded to nearest even (kv_quant.quantize_rows is the torch twin, bit for bit).
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -87,17 +111,26 @@ def _store_kvcache_kernel(
         offset = slot % block_size
         heads = tl.arange(0, HEADS_PAD)
         dims = tl.arange(0, HEAD_DIM_PAD)
-        mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
+        head_valid = heads < num_kv_heads
+        mask = head_valid[:, None] & (dims[None, :] < HEAD_DIM)
 
         src_k = k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd
         dst_k = k_cache_ptr + block * stride_kcb + offset * stride_kco
         dst_k += heads[:, None] * stride_kch + dims[None, :] * stride_kcd
-        tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
+        k = tl.load(src_k, mask=mask)
+        if FP8:
+            k_scale = tl.load(k_scale_ptr + heads, mask=head_valid, other=1.0)
+            k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0))
+        tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
         src_v = v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
         dst_v = v_cache_ptr + block * stride_vcb + offset * stride_vco
         dst_v += heads[:, None] * stride_vch + dims[None, :] * stride_vcd
-        tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
+        v = tl.load(src_v, mask=mask)
+        if FP8:
+            v_scale = tl.load(v_scale_ptr + heads, mask=head_valid, other=1.0)
+            v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0))
+        tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # True when these kernels can run on CPU tensors through Triton's interpreter. ``triton.jit``
@@ -114,10 +147,14 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write row ``i`` of ``k``/``v`` (``[num_tokens, num_kv_heads, head_dim]``) into cache slot
     ``slot_mapping[i]`` of ``k_cache``/``v_cache`` (``[num_blocks, block_size, num_kv_heads,
-    head_dim]``); rows whose slot is ``-1`` are skipped. Values are cast to the cache's dtype."""
+    head_dim]``); rows whose slot is ``-1`` are skipped. Values are cast to the cache's dtype; a
+    float8_e4m3fn cache needs ``k_scale``/``v_scale`` (fp32 ``[num_kv_heads]``) and stores
+    ``x / scale`` saturated at +-448."""
     if k.dim() != 3 or v.shape != k.shape:
         shapes = f"{tuple(k.shape)}, {tuple(v.shape)}"
         raise ValueError(f"k and v must both be [num_tokens, num_kv_heads, head_dim]; got {shapes}")
@@ -131,6 +168,7 @@ def store_kvcache(
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}]; got {tuple(slot_mapping.shape)}")
     _check_device(k, v, k_cache, v_cache, slot_mapping)
+    fp8 = _check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -140,6 +178,8 @@ def store_kvcache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if fp8 else slot_mapping,  # placeholder pointers, never read without FP8
+        v_scale if fp8 else slot_mapping,
         k_cache.shape[1],
         num_kv_heads,
         *k.stride(),
@@ -149,7 +189,31 @@ def store_kvcache(
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        FP8=fp8,
     )
+
+
+def _check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """True for a float8_e4m3fn cache whose ``[num_kv_heads]`` fp32 scales are given; raises when a
+    float8 cache lacks them, they do not fit, or scales come with a cache that is not float8."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    given = [s for s in (k_scale, v_scale) if s is not None]
+    if not fp8:
+        if given:
+            raise ValueError(f"k_scale/v_scale apply to a float8_e4m3fn KV cache only; this one is {k_cache.dtype}")
+        if k_cache.dtype.itemsize == 1:
+            raise ValueError(f"unsupported KV cache dtype {k_cache.dtype}; the 8-bit cache is float8_e4m3fn")
+        return False
+    if len(given) != 2:
+        raise ValueError("a float8_e4m3fn KV cache needs both k_scale and v_scale")
+    num_kv_heads = k_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        assert scale is not None
+        if scale.shape != (num_kv_heads,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+            got = f"{scale.dtype} {tuple(scale.shape)}"
+            raise ValueError(f"{name} must be contiguous float32 [num_kv_heads={num_kv_heads}]; got {got}")
+        _check_device(k_cache, scale)
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +257,8 @@ def _paged_attention_kernel(
     kv_start,
     prefix_len,
     prefix_len_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_size,
     stride_qt,
     stride_qh,
@@ -225,7 +291,10 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DYNAMIC_PREFIX: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
+    # KV_FP8: the cache holds float8_e4m3fn with one scale per KV head (kv_quant.py). Tiles are only
+    # cast to DOT_DTYPE; K's scale multiplies the scores and V's the output, once per program.
     # MODE 0: mixed batch (binary search for the sequence), causal.
     # MODE 1: decode-only batch, one program per sequence, causal.
     # MODE 2: shared-prefix pass of cascade attention: every query token of the batch attends,
@@ -275,6 +344,9 @@ def _paged_attention_kernel(
 
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0).to(DOT_DTYPE)
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     # KV positions this tile needs: [kv_start, kv_end), where kv_end stops after the last query
     # position of the tile (causal), then this program's share of that range when split.
@@ -302,7 +374,7 @@ def _paged_attention_kernel(
 
         k_ptrs = k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ko + kv_head * stride_kh
         k = tl.load(k_ptrs + dims[None, :] * stride_kd, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
 
         if MODE == 2:
             keep = pos_valid[None, :]
@@ -328,6 +400,8 @@ def _paged_attention_kernel(
     has_mass = l_i > 0.0
     l_safe = tl.where(has_mass, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr + kv_head)
     o_ptrs = out_ptr + split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh
     o_mask = row_valid[:, None] & dim_valid[None, :]
     tl.store(o_ptrs + dims[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -480,6 +554,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token of ``meta``'s batch over its sequence's paged KV.
 
@@ -487,9 +563,10 @@ def paged_attention(
     of the cache's ``num_kv_heads``. Returns ``out`` (``[num_tokens, num_heads, head_dim]`` in
     ``q``'s dtype, allocated if not given). Rows past ``query_start_loc[-1]`` are left untouched.
     ``num_splits`` cuts each program's KV range into that many segments merged afterwards
-    (flash-decoding); ``None`` picks it from the batch shape and the GPU.
+    (flash-decoding); ``None`` picks it from the batch shape and the GPU. A float8_e4m3fn cache
+    needs its per-KV-head ``k_scale``/``v_scale`` (as for :func:`store_kvcache`).
     """
-    out, cfg = _prepare(q, k_cache, v_cache, meta, out)
+    out, cfg = _prepare(q, k_cache, v_cache, meta, out, k_scale, v_scale)
     num_tokens = q.shape[0]
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
@@ -516,6 +593,8 @@ def cascade_paged_attention(
     *,
     num_splits: int | None = 1,
     prefix_splits: int | None = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as :func:`paged_attention` for a batch whose sequences all start with the same
     ``shared_prefix_len`` tokens stored in the same physical blocks, reading that prefix's KV once
@@ -533,8 +612,9 @@ def cascade_paged_attention(
     kernels read when they run (CUDA graphs replay fixed launches while the length changes). Its
     value is then the caller's promise, unchecked: a multiple of the block size meeting the
     preconditions above, or 0, which leaves the prefix pass empty (plain paged attention).
+    ``k_scale``/``v_scale``: a float8_e4m3fn cache's scales, as for :func:`paged_attention`.
     """
-    out, cfg = _prepare(q, k_cache, v_cache, meta, out)
+    out, cfg = _prepare(q, k_cache, v_cache, meta, out, k_scale, v_scale)
     block_size = k_cache.shape[1]
     prefix_device: torch.Tensor | None = None
     if isinstance(shared_prefix_len, torch.Tensor):
@@ -643,6 +723,8 @@ class _Config:
     block_m: int  # rows per program: block_q tokens x group heads, a power of two >= 16
     decode_only: bool
     fp32: bool = False  # float32 operands: twice the registers per tile element
+    # A float8_e4m3fn cache's (k_scale, v_scale), each [num_kv_heads] fp32; None for other caches.
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
 
     @property
     def num_warps(self) -> int:
@@ -699,6 +781,8 @@ def _prepare(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     out: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, _Config]:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim]; got {tuple(q.shape)}")
@@ -725,10 +809,16 @@ def _prepare(
     elif out.shape != q.shape:
         raise ValueError(f"out must be {tuple(q.shape)}; got {tuple(out.shape)}")
     _check_device(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype}, {v_cache.dtype}")
+    kv_scales = None
+    if _check_kv_scales(k_cache, k_scale, v_scale) and k_scale is not None and v_scale is not None:
+        kv_scales = (k_scale, v_scale)
     group = num_heads // num_kv_heads
     decode_only = meta.max_query_len <= 1
     block_m = _decode_block_m(group) if decode_only else _prefill_block_m(group)
-    return out, _Config(num_kv_heads, group, head_dim, block_m, decode_only, fp32=q.dtype == torch.float32)
+    fp32 = q.dtype == torch.float32
+    return out, _Config(num_kv_heads, group, head_dim, block_m, decode_only, fp32=fp32, kv_scales=kv_scales)
 
 
 def _grid_q(meta: AttentionMetadata, num_tokens: int, cfg: _Config) -> int:
@@ -826,6 +916,7 @@ def _launch(
         kv_start,
         prefix_len,
         prefix_len_device if prefix_len_device is not None else meta.seq_lens,  # placeholder when unused
+        *(cfg.kv_scales or (meta.seq_lens, meta.seq_lens)),  # placeholders without an FP8 cache
         k_cache.shape[1],
         *q.stride(),
         *k_cache.stride(),
@@ -845,5 +936,6 @@ def _launch(
         # fp32 inputs would otherwise run their dots in TF32 (10-bit mantissa).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         DYNAMIC_PREFIX=prefix_len_device is not None,
+        KV_FP8=cfg.kv_scales is not None,
         num_warps=cfg.num_warps,
     )

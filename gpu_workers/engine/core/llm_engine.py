@@ -46,8 +46,9 @@ class LLMEngine:
         self.vocab_size = self.loaded.vocab_size
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         block_size = config.block_size
-        backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype)
-        self.runner = ModelRunner(self.loaded, backend, block_size)
+        kv_dtype = config.kv_cache_torch_dtype
+        backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype, kv_dtype)
+        self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
         num_blocks = config.num_kv_blocks or self.runner.profile_num_blocks(config, self.max_model_len)
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(

@@ -10,6 +10,10 @@ Decode steps whose sequences all start with the same physical blocks (a shared s
 served from the prefix cache) carry ``common_prefix_len`` in their metadata, worked out here from
 the host block tables (no device sync), so a backend with a cascade path (Triton) attends that
 prefix once for the whole batch instead of once per sequence.
+
+The cache is in the model's dtype, or float8_e4m3fn (``kv_cache_dtype="fp8"``) with per-layer,
+per-KV-head scales (``attention/kv_quant.py``) that every layer's attention reads; scales the
+checkpoint does not give are computed on the cache's first step (run eagerly), then fixed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.base import AttentionBackend
+from ..attention.kv_quant import KVScales
 from ..attention.metadata import AttentionMetadata
 from ..config import EngineConfig
 from ..core.scheduler import ScheduledBatch
@@ -48,14 +53,20 @@ class PreparedBatch:
     sample_seqs: list[Sequence]
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
+    """Bytes one block takes across all layers, K and V, in ``cache_dtype`` (default: the model's)."""
+    elem = (cache_dtype or loaded.dtype).itemsize
     return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * elem
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, backend: AttentionBackend, block_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        backend: AttentionBackend,
+        block_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.backend = backend
@@ -63,6 +74,9 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        # float8_e4m3fn for an FP8 cache (then kv_scales exists once the cache does), else the model's dtype.
+        self.kv_cache_dtype = kv_cache_dtype or loaded.dtype
+        self.kv_scales: KVScales | None = None
         for layer in self.model.attention_layers:
             layer.backend = backend
         # Set by setup_decode once the KV cache exists.
@@ -127,12 +141,16 @@ class ModelRunner:
         lm = self.loaded
         self.kv_cache = torch.zeros(
             2, lm.num_layers, num_blocks, self.block_size, lm.num_kv_heads, lm.head_dim,
-            dtype=lm.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         self.num_blocks = num_blocks
+        if self.kv_cache_dtype.itemsize == 1:
+            self.kv_scales = KVScales(lm.num_layers, lm.num_kv_heads, self.device, lm.kv_scales)
         for i, layer in enumerate(self.model.attention_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales.layer(i)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block's keys and values in every layer (copy-on-write of a forked partial block)."""
@@ -142,7 +160,7 @@ class ModelRunner:
     def profile_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         """How many KV blocks fit: a share of free GPU memory after a full-budget forward, or the
         configured CPU share (never more than ``max_num_seqs`` full-length sequences need)."""
-        per_block = kv_bytes_per_block(self.loaded, self.block_size)
+        per_block = kv_bytes_per_block(self.loaded, self.block_size, self.kv_cache_dtype)
         max_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
         if self.device.type != "cuda":
             return max(1, min(int(config.cpu_kv_cache_gb * (1 << 30)) // per_block, max_useful))
@@ -189,8 +207,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
             self.model.compute_logits(hidden[torch.tensor([s - 1 for s in starts[1:]], device=dev)])
         self.kv_cache = None
+        self.kv_scales = None
         for layer in self.model.attention_layers:
-            layer.k_cache = layer.v_cache = None
+            layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = None
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
@@ -311,11 +330,18 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated")
         graphs = self.decode_graphs
-        if graphs is not None and len(batch.seqs) <= graphs.max_batch and all(n == 1 for n in batch.num_new_tokens):
+        # An FP8 cache without given scales computes them on its first step, eagerly (never in a graph).
+        calibrate = self.kv_scales is not None and not self.kv_scales.fixed
+        decode_only = all(n == 1 for n in batch.num_new_tokens)
+        if graphs is not None and not calibrate and len(batch.seqs) <= graphs.max_batch and decode_only:
             return self._execute_decode_graph(graphs, batch.seqs)
         prepared = self.prepare(batch)
+        prepared.meta.calibrate_kv_scales = calibrate
         with torch.inference_mode():
             hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
+            if calibrate and self.kv_scales is not None:
+                self.kv_scales.fixed = True
+                logger.info("FP8 KV cache scales set from the first step's %d tokens", prepared.input_ids.shape[0])
             if not prepared.sample_seqs:
                 return [], None
             logits = self.model.compute_logits(hidden[prepared.logits_indices])

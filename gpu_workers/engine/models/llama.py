@@ -55,6 +55,9 @@ class LlamaAttention(nn.Module):
         self.backend: AttentionBackend | None = None
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Per-KV-head scales of an FP8 cache (None otherwise), bound with it.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -65,7 +68,9 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, k, *rope)
         if self.backend is None or self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer used before the model runner bound its KV cache")
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

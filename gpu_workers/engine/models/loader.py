@@ -2,12 +2,17 @@
 
 Checkpoint names map onto the merged projections: ``q/k/v_proj`` fill row slices of
 ``qkv_proj`` and ``gate/up_proj`` fill ``gate_up_proj``. Sharded checkpoints are read through
-``model.safetensors.index.json``. Optional weight quantization runs after loading.
+``model.safetensors.index.json``. Optional weight quantization runs after loading. FP8 KV-cache
+scales a checkpoint may carry (``self_attn.k_scale`` / ``v_scale``, or one shared ``kv_scale``,
+each a scalar or one per KV head, as vLLM and llm-compressor write them) are read aside into
+``LoadedModel.kv_scales``; the model runner uses them when the cache is FP8.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +44,8 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     max_model_len: int
+    # [2, num_layers, num_kv_heads] fp32 (K, V) FP8 KV-cache scales from the checkpoint, if it has them.
+    kv_scales: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -132,8 +139,48 @@ def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> None:
-    """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or extras."""
+_KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")
+
+
+class _KVScaleReader:
+    """Collects a checkpoint's per-layer KV-cache scale tensors into one ``[2, layers, kv_heads]``."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.found: dict[tuple[int, int], torch.Tensor] = {}  # (0 = K / 1 = V, layer) -> [kv_heads]
+
+    def take(self, name: str, tensor_of: Callable[[], torch.Tensor]) -> bool:
+        """Keep ``name`` if it is a KV scale (True), else leave it to the weights (False)."""
+        match = _KV_SCALE_NAME.match(name)
+        if match is None:
+            return False
+        layer, kind = int(match.group(1)), match.group(2)
+        tensor = tensor_of().float().flatten()
+        if layer >= self.num_layers or tensor.numel() not in (1, self.num_kv_heads):
+            raise ValueError(
+                f"checkpoint KV scale {name} has {tensor.numel()} values; expected 1 or num_kv_heads="
+                f"{self.num_kv_heads} (and a layer below {self.num_layers})"
+            )
+        for index in {"k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1)}[kind]:
+            self.found[(index, layer)] = tensor.expand(self.num_kv_heads).clone()
+        return True
+
+    def result(self) -> torch.Tensor | None:
+        if not self.found:
+            return None
+        missing = [f"{'kv'[i]}_scale of layer {layer}" for i in (0, 1) for layer in range(self.num_layers)
+                   if (i, layer) not in self.found]  # fmt: skip
+        if missing:
+            raise ValueError(f"checkpoint has KV-cache scales for some layers but not: {missing[:4]}")
+        return torch.stack([torch.stack([self.found[(i, layer)] for layer in range(self.num_layers)]) for i in (0, 1)])
+
+
+def load_weights(model: LlamaForCausalLM, path: Path) -> torch.Tensor | None:
+    """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or extras.
+    Returns the checkpoint's KV-cache scales (``[2, layers, kv_heads]``), or None without them."""
+    attn = model.attention_layers[0]
+    kv_scales = _KVScaleReader(len(model.attention_layers), attn.num_kv_heads)
     params = dict(model.named_parameters(remove_duplicate=False))
     slices = _shard_slices(model)
     expected: set[tuple[str, int]] = set()
@@ -152,6 +199,8 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     if "rotary_emb.inv_freq" in ckpt_name:
                         continue
                     if ckpt_name.startswith("lm_head.") and model.tie_word_embeddings:
+                        continue
+                    if kv_scales.take(ckpt_name, lambda name=ckpt_name: f.get_tensor(name)):
                         continue
                     target, shard = ckpt_name, None
                     for src, dst, idx in _STACKED_PARAMS:
@@ -180,6 +229,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {[f'{n}[{s}]' for n, s in missing[:5]]}")
+    return kv_scales.result()
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -202,10 +252,12 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # to_empty() replaces parameters one module at a time, which unties shared weights.
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_cache(dtype)
-    load_weights(model, path)
+    kv_scales = load_weights(model, path)
     model.eval()
     if config.quantization is not None:
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)
-    return LoadedModel(model=model, hf_config=hf_config, path=path, dtype=dtype, max_model_len=max_model_len)
+    return LoadedModel(
+        model=model, hf_config=hf_config, path=path, dtype=dtype, max_model_len=max_model_len, kv_scales=kv_scales
+    )

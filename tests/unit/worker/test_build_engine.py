@@ -33,6 +33,7 @@ async def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.M
         "MAX_NUM_SEQS": "3",
         "KV_CACHE_GB": "0.01",
         "ATTENTION_BACKEND": "torch",
+        "KV_CACHE_DTYPE": "fp8",
     }.items():
         monkeypatch.setenv(f"SLUICEGATE_{name}", value)
     process = build_engine(Settings())
@@ -54,6 +55,7 @@ def _assert_knobs(config: EngineConfig) -> None:
     assert (config.block_size, config.enable_prefix_caching, config.enable_cascade_attention) == (32, False, False)
     assert (config.enforce_eager, config.gpu_memory_utilization, config.max_model_len) == (True, 0.5, 256)
     assert (config.max_num_seqs, config.cpu_kv_cache_gb, config.attention_backend) == (3, 0.01, "torch")
+    assert config.kv_cache_dtype == "fp8"
 
 
 def test_defaults_leave_the_model_its_own_length(tiny: Path) -> None:
@@ -63,7 +65,8 @@ def test_defaults_leave_the_model_its_own_length(tiny: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "value"), [("BLOCK_SIZE", "0"), ("GPU_MEMORY_UTILIZATION", "1.5"), ("MAX_MODEL_LEN", "-1")]
+    ("name", "value"),
+    [("BLOCK_SIZE", "0"), ("GPU_MEMORY_UTILIZATION", "1.5"), ("MAX_MODEL_LEN", "-1"), ("KV_CACHE_DTYPE", "int8")],
 )
 def test_bad_engine_settings_are_refused_by_name(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(f"SLUICEGATE_{name}", value)
