@@ -276,7 +276,7 @@ class WorkerTelemetry:
 
 class RequestWatch:
     """One request's metrics at its end, and its span while tracing is on (a child of the context its Kafka
-    record carries, with the engine's queue, prefill and decode as child spans built from ``RequestMetrics``)."""
+    record carries, with the engine's queue, prefill and decode as events built from ``RequestMetrics``)."""
 
     __slots__ = ("engine_metrics", "owner", "produced_at", "request", "span", "tier")
 
@@ -320,7 +320,7 @@ class RequestWatch:
 
     def finished(self, reason: str, usage: Usage) -> None:
         """Record the request's end: token counts, the engine's timings, the GenAI server metrics, the span's
-        usage attributes and engine child spans."""
+        usage attributes and the engine's phase events."""
         owner, model, tier = self.owner, self.owner.model, self.tier
         owner.prompt_tokens.labels(model, tier).inc(usage.prompt_tokens)
         owner.generation_tokens.labels(model, tier).inc(usage.completion_tokens)
@@ -343,7 +343,7 @@ class RequestWatch:
                 }
             )
             if metrics is not None:
-                self._engine_spans(metrics)
+                self._engine_events(metrics)
 
     def failed(self, code: str) -> None:
         if self.span is not None:
@@ -379,22 +379,18 @@ class RequestWatch:
         if m.finish_time is not None:
             self.owner.genai_duration.labels(*genai).observe(max(0.0, m.finish_time - start))
 
-    def _engine_spans(self, m: RequestMetrics) -> None:
-        """The engine's phases as child spans, timed by the engine's own wall-clock stamps."""
+    def _engine_events(self, m: RequestMetrics) -> None:
+        """The engine's phases as events on the request's span, each at the engine's own wall-clock stamp of its
+        start, with its length: an event is cheaper to make and export than a child span (no ids, kind, status or
+        scope of its own; docs/benchmarks.md), and a phase has nothing of its own to nest under it."""
         assert self.span is not None
-        parent = trace.set_span_in_context(self.span)
         phases = (
             ("engine.queue", m.arrival_time, m.first_scheduled_time),
             ("engine.prefill", m.first_scheduled_time, m.first_token_time),
             ("engine.decode", m.first_token_time, m.finish_time),
         )
         for name, begin, end in phases:
-            if begin is None or end is None:
-                continue
-            span = self.owner.tracer.start_span(
-                name,
-                context=parent,
-                start_time=int(begin * 1e9),
-                attributes={"sluicegate.engine.preemptions": m.num_preemptions, "sluicegate.tier": self.tier},
-            )
-            span.end(end_time=int(end * 1e9))
+            if begin is not None and end is not None:
+                self.span.add_event(name, {"sluicegate.duration_s": end - begin}, timestamp=int(begin * 1e9))
+        if m.num_preemptions:
+            self.span.set_attribute("sluicegate.engine.preemptions", m.num_preemptions)
