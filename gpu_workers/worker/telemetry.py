@@ -61,14 +61,19 @@ class _EngineCollector(Collector):
         except Exception:  # an engine not started (or gone) has no stats; the scrape still answers
             return
         labels = [self.model]
-        for name, doc, value in (
-            ("sluicegate:num_requests_running", "Requests in the engine's running batch.", stats.num_running),
-            ("sluicegate:num_requests_waiting", "Requests waiting in the engine's queue.", stats.num_waiting),
-            ("sluicegate:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage),
+        for name, doc, by_priority in (
+            ("sluicegate:num_requests_running", "Requests in the engine's running batch.", stats.running_by_priority),
+            ("sluicegate:num_requests_waiting", "Requests waiting in the engine's queue.", stats.waiting_by_priority),
         ):
-            family = GaugeMetricFamily(name, doc, labels=["model"])
-            family.add_metric(labels, float(value))
+            family = GaugeMetricFamily(name, doc, labels=_MT)
+            for rank, tier in enumerate(TIERS):  # the engine's priority is the tier's rank (schemas.tier_rank)
+                family.add_metric([self.model, tier], float(by_priority.get(rank, 0)))
             yield family
+        usage = GaugeMetricFamily(
+            "sluicegate:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", labels=["model"]
+        )
+        usage.add_metric(labels, float(stats.kv_cache_usage))
+        yield usage
         for name, doc, total in (
             (
                 "sluicegate:prefix_cache_queries",
@@ -380,9 +385,8 @@ class RequestWatch:
             self.owner.genai_duration.labels(*genai).observe(max(0.0, m.finish_time - start))
 
     def _engine_events(self, m: RequestMetrics) -> None:
-        """The engine's phases as events on the request's span, each at the engine's own wall-clock stamp of its
-        start, with its length: an event is cheaper to make and export than a child span (no ids, kind, status or
-        scope of its own; docs/benchmarks.md), and a phase has nothing of its own to nest under it."""
+        """The engine's phases as events of the request's span, at the engine's own wall-clock stamps, with their
+        lengths: cheaper to make and export than child spans (docs/benchmarks.md), and a phase nests nothing."""
         assert self.span is not None
         phases = (
             ("engine.queue", m.arrival_time, m.first_scheduled_time),
