@@ -136,6 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="on: every service exports its spans over OTLP/HTTP to a local receiver (a process of its own); "
         "compare with an 'off' run made right before or after (docs/benchmarks.md pairs them)",
     )
+    parser.add_argument(
+        "--metrics",
+        choices=("on", "off"),
+        default="on",
+        help="off: SLUICEGATE_METRICS_ENABLED=false in every service (what the always-on metrics cost, paired "
+        "with an 'on' run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -215,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: tiny random Llama (2 layers, hidden 64) on CPU, 1 torch thread; prompts ~8 tokens, "
         f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
-        f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"
+        f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}; "
+        f"metrics {args.metrics}"
     )
     if levels:
         print(

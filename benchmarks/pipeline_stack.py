@@ -243,6 +243,7 @@ def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, st
         # As deployed: the worker serves its metrics (nobody scrapes here), and traces go where --tracing says.
         worker_metrics_port=free_port(),
         otlp_endpoint=getattr(args, "otlp_endpoint", ""),
+        metrics_enabled=getattr(args, "metrics", "on") == "on",
     )
     settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

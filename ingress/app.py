@@ -98,7 +98,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         keyring=keyring,
         path_limits={"/v1/files": upload_limit},
     )
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if settings.metrics_enabled:
+        app.add_middleware(MetricsMiddleware, metrics=metrics)
     _add_routes(app, (openai.router, native.router, ops.router, files.router, batches.router))
     install_openapi(app)
     instrument_app(app)  # outermost: the server span covers the middleware too

@@ -32,6 +32,7 @@ from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 from sluicegate.stream_entries import StreamEntry, parse_entry
 from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, StreamFollower
+from sluicegate.telemetry import untraced
 
 from .backlog import BacklogMonitor
 from .errors import ApiError
@@ -305,12 +306,14 @@ class IngressService:
         """
         for _ in range(_SENDER_TURNS):
             await asyncio.sleep(0)
-        await self.redis.set(
-            self.names.request_key(record.request_id),
-            record.model_dump_json(),
-            ex=self.settings.request_record_ttl_s,
-            nx=True,
-        )
+        # No span: a plain write the trace learns nothing from, and a tenth of tracing's CPU in ingress.
+        with untraced():
+            await self.redis.set(
+                self.names.request_key(record.request_id),
+                record.model_dump_json(),
+                ex=self.settings.request_record_ttl_s,
+                nx=True,
+            )
 
     async def charge(self, key_id: str, limits: Limits, tokens: int) -> None:
         """Charge one request of ``tokens`` to the key's rate limits: 429 over a limit, 503 without Redis."""

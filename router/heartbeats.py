@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from schemas import Names, WorkerHeartbeat
+from sluicegate.telemetry import untraced
 
 from .policy import live_heartbeats
 
@@ -58,7 +59,8 @@ class HeartbeatCache:
         entry = self._entries.get(model)
         if entry is not None and now - entry[0] < self._refresh_s:
             return entry[1]
-        beats = await read_heartbeats(self._redis, self._names, model, max_age_s=self._max_age_s)
+        with untraced():  # a cache refill serves every request of the next second, not the one that triggered it
+            beats = await read_heartbeats(self._redis, self._names, model, max_age_s=self._max_age_s)
         self._entries[model] = (now, beats)
         return beats
 

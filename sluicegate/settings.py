@@ -143,6 +143,12 @@ class Settings(BaseSettings):
         description="OTLP/HTTP endpoint for traces, an alias of OTEL_EXPORTER_OTLP_ENDPOINT (which wins); with "
         "neither (nor OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) set, tracing is off.",
     )
+    metrics_enabled: bool = Field(
+        True,
+        description="False: no per-request metrics work (ingress's request middleware, the worker's metrics and "
+        "engine hooks; /metrics still answers, emptier). A switch for measuring what the metrics cost; the worker "
+        "keeps its telemetry while tracing is on (its request span lives there).",
+    )
     worker_metrics_port: int = Field(
         8002, ge=0, le=65535, description="Port of a worker's /metrics, /healthz and /readyz; 0 disables them."
     )

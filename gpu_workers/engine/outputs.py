@@ -108,6 +108,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # The two counts above split by request priority (the scheduling tier, lower first); priorities with
+    # none are absent. What a priority means to the caller is the caller's business.
+    running_by_priority: dict[int, int] = field(default_factory=dict)
+    waiting_by_priority: dict[int, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -3,6 +3,13 @@ tier would take this worker to generate, from its consumer lag, the tokens a req
 generate and the generation rate it has measured.
 
 Pure arithmetic and two small trackers, kept apart from the metrics they feed so they can be tested alone.
+
+Why per worker, not per consumer group: a record waits on its partition, and its partition on one worker, so
+what a request will wait is its worker's backlog, and ``max by (model, tier)`` of the per-worker gauge is the
+worst wait in the group: what the deadline alert and KEDA's scale-out trigger want. The group-wide figure
+(all queued tokens over the group's summed rate: what the group would need were the work spread evenly) is a
+query over the same gauges, backlog x rate summed over workers / the summed rate (the dashboard's "group
+backlog" line), so no worker has to read the other workers' partitions or rates to export it.
 """
 
 from __future__ import annotations

@@ -25,3 +25,5 @@ class WorkerConfig:
     device: str = "cpu"
     redis_retry_max_s: float = 2.0
     commit_interval_s: float = 0.05
+    # False (SLUICEGATE_METRICS_ENABLED): a Worker built without a WorkerTelemetry keeps none.
+    metrics: bool = True

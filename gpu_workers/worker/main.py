@@ -15,6 +15,8 @@ from functools import partial
 from pathlib import Path
 from typing import NoReturn
 
+from prometheus_client import CollectorRegistry
+
 from gpu_workers.engine import AsyncEngine, EngineFront, ProcessEngine
 from schemas import TIERS, Names
 from sluicegate import event_loop
@@ -24,7 +26,7 @@ from sluicegate.logs import configure_logging
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
-from sluicegate.telemetry import configure_tracing, shutdown_tracing
+from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 
 from .config import WorkerConfig
 from .observer import WorkerObserver
@@ -123,7 +125,9 @@ async def run_worker(
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     configure_tracing("sluicegate-worker", settings.otlp_endpoint)
     engine = engine or build_engine(settings)
-    telemetry = WorkerTelemetry(engine, model_name, worker_id, queue_budget_s=settings.default_queue_budget_s)
+    telemetry = None
+    if settings.metrics_enabled or tracing_enabled():  # the request span lives in the telemetry too
+        telemetry = WorkerTelemetry(engine, model_name, worker_id, queue_budget_s=settings.default_queue_budget_s)
     # Up before the model loads: liveness answers during a long load, readiness says why it is not ready yet.
     probes = _Probes()
     server = await _start_metrics(settings, telemetry, probes)
@@ -158,10 +162,14 @@ class _Probes:
         return self.worker.readiness()
 
 
-async def _start_metrics(settings: Settings, telemetry: WorkerTelemetry, probes: _Probes) -> MetricsServer | None:
+async def _start_metrics(
+    settings: Settings, telemetry: WorkerTelemetry | None, probes: _Probes
+) -> MetricsServer | None:
     if not settings.worker_metrics_port:
         return None
-    server = MetricsServer(telemetry.registry, settings.worker_metrics_port, ready=probes)
+    # Metrics off: the probes still answer, over an empty registry.
+    registry = telemetry.registry if telemetry is not None else CollectorRegistry()
+    server = MetricsServer(registry, settings.worker_metrics_port, ready=probes)
     try:
         await server.start()
     except OSError as exc:  # a second worker on one host: it serves, unobserved, rather than not at all
@@ -179,7 +187,7 @@ async def _run_started(
     worker_id: str,
     freeze_heap: bool,
     observer: WorkerObserver | None,
-    telemetry: WorkerTelemetry,
+    telemetry: WorkerTelemetry | None,
     probes: _Probes,
 ) -> Worker:
     if freeze_heap:
@@ -196,6 +204,7 @@ async def _run_started(
         heartbeat_ms=max(300, settings.worker_session_timeout_ms // 4),
         device=settings.device,
         commit_interval_s=settings.worker_commit_interval_s,
+        metrics=telemetry is not None,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
     topics |= {

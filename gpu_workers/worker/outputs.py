@@ -19,6 +19,7 @@ from aiokafka.errors import KafkaError
 
 from schemas import ChoiceResult, DoneEvent, FinalResult, InferenceRequest, Names, RequestRecord, StreamEvent, utcnow
 from sluicegate.dead_letters import Rejection, dead_letter
+from sluicegate.telemetry import untraced
 
 from .config import WorkerConfig
 from .in_flight import Active
@@ -112,7 +113,8 @@ class Outputs:
 
     async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
         write = self.record_write(request, status, result)
-        await self.redis_call(lambda: self.redis.set(write.key, write.value, ex=write.ttl_s))
+        with untraced():  # no span for the status record: a plain write that tells the trace nothing
+            await self.redis_call(lambda: self.redis.set(write.key, write.value, ex=write.ttl_s))
 
     async def mark_failed(self, request_id: str) -> None:
         """Set an existing status record to ``failed`` (a request with none keeps none)."""

@@ -61,14 +61,19 @@ class _EngineCollector(Collector):
         except Exception:  # an engine not started (or gone) has no stats; the scrape still answers
             return
         labels = [self.model]
-        for name, doc, value in (
-            ("sluicegate:num_requests_running", "Requests in the engine's running batch.", stats.num_running),
-            ("sluicegate:num_requests_waiting", "Requests waiting in the engine's queue.", stats.num_waiting),
-            ("sluicegate:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage),
+        for name, doc, by_priority in (
+            ("sluicegate:num_requests_running", "Requests in the engine's running batch.", stats.running_by_priority),
+            ("sluicegate:num_requests_waiting", "Requests waiting in the engine's queue.", stats.waiting_by_priority),
         ):
-            family = GaugeMetricFamily(name, doc, labels=["model"])
-            family.add_metric(labels, float(value))
+            family = GaugeMetricFamily(name, doc, labels=_MT)
+            for rank, tier in enumerate(TIERS):  # the engine's priority is the tier's rank (schemas.tier_rank)
+                family.add_metric([self.model, tier], float(by_priority.get(rank, 0)))
             yield family
+        usage = GaugeMetricFamily(
+            "sluicegate:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", labels=["model"]
+        )
+        usage.add_metric(labels, float(stats.kv_cache_usage))
+        yield usage
         for name, doc, total in (
             (
                 "sluicegate:prefix_cache_queries",
@@ -276,7 +281,7 @@ class WorkerTelemetry:
 
 class RequestWatch:
     """One request's metrics at its end, and its span while tracing is on (a child of the context its Kafka
-    record carries, with the engine's queue, prefill and decode as child spans built from ``RequestMetrics``)."""
+    record carries, with the engine's queue, prefill and decode as events built from ``RequestMetrics``)."""
 
     __slots__ = ("engine_metrics", "owner", "produced_at", "request", "span", "tier")
 
@@ -320,7 +325,7 @@ class RequestWatch:
 
     def finished(self, reason: str, usage: Usage) -> None:
         """Record the request's end: token counts, the engine's timings, the GenAI server metrics, the span's
-        usage attributes and engine child spans."""
+        usage attributes and the engine's phase events."""
         owner, model, tier = self.owner, self.owner.model, self.tier
         owner.prompt_tokens.labels(model, tier).inc(usage.prompt_tokens)
         owner.generation_tokens.labels(model, tier).inc(usage.completion_tokens)
@@ -343,7 +348,7 @@ class RequestWatch:
                 }
             )
             if metrics is not None:
-                self._engine_spans(metrics)
+                self._engine_events(metrics)
 
     def failed(self, code: str) -> None:
         if self.span is not None:
@@ -379,22 +384,17 @@ class RequestWatch:
         if m.finish_time is not None:
             self.owner.genai_duration.labels(*genai).observe(max(0.0, m.finish_time - start))
 
-    def _engine_spans(self, m: RequestMetrics) -> None:
-        """The engine's phases as child spans, timed by the engine's own wall-clock stamps."""
+    def _engine_events(self, m: RequestMetrics) -> None:
+        """The engine's phases as events of the request's span, at the engine's own wall-clock stamps, with their
+        lengths: cheaper to make and export than child spans (docs/benchmarks.md), and a phase nests nothing."""
         assert self.span is not None
-        parent = trace.set_span_in_context(self.span)
         phases = (
             ("engine.queue", m.arrival_time, m.first_scheduled_time),
             ("engine.prefill", m.first_scheduled_time, m.first_token_time),
             ("engine.decode", m.first_token_time, m.finish_time),
         )
         for name, begin, end in phases:
-            if begin is None or end is None:
-                continue
-            span = self.owner.tracer.start_span(
-                name,
-                context=parent,
-                start_time=int(begin * 1e9),
-                attributes={"sluicegate.engine.preemptions": m.num_preemptions, "sluicegate.tier": self.tier},
-            )
-            span.end(end_time=int(end * 1e9))
+            if begin is not None and end is not None:
+                self.span.add_event(name, {"sluicegate.duration_s": end - begin}, timestamp=int(begin * 1e9))
+        if m.num_preemptions:
+            self.span.set_attribute("sluicegate.engine.preemptions", m.num_preemptions)

@@ -69,7 +69,9 @@ class Worker:
         telemetry: WorkerTelemetry | None = None,
     ) -> None:
         self.engine = engine
-        self.telemetry = telemetry or WorkerTelemetry(engine, config.model_name, config.worker_id)
+        if telemetry is None and config.metrics:
+            telemetry = WorkerTelemetry(engine, config.model_name, config.worker_id)
+        self.telemetry = telemetry
         self.config = config
         self.names = names
         self._stopping = asyncio.Event()
@@ -81,10 +83,9 @@ class Worker:
             consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping, observer
         )
         self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping)
-        self.telemetry.set_topics({names.request_topic(config.model_name, t): t for t in TIERS})
-        self.outputs.telemetry = self.serving.telemetry = self.intake.telemetry = self.heartbeats.telemetry = (
-            self.telemetry
-        )
+        if telemetry is not None:
+            telemetry.set_topics({names.request_topic(config.model_name, t): t for t in TIERS})
+        self.outputs.telemetry = self.serving.telemetry = self.intake.telemetry = self.heartbeats.telemetry = telemetry
 
     def readiness(self) -> tuple[bool, str]:
         """Ready to serve: the engine runs, the consumer has joined its group and the last heartbeat write
@@ -140,11 +141,10 @@ class Worker:
             asyncio.create_task(self.outputs.flush_loop(), name="flush"),
             asyncio.create_task(self.cancels.run(), name="control"),
             asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
-            asyncio.create_task(
-                self.telemetry.sample_backlog(self.intake.consumer, self.engine, self.config.heartbeat_interval_s),
-                name="backlog-sampler",
-            ),
         ]
+        if self.telemetry is not None:
+            sampler = self.telemetry.sample_backlog(self.intake.consumer, self.engine, self.config.heartbeat_interval_s)
+            loops.append(asyncio.create_task(sampler, name="backlog-sampler"))
         stopper = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait([*loops, stopper], return_when=asyncio.FIRST_COMPLETED)

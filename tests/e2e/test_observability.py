@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -48,6 +48,9 @@ class Span:
     kind: int
     attributes: dict[str, Any]
     events: list[str]
+    start_ns: int = 0
+    end_ns: int = 0
+    event_times: dict[str, int] = field(default_factory=dict)
 
 
 class Receiver:
@@ -94,6 +97,9 @@ class Receiver:
                             kind=span.kind,
                             attributes={a.key: _value(a.value) for a in span.attributes},
                             events=[e.name for e in span.events],
+                            start_ns=span.start_time_unix_nano,
+                            end_ns=span.end_time_unix_nano,
+                            event_times={e.name: e.time_unix_nano for e in span.events},
                         )
                     )
         with self.lock:
@@ -179,9 +185,7 @@ def test_one_trace_spans_ingress_worker_engine_and_relay(pipeline: Pipeline, rec
     events = _sse_events(pipeline, submitted)
     assert events[-1]["type"] == "done"
 
-    spans = receiver.wait_for(
-        trace_id, {"chat tiny-e2e", "engine.queue", "engine.prefill", "engine.decode", "relay sse"}
-    )
+    spans = receiver.wait_for(trace_id, {"chat tiny-e2e", "relay sse"})
     services = {s.service for s in spans}
     assert {"sluicegate-ingress", "sluicegate-worker", "sluicegate-result-service"} <= services
 
@@ -207,14 +211,18 @@ def test_one_trace_spans_ingress_worker_engine_and_relay(pipeline: Pipeline, rec
     assert attributes["gen_ai.usage.input_tokens"] > 0
     assert attributes["gen_ai.usage.cache_read.input_tokens"] >= 0
     assert attributes["sluicegate.request_id"] == submitted["request_id"]
-    # engine phases, built by the worker from the engine's timestamps
-    for phase in ("engine.queue", "engine.prefill", "engine.decode"):
-        assert _one(spans, "sluicegate-worker", phase).parent_id == served.span_id
+    # engine phases: events of the request's span at the engine's own timestamps, in order, before the span ends
+    # (the engine may take a request from the intake before its span starts; 1 ms of slack for float stamps)
+    phases = [served.event_times[phase] for phase in ("engine.queue", "engine.prefill", "engine.decode")]
+    assert phases == sorted(phases) and phases[-1] <= served.end_ns + 1_000_000
+    assert not [s.name for s in spans if s.name.startswith("engine.")]  # no child span per phase
     # the worker's Redis pickup read nests under its span (redis instrumentation)
     assert any(s.service == "sluicegate-worker" and s.kind == 3 and s.parent_id == served.span_id for s in spans)
     # the first token reaching the worker's loop for the stream append, as an event of the request's span
     assert "sluicegate.first_token.emitted" in served.events
     # the worker's stream appends carry every request's events: none of their spans lands in this trace
+    # (nor do the status-record writes of ingress and the worker)
+    assert not [s.name for s in spans if s.name == "SET"]
     assert not [s.name for s in spans if "XADD" in s.name]
     # one consumer span per request at the worker (its own, with the GenAI attributes; no per-record receive span)
     assert [s.name for s in spans if s.service == "sluicegate-worker" and s.kind == 5] == [served.name]
@@ -244,12 +252,14 @@ def test_kafka_native_record_is_traced_through_the_router(pipeline: Pipeline, re
     pipeline.wait_stream_end(request_id)
     # Each process exports its spans on its own schedule: wait for the router's as well as the worker's.
     inbound = Names(pipeline.prefix).inbound_topic
-    spans = receiver.wait_for(trace_id, {f"process {inbound}", "text_completion tiny-e2e", "engine.decode"})
+    spans = receiver.wait_for(trace_id, {f"process {inbound}", "text_completion tiny-e2e"})
     routed = _one(spans, "sluicegate-router", f"process {inbound}")
     assert routed.parent_id == "ab" * 8
     router_send = next(s for s in spans if s.service == "sluicegate-router" and s.kind == 4)
     assert router_send.parent_id == routed.span_id
-    assert _one(spans, "sluicegate-worker", "text_completion tiny-e2e").parent_id == router_send.span_id
+    served = _one(spans, "sluicegate-worker", "text_completion tiny-e2e")
+    assert served.parent_id == router_send.span_id
+    assert "engine.decode" in served.events
 
 
 def _scrape(url: str) -> dict[str, Any]:

@@ -386,6 +386,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        running, waiting = self.scheduler.counts_by_priority()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -395,4 +396,6 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_query_tokens,
             prefix_cache_hits=bm.prefix_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            running_by_priority=running,
+            waiting_by_priority=waiting,
         )

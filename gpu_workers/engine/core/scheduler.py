@@ -97,6 +97,19 @@ class Scheduler:
         seq.status = RequestStatus.WAITING
         bisect.insort(self.waiting, seq, key=_sort_key)
 
+    def counts_by_priority(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Running and waiting sequences per priority, without walking either queue (the stats are taken every
+        step): the running batch is sorted by priority, so two bisections count a priority's run of it, and
+        the waiting count is the unfinished count per priority, kept as sequences come and go, less that."""
+        running: dict[int, int] = {}
+        for priority in self.tiers:
+            lo = bisect.bisect_left(self.running, (priority, -1), key=_sort_key)
+            hi = bisect.bisect_left(self.running, (priority + 1, -1), key=_sort_key)
+            if hi > lo:
+                running[priority] = hi - lo
+        waiting = {p: n - running.get(p, 0) for p, n in self.tiers.items() if n > running.get(p, 0)}
+        return running, waiting
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

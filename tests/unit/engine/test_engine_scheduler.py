@@ -128,3 +128,21 @@ def test_abort_everything_mid_generation(llama: Path, make_llm: Callable[..., LL
     assert not engine.has_unfinished()
     assert engine.num_free_blocks == engine.num_total_blocks
     assert engine.step() == []
+
+
+def test_stats_count_running_and_waiting_per_priority(llama: Path, make_llm: Callable[..., LLM]) -> None:
+    engine = make_llm(llama, max_num_seqs=2).engine
+    for i, priority in enumerate((2, 1, 1, 0, 2)):
+        engine.add_request(PROMPTS[i], _greedy(20), request_id=f"r{i}", priority=priority)
+    stats = engine.stats()
+    assert stats.running_by_priority == {} and stats.waiting_by_priority == {0: 1, 1: 2, 2: 2}
+    engine.step()  # two seats: the interactive request and the first standard one
+    stats = engine.stats()
+    assert stats.running_by_priority == {0: 1, 1: 1}
+    assert stats.waiting_by_priority == {1: 1, 2: 2}
+    assert sum(stats.running_by_priority.values()) == stats.num_running
+    assert sum(stats.waiting_by_priority.values()) == stats.num_waiting
+    engine.abort_request("r3")
+    _run_to_completion(engine)
+    stats = engine.stats()
+    assert stats.running_by_priority == {} and stats.waiting_by_priority == {}
