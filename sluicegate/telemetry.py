@@ -38,7 +38,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult, TraceIdRatioBased
 from opentelemetry.trace import SpanKind
 
 from schemas import InferenceRequest
@@ -77,9 +77,13 @@ def otlp_traces_endpoint(alias: str = "", environ: Mapping[str, str] | None = No
 
 class _RequestRootsOnly(Sampler):
     """Roots a trace only at a SERVER or INTERNAL span (a request arriving, or a process's own unit of work);
-    a parentless client, producer or consumer span is background traffic and is dropped."""
+    a parentless client, producer or consumer span is background traffic and is dropped. Of the request roots,
+    the fraction ``ratio`` is kept, chosen by trace id (so every process decides alike)."""
 
     _KEEP = frozenset({SpanKind.SERVER, SpanKind.INTERNAL})
+
+    def __init__(self, ratio: float = 1.0) -> None:
+        self._ratio = TraceIdRatioBased(ratio) if ratio < 1.0 else None
 
     def should_sample(  # type: ignore[override]
         self,
@@ -91,12 +95,34 @@ class _RequestRootsOnly(Sampler):
         links: Sequence[Any] | None = None,
         trace_state: Any = None,
     ) -> SamplingResult:
-        if kind is None or kind in self._KEEP:
-            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
-        return SamplingResult(Decision.DROP)
+        if kind is not None and kind not in self._KEEP:
+            return SamplingResult(Decision.DROP)
+        if self._ratio is not None:
+            return self._ratio.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
 
     def get_description(self) -> str:
-        return "RequestRootsOnly"
+        return "RequestRootsOnly" if self._ratio is None else f"RequestRootsOnly{{{self._ratio.rate}}}"
+
+
+def root_sample_ratio() -> float:
+    """The fraction of request traces kept, from the standard ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG``:
+    ``traceidratio`` and ``parentbased_traceidratio`` take the ratio (default 1.0), ``always_off`` and
+    ``parentbased_always_off`` give 0, anything else (the default ``parentbased_always_on``) 1. A trace that
+    arrives with a sampled parent (a client's ``traceparent``) is always followed, as ``ParentBased`` does."""
+    name = os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if name in {"always_off", "parentbased_always_off"}:
+        return 0.0
+    if name not in {"traceidratio", "parentbased_traceidratio"}:
+        return 1.0
+    raw = os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0")
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number between 0 and 1, got {raw!r}") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be between 0 and 1, got {ratio}")
+    return ratio
 
 
 class _HashedOnce(Resource):
@@ -137,7 +163,7 @@ def configure_tracing(service_name: str, alias_endpoint: str | None = None) -> b
 
     provider = TracerProvider(
         resource=_HashedOnce.of(Resource.create({"service.name": service_name})),
-        sampler=ParentBased(root=_RequestRootsOnly()),
+        sampler=ParentBased(root=_RequestRootsOnly(root_sample_ratio())),
     )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
