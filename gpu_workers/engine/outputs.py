@@ -108,6 +108,21 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding, cumulative: verification steps (one per sequence that had drafts), drafts proposed,
+    # drafts accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of draft tokens the target accepted (0 before any draft)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the target's own token (1 = no gain)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_cache_usage(self) -> float:
