@@ -1,4 +1,4 @@
-"""The n-gram (prompt lookup) proposer: drafts the tokens that followed the most recent earlier occurrence of the
+"""The n-gram (prompt lookup) proposer: drafts the tokens that followed the most recent earlier occurrence (with k tokens after it) of the
 sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in prompt + output.
 
 No model runs: drafting is a vectorised window compare over the token list (numpy), one per candidate n, so it
@@ -32,6 +32,9 @@ class NgramProposer:
             windows = sliding_window_view(arr[: length - 1], n)
             matches = np.flatnonzero((windows == pattern).all(axis=1))
             if matches.size:
-                start = int(matches[-1]) + n
+                # The latest match with k tokens after it; a loop in the output otherwise makes the latest match
+                # the one just before the end, whose continuation is a single token. Else the earliest (longest).
+                full = matches[matches + n + k <= length]
+                start = int(full[-1] if full.size else matches[0]) + n
                 return token_ids[start : start + k]
         return []

@@ -44,8 +44,10 @@ def token_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[
 # ---------------------------------------------------------------------------------------------- proposer
 def test_ngram_proposer_drafts_from_latest_longest_match() -> None:
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3))
-    # "5 6 7" recurs: the continuation of its latest earlier occurrence is 9 5 6.
+    # "5 6 7" recurs: its latest earlier occurrence (with 3 tokens after it) is followed by 9 5 6.
     assert proposer.propose([5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7]) == [9, 5, 6]
+    # A loop: the latest match (one token back) has one token after it; an earlier one gives a full draft.
+    assert proposer.propose([4, 4, 4, 4, 4, 4]) == [4, 4, 4]
     # Only a 1-gram matches (7 -> 2); and max_tokens caps the draft.
     assert proposer.propose([7, 2, 3, 7], max_tokens=1) == [2]
     assert proposer.propose([1, 2, 3, 4]) == []
