@@ -1,5 +1,6 @@
-"""The n-gram (prompt lookup) proposer: drafts the tokens that followed the most recent earlier occurrence (with k tokens after it) of the
-sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in prompt + output.
+"""The n-gram (prompt lookup) proposer: drafts the tokens that followed the most recent earlier occurrence (with k
+tokens after it) of the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), in
+prompt + output.
 
 No model runs: drafting is a vectorised window compare over the token list (numpy), one per candidate n, so it
 costs microseconds per sequence next to a forward pass. It pays off when the output repeats its input (edits,
