@@ -19,6 +19,9 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
    ``generate`` (one static batch; all prompts have the same length, so no padding), and
    transformers' continuous batching (the manager behind ``generate_batch``, paged sdpa).
 5. decode ITL at concurrency 1 with FP8 weights (and bnb-int8 when bitsandbytes imports).
+6. n-gram speculative decoding against plain decoding on one engine (speculation toggled between
+   interleaved runs) at concurrency 1 and 4 on the edit-style workload of ``spec_decode_cpu.py``
+   (prompt P + the model's own greedy output O + P): tok/s, ratio, acceptance rate.
 
 Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
@@ -56,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.common import fmt, percentile
+from benchmarks.spec_decode_cpu import compare_speculation, edit_workload
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
@@ -72,6 +76,9 @@ TOKS_FACTOR = 1.6
 PREFIX_TTFT_FACTOR = 5.0
 FP8_FACTOR = 0.6
 CB_FACTOR = 3.0
+# The issue: n-gram speculation on a repetitive workload >= 1.5x plain decoding at acceptance >= 0.6.
+SPEC_FACTOR = 1.5
+SPEC_MIN_ACCEPTANCE = 0.6
 LLAMA31_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -361,9 +368,15 @@ def copy_bandwidth(setup: Setup) -> float:
 
 
 def make_engine(
-    setup: Setup, path: Path, *, quantization: str | None = None, max_num_seqs: int | None = None
+    setup: Setup,
+    path: Path,
+    *,
+    quantization: str | None = None,
+    max_num_seqs: int | None = None,
+    speculative_config: dict[str, Any] | None = None,
 ) -> LLMEngine:
     config = EngineConfig(
+        speculative_config=speculative_config,
         model=str(path),
         dtype=setup.dtype,
         device=setup.device,
@@ -692,6 +705,11 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if "itl_p50_ms" in fp8 and c1:
         ratio = fp8["itl_p50_ms"] / c1["itl_p50_ms"]
         targets.append(_target("FP8 c=1 ITL / bf16", f"<= {FP8_FACTOR}x", ratio, ratio <= FP8_FACTOR, "x"))
+    spec = results.get("spec_decode", {}).get("c1")
+    if spec:
+        ok = spec["speedup"] >= SPEC_FACTOR and spec["acceptance_rate"] >= SPEC_MIN_ACCEPTANCE
+        goal = f">= {SPEC_FACTOR}x at accept >= {SPEC_MIN_ACCEPTANCE}"
+        targets.append(_target("n-gram speculation tok/s / plain, c=1", goal, spec["speedup"], ok, "x"))
     peers = results.get("peers", {})
     ours, cb = peers.get("ours", {}), peers.get("hf_cb", {})
     shared = sorted(set(ours) & set(cb))
@@ -905,6 +923,20 @@ def quantized_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
         free_engine(setup)
 
 
+def spec_phase(setup: Setup, path: Path) -> dict[str, Any]:
+    engine = make_engine(setup, path, max_num_seqs=8, speculative_config={"method": "ngram"})
+    try:
+        rows = {}
+        for c in (1, 4):
+            prompts = edit_workload(engine, [[3 + i] * 8 + list(range(100, 148)) for i in range(c)], setup.output_len)
+            rows[f"c{c}"] = compare_speculation(engine, prompts, setup.output_len, repeats=2)
+            log(f"n-gram speculation c={c}: {rows[f'c{c}']}")
+        return rows
+    finally:
+        del engine
+        free_engine(setup)
+
+
 def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
     budget = Budget(setup.budget_s)
     import transformers
@@ -957,6 +989,11 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
             results[key] = guarded(results, method, lambda m=method: quantized_phase(setup, path, m)) or {
                 "skipped": "failed (see errors)"
             }
+
+        if budget.allows("speculative decoding", 60 if not setup.smoke else 3):
+            results["spec_decode"] = guarded(results, "speculative decoding", lambda: spec_phase(setup, path))
+        else:
+            results["spec_decode"] = {"skipped": "time budget"}
 
         if budget.allows("transformers peers", 60 if not setup.smoke else 3):
             prompts_by_c = peer_prompts(setup)

@@ -8,10 +8,10 @@ as before reproduces O, and the n-gram proposer finds it in the prompt. Whether 
 to the model: the acceptance rate printed is measured, not assumed. ``--workload random`` runs plain random prompts
 instead (no built-in repetition; whatever loops the random model falls into are all the proposer gets).
 
-Each request generates ``--output-tokens`` greedy tokens (EOS ignored); ``--batch`` requests run at once. Plain
-and speculative engines run alternately ``--repeats`` times (the box may be shared) and each keeps its best wall
-time. Both outputs are checked equal token for token. Usage: ``python benchmarks/spec_decode_cpu.py`` or
-``--quick``.
+Each request generates ``--output-tokens`` greedy tokens (EOS ignored); ``--batch`` requests run at once. One
+engine runs plain and speculative alternately ``--repeats`` times (its speculator switched off and on; the box may
+be shared) and each keeps its best wall time. Both outputs are checked equal token for token.
+Usage: ``python benchmarks/spec_decode_cpu.py`` (about a minute on 2 cores) or ``--quick``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_workers.engine import LLM, SamplingParams
+from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
 
@@ -39,20 +40,57 @@ def build_model(out_dir: Path, quick: bool) -> Path:
                            vocab_size=32000, init_std=0.02)  # fmt: skip
 
 
-def make_prompts(plain: LLM, args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.batch)]
-    if args.workload == "random":
-        return prompts
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    outputs = plain.generate(prompts, params)  # type: ignore[arg-type]
-    return [p + o.token_ids + p for p, o in zip(prompts, outputs, strict=True)]
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once, step until all finish; wall seconds and each request's tokens."""
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)  # type: ignore[arg-type]
-    return time.perf_counter() - start, [o.token_ids for o in outputs]
+    ids = [engine.add_request(p, _greedy(max_tokens)) for p in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+    return time.perf_counter() - start, [tokens[rid] for rid in ids]
+
+
+def edit_workload(engine: LLMEngine, prompts: list[list[int]], output_tokens: int) -> list[list[int]]:
+    """``P + O + P`` per prompt P, O being the engine's greedy continuation of P (an edit / rewrite request)."""
+    _, outputs = _generate(engine, prompts, output_tokens)
+    return [p + o + p for p, o in zip(prompts, outputs, strict=True)]
+
+
+def compare_speculation(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """Plain and speculative decoding of the same greedy requests on one engine (its speculator switched off and
+    on between interleaved runs): best tok/s of each, their ratio, and the speculative runs' acceptance."""
+    speculator = engine.speculator
+    if speculator is None:
+        raise ValueError("the engine was built without speculative_config")
+    best = {"plain": float("inf"), "ngram": float("inf")}
+    drafts = draft_tokens = accepted = 0
+    for _ in range(repeats):
+        engine.speculator = None
+        wall_plain, out_plain = _generate(engine, prompts, max_tokens)
+        engine.speculator = speculator
+        before = (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens)
+        wall_spec, out_spec = _generate(engine, prompts, max_tokens)
+        drafts += speculator.num_drafts - before[0]
+        draft_tokens += speculator.num_draft_tokens - before[1]
+        accepted += speculator.num_accepted_tokens - before[2]
+        if out_plain != out_spec:
+            raise RuntimeError("speculative greedy output differs from plain greedy output")
+        best["plain"] = min(best["plain"], wall_plain)
+        best["ngram"] = min(best["ngram"], wall_spec)
+    tokens = len(prompts) * max_tokens
+    return {
+        "plain_tok_s": round(tokens / best["plain"], 1),
+        "ngram_tok_s": round(tokens / best["ngram"], 1),
+        "speedup": round(best["plain"] / best["ngram"], 2),
+        "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else 0.0,
+        "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else 0.0,
+        "verification_steps": drafts,
+    }
 
 
 def main() -> None:
@@ -71,47 +109,28 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "model", args.quick)
-        common = dict(max_model_len=2048, max_num_seqs=64, seed=0)
-        plain = LLM(str(path), **common)  # type: ignore[arg-type]
         spec_config = {
             "method": "ngram",
             "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max,
         }
-        spec = LLM(str(path), speculative_config=spec_config, **common)  # type: ignore[arg-type]
-        prompts = make_prompts(plain, args, plain.engine.vocab_size)
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-        warm = [p[:16] for p in prompts[:2]]
-        plain.generate(warm, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
-        spec.generate(warm, SamplingParams(max_tokens=4))  # type: ignore[arg-type]
-        best = {"plain": float("inf"), "ngram": float("inf")}
-        tokens = args.batch * args.output_tokens
-        before = spec.engine.stats()
-        for _ in range(args.repeats):
-            wall_plain, out_plain = timed(plain, prompts, params)
-            wall_spec, out_spec = timed(spec, prompts, params)
-            if out_plain != out_spec:
-                raise SystemExit("speculative greedy output differs from plain greedy output")
-            best["plain"] = min(best["plain"], wall_plain)
-            best["ngram"] = min(best["ngram"], wall_spec)
-        stats = spec.engine.stats()
-        drafts = stats.spec_num_drafts - before.spec_num_drafts
-        draft_tokens = stats.spec_num_draft_tokens - before.spec_num_draft_tokens
-        accepted = stats.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        engine = LLMEngine(EngineConfig(str(path), max_model_len=2048, max_num_seqs=64, speculative_config=spec_config))
+        rng = random.Random(args.seed)
+        vocab = engine.vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.batch)]
+        if args.workload == "repeat":
+            prompts = edit_workload(engine, prompts, args.output_tokens)
+        _generate(engine, [p[:16] for p in prompts[:2]], 4)  # warm-up
+        row = compare_speculation(engine, prompts, args.output_tokens, args.repeats)
     print(
         f"workload={args.workload} batch={args.batch} prompt={len(prompts[0])} tokens output={args.output_tokens} "
         f"k={args.num_speculative_tokens} threads={args.threads} repeats={args.repeats}"
     )
-    for name, wall in best.items():
-        print(f"{name:6s} {tokens / wall:8.1f} tok/s  (best wall {wall:.2f} s)")
-    print(f"speedup ngram/plain: {best['plain'] / best['ngram']:.2f}x")
-    if draft_tokens:
-        print(
-            f"acceptance rate {accepted / draft_tokens:.2f} ({accepted}/{draft_tokens} drafts), mean accepted length "
-            f"{1 + accepted / drafts:.2f} tokens per verification step, {drafts} verification steps"
-        )
-    else:
-        print("no drafts were proposed")
+    print(
+        f"plain {row['plain_tok_s']} tok/s, ngram {row['ngram_tok_s']} tok/s, speedup {row['speedup']}x; "
+        f"acceptance rate {row['acceptance_rate']}, mean accepted length {row['mean_accepted_length']} tokens per "
+        f"verification step ({row['verification_steps']} steps)"
+    )
 
 
 if __name__ == "__main__":
