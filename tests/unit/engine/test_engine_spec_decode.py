@@ -224,3 +224,34 @@ def test_greedy_verification_accepts_the_matching_prefix() -> None:
     assert (result.tokens, result.num_accepted) == ([2, 3], 1)
     with pytest.raises(ValueError, match="logit rows"):
         verify_drafts(sampler, logits, seq, [2])
+
+
+def test_abort_and_priorities_with_speculation(model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:
+    """Two tiers share the steps (drafted decodes included) and an abort mid-generation frees its blocks; the
+    requests that finish match the plain engine's greedy output."""
+    path = model_dir("llama")
+    prompts = repetitive_prompts(8, count=6)
+    expected = token_ids(make_llm(path), prompts, greedy(40))
+    llm = make_llm(path, speculative_config=SPEC, max_num_batched_tokens=64)
+    engine = llm.engine
+    ids = [engine.add_request(p, greedy(40), priority=i % 2) for i, p in enumerate(prompts)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished: set[str] = set()
+    victim = ids[3]
+    aborted = False
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+            if delta.finished:
+                finished.add(delta.request_id)
+        if victim not in finished and len(tokens[victim]) >= 5:
+            (delta,) = engine.abort(victim)
+            assert delta.finished and delta.finish_reason == "abort"
+            finished.add(victim)
+            aborted = True
+    assert aborted, "the victim finished before it could be aborted"
+    for rid, want in zip(ids, expected, strict=True):
+        if rid != victim:
+            assert tokens[rid] == want
+    assert tokens[victim] == expected[3][: len(tokens[victim])]
+    assert engine.stats().spec_num_accepted_tokens > 0
