@@ -255,3 +255,23 @@ def test_abort_and_priorities_with_speculation(model_dir: Callable[[str], Path],
             assert tokens[rid] == want
     assert tokens[victim] == expected[3][: len(tokens[victim])]
     assert engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_triton_backend_verifies_drafts_like_plain_decoding(
+    model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    """The verification pass (a multi-token query per sequence over its cached prefix) through the Triton kernels
+    (interpreted on CPU: short prompts, few tokens)."""
+    pytest.importorskip("triton")
+    from gpu_workers.engine.attention.triton_kernels import INTERPRETED
+
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton's first import")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = model_dir("llama")
+    prompts = repetitive_prompts(9, count=2)
+    options = dict(attention_backend="triton", device=device, dtype="float32", num_kv_blocks=64)
+    base = token_ids(make_llm(path, **options), prompts, greedy(12))
+    llm = make_llm(path, speculative_config=SPEC, **options)
+    assert token_ids(llm, prompts, greedy(12)) == base
+    assert llm.engine.stats().spec_num_drafts > 0
