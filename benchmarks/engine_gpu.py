@@ -21,6 +21,9 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
 5. decode ITL at concurrency 1 with FP8 weights (and bnb-int8 when bitsandbytes imports).
 6. FP8 KV cache against the bf16 cache (``benchmarks/kv_cache_fp8.py``, Triton backend): peak
    concurrent sequences at one fixed KV budget, and decode ITL of two engines stepping in lockstep.
+7. n-gram speculative decoding against plain decoding on one engine (speculation toggled between
+   interleaved runs) at concurrency 1 and 4 on the edit-style workload of ``spec_decode_cpu.py``
+   (prompt P + the model's own greedy output O + P): tok/s, ratio, acceptance rate.
 
 Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
@@ -62,6 +65,7 @@ from benchmarks.common import fmt, percentile
 from benchmarks.kv_cache_fp8 import Workload as KVFp8Workload
 from benchmarks.kv_cache_fp8 import compare as compare_kv_cache_dtypes
 from benchmarks.kv_cache_fp8 import report as kv_cache_report
+from benchmarks.spec_decode_cpu import compare_speculation, edit_workload
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
@@ -83,6 +87,9 @@ KV_FP8_CAPACITY_FACTOR = 2.0
 # 1024 + 128 tokens (fp8: 28); ITL over 32 sequences of 2048-token prompts.
 KV_FP8_GPU = KVFp8Workload(2 << 30, 64, 1024, 128, 32, 2048, 32, 3)
 KV_FP8_SMOKE = KVFp8Workload(24 * 16 * 512, 40, 32, 8, 4, 32, 4, 1)
+# The issue: n-gram speculation on a repetitive workload >= 1.5x plain decoding at acceptance >= 0.6.
+SPEC_FACTOR = 1.5
+SPEC_MIN_ACCEPTANCE = 0.6
 LLAMA31_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -372,9 +379,15 @@ def copy_bandwidth(setup: Setup) -> float:
 
 
 def make_engine(
-    setup: Setup, path: Path, *, quantization: str | None = None, max_num_seqs: int | None = None
+    setup: Setup,
+    path: Path,
+    *,
+    quantization: str | None = None,
+    max_num_seqs: int | None = None,
+    speculative_config: dict[str, Any] | None = None,
 ) -> LLMEngine:
     config = EngineConfig(
+        speculative_config=speculative_config,
         model=str(path),
         dtype=setup.dtype,
         device=setup.device,
@@ -710,6 +723,11 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         goal = f">= {KV_FP8_CAPACITY_FACTOR:.0f}x"
         targets.append(_target("FP8 KV: concurrent seqs / bf16, same budget", goal, ratio, ok, "x"))
         targets.append(_target("FP8 KV: decode ITL / bf16 (paired)", "measured", kv_fp8["itl_ratio"], None, "x"))
+    spec = results.get("spec_decode", {}).get("c1")
+    if spec:
+        ok = spec["speedup"] >= SPEC_FACTOR and spec["acceptance_rate"] >= SPEC_MIN_ACCEPTANCE
+        goal = f">= {SPEC_FACTOR}x at accept >= {SPEC_MIN_ACCEPTANCE}"
+        targets.append(_target("n-gram speculation tok/s / plain, c=1", goal, spec["speedup"], ok, "x"))
     peers = results.get("peers", {})
     ours, cb = peers.get("ours", {}), peers.get("hf_cb", {})
     shared = sorted(set(ours) & set(cb))
@@ -937,6 +955,20 @@ def kv_fp8_phase(setup: Setup, path: Path) -> dict[str, Any]:
     return result
 
 
+def spec_phase(setup: Setup, path: Path) -> dict[str, Any]:
+    engine = make_engine(setup, path, max_num_seqs=8, speculative_config={"method": "ngram"})
+    try:
+        rows = {}
+        for c in (1, 4):
+            prompts = edit_workload(engine, [[3 + i] * 8 + list(range(100, 148)) for i in range(c)], setup.output_len)
+            rows[f"c{c}"] = compare_speculation(engine, prompts, setup.output_len, repeats=2)
+            log(f"n-gram speculation c={c}: {rows[f'c{c}']}")
+        return rows
+    finally:
+        del engine
+        free_engine(setup)
+
+
 def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
     budget = Budget(setup.budget_s)
     import transformers
@@ -989,6 +1021,11 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
             results[key] = guarded(results, method, lambda m=method: quantized_phase(setup, path, m)) or {
                 "skipped": "failed (see errors)"
             }
+
+        if budget.allows("speculative decoding", 60 if not setup.smoke else 3):
+            results["spec_decode"] = guarded(results, "speculative decoding", lambda: spec_phase(setup, path))
+        else:
+            results["spec_decode"] = {"skipped": "time budget"}
 
         if budget.allows("transformers peers", 60 if not setup.smoke else 3):
             prompts_by_c = peer_prompts(setup)

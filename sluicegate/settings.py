@@ -119,6 +119,12 @@ class Settings(BaseSettings):
         0.9, gt=0, le=1, description="Share of GPU memory the engine may use (weights, activations, KV cache)."
     )
     max_model_len: int = Field(0, ge=0, description="Longest prompt + output in tokens; 0 means the model's own limit.")
+    speculative_method: Literal["", "ngram"] = Field(
+        "", description="Speculative decoding in the worker's engine: ngram (prompt lookup) or empty (off)."
+    )
+    num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens verified per decode step when speculating.")
+    speculative_prompt_lookup_min: int = Field(1, ge=1, description="Shortest n-gram the ngram proposer matches.")
+    speculative_prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram the ngram proposer matches.")
     engine_mode: Literal["auto", "process", "thread"] = Field(
         "auto",
         description="Where a worker runs the engine's step loop: a child process with its own GIL (auto, process) "

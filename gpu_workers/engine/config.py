@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from .spec_decode.config import SpeculativeConfig
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -72,6 +75,8 @@ class EngineConfig:
     # While a more important tier has unfinished work, the less important tiers together compute at most this
     # many tokens a step (decodes and prefill chunks), so its steps stay short; None: no cap.
     lower_tier_max_batched_tokens: int | None = None
+    # Speculative decoding (off when None): a ``SpeculativeConfig`` or a dict of its fields, as vLLM takes it.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -81,6 +86,7 @@ class EngineConfig:
             raise ValueError("model must be a local Hugging Face folder or a hub id")
         self.model = str(self.model)
         self.torch_dtype = parse_dtype(self.dtype)
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         self.device = torch.device(self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")

@@ -112,6 +112,21 @@ class EngineStats:
     # none are absent. What a priority means to the caller is the caller's business.
     running_by_priority: dict[int, int] = field(default_factory=dict)
     waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    # Speculative decoding, cumulative: verification steps (one per sequence that had drafts), drafts proposed,
+    # drafts accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of draft tokens the target accepted (0 before any draft)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the target's own token (1 = no gain)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def kv_cache_usage(self) -> float:

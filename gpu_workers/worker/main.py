@@ -64,6 +64,16 @@ def engine_arguments(settings: Settings) -> dict[str, object]:
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len or None,
+        speculative_config=(
+            dict(
+                method=settings.speculative_method,
+                num_speculative_tokens=settings.num_speculative_tokens,
+                prompt_lookup_min=settings.speculative_prompt_lookup_min,
+                prompt_lookup_max=settings.speculative_prompt_lookup_max,
+            )
+            if settings.speculative_method
+            else None
+        ),
     )
 
 

@@ -69,11 +69,22 @@ class _EngineCollector(Collector):
             for rank, tier in enumerate(TIERS):  # the engine's priority is the tier's rank (schemas.tier_rank)
                 family.add_metric([self.model, tier], float(by_priority.get(rank, 0)))
             yield family
-        usage = GaugeMetricFamily(
-            "sluicegate:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", labels=["model"]
-        )
-        usage.add_metric(labels, float(stats.kv_cache_usage))
-        yield usage
+        for name, doc, value in (
+            ("sluicegate:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", stats.kv_cache_usage),
+            (
+                "sluicegate:spec_decode_acceptance_rate",
+                "Share of speculative draft tokens the target accepted (0 to 1; 0 when not speculating).",
+                stats.spec_acceptance_rate,
+            ),
+            (
+                "sluicegate:spec_decode_mean_accepted_length",
+                "Tokens emitted per speculative verification step (accepted drafts + 1; 0 when not speculating).",
+                stats.spec_mean_accepted_length,
+            ),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            family.add_metric(labels, float(value))
+            yield family
         for name, doc, total in (
             (
                 "sluicegate:prefix_cache_queries",
@@ -82,6 +93,13 @@ class _EngineCollector(Collector):
             ),
             ("sluicegate:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             ("sluicegate:num_preemptions", "Sequences the scheduler preempted.", stats.num_preemptions),
+            ("sluicegate:spec_decode_num_drafts", "Speculative verification steps.", stats.spec_num_drafts),
+            ("sluicegate:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_num_draft_tokens),
+            (
+                "sluicegate:spec_decode_num_accepted_tokens",
+                "Draft tokens the target accepted.",
+                stats.spec_num_accepted_tokens,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model"])
             counter.add_metric(labels, float(total))

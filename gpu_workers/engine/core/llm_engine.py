@@ -19,6 +19,7 @@ from ..guided import GuidedDecoding
 from ..models.loader import load_model
 from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+from ..spec_decode.speculator import Speculator
 from ..tokenizer import load_tokenizer, resolve_eos_token_ids
 from .admission import RequestValidator, max_output_tokens
 from .block_manager import KVBlockManager
@@ -68,6 +69,8 @@ class LLMEngine:
             lower_tier_max_batched_tokens=config.lower_tier_max_batched_tokens,
         )
         self.sampler = Sampler(config.seed, self.device)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         # Built on the first guided request (it indexes the whole vocabulary once).
         self._grammar_compiler: GrammarCompiler | None = None
         # Each request's unfinished sequences: one per choice still generating (n > 1 forks siblings).
@@ -222,6 +225,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestDelta]:
         """Run one engine iteration; returns a delta for every request that produced a token."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_unfinished():
@@ -234,10 +239,21 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         sample_seqs, logits = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            # Drafts count as computed only once accepted (Speculator.accept).
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
             self.block_manager.cache_computed_blocks(seq)
         if logits is None:
             return []
+        outputs = []
+        if any(seq.spec_token_ids for seq in sample_seqs):
+            assert self.speculator is not None
+            now = time.time()
+            sample_seqs, logits, served = self.speculator.accept(
+                self.sampler, sample_seqs, logits, lambda s, t: self._append_token(s, t, now), self.block_manager
+            )
+            outputs += [self._make_delta(seq) for seq in served]
+            if not sample_seqs:
+                return outputs
         if any(seq.num_pending_forks for seq in sample_seqs):
             sample_seqs, logits = self._fork_choices(sample_seqs, logits)
         token_mask = None
@@ -247,7 +263,6 @@ class LLMEngine:
             token_mask = grammar_bitmask([seq.guided for seq in sample_seqs], logits.shape[1])
         sampled = self.sampler(logits, sample_seqs, token_mask)
         now = time.time()
-        outputs = []
         for i, (seq, token) in enumerate(zip(sample_seqs, sampled.tokens, strict=True)):
             if sampled.logprobs is not None and seq.logprobs is not None:
                 logprob = sampled.logprobs[i]
@@ -398,4 +413,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             running_by_priority=running,
             waiting_by_priority=waiting,
+            spec_num_drafts=self.speculator.num_drafts if self.speculator else 0,
+            spec_num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            spec_num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
         )

@@ -158,7 +158,8 @@ class Scheduler:
             if seq in step.scheduled or (remaining == 1) != decode_phase:
                 idx += 1
                 continue
-            num_new = min(remaining, step.room_for(seq))
+            # A decode with drafts computes them too (verification); a tight budget drops the tail drafts.
+            num_new = min(remaining + len(seq.spec_token_ids), step.room_for(seq))
             if num_new <= 0:
                 idx += 1  # a lower tier whose share of this step is spent: it waits, keeping its blocks
                 continue
@@ -168,6 +169,8 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                if seq.spec_token_ids:
+                    del seq.spec_token_ids[num_new - 1 :]
                 step.take(seq, num_new)
                 self._charge(seq, num_new)
                 idx += 1
@@ -250,6 +253,7 @@ class Scheduler:
             self._charge(victim, -taken_back)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids.clear()
         victim.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted.append(victim)

@@ -86,6 +86,8 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None
     # The grammar matcher of a guided request.
     guided: GuidedState | None = None
+    # Draft tokens (speculative decoding) to verify after the last token this step; never part of token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

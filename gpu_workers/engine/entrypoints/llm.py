@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -12,6 +13,7 @@ from ..core.llm_engine import LLMEngine
 from ..core.request import EngineRequest, PromptInput
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..spec_decode.config import SpeculativeConfig
 
 
 def normalize_prompts(prompts: PromptInput | SequenceABC[PromptInput]) -> list[PromptInput]:
@@ -50,6 +52,7 @@ class LLM:
         enable_cascade_attention: bool = True,
         seed: int = 0,
         tenant_weights: dict[str, float] | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -71,6 +74,7 @@ class LLM:
             enable_cascade_attention=enable_cascade_attention,
             seed=seed,
             tenant_weights=dict(tenant_weights or {}),
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
 

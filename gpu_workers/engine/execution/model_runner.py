@@ -275,14 +275,17 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             blocks = seq.block_ids
-            input_ids.extend(seq.token_ids[start:end])
+            # A decode with drafts feeds [last token, drafts...] and needs a logit row for each (verification).
+            num_spec = len(seq.spec_token_ids)
+            tokens = seq.token_ids + seq.spec_token_ids if num_spec else seq.token_ids
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-            if end == seq.num_tokens:
-                logits_rows.append(query_start[-1] - 1)
+            if end == seq.num_tokens + num_spec:
+                logits_rows.extend(range(query_start[-1] - 1 - num_spec, query_start[-1]))
                 sample.append(seq)
         max_q = max(n for _, n in pairs)
         return self._build(input_ids, positions, slots, query_start, seq_lens, tables, logits_rows, sample, max_q)
@@ -326,7 +329,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Run one step; return the sequences that sample and their float32 logits (or None)."""
+        """Run one step; return the sequences that sample and their float32 logits (or None): one row per
+        sequence, ``1 + len(seq.spec_token_ids)`` consecutive rows for a sequence verifying drafts."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated")
         graphs = self.decode_graphs

@@ -82,6 +82,11 @@ class Sampler:
                     logits[i, list(banned)] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        return self.draw(self.target_probs(logits, seqs), seqs)
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each random row samples from: temperature, min_p, then top-k / top-p, softmax."""
         dev = logits.device
         temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=dev)
         logits = logits / temps[:, None]
@@ -92,7 +97,12 @@ class Sampler:
         top_ps = [s.params.top_p for s in seqs]
         if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
             logits = _apply_top_k_top_p(logits, top_ks, top_ps)
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row of ``probs`` (unnormalised weights are fine), each row's noise from its
+        sequence's own generator when seeded, else from the engine's."""
+        dev = probs.device
         noise = torch.empty_like(probs)
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
         if shared:
@@ -103,6 +113,11 @@ class Sampler:
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
         return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, n: int, seq: Sequence) -> torch.Tensor:
+        """``n`` draws from U[0, 1) on the sequence's generator (the engine's when unseeded)."""
+        generator = seq.generator if seq.generator is not None else self.generator
+        return torch.rand(n, generator=generator, device=self.device)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

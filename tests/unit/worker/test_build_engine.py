@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from gpu_workers.engine import AsyncEngine, EngineConfig, ProcessEngine
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
+from gpu_workers.engine.spec_decode import SpeculativeConfig
 from gpu_workers.worker.main import build_engine
 from sluicegate.settings import Settings
 
@@ -34,6 +35,9 @@ async def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.M
         "KV_CACHE_GB": "0.01",
         "ATTENTION_BACKEND": "torch",
         "KV_CACHE_DTYPE": "fp8",
+        "SPECULATIVE_METHOD": "ngram",
+        "NUM_SPECULATIVE_TOKENS": "3",
+        "SPECULATIVE_PROMPT_LOOKUP_MAX": "2",
     }.items():
         monkeypatch.setenv(f"SLUICEGATE_{name}", value)
     process = build_engine(Settings())
@@ -56,17 +60,26 @@ def _assert_knobs(config: EngineConfig) -> None:
     assert (config.enforce_eager, config.gpu_memory_utilization, config.max_model_len) == (True, 0.5, 256)
     assert (config.max_num_seqs, config.cpu_kv_cache_gb, config.attention_backend) == (3, 0.01, "torch")
     assert config.kv_cache_dtype == "fp8"
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)
 
 
 def test_defaults_leave_the_model_its_own_length(tiny: Path) -> None:
     engine = build_engine(Settings(model=str(tiny), kv_cache_gb=0.01, engine_mode="thread")).engine
     assert engine.max_model_len == 2048  # the tiny model's max_position_embeddings
     assert engine.config.enable_prefix_caching and not engine.config.enforce_eager
+    assert engine.config.speculative_config is None and engine.speculator is None  # speculation is opt-in
 
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("BLOCK_SIZE", "0"), ("GPU_MEMORY_UTILIZATION", "1.5"), ("MAX_MODEL_LEN", "-1"), ("KV_CACHE_DTYPE", "int8")],
+    [
+        ("BLOCK_SIZE", "0"),
+        ("GPU_MEMORY_UTILIZATION", "1.5"),
+        ("MAX_MODEL_LEN", "-1"),
+        ("SPECULATIVE_METHOD", "medusa"),
+        ("NUM_SPECULATIVE_TOKENS", "0"),
+        ("KV_CACHE_DTYPE", "int8"),
+    ],
 )
 def test_bad_engine_settings_are_refused_by_name(name: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(f"SLUICEGATE_{name}", value)
