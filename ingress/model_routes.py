@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 from tokenizers import Tokenizer
 
 from router.canary import CanaryJudge, Outcome, Rollback
+from router.route_table import sticky_key
 from router.routes import RoutesError, RoutesFile, RouteSpec, load_routes
 from router.versions import VersionChoice, choose_version
 from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
@@ -153,7 +154,7 @@ class ModelRoutes:
         if spec is None:
             return None
         user = getattr(body, "user", None)
-        sticky = {"tenant": tenant, "user": f"user:{user}" if user else tenant, "none": request_key}[spec.sticky]
+        sticky = sticky_key(spec, tenant=tenant, user=user, request_key=request_key)
         tokenizer = self._table.tokenizers.get(body.model)
         choice = choose_version(
             body.model,
