@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from redis.exceptions import RedisError
 from tokenizers import Tokenizer
 
 from router.canary import CanaryJudge, Outcome, Rollback
+from router.route_table import file_stamp as _stamp
 from router.route_table import sticky_key
 from router.routes import RoutesError, RoutesFile, RouteSpec, load_routes
 from router.versions import VersionChoice, choose_version
@@ -55,14 +55,6 @@ class _Table:
     routes: RoutesFile
     tokenizers: dict[str, Tokenizer]
     stamp: tuple[int, int, int] | None
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def load_table(path: Path) -> _Table:

@@ -29,7 +29,8 @@ def sticky_key(spec: RouteSpec, *, tenant: str, user: str | None, request_key: s
     return {"tenant": tenant, "user": f"user:{user}" if user else tenant, "none": request_key}[spec.sticky]
 
 
-def _stamp(path: Path) -> tuple[int, int, int] | None:
+def file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells a changed routing file apart (None: unreadable); shared with ingress's watch."""
     try:
         st = os.stat(path)
     except OSError:
@@ -42,7 +43,7 @@ class RouteTable:
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
-        self._stamp = _stamp(path) if path is not None else None
+        self._stamp = file_stamp(path) if path is not None else None
         # Loaded at start-up, so a bad file stops the router with the reason instead of routing without it.
         self._routes = load_routes(path) if path is not None else RoutesFile()
 
@@ -54,7 +55,7 @@ class RouteTable:
         """Re-read the file if it changed; keep the last good routes when the new text is refused."""
         if self._path is None:
             return
-        stamp = _stamp(self._path)
+        stamp = file_stamp(self._path)
         if stamp == self._stamp:
             return
         self._stamp = stamp
