@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from redis.exceptions import RedisError
 from tokenizers import Tokenizer
 
 from router.canary import CanaryJudge, Outcome, Rollback
+from router.route_table import file_stamp as _stamp
+from router.route_table import sticky_key
 from router.routes import RoutesError, RoutesFile, RouteSpec, load_routes
 from router.versions import VersionChoice, choose_version
 from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
@@ -54,14 +55,6 @@ class _Table:
     routes: RoutesFile
     tokenizers: dict[str, Tokenizer]
     stamp: tuple[int, int, int] | None
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def load_table(path: Path) -> _Table:
@@ -153,7 +146,7 @@ class ModelRoutes:
         if spec is None:
             return None
         user = getattr(body, "user", None)
-        sticky = {"tenant": tenant, "user": f"user:{user}" if user else tenant, "none": request_key}[spec.sticky]
+        sticky = sticky_key(spec, tenant=tenant, user=user, request_key=request_key)
         tokenizer = self._table.tokenizers.get(body.model)
         choice = choose_version(
             body.model,
