@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ def batch_worker(settings: Settings, log_path: Path, *, beat: bool = True) -> It
     with log_path.open("ab") as log:
         process = subprocess.Popen(args, env=worker_env(settings), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
+        _wait_ready(process, log_path)
         yield process
     finally:
         if process.poll() is None:
@@ -53,6 +55,17 @@ def batch_worker(settings: Settings, log_path: Path, *, beat: bool = True) -> It
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _wait_ready(process: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60.0) -> None:
+    """Block until Celery logs the worker ready, so a test's clock (a batch window) starts with a live worker."""
+    deadline = time.monotonic() + timeout_s
+    while b" ready." not in log_path.read_bytes():
+        if process.poll() is not None:
+            raise RuntimeError(f"batch worker exited with {process.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch worker not ready within {timeout_s} s; see {log_path}")
+        time.sleep(0.1)
 
 
 class ResultsWorker(FakeWorker):

@@ -210,7 +210,9 @@ async def test_cancel_keeps_finished_lines(ingress: str, settings: Settings, red
 async def test_batch_expires_at_the_window_end(
     settings: Settings, redis: Redis, tmp_path: Path, cleanup_topics: None
 ) -> None:
-    short = settings.model_copy(update={"batch_window_s": 4})
+    # The window must outlast the fake worker's consumer joining its group on a loaded box (the quick line has
+    # to finish inside it); 4 s proved too short once the Celery worker took 2 s to start.
+    short = settings.model_copy(update={"batch_window_s": 8})
     await heartbeat(redis, Names(settings.topic_prefix))
     lines = [chat_line("quick", "fast one"), chat_line("stuck", "HANG")]
     async with running_ingress(short) as url, ResultsWorker(short, redis), client(url) as api:
@@ -219,7 +221,7 @@ async def test_batch_expires_at_the_window_end(
             batch = await api.batches.create(
                 input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
             )
-            assert batch.expires_at - batch.created_at == 4
+            assert batch.expires_at - batch.created_at == 8
             done = await wait_status(api, batch.id, {"expired", "completed", "failed"})
             output = await download(api, done.output_file_id)
             errors = await download(api, done.error_file_id)
