@@ -109,15 +109,17 @@ class Receiver:
         with self.lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, names: set[str], timeout_s: float = 30) -> list[Span]:
+    def wait_for(self, trace_id: str, names: set[tuple[str, str]], timeout_s: float = 30) -> list[Span]:
+        """The trace once it holds every (service, span name) in ``names``: each process exports on its own
+        schedule, and ingress and the worker both name a span ``chat <model>``, so a name alone is not enough."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             spans = self.trace(trace_id)
-            if names <= {s.name for s in spans}:
+            if names <= {(s.service, s.name) for s in spans}:
                 return spans
             time.sleep(0.2)
-        got = sorted((s.service, s.name) for s in self.trace(trace_id))
-        raise AssertionError(f"trace {trace_id} lacks {names - {s.name for s in self.trace(trace_id)}}: {got}")
+        got = {(s.service, s.name) for s in self.trace(trace_id)}
+        raise AssertionError(f"trace {trace_id} lacks {names - got}: {sorted(got)}")
 
 
 def _value(value: Any) -> Any:
@@ -185,7 +187,14 @@ def test_one_trace_spans_ingress_worker_engine_and_relay(pipeline: Pipeline, rec
     events = _sse_events(pipeline, submitted)
     assert events[-1]["type"] == "done"
 
-    spans = receiver.wait_for(trace_id, {"chat tiny-e2e", "relay sse"})
+    spans = receiver.wait_for(
+        trace_id,
+        {
+            ("sluicegate-ingress", "chat tiny-e2e"),
+            ("sluicegate-worker", "chat tiny-e2e"),
+            ("sluicegate-result-service", "relay sse"),
+        },
+    )
     services = {s.service for s in spans}
     assert {"sluicegate-ingress", "sluicegate-worker", "sluicegate-result-service"} <= services
 
@@ -252,7 +261,9 @@ def test_kafka_native_record_is_traced_through_the_router(pipeline: Pipeline, re
     pipeline.wait_stream_end(request_id)
     # Each process exports its spans on its own schedule: wait for the router's as well as the worker's.
     inbound = Names(pipeline.prefix).inbound_topic
-    spans = receiver.wait_for(trace_id, {f"process {inbound}", "text_completion tiny-e2e"})
+    spans = receiver.wait_for(
+        trace_id, {("sluicegate-router", f"process {inbound}"), ("sluicegate-worker", "text_completion tiny-e2e")}
+    )
     routed = _one(spans, "sluicegate-router", f"process {inbound}")
     assert routed.parent_id == "ab" * 8
     router_send = next(s for s in spans if s.service == "sluicegate-router" and s.kind == 4)
