@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from schemas import InferenceRequest
@@ -41,8 +42,12 @@ def file_stamp(path: Path) -> tuple[int, int, int] | None:
 class RouteTable:
     """The routes in force for one router process (empty without a routing file)."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, check_every_s: float = 0.0) -> None:
         self._path = path
+        # The router refreshes once per record batch; checking the file at most this often (ingress's
+        # SLUICEGATE_ROUTES_RELOAD_S) keeps the stat off most batches.
+        self._check_every_s = check_every_s
+        self._next_check = 0.0
         self._stamp = file_stamp(path) if path is not None else None
         # Loaded at start-up, so a bad file stops the router with the reason instead of routing without it.
         self._routes = load_routes(path) if path is not None else RoutesFile()
@@ -53,8 +58,9 @@ class RouteTable:
 
     def refresh(self) -> None:
         """Re-read the file if it changed; keep the last good routes when the new text is refused."""
-        if self._path is None:
+        if self._path is None or time.monotonic() < self._next_check:
             return
+        self._next_check = time.monotonic() + self._check_every_s
         stamp = file_stamp(self._path)
         if stamp == self._stamp:
             return

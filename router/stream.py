@@ -79,7 +79,7 @@ class RouterProcessor:
         self.heartbeats = (
             HeartbeatCache(redis, self.names, max_age_s=3 * settings.heartbeat_interval_s) if redis else None
         )
-        self.route_table = RouteTable(settings.routes_file)
+        self.route_table = RouteTable(settings.routes_file, check_every_s=settings.routes_reload_s)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
