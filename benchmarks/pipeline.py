@@ -137,6 +137,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compare with an 'off' run made right before or after (docs/benchmarks.md pairs them)",
     )
     parser.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=1.0,
+        help="with --tracing on: the fraction of request traces kept (OTEL_TRACES_SAMPLER=parentbased_traceidratio "
+        "in every service); 1 keeps every trace",
+    )
+    parser.add_argument(
         "--metrics",
         choices=("on", "off"),
         default="on",
@@ -149,13 +156,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if any(r <= 0 for r in rates) or args.duration <= 0 or args.max_tokens < 1:
         parser.error("rates and --duration must be positive and --max-tokens at least 1")
+    if not 0.0 <= args.trace_sample_ratio <= 1.0:
+        parser.error("--trace-sample-ratio must be between 0 and 1")
 
     use_uvloop()
     workdir = Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
     sink = OtlpSink() if args.tracing == "on" else None
     args.otlp_endpoint = sink.url if sink is not None else ""
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
-        del os.environ[name]  # only --tracing decides
+        del os.environ[name]  # only --tracing and --trace-sample-ratio decide
+    if sink is not None and args.trace_sample_ratio < 1.0:
+        os.environ["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+        os.environ["OTEL_TRACES_SAMPLER_ARG"] = repr(args.trace_sample_ratio)
     try:
         stack = start_stack(args, workdir)
     except BaseException:
@@ -222,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: tiny random Llama (2 layers, hidden 64) on CPU, 1 torch thread; prompts ~8 tokens, "
         f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
-        f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}; "
+        f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"
+        f"{f' (ratio {args.trace_sample_ratio:g})' if args.tracing == 'on' else ''}; "
         f"metrics {args.metrics}"
     )
     if levels:
