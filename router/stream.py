@@ -79,7 +79,10 @@ class RouterProcessor:
         self.heartbeats = (
             HeartbeatCache(redis, self.names, max_age_s=3 * settings.heartbeat_interval_s) if redis else None
         )
-        self.route_table = RouteTable(settings.routes_file, check_every_s=settings.routes_reload_s)
+        # The routes, fast paths and canary rollbacks ingress applies, checked at most every routes_reload_s.
+        self.route_table = RouteTable(
+            settings.routes_file, check_every_s=settings.routes_reload_s, redis=redis, names=self.names
+        )
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
@@ -102,9 +105,7 @@ class RouterProcessor:
         if isinstance(outcome, Rejection):
             return outcome
         # A Kafka-native request naming a routed public model goes to the version ingress would choose.
-        choice = self.route_table.resolve(outcome)
-        if choice is not None:
-            outcome = outcome.model_copy(update={"model": choice.version})
+        outcome = self.route_table.routed(outcome)
         beats = await self._live_heartbeats(outcome.model)
         # Same rule as ingress's 404: creating topics for any model name a producer sends would let a typo
         # (or a flood of them) litter the cluster. Without Redis the key alone decides: still correct.
@@ -173,7 +174,7 @@ class RouterProcessor:
 
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Route or dead-letter every record, wait for all acks, then commit past the batch."""
-        self.route_table.refresh()
+        await self.route_table.refresh()
         started = time.perf_counter()
         futures = []
         for records in batch.values():
