@@ -105,7 +105,10 @@ class RouterProcessor:
         if isinstance(outcome, Rejection):
             return outcome
         # A Kafka-native request naming a routed public model goes to the version ingress would choose.
-        outcome = self.route_table.routed(outcome)
+        choice = self.route_table.resolve(outcome)
+        if choice is not None:
+            self.metrics.route_versions.labels(choice.route, choice.version, choice.reason).inc()
+            outcome = outcome.model_copy(update={"model": choice.version})
         beats = await self._live_heartbeats(outcome.model)
         # Same rule as ingress's 404: creating topics for any model name a producer sends would let a typo
         # (or a flood of them) litter the cluster. Without Redis the key alone decides: still correct.
