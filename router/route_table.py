@@ -3,11 +3,12 @@ ingress (``ingress.model_routes``, for the requests it accepts), the router (``r
 requests written straight to ``llm.inbound``) and the batch worker (batch lines) all resolve through it, with
 the same rule (``router.versions.choose_version``), sticky key, fast path and canary rollbacks.
 
-What it holds: the routing file (re-read when its stat stamp changes, at most every ``check_every_s``; a bad
-edit is logged and the last good routes kept), each fast path's tokenizer (``router.fast_path``), and the
-canaries rolled back to weight 0 (``router.rollbacks``: read from Redis at each check, so a verdict any
-ingress replica records reaches every process; a route whose spec changed starts over). The file and the
-tokenizers are read off the event loop.
+What it holds: the routing file (re-read when its stat stamp changes, checked by ``refresh``: ingress and the
+router call it every ``SLUICEGATE_ROUTES_RELOAD_S`` beside their serving loops, the batch worker before it
+validates a batch, at most every ``check_every_s``; a bad edit is logged and the last good routes kept), each
+fast path's tokenizer (``router.fast_path``), and the canaries rolled back to weight 0 (``router.rollbacks``:
+read from Redis at each check, so a verdict any ingress replica records reaches every process; a route whose
+spec changed starts over). The file and the tokenizers are read off the event loop.
 """
 
 from __future__ import annotations
