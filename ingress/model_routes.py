@@ -175,5 +175,8 @@ class ModelRoutes:
 
     async def _watch_file(self) -> None:
         while True:
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:  # keep watching: the last good routes stay in force meanwhile
+                log.exception("ingress.routes_check_failed")
             await asyncio.sleep(self._settings.routes_reload_s)
