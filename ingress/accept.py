@@ -200,6 +200,7 @@ def build_request(
         tools=tools or None,
         priority=tier,
         tenant=tenant,
+        user=getattr(body, "user", None),
         deadline=deadline,
         created_at=now,
         trace=trace,

@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError
 from schemas import (
     MAX_TOP_LOGPROBS,
     ChatMessage,
+    EndUser,
     GuidedSpec,
     SamplingOptions,
     Tier,
@@ -178,7 +179,7 @@ class _OpenAIBody(_SamplingBody):
 
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: EndUser | None = None
 
     @field_validator("stream_options")
     @classmethod

@@ -9,7 +9,8 @@ _BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 
 
 class RouterMetrics:
-    """What the router counts: records routed per model and tier, dead letters by reason, batch latency."""
+    """What the router counts: records routed per model and tier, versions chosen for routed names, dead letters
+    by reason, batch latency."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -17,6 +18,12 @@ class RouterMetrics:
             "sluicegate_router_routed",
             "Records from llm.inbound routed to a request topic, by model, tier and routing reason.",
             ["model", "tier", "reason"],
+            registry=self.registry,
+        )
+        self.route_versions = Counter(
+            "sluicegate_router_route_versions",
+            "Records naming a routed public model, by route, the version chosen, and why (split, fast_path).",
+            ["route", "version", "reason"],
             registry=self.registry,
         )
         self.dead_letters = Counter(

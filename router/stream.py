@@ -9,6 +9,7 @@ crash re-routes (at least once) rather than loses. A bad message never stops the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -79,7 +80,8 @@ class RouterProcessor:
         self.heartbeats = (
             HeartbeatCache(redis, self.names, max_age_s=3 * settings.heartbeat_interval_s) if redis else None
         )
-        self.route_table = RouteTable(settings.routes_file, check_every_s=settings.routes_reload_s)
+        # The routes, fast paths and canary rollbacks ingress applies, kept current by ``_watch_routes``.
+        self.route_table = RouteTable(settings.routes_file, redis=redis, names=self.names)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
@@ -104,6 +106,7 @@ class RouterProcessor:
         # A Kafka-native request naming a routed public model goes to the version ingress would choose.
         choice = self.route_table.resolve(outcome)
         if choice is not None:
+            self.metrics.route_versions.labels(choice.route, choice.version, choice.reason).inc()
             outcome = outcome.model_copy(update={"model": choice.version})
         beats = await self._live_heartbeats(outcome.model)
         # Same rule as ingress's 404: creating topics for any model name a producer sends would let a typo
@@ -173,7 +176,6 @@ class RouterProcessor:
 
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Route or dead-letter every record, wait for all acks, then commit past the batch."""
-        self.route_table.refresh()
         started = time.perf_counter()
         futures = []
         for records in batch.values():
@@ -185,8 +187,28 @@ class RouterProcessor:
             await self.consumer.commit(offsets)
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
 
+    async def _watch_routes(self, stop: asyncio.Event) -> None:
+        """Check the routing file and the shared rollbacks every ``routes_reload_s``, beside the routing loop
+        (so a slow Redis or a large tokenizer to load never holds a batch up)."""
+        while not stop.is_set():
+            try:
+                await self.route_table.refresh()
+            except Exception:  # keep watching: the last good routes stay in force meanwhile
+                log.exception("router.routes_check_failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.routes_reload_s)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Loop until ``stop`` is set; a failed batch is re-read from its first offset after a pause."""
+        watch = asyncio.create_task(self._watch_routes(stop))
+        try:
+            await self._loop(stop)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    async def _loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             batch = await self.consumer.getmany(timeout_ms=500, max_records=500)
             if not batch:

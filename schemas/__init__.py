@@ -56,7 +56,7 @@ from .generation import (
     TopLogprob,
 )
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
-from .requests import ChatMessage, InferenceRequest, SamplingOptions, TextPart, TraceContext
+from .requests import ChatMessage, EndUser, InferenceRequest, SamplingOptions, TextPart, TraceContext
 
 __all__ = [
     "BATCH_ENDPOINTS",
@@ -81,6 +81,7 @@ __all__ = [
     "ChoiceResult",
     "DeadLetter",
     "DoneEvent",
+    "EndUser",
     "ErrorEvent",
     "FileObject",
     "FinalResult",

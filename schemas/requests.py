@@ -13,6 +13,17 @@ from .names import Tier
 
 TokenId = Annotated[int, Field(ge=0)]
 
+#: The end user a request is made for (OpenAI's ``user``): a route sticky per user keeps them on one version.
+EndUser = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="The end user the request is made for (no control characters); routes may stick to it.",
+    ),
+]
+
 
 class TextPart(Message):
     """One text part of an OpenAI-style content array."""
@@ -95,6 +106,8 @@ class InferenceRequest(Message):
     tools: list[ToolSpec] | None = Field(None, max_length=128, description="Tools the chat template renders.")
     priority: Tier = "standard"
     tenant: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")
+    # Optional, so producers that predate it are unaffected; a routed model sticky per user hashes it.
+    user: EndUser | None = None
     deadline: AwareDatetime | None = Field(None, description="Absolute time after which not to start.")
     created_at: AwareDatetime = Field(default_factory=utcnow)
     trace: TraceContext | None = None

@@ -218,7 +218,9 @@ class Settings(BaseSettings):
         description="Routing file (YAML): public model names -> weighted, sticky versions, canaries with rollback, "
         "a fast path for short prompts; reloaded on change. `sluicegate routes check FILE` validates one.",
     )
-    routes_reload_s: float = Field(1.0, gt=0, description="How often ingress checks the routing file for changes.")
+    routes_reload_s: float = Field(
+        1.0, gt=0, description="How often ingress, the router and batch workers check the routing file and rollbacks."
+    )
 
     # --- worker reliability ---------------------------------------------------------------------------
     worker_session_timeout_ms: int = Field(

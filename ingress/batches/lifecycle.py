@@ -80,6 +80,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
     stored = StoredFile.model_validate_json(raw)
     known = {m.decode() for m in await runtime.redis.smembers(runtime.names.models_key)}
     known |= {m.strip() for m in settings.served_models.split(",") if m.strip()}
+    await runtime.routes.refresh()
     try:
         prepared = await anyio.to_thread.run_sync(
             lambda: prepare(
@@ -93,6 +94,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
                 chunk_size=settings.batch_chunk_size,
                 max_lines=settings.batch_max_lines,
                 known_models=known,
+                route=runtime.routes.routed,
             )
         )
     except InputFileError as exc:

@@ -10,6 +10,7 @@ the line. The requests go to a "prepared" JSONL file next to the input, cut into
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +26,8 @@ from ..limits import Limits, check_prompt_tokens, checked_max_tokens
 from .files import FileStore
 from .lines import InputFileError, numbered_lines, parse_line
 from .store import LineOutcome
+
+Route = Callable[[InferenceRequest], InferenceRequest]  # a request naming a route -> one for its version
 
 
 class PreparedLine(BaseModel):
@@ -75,6 +78,7 @@ def build_line_request(
     limits: Limits,
     deadline: datetime,
     known_models: set[str] | None,
+    route: Route | None = None,
 ) -> InferenceRequest | LineOutcome:
     """The pipeline request for one line's body, or the error the online API would have answered."""
     model = ChatCompletionBody if endpoint == "/v1/chat/completions" else CompletionBody
@@ -86,17 +90,10 @@ def build_line_request(
         return LineOutcome(
             status_code=400, code="unsupported_parameter", message="stream is not supported in a batch", param="stream"
         )
-    if known_models is not None and parsed.model not in known_models:
-        return LineOutcome(
-            status_code=404,
-            code="model_not_found",
-            message=f"The model '{parsed.model}' does not exist or has never had a live worker.",
-            param="model",
-        )
     try:
         check_prompt_tokens(parsed, limits)
         max_tokens = checked_max_tokens(parsed, limits)
-        return build_request(
+        request = build_request(
             parsed,
             request_id=request_id,
             tenant=tenant,
@@ -110,6 +107,17 @@ def build_line_request(
         return _refusal(exc)
     except ValidationError as exc:
         return _refusal(invalid(exc))
+    # A line naming a route goes to the version the route chooses (router.route_table, as online), which then
+    # has to be known, as the online API checks the version it routed to.
+    request = route(request) if route is not None else request
+    if known_models is not None and request.model not in known_models:
+        return LineOutcome(
+            status_code=404,
+            code="model_not_found",
+            message=f"The model '{request.model}' does not exist or has never had a live worker.",
+            param="model",
+        )
+    return request
 
 
 def prepare(
@@ -124,6 +132,7 @@ def prepare(
     chunk_size: int,
     max_lines: int,
     known_models: set[str] | None,
+    route: Route | None = None,
 ) -> Prepared:
     """Validate the input file and write the prepared file. Blocking (run it in a thread).
 
@@ -162,6 +171,7 @@ def prepare(
                 limits=limits,
                 deadline=deadline,
                 known_models=known_models,
+                route=route,
             )
             request = built if isinstance(built, InferenceRequest) else None
             if isinstance(built, LineOutcome):

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 
 from router.publish import TopicRegistry
+from router.route_table import RouteTable
 from router.router import Router
 from schemas import Names
 from sluicegate.cancellation import Canceller
@@ -38,6 +39,10 @@ class BatchRuntime:
         self.files = FileStore(settings, self.redis, self.names)
         self.batches = BatchStore(settings, self.redis, self.names)
         self.router = Router.from_settings(settings)
+        # Batch lines naming a route go where ingress would send them (same file, fast path, rollbacks).
+        self.routes = RouteTable(
+            settings.routes_file, check_every_s=settings.routes_reload_s, redis=self.redis, names=self.names
+        )
         self.topics = TopicRegistry(
             settings.kafka_bootstrap,
             self.names,

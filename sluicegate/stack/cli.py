@@ -153,7 +153,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _routes_check(args: argparse.Namespace) -> int:
-    from ingress.model_routes import load_table
+    from router.route_table import load_table
     from router.routes import RoutesError
 
     try:

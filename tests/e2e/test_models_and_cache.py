@@ -237,13 +237,15 @@ def _metric(pipeline: Pipeline, line_start: str) -> float | None:
     return None
 
 
-def test_a_failing_canary_is_rolled_back_to_zero(two_models: Pipeline) -> None:
-    client = two_models.openai(max_retries=0)
+def roll_back_canary(pipeline: Pipeline) -> int:
+    """Send ``canary`` requests through ingress until it rolls the never-answering canary back; returns how many
+    went to the canary."""
+    client = pipeline.openai(max_retries=0)
     to_canary = 0
     rollback = f'sluicegate_ingress_canary_rollbacks_total{{cause="error_rate",route="canary",version="{BROKEN}"}}'
     deadline = time.monotonic() + 90
-    while not _metric(two_models, rollback):
-        assert time.monotonic() < deadline, "the canary was never rolled back:\n" + two_models.find("ingress").log()
+    while not _metric(pipeline, rollback):
+        assert time.monotonic() < deadline, "the canary was never rolled back:\n" + pipeline.find("ingress").log()
         if to_canary < 6:
             stream = client.chat.completions.create(
                 model="canary", messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True
@@ -252,7 +254,12 @@ def test_a_failing_canary_is_rolled_back_to_zero(two_models: Pipeline) -> None:
             to_canary += first.model == BROKEN
             stream.close()  # leave a hanging request (ingress cancels it); the watch still judges it
         time.sleep(0.2)
-    assert to_canary >= 4
+    return to_canary
+
+
+def test_a_failing_canary_is_rolled_back_to_zero(two_models: Pipeline) -> None:
+    client = two_models.openai(max_retries=0)
+    assert roll_back_canary(two_models) >= 4
     assert _metric(two_models, f'sluicegate_ingress_route_weight{{route="canary",version="{BROKEN}"}}') == 0
     assert (
         "ingress.canary_rolled_back route=canary version=broken-version cause=error_rate"

@@ -1,5 +1,5 @@
-"""Canary rollbacks are shared through Redis: one ingress replica's verdict reaches the others, and an edit of
-the route clears it."""
+"""Canary rollbacks are shared through Redis: one ingress replica's verdict reaches the others and the route
+table the router and the batch worker resolve through, and an edit of the route clears it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ingress.model_routes import ModelRoutes, load_table
+from ingress.model_routes import ModelRoutes
 from ingress.telemetry import IngressMetrics
 from router.canary import Outcome
-from schemas import Names, StreamEvent
+from router.route_table import RouteTable, load_table
+from schemas import InferenceRequest, Names, StreamEvent
 from sluicegate.settings import Settings
 
 ROUTES = """
@@ -52,15 +53,25 @@ async def test_a_rollback_reaches_every_replica_until_the_route_is_edited(
     assert first.weights("chat", spec) == {"stable": 90, "canary": 0}
 
     assert second.weights("chat", spec)["canary"] == 10  # not yet read
-    await second.sync_rollbacks()
+    await second.sync()
     assert second.weights("chat", spec) == {"stable": 90, "canary": 0}
+
+    # The router (Kafka-native records) and the batch worker (batch lines) adopt it too: nothing goes to the
+    # canary any more, while before the check some requests did.
+    router = RouteTable(path, redis=redis, names=Names(unique_prefix))
+    requests = [InferenceRequest(request_id=f"r{n}", model="chat", prompt="hi") for n in range(60)]
+    assert "canary" in {router.routed(r).model for r in requests}
+    assert (await router.refresh()).adopted == {("chat", "canary")}
+    assert {router.routed(r).model for r in requests} == {"stable"}
 
     # An operator edits the route: the old verdict no longer applies, on any replica.
     path.write_text(ROUTES % 80)
     third = _replica(path, redis, unique_prefix)
-    await third.sync_rollbacks()
+    await third.sync()
     edited = third.routes.routes["chat"]
     assert third.weights("chat", edited) == {"stable": 80, "canary": 10}
     second.swap(load_table(path))
-    await second.sync_rollbacks()
+    await second.sync()
     assert second.weights("chat", edited) == {"stable": 80, "canary": 10}
+    assert (await router.refresh()).changed == {"chat"}  # the router reloads the edit: the canary is back
+    assert router.weights("chat", edited) == {"stable": 80, "canary": 10}

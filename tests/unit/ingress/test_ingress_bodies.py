@@ -54,6 +54,13 @@ def test_chat_body_becomes_a_messages_request() -> None:
     assert request.sampling.temperature == 0.0 and request.sampling.max_tokens == 9
     assert request.sampling.stop == ["\n"] and request.sampling.top_k is None and request.sampling.seed == 7
     assert (request.tenant, request.priority, request.trace) == ("acme", "interactive", trace)
+    assert request.user == "someone"  # carried on, so routes sticky per user work past ingress too
+
+
+@pytest.mark.parametrize("user", ["", "x" * 257, "tab\there"])
+def test_a_bad_user_is_refused_naming_it(user: str) -> None:
+    error = rejected(CompletionBody, {"model": "m", "prompt": "x", "user": user})
+    assert (error.status, error.param) == (422, "user")  # as every invalid field
 
 
 def test_defaults_for_max_tokens() -> None:

@@ -63,6 +63,10 @@ def test_request_from_foreign_json_with_token_prompt() -> None:
         ({"prompt": [1, -2]}, "prompt"),
         ({"deadline": "2030-01-01T00:00:00"}, "deadline"),  # naive time is ambiguous
         ({"surprise": 1}, "surprise"),
+        ({"user": ""}, "user"),
+        ({"user": "u" * 257}, "user"),
+        ({"user": "line\nbreak"}, "user"),  # control characters would garble logs and keys
+        ({"user": 7}, "user"),
     ],
 )
 def test_violations_name_the_bad_field(patch: dict, bad_field: str) -> None:
@@ -70,6 +74,13 @@ def test_violations_name_the_bad_field(patch: dict, bad_field: str) -> None:
     with pytest.raises(ValidationError) as info:
         InferenceRequest.model_validate_json(json.dumps(body))
     assert any(loc.startswith(bad_field) for loc in _error_locs(info.value)), info.value
+
+
+def test_user_is_optional_so_older_producers_are_unaffected() -> None:
+    assert InferenceRequest.model_validate_json('{"request_id": "r", "model": "m", "prompt": "a"}').user is None
+    req = InferenceRequest.model_validate_json('{"request_id": "r", "model": "m", "prompt": "a", "user": "ana@x é"}')
+    assert req.user == "ana@x é"
+    assert InferenceRequest.model_validate_json(req.model_dump_json()) == req
 
 
 def test_exactly_one_of_prompt_and_messages() -> None:
