@@ -3,7 +3,7 @@
 comparison, the design it replaced on paper: ``WAIT 1 <ms>`` after each flush (blocks until the replica has the
 appends).
 
-Starts its own ``redis-server`` primary and replica on free ports (:class:`RedisPair`, also used by the tests),
+Starts its own ``redis-server`` primary and replica on free ports (:class:`benchmarks.redis_failover.RedisPair`),
 then interleaves the three modes in rounds so that the shared box's load hits each alike. Each flush carries
 ``--events`` token events of one request (a busy engine step's worth). Prints one JSON line:
 
@@ -14,80 +14,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
-from benchmarks.common import free_port, percentile
+from benchmarks.common import percentile
+from benchmarks.redis_failover import redis_pair
 from gpu_workers.worker.streams import StreamPublisher
 from schemas import Names, TokenEvent
 from sluicegate.redis_client import create_redis
-
-
-class RedisPair:
-    """A ``redis-server`` primary and a replica of it, without persistence, on free ports of this machine."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.ports = {"primary": free_port(), "replica": free_port()}
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def url(self, name: str) -> str:
-        return f"redis://127.0.0.1:{self.ports[name]}/0"
-
-    def start(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            raise FileNotFoundError("redis-server is needed (apt-get install redis-server)")
-        for name, port in self.ports.items():
-            (self.folder / name).mkdir()
-            args = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.folder / name)]
-            if name == "replica":
-                args += ["--replicaof", "127.0.0.1", str(self.ports["primary"])]
-            log = (self.folder / f"{name}.log").open("ab")
-            self.processes[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    async def synced(self, timeout_s: float = 20.0) -> None:
-        """Until the primary lists the replica as online."""
-        client = create_redis(url=self.url("primary"), socket_timeout=2)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError, RedisError):  # not up yet
-                    if (await client.info("replication")).get("slave0", {}).get("state") == "online":
-                        return
-                await asyncio.sleep(0.1)
-        finally:
-            await client.aclose()
-        raise TimeoutError("the replica never came online")
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-
-
-@contextmanager
-def redis_pair() -> Iterator[RedisPair]:
-    with tempfile.TemporaryDirectory(prefix="sluicegate-redis-pair-") as folder:
-        pair = RedisPair(Path(folder))
-        try:
-            pair.start()
-            yield pair
-        finally:
-            pair.stop()
 
 
 def _events(request_id: str, start: int, n: int) -> list[TokenEvent]:
@@ -115,7 +53,7 @@ async def _measure(client: Redis, names: Names, mode: str, flushes: int, events:
 async def _main(args: argparse.Namespace) -> dict[str, object]:
     with redis_pair() as pair:
         await pair.synced()
-        client = create_redis(url=pair.url("primary"), socket_timeout=5, retries=0)
+        client = create_redis(url=pair.node_url("primary"), socket_timeout=5, retries=0)
         names = Names(f"bench{os.getpid()}")
         samples: dict[str, list[float]] = {"off": [], "role": [], "wait": []}
         try:

@@ -17,20 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from redis.exceptions import RedisError
 from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
     PROMPT,
-    _free_port,
     engine,
     model_dir,
     publish,
@@ -39,6 +35,7 @@ from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
     request_for,
 )
 
+from benchmarks.redis_failover import SentinelSet, have_binaries
 from gpu_workers.engine import AsyncEngine, SamplingParams
 from gpu_workers.worker.main import run_worker
 from schemas import STREAM_FIELD, Names, TokenEvent, WorkerHeartbeat, parse_stream_event
@@ -47,63 +44,6 @@ from sluicegate.redis_client import create_redis, wait_for_redis
 from sluicegate.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
-
-SERVICE = "sluicegate-primary"
-
-
-@dataclass
-class SentinelSet:
-    """redis-server primary + replica and three redis-sentinel processes of this test's own."""
-
-    folder: Path
-    ports: dict[str, int] = field(default_factory=dict)
-    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        hosts = ",".join(f"127.0.0.1:{self.ports[f'sentinel{i}']}" for i in range(3))
-        return f"redis+sentinel://{hosts}/{SERVICE}/0"
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        log = (self.folder / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def start(self) -> None:
-        server, sentinel = shutil.which("redis-server"), shutil.which("redis-sentinel")
-        if server is None or sentinel is None:
-            pytest.skip("redis-server and redis-sentinel are needed (apt-get install redis-sentinel)")
-        for name in ("primary", "replica", "sentinel0", "sentinel1", "sentinel2"):
-            self.ports[name] = _free_port()
-        for name in ("primary", "replica"):
-            data = self.folder / name
-            data.mkdir()
-            args = [server, "--port", str(self.ports[name]), "--bind", "127.0.0.1", "--save", "", "--dir", str(data)]
-            if name == "replica":
-                args += ["--replicaof", "127.0.0.1", str(self.ports["primary"])]
-            self._spawn(name, args)
-        for i in range(3):
-            name = f"sentinel{i}"
-            conf = self.folder / f"{name}.conf"  # a Sentinel rewrites its config file: one each
-            conf.write_text(
-                f"port {self.ports[name]}\nbind 127.0.0.1\ndir {self.folder}\n"
-                f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['primary']} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} 1000\n"
-                f"sentinel failover-timeout {SERVICE} 5000\n"
-            )
-            self._spawn(name, [sentinel, str(conf)])
-
-    def kill(self, name: str) -> None:
-        os.kill(self.processes[name].pid, signal.SIGKILL)
-        self.processes[name].wait(timeout=10)
-
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        os.kill(self.processes[name].pid, sig)
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
 
 
 @dataclass
@@ -157,29 +97,14 @@ async def running_worker(kafka_bootstrap: str, redis_url: str, model_path: Path,
 
 @pytest.fixture
 def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
+    if not have_binaries():
+        pytest.skip("redis-server and redis-sentinel are needed (apt-get install redis-sentinel)")
     group = SentinelSet(tmp_path)
     try:
         group.start()
         yield group
     finally:
         group.stop()
-
-
-async def replica_in_sync(group: SentinelSet) -> None:
-    """Until the Sentinels know the replica (so they can promote it) and it has synced."""
-    client = create_redis(url=f"redis://127.0.0.1:{group.ports['sentinel0']}/0", socket_timeout=2)
-    deadline = time.monotonic() + 30
-    try:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(RedisError, OSError):
-                # One dict per replica (a Sentinel refreshes a replica's link state every few seconds).
-                replicas = await client.execute_command("SENTINEL", "REPLICAS", SERVICE)
-                if any(r.get(b"master-link-status") == b"ok" for r in replicas or []):
-                    return
-            await asyncio.sleep(0.2)
-    finally:
-        await client.aclose()
-    raise AssertionError("the Sentinels never saw a synced replica")
 
 
 async def follow(
@@ -213,7 +138,7 @@ async def follow(
 async def reference_tokens(sentinels: SentinelSet, reference: AsyncEngine, max_tokens: int) -> list[int]:
     """Once the Sentinels see a synced replica: the uninterrupted greedy run's tokens for ``PROMPT``."""
     await wait_for_redis(sentinels.url, timeout_s=20)
-    await replica_in_sync(sentinels)
+    await sentinels.replica_in_sync()
     prompt_ids = list(reference.tokenizer.encode(PROMPT))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return (await reference_run(reference, prompt_ids, params)).token_ids

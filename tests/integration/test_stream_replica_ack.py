@@ -15,7 +15,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
-from benchmarks.replica_ack import redis_pair
+from benchmarks.redis_failover import redis_pair
 from gpu_workers.worker.streams import StreamPublisher
 from schemas import STREAM_FIELD, Names, TokenEvent, parse_stream_event, stream_entry_id
 from sluicegate.redis_client import create_redis
@@ -89,7 +89,7 @@ async def test_events_kept_for_a_replica_are_bounded(redis_url: str, unique_pref
 async def test_a_replica_acknowledgement_releases_kept_events() -> None:
     with redis_pair() as pair:
         await pair.synced()
-        client = create_redis(url=pair.url("primary"), socket_timeout=5, retries=0)
+        client = create_redis(url=pair.node_url("primary"), socket_timeout=5, retries=0)
         publisher = StreamPublisher(client, Names("ack"), ttl_s=60, replica_ack=True)
         try:
             for seq in range(3):
@@ -103,7 +103,7 @@ async def test_a_replica_acknowledgement_releases_kept_events() -> None:
                 assert time.monotonic() < deadline, "the replica's acknowledgement never released the events"
                 await asyncio.sleep(0.2)
                 await publisher.flush()
-            replica = create_redis(url=pair.url("replica"), socket_timeout=5)
+            replica = create_redis(url=pair.node_url("replica"), socket_timeout=5)
             try:
                 assert await stream_seqs(replica, Names("ack"), "r1") == [0, 1, 2]
             finally:
