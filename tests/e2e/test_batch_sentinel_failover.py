@@ -87,20 +87,19 @@ def test_batch_completes_through_a_sentinel_failover_of_the_celery_broker(
 
     promoted = asyncio.run(_role(broker_sentinels.node_url("replica")))
     assert promoted == b"master"
-    print(
-        "\nFAULT-REPORT "
-        + json.dumps(
-            {
-                "test": "batch_celery_broker_sentinel_failover",
-                "lines": LINES,
-                "finished_at_kill": at_kill,
-                "kill_to_completed_s": round(time.monotonic() - killed_at, 1),
-                "total_s": round(time.monotonic() - started, 1),
-                "output_lines": len(result.outputs),
-                "error_lines": len(result.errors),
-            }
-        )
+    report(
+        "batch_celery_broker_sentinel_failover",
+        lines=LINES,
+        finished_at_kill=at_kill,
+        kill_to_completed_s=round(time.monotonic() - killed_at, 1),
+        total_s=round(time.monotonic() - started, 1),
+        output_lines=len(result.outputs),
+        error_lines=len(result.errors),
     )
+
+
+def report(name: str, **figures: object) -> None:
+    print(f"\nFAULT-REPORT {json.dumps({'test': name, **figures})}")
 
 
 async def _role(url: str) -> bytes:
