@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,7 +200,8 @@ class StreamPublisher:
         self._lock = asyncio.Lock()
         self._replica_ack = replica_ack
         self._max_unconfirmed = max_unconfirmed
-        self._unconfirmed: list[_Unconfirmed] = []
+        self._unconfirmed: deque[_Unconfirmed] = deque()
+        self._unconfirmed_events = 0  # their total, kept as they come and go (no sum on the hot path)
         self.appended = 0
         self.duplicates = 0
         self.retries = 0
@@ -217,7 +219,7 @@ class StreamPublisher:
     @property
     def unconfirmed(self) -> int:
         """Stream events flushed but not yet acknowledged by a replica (0 unless ``replica_ack``)."""
-        return sum(len(u.events) for u in self._unconfirmed)
+        return self._unconfirmed_events
 
     async def flush(self) -> None:
         """Append everything buffered; returns once Redis has it (retrying through outages).
@@ -242,6 +244,7 @@ class StreamPublisher:
                             # first, so the promoted replica's streams continue without a gap.
                             kept = [event for u in self._unconfirmed for event in u.events]
                             self._unconfirmed.clear()
+                            self._unconfirmed_events = 0
                             self.reappended += len(kept)
                             batch = [*kept, *batch]
                         log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
@@ -294,11 +297,11 @@ class StreamPublisher:
         acked = max((int(replica[2]) for replica in role[2]), default=-1)
         if events:
             self._unconfirmed.append(_Unconfirmed(offset, events))
+            self._unconfirmed_events += len(events)
         while self._unconfirmed and self._unconfirmed[0].offset <= acked:
-            self._unconfirmed.pop(0)
-        excess = self.unconfirmed - self._max_unconfirmed
-        while excess > 0 and self._unconfirmed:
-            dropped = self._unconfirmed.pop(0)
-            excess -= len(dropped.events)
+            self._unconfirmed_events -= len(self._unconfirmed.popleft().events)
+        while self._unconfirmed_events > self._max_unconfirmed:
+            dropped = self._unconfirmed.popleft()
+            self._unconfirmed_events -= len(dropped.events)
             self.unconfirmed_dropped += len(dropped.events)
             log.warning("stream events no replica acknowledged were dropped", extra={"n": len(dropped.events)})
