@@ -74,14 +74,15 @@ def create_redis(
     health_check_interval: int = 30,
     client_name: str | None = "sluicegate",
     max_connections: int | None = None,
+    retries: int = 3,
 ) -> Redis:
     """An async Redis client for ``url`` (default ``Settings.redis_url``).
 
     ``socket_timeout`` bounds every read on the socket, so it must exceed the longest ``BLOCK`` of an
     ``XREAD``/``XREADGROUP`` issued on this client; ``None`` (the default) means no read timeout, which
     is right for relays that block on streams. Connection setup is always bounded by
-    ``connect_timeout``. Commands are retried three times on connection errors with a short backoff:
-    every write Sluicegate makes is idempotent (stream entry ids derive from a sequence number).
+    ``connect_timeout``. Commands are retried ``retries`` times (default three) on connection errors with a
+    short backoff: every write Sluicegate makes is idempotent (stream entry ids derive from a sequence number).
     """
     if socket_timeout is not None and socket_timeout <= 0:
         raise ValueError(f"socket_timeout must be positive or None, got {socket_timeout}")
@@ -95,7 +96,7 @@ def create_redis(
         client_name=client_name,
         max_connections=max_connections,
         # Retries connection and timeout errors (Retry's default error set).
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3),
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries),
     )
 
 

@@ -236,6 +236,15 @@ class Settings(BaseSettings):
         "(0 commits after each). A crash re-delivers at most this window, and finished requests are recognised "
         "and skipped.",
     )
+    worker_replica_ack: bool | None = Field(
+        None,
+        description="Keep each stream event a worker flushed until a Redis replica acknowledges it and re-append "
+        "it after a failover, so an append the old primary never replicated is not lost; unset: on for "
+        "redis+sentinel:// URLs, off otherwise.",
+    )
+    worker_replica_ack_max_events: int = Field(
+        50_000, ge=1, description="Most stream events a worker keeps awaiting a replica (the oldest go first)."
+    )
     worker_redis_timeout_s: float = Field(
         5.0,
         gt=0,

@@ -25,5 +25,9 @@ class WorkerConfig:
     device: str = "cpu"
     redis_retry_max_s: float = 2.0
     commit_interval_s: float = 0.05
+    # Keep flushed stream events until a Redis replica acknowledges them, re-appending them after a failover
+    # (StreamPublisher); at most this many are kept.
+    replica_ack: bool = False
+    replica_ack_max_events: int = 50_000
     # False (SLUICEGATE_METRICS_ENABLED): a Worker built without a WorkerTelemetry keeps none.
     metrics: bool = True

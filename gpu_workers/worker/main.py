@@ -24,7 +24,7 @@ from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.logs import configure_logging
 from sluicegate.metrics_http import MetricsServer
-from sluicegate.redis_client import create_redis
+from sluicegate.redis_client import create_redis, is_sentinel_url
 from sluicegate.settings import Settings
 from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 
@@ -215,6 +215,10 @@ async def _run_started(
         device=settings.device,
         commit_interval_s=settings.worker_commit_interval_s,
         metrics=telemetry is not None,
+        replica_ack=is_sentinel_url(settings.redis_url)
+        if settings.worker_replica_ack is None
+        else settings.worker_replica_ack,
+        replica_ack_max_events=settings.worker_replica_ack_max_events,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
     topics |= {
@@ -228,6 +232,18 @@ async def _run_started(
     # A read timeout (the worker never blocks on Redis) turns a hung server into an error that is retried.
     redis = create_redis(
         settings, socket_timeout=settings.worker_redis_timeout_s, client_name=f"worker-{config.worker_id}"
+    )
+    # Stream appends with replica_ack go through a client that never retries a pipeline behind the publisher's
+    # back: a failed flush must reach the publisher, which re-appends what no replica acknowledged first.
+    stream_redis = (
+        create_redis(
+            settings,
+            socket_timeout=settings.worker_redis_timeout_s,
+            client_name=f"worker-{config.worker_id}-streams",
+            retries=0,
+        )
+        if config.replica_ack
+        else None
     )
     producer = create_producer(settings, client_id=f"worker-{config.worker_id}")
     consumer = create_consumer(
@@ -261,6 +277,7 @@ async def _run_started(
         control_consumer=control,
         observer=observer,
         telemetry=telemetry,
+        stream_redis=stream_redis,
     )
     probes.worker = worker
     await producer.start()
@@ -277,6 +294,8 @@ async def _run_started(
         await control.stop()
         await producer.stop()
         await redis.aclose()
+        if stream_redis is not None:
+            await stream_redis.aclose()
         log.info("worker.stopped", extra={"worker_id": config.worker_id, "served": worker.served})
     return worker
 

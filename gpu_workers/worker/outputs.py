@@ -9,6 +9,7 @@ are keyed by request id and ``llm.results`` is at-least-once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Replicas acknowledge their offset about once a second; asking more often than this would find nothing new.
+_CONFIRM_INTERVAL_S = 0.5
+
 
 class Outputs:
     """The worker's writers: the Redis stream publisher and its flush loop, status records, ``llm.results``
@@ -43,13 +47,22 @@ class Outputs:
         redis: aioredis.Redis,
         producer: AIOKafkaProducer,
         observer: WorkerObserver | None = None,
+        stream_redis: aioredis.Redis | None = None,
     ) -> None:
         self.config = config
         self.names = names
         self.redis = redis
         self.producer = producer
         on_send = observer.events_sending if observer is not None else None
-        self.publisher = StreamPublisher(redis, names, config.stream_ttl_s, on_send=on_send)
+        # ``stream_redis``: a client that does not retry pipelines itself (needed by ``replica_ack``).
+        self.publisher = StreamPublisher(
+            stream_redis or redis,
+            names,
+            config.stream_ttl_s,
+            on_send=on_send,
+            replica_ack=config.replica_ack,
+            max_unconfirmed=config.replica_ack_max_events,
+        )
         self._events = asyncio.Event()
         self.dead_lettered = 0
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
@@ -75,7 +88,13 @@ class Outputs:
 
     async def flush_loop(self) -> None:
         while True:
-            await self._events.wait()
+            if self.publisher.unconfirmed:
+                # Events await a replica's acknowledgement: flush (only ROLE when nothing is new) at least this
+                # often, so they are confirmed, or re-appended after a failover, while no request writes.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._events.wait(), _CONFIRM_INTERVAL_S)
+            else:
+                await self._events.wait()
             self._events.clear()
             # Let every request whose delta came out of the same engine step add its event first.
             await asyncio.sleep(0)

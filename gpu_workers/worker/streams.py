@@ -3,12 +3,18 @@
 Appends use explicit entry ids derived from ``seq``, so an append replayed after a crash or a
 retry is refused by Redis itself and a client never sees an event twice. Each flush sends every
 pending event of every request in one pipelined round trip.
+
+With ``replica_ack`` on (the default for ``redis+sentinel://`` URLs) the publisher also keeps every stream
+event it flushed until a replica has acknowledged it, and after any failed flush (the primary died or was
+demoted) re-appends those before anything new: an append the old primary acknowledged but never replicated
+is restored on the promoted replica instead of leaving a gap. See :class:`StreamPublisher`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,11 +152,31 @@ class RecordWrite:
     ttl_s: int
 
 
+@dataclass
+class _Unconfirmed:
+    """Stream events of one flush that no replica had acknowledged yet, and the primary's replication offset
+    right after that flush's appends (a replica whose acknowledged offset reaches it holds them)."""
+
+    offset: int
+    events: list[StreamEvent]
+
+
 class StreamPublisher:
     """Buffers events from all active requests and appends them in one pipeline per flush.
 
     A lost Redis connection is retried with backoff while events stay buffered, so a Redis
     restart delays tokens but loses none.
+
+    ``replica_ack``: each flush's pipeline ends with ``ROLE``, which answers the primary's replication offset
+    after the appends and each replica's acknowledged offset (replicas acknowledge about once a second); the
+    flushed events are kept until a replica's offset reaches theirs. A flush that fails re-sends the kept events
+    first, in order: after a failover the promoted replica gets back what it never received, and ids derived
+    from ``seq`` refuse the ones it has. This costs no extra round trip and never waits for a replica (``WAIT``
+    would add the replication round trip to every flush, and its whole timeout while no replica is connected).
+    The client given must not retry pipelines itself (``create_redis(retries=0)``): a retry that reached the
+    promoted replica would append past the gap before the kept events could fill it. Status-record writes are not
+    kept: a ``SET`` replayed late could overwrite a newer record. At most ``max_unconfirmed`` events are kept
+    (the oldest go first, counted in ``unconfirmed_dropped``) for a primary left without replicas.
     """
 
     def __init__(
@@ -161,6 +187,8 @@ class StreamPublisher:
         max_retry_delay_s: float = 2.0,
         *,
         on_send: Callable[[list[StreamEvent | RecordWrite]], None] | None = None,
+        replica_ack: bool = False,
+        max_unconfirmed: int = 50_000,
     ):
         self._redis = redis
         # Called with each batch as its pipeline goes out (see ``observer.WorkerObserver.events_sending``).
@@ -170,9 +198,15 @@ class StreamPublisher:
         self._max_retry_delay_s = max_retry_delay_s
         self._pending: list[StreamEvent | RecordWrite] = []
         self._lock = asyncio.Lock()
+        self._replica_ack = replica_ack
+        self._max_unconfirmed = max_unconfirmed
+        self._unconfirmed: deque[_Unconfirmed] = deque()
+        self._unconfirmed_events = 0  # their total, kept as they come and go (no sum on the hot path)
         self.appended = 0
         self.duplicates = 0
         self.retries = 0
+        self.reappended = 0  # unconfirmed events sent again after a failed flush
+        self.unconfirmed_dropped = 0
 
     def add(self, item: StreamEvent | RecordWrite) -> None:
         """Queue a stream event or a status-record write for the next flush (no round trip of its own)."""
@@ -182,10 +216,19 @@ class StreamPublisher:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def unconfirmed(self) -> int:
+        """Stream events flushed but not yet acknowledged by a replica (0 unless ``replica_ack``)."""
+        return self._unconfirmed_events
+
     async def flush(self) -> None:
-        """Append everything buffered; returns once Redis has it (retrying through outages)."""
+        """Append everything buffered; returns once Redis has it (retrying through outages).
+
+        With ``replica_ack`` and events awaiting a replica, a flush with nothing new only asks for the
+        replicas' offsets (the flush loop calls it when idle, so a failover is noticed and repaired then too).
+        """
         async with self._lock:
-            if not self._pending:
+            if not self._pending and not self._unconfirmed:
                 return
             batch, self._pending = self._pending, []
             delay = 0.05
@@ -196,6 +239,14 @@ class StreamPublisher:
                         return
                     except REDIS_UNAVAILABLE as exc:
                         self.retries += 1
+                        if self._unconfirmed:
+                            # The primary may have died or been demoted: what no replica acknowledged goes
+                            # first, so the promoted replica's streams continue without a gap.
+                            kept = [event for u in self._unconfirmed for event in u.events]
+                            self._unconfirmed.clear()
+                            self._unconfirmed_events = 0
+                            self.reappended += len(kept)
+                            batch = [*kept, *batch]
                         log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, self._max_retry_delay_s)
@@ -217,8 +268,11 @@ class StreamPublisher:
             pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
             if isinstance(event, DoneEvent | ErrorEvent):
                 pipe.expire(key, self._ttl_s)
+        if self._replica_ack:
+            pipe.execute_command("ROLE")
         with untraced():  # one pipeline for many requests' events: a span of no single request
             results = await pipe.execute(raise_on_error=False)
+        role = results.pop() if self._replica_ack else None
         for result in results:
             if isinstance(result, ResponseError):
                 if _DUPLICATE_ID in str(result):
@@ -227,4 +281,27 @@ class StreamPublisher:
                 raise result
             if isinstance(result, REDIS_UNAVAILABLE):
                 raise result
-        self.appended += sum(1 for event in batch if not isinstance(event, RecordWrite))
+        events = [event for event in batch if not isinstance(event, RecordWrite)]
+        self.appended += len(events)
+        if role is not None:
+            self._track_replicas(role, events)
+
+    def _track_replicas(self, role: Any, events: list[StreamEvent]) -> None:
+        """Keep this flush's events until a replica acknowledges them; forget those it now has."""
+        if isinstance(role, REDIS_UNAVAILABLE):
+            raise role
+        if isinstance(role, ResponseError) or not role or role[0] != b"master":
+            # A replica answering (the appends failed READONLY and raised above) or no ROLE: keep everything.
+            raise ReadOnlyError(f"stream appends went to a server that is not a primary: {role!r}")
+        offset = int(role[1])
+        acked = max((int(replica[2]) for replica in role[2]), default=-1)
+        if events:
+            self._unconfirmed.append(_Unconfirmed(offset, events))
+            self._unconfirmed_events += len(events)
+        while self._unconfirmed and self._unconfirmed[0].offset <= acked:
+            self._unconfirmed_events -= len(self._unconfirmed.popleft().events)
+        while self._unconfirmed_events > self._max_unconfirmed:
+            dropped = self._unconfirmed.popleft()
+            self._unconfirmed_events -= len(dropped.events)
+            self.unconfirmed_dropped += len(dropped.events)
+            log.warning("stream events no replica acknowledged were dropped", extra={"n": len(dropped.events)})

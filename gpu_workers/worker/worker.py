@@ -67,6 +67,7 @@ class Worker:
         control_consumer: AIOKafkaConsumer,
         observer: WorkerObserver | None = None,
         telemetry: WorkerTelemetry | None = None,
+        stream_redis: aioredis.Redis | None = None,
     ) -> None:
         self.engine = engine
         if telemetry is None and config.metrics:
@@ -76,7 +77,7 @@ class Worker:
         self.names = names
         self._stopping = asyncio.Event()
         self.in_flight = InFlight()
-        self.outputs = Outputs(config, names, redis, producer, observer)
+        self.outputs = Outputs(config, names, redis, producer, observer, stream_redis)
         self.cancels = Cancels(control_consumer, engine, self.in_flight)
         self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels)
         self.intake = Intake(
