@@ -136,6 +136,11 @@ def dequantize(
 ) -> torch.Tensor:
     """The engine layout -> float weight ``[K, N]`` (input-major, so ``x @ w`` is the projection)."""
     values = unpack_along_rows(qweight)
-    k = values.shape[0]
-    groups = g_idx.long() if g_idx is not None else torch.arange(k, device=values.device) // (group_size or k)
-    return ((values - zeros[groups].to(torch.int32)).to(dtype)) * scales[groups].to(dtype)
+    k, n = values.shape
+    if g_idx is not None:
+        groups = g_idx.long()
+        return ((values - zeros[groups].to(torch.int32)).to(dtype)) * scales[groups].to(dtype)
+    # Contiguous groups: broadcast each group's zero and scale over its rows instead of gathering
+    # a [K, N] copy of them (the CPU fallback runs this on every call).
+    grouped = values.view(zeros.shape[0], -1, n) - zeros.unsqueeze(1).to(torch.int32)
+    return (grouped.to(dtype) * scales.unsqueeze(1).to(dtype)).view(k, n)
