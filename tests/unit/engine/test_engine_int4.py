@@ -180,3 +180,14 @@ def test_checkpoint_missing_a_packed_tensor_is_refused(
     save_file(kept, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing INT4 tensors.*layers\.1\.self_attn\.qkv_proj"):
         LLM(str(tmp_path), max_model_len=128, num_kv_blocks=8)
+
+
+def test_int4_methods_are_checkpoint_only(model_dir: Callable[[str], Path]) -> None:
+    from gpu_workers.engine.quantization import check_quantization_supported, quantize_model
+
+    check_quantization_supported("gptq", torch.device("cpu"))  # the torch fallback runs anywhere
+    with pytest.raises(ValueError, match="awq, gptq"):
+        check_quantization_supported("int4", torch.device("cpu"))
+    llm = LLM(str(model_dir("llama")), max_model_len=128, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="come quantized in the checkpoint"):
+        quantize_model(llm.engine.loaded.model, "awq")
