@@ -191,3 +191,29 @@ def test_int4_methods_are_checkpoint_only(model_dir: Callable[[str], Path]) -> N
     llm = LLM(str(model_dir("llama")), max_model_len=128, num_kv_blocks=8)
     with pytest.raises(ValueError, match="come quantized in the checkpoint"):
         quantize_model(llm.engine.loaded.model, "awq")
+
+
+def test_sharded_int4_checkpoint_loads_pieces_from_different_files(
+    int4_dirs: Callable[[str], tuple[Path, Path]], make_llm: Callable[..., LLM], tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    src, ref_dir = int4_dirs("qwen2-awq")
+    for item in src.iterdir():
+        if item.suffix != ".safetensors":
+            (tmp_path / item.name).write_bytes(item.read_bytes())
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        names = sorted(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    # Alternate tensors between two shards, so q/k/v pieces (and qweight/scales) of one merged
+    # projection arrive from different files.
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for file, members in shards.items():
+        save_file({n: tensors[n] for n in members}, str(tmp_path / file))
+    weight_map = {n: file for file, members in shards.items() for n in members}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    llm = make_llm(tmp_path, num_kv_blocks=48)
+    ref = make_llm(ref_dir, num_kv_blocks=48)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in ref.generate(prompts, params)]
