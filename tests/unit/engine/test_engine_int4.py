@@ -90,7 +90,10 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_int4_engine_matches_dequantized_model(
-    case: str, int4_dirs: Callable[[str], tuple[Path, Path]], make_llm: Callable[..., LLM]
+    case: str,
+    int4_dirs: Callable[[str], tuple[Path, Path]],
+    make_llm: Callable[..., LLM],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     int4_dir, ref_dir = int4_dirs(case)
     llm = make_llm(int4_dir, num_kv_blocks=48)
@@ -108,6 +111,8 @@ def test_int4_engine_matches_dequantized_model(
     got = torch.cat([engine_logits(llm, p) for p in prompts])
     want = torch.cat([engine_logits(ref, p) for p in prompts])
     cosine = F.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    with capsys.disabled():
+        print(f"\n{case}: engine logits cosine vs the dequantized model = {cosine:.6f}")
     assert cosine >= 0.999, f"{case}: logits cosine {cosine:.6f}"
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
