@@ -131,10 +131,10 @@ def dequantize(
     zeros: torch.Tensor,
     scales: torch.Tensor,
     g_idx: torch.Tensor | None,
-    group_size: int | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The engine layout -> float weight ``[K, N]`` (input-major, so ``x @ w`` is the projection)."""
+    """The engine layout -> float weight ``[K, N]`` (input-major, so ``x @ w`` is the projection).
+    Without ``g_idx`` the groups are contiguous runs of ``K / zeros.shape[0]`` rows."""
     values = unpack_along_rows(qweight)
     k, n = values.shape
     if g_idx is not None:

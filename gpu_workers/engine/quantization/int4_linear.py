@@ -58,7 +58,7 @@ class Int4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float weight ``[out, in]`` these INT4 values stand for (as ``nn.Linear.weight``)."""
         dtype = dtype or self.scales.dtype
-        return dequantize(self.qweight, self.zeros, self.scales, self.g_idx, self.group_size, dtype).t()
+        return dequantize(self.qweight, self.zeros, self.scales, self.g_idx, dtype).t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -67,7 +67,7 @@ class Int4Linear(nn.Module):
 
             out = int4_matmul(flat.contiguous(), self.qweight, self.scales, self.zeros, self.g_idx, self.group_size)
         else:
-            weight = dequantize(self.qweight, self.zeros, self.scales, self.g_idx, self.group_size, flat.dtype)
+            weight = dequantize(self.qweight, self.zeros, self.scales, self.g_idx, flat.dtype)
             out = flat @ weight
         if self.bias is not None:
             out = out + self.bias

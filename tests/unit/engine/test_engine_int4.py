@@ -71,7 +71,7 @@ def test_engine_layout_dequantizes_awq_and_gptq_exactly() -> None:
     w = torch.randn(40, 64) * 0.1
     q = quantize_groups(w, 16, sym=False, order=None)
     awq = awq_to_engine("x", **pack_awq(q), cfg=parse_int4_config({"quant_method": "awq", "group_size": 16}))
-    got = dequantize(*awq, None, 16, torch.float32)
+    got = dequantize(*awq, None, torch.float32)
     torch.testing.assert_close(got.t(), q.dequantize(), rtol=0, atol=0)
 
     perm = torch.randperm(64)
@@ -80,7 +80,7 @@ def test_engine_layout_dequantizes_awq_and_gptq_exactly() -> None:
     packed = pack_gptq(q)
     qweight, zeros, scales, g_idx = gptq_to_engine("x", **packed, cfg=cfg)
     assert torch.equal(qweight, packed["qweight"])  # GPTQ's qweight is the engine's layout as is
-    torch.testing.assert_close(dequantize(qweight, zeros, scales, g_idx, 16, torch.float32).t(), q.dequantize())
+    torch.testing.assert_close(dequantize(qweight, zeros, scales, g_idx, torch.float32).t(), q.dequantize())
 
 
 def _prompts() -> list[list[int]]:

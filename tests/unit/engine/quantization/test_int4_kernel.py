@@ -35,7 +35,7 @@ def _random_layer(k: int, n: int, group: int, act_order: bool, dtype: torch.dtyp
 def test_kernel_matches_dequantize_then_matmul(m: int, k: int, n: int, group: int, act_order: bool) -> None:
     layer = _random_layer(k, n, group, act_order, torch.float32, seed=m + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-    weight = dequantize(layer.qweight, layer.zeros, layer.scales, layer.g_idx, group, torch.float32)
+    weight = dequantize(layer.qweight, layer.zeros, layer.scales, layer.g_idx, torch.float32)
     got = int4_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, group)
     assert got.shape == (m, n) and got.dtype == torch.float32
     # Compiled fp32 dots may use TF32 on a GPU; the interpreter is exact fp32.
