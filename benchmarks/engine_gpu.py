@@ -18,7 +18,9 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
 4. peers on the same requests submitted at once (concurrency 1 and 64): this engine, transformers
    ``generate`` (one static batch; all prompts have the same length, so no padding), and
    transformers' continuous batching (the manager behind ``generate_batch``, paged sdpa).
-5. decode ITL at concurrency 1 with FP8 weights (and bnb-int8 when bitsandbytes imports).
+5. decode ITL at concurrency 1 with FP8 weights (and bnb-int8 when bitsandbytes imports), and
+   with INT4 AWQ and GPTQ checkpoints (group 128, random packed values written beside the bf16
+   checkpoint by ``benchmarks/int4_checkpoint.py``; the Triton dequant-GEMM), with weight bytes.
 6. FP8 KV cache against the bf16 cache (``benchmarks/kv_cache_fp8.py``, Triton backend): peak
    concurrent sequences at one fixed KV budget, and decode ITL of two engines stepping in lockstep.
 7. n-gram speculative decoding against plain decoding on one engine (speculation toggled between
@@ -46,6 +48,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -62,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.common import fmt, percentile
+from benchmarks.int4_checkpoint import write_random_int4
 from benchmarks.kv_cache_fp8 import Workload as KVFp8Workload
 from benchmarks.kv_cache_fp8 import compare as compare_kv_cache_dtypes
 from benchmarks.kv_cache_fp8 import report as kv_cache_report
@@ -807,7 +811,7 @@ def print_report(results: dict[str, Any]) -> None:
                 f"| {c} | {fmt(o)} | {fmt(g)} | {fmt(b)} | {fmt(o / g, 2)}x | {fmt(o / b, 2)}x | "
                 f"{fmt(ours['itl_p50_ms'], 2)} |"
             )
-    for key, label in (("fp8", "FP8"), ("bnb_int8", "bnb-int8")):
+    for key, label in (("fp8", "FP8"), ("bnb_int8", "bnb-int8"), ("awq", "AWQ INT4"), ("gptq", "GPTQ INT4")):
         q = results.get(key, {})
         if "itl_p50_ms" in q:
             print(f"\n- {label} decode at concurrency 1: ITL p50 {q['itl_p50_ms']:.2f} ms.")
@@ -943,6 +947,18 @@ def quantized_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
         free_engine(setup)
 
 
+def int4_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
+    """Decode ITL and weight bytes of an INT4 checkpoint of the same shape (values random)."""
+    start = time.perf_counter()
+    group_size = 32 if setup.smoke else 128  # the smoke model's hidden size is 64
+    int4_path = write_random_int4(path, path.parent / f"{path.name}-{method}", method, group_size)
+    log(f"{method} checkpoint written in {time.perf_counter() - start:.1f} s")
+    try:
+        return quantized_phase(setup, int4_path, method)
+    finally:
+        shutil.rmtree(int4_path, ignore_errors=True)
+
+
 def kv_fp8_phase(setup: Setup, path: Path) -> dict[str, Any]:
     """FP8 KV cache vs the model-dtype cache: capacity at one KV budget and paired decode ITL."""
     engine_args = {
@@ -1019,6 +1035,14 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
                 results[key] = {"skipped": "time budget"}
                 continue
             results[key] = guarded(results, method, lambda m=method: quantized_phase(setup, path, m)) or {
+                "skipped": "failed (see errors)"
+            }
+
+        for method in ("awq", "gptq"):
+            if not budget.allows(method, 120 if not setup.smoke else 3):
+                results[method] = {"skipped": "time budget"}
+                continue
+            results[method] = guarded(results, method, lambda m=method: int4_phase(setup, path, m)) or {
                 "skipped": "failed (see errors)"
             }
 

@@ -102,7 +102,13 @@ class Settings(BaseSettings):
     )
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU workers (GiB).")
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
-    quantization: str = Field("", description="Weight quantization: bnb-int8, bnb-nf4, fp8 or empty.")
+    quantization: str = Field(
+        "",
+        description=(
+            "Weight quantization: bnb-int8, bnb-nf4, fp8 (quantized at load), awq or gptq (INT4 checkpoints, "
+            "also detected from config.json when empty), or empty."
+        ),
+    )
     attention_backend: str = Field("auto", description="Attention backend: auto, torch, triton, flash_attn.")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         "auto",

@@ -61,6 +61,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0
     attention_backend: str = "auto"
+    # Weights: "bnb-int8" / "bnb-nf4" / "fp8" quantize a float checkpoint at load; "awq" / "gptq" name an INT4
+    # checkpoint's method (None detects it from config.json's quantization_config; quantization/int4_load.py).
     quantization: str | None = None
     # "auto": the cache in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with per-layer,
     # per-KV-head scales from the checkpoint or the first prompts (attention/kv_quant.py).

@@ -21,6 +21,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from ..config import EngineConfig
+from ..quantization.int4_config import Int4Config
+from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import resolve_architecture
 from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
 from .rotary import rope_type_of
@@ -176,9 +178,11 @@ class _KVScaleReader:
         return torch.stack([torch.stack([self.found[(i, layer)] for layer in range(self.num_layers)]) for i in (0, 1)])
 
 
-def load_weights(model: LlamaForCausalLM, path: Path) -> torch.Tensor | None:
+def load_weights(model: LlamaForCausalLM, path: Path, int4: Int4Config | None = None) -> torch.Tensor | None:
     """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or extras.
+    ``int4``: the model's projections are ``Int4Linear`` and take the packed tensors.
     Returns the checkpoint's KV-cache scales (``[2, layers, kv_heads]``), or None without them."""
+    int4_reader = None if int4 is None else Int4WeightReader(model, int4)
     attn = model.attention_layers[0]
     kv_scales = _KVScaleReader(len(model.attention_layers), attn.num_kv_heads)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -201,6 +205,8 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> torch.Tensor | None:
                     if ckpt_name.startswith("lm_head.") and model.tie_word_embeddings:
                         continue
                     if kv_scales.take(ckpt_name, lambda name=ckpt_name: f.get_tensor(name)):
+                        continue
+                    if int4_reader is not None and int4_reader.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)):
                         continue
                     target, shard = ckpt_name, None
                     for src, dst, idx in _STACKED_PARAMS:
@@ -229,6 +235,8 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> torch.Tensor | None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {[f'{n}[{s}]' for n, s in missing[:5]]}")
+    if int4_reader is not None:
+        int4_reader.finish()
     return kv_scales.result()
 
 
@@ -243,18 +251,21 @@ def load_model(config: EngineConfig) -> LoadedModel:
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     dtype = resolve_dtype(config.torch_dtype, hf_config, device)
     max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)
     with torch.device("meta"):
         model = model_cls(hf_config, max_len=max_model_len)
+    if int4 is not None:
+        swap_in_int4_layers(model, int4, dtype)
     model = model.to(dtype=dtype).to_empty(device=device)
     if model.tie_word_embeddings:
         # to_empty() replaces parameters one module at a time, which unties shared weights.
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_cache(dtype)
-    kv_scales = load_weights(model, path)
+    kv_scales = load_weights(model, path, int4)
     model.eval()
-    if config.quantization is not None:
+    if config.quantization is not None and int4 is None:
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)

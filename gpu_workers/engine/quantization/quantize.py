@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 from . import bnb, fp8
+from .int4_config import INT4_METHODS
+from .int4_linear import Int4Linear
 
 SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ("bnb-int8", "bnb-nf4", "fp8")
+# Methods a checkpoint arrives quantized with (read by int4_load.py); quantize_model never runs them.
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = INT4_METHODS
 
 
 class QuantizationUnsupportedError(RuntimeError):
@@ -24,10 +28,12 @@ def check_quantization_supported(method: str, device: torch.device) -> None:
     pip command) when bitsandbytes is missing; ``QuantizationUnsupportedError`` for FP8 on a CUDA GPU
     below compute capability 8.9 or a device whose torch has no row-wise FP8 ``_scaled_mm``.
     """
+    if method in CHECKPOINT_QUANTIZATIONS:
+        return  # Int4Linear runs anywhere: the Triton kernel on CUDA, its torch fallback elsewhere
     if method not in SUPPORTED_QUANTIZATIONS:
         raise ValueError(
-            f"unknown quantization method {method!r}; supported: {', '.join(SUPPORTED_QUANTIZATIONS)} "
-            f"(or None for unquantised weights)"
+            f"unknown quantization method {method!r}; supported: "
+            f"{', '.join(SUPPORTED_QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS)} (or None for unquantised weights)"
         )
     device = torch.device(device)
     if method.startswith("bnb-"):
@@ -44,7 +50,7 @@ def skip_lm_head(name: str) -> bool:
 
 
 def _is_quantized(module: nn.Module) -> bool:
-    if isinstance(module, fp8.Fp8Linear):
+    if isinstance(module, (fp8.Fp8Linear, Int4Linear)):
         return True
     return type(module).__module__.startswith("bitsandbytes")
 
@@ -73,6 +79,8 @@ def quantize_model(
     ``Linear8bitLt``), ``"bnb-nf4"`` (bitsandbytes ``Linear4bit``, NF4, compute dtype = model dtype),
     ``"fp8"`` (``Fp8Linear``). Returns ``model`` for chaining.
     """
+    if method in CHECKPOINT_QUANTIZATIONS:
+        raise ValueError(f"{method} weights come quantized in the checkpoint; quantize_model cannot produce them")
     skip = skip_lm_head if skip is None else skip
     targets: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
