@@ -9,9 +9,11 @@ L tokens first catches the draft up on tokens ``[num_computed, L)``: the whole p
 the target took from its prefix cache or computed in chunks (the draft shares no blocks, so it never depends on
 the target's cache state), then feeds d_1 .. d_{k-1} at positions L .. L+k-2. After verification ``rollback``
 keeps exactly the accepted tokens: ``num_computed`` drops to L + accepted (rejected slots are overwritten later)
-and blocks past it go back to the pool. A sequence that is no longer running (finished, aborted, preempted)
-gives its blocks back at the next ``propose``; a preempted one is caught up from scratch when it runs again,
-as the target recomputes it. When the draft pool is short a sequence just gets no drafts that step.
+and blocks past it go back to the pool; ``propose`` also re-checks what was fed against the tokens the sequence
+took, so a step that cut or skipped the drafts can never leave stale K/V in use. A sequence that ends gives its
+blocks back (``release``); one that is no longer running (preempted) does so at the next ``propose`` and is caught
+up from scratch when it runs again, as the target recomputes it. When the draft pool is short a sequence just
+gets no drafts that step.
 
 Random requests draw their drafts from the draft's own distribution q (the request's temperature, min_p and
 top-k/top-p applied to the draft's logits; any q keeps the output exact, a closer one is accepted more often)
@@ -128,6 +130,16 @@ class DraftModelProposer:
         for seq in [s for s in self.states if s not in running]:
             self.pool.give(self.states.pop(seq).block_ids)
 
+    def release(self, seq: Sequence) -> None:
+        """Give back the blocks of a sequence that finished or was aborted."""
+        state = self.states.pop(seq, None)
+        if state is not None:
+            self.pool.give(state.block_ids)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep the draft's K/V of the sequence's first ``num_valid`` tokens only (the accepted ones)."""
         state = self.states.get(seq)
@@ -239,6 +251,19 @@ class DraftModelProposer:
         for j, i in enumerate(random_rows):
             per_row[i] = q[j]
         return tokens.tolist(), per_row
+
+
+def build_draft_model(
+    config: SpeculativeConfig | None,
+    engine_config: EngineConfig,
+    max_model_len: int,
+    vocab_size: int,
+    tokenizer: PreTrainedTokenizerBase,
+) -> DraftModelProposer | None:
+    """The draft-model proposer the speculative config asks for (loaded, cache not yet allocated), else None."""
+    if config is None or config.method != "draft_model":
+        return None
+    return DraftModelProposer(config, engine_config, max_model_len, vocab_size, tokenizer)
 
 
 def check_same_vocabulary(
