@@ -8,25 +8,22 @@ larger init never repeats, so nothing would be accepted)."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import torch
-from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_workers.engine import LLM, SamplingParams
 from schemas import RestartEvent, TokenEvent
 
 from .conftest import Pipeline, free_port
-from .test_recovery import PROMPT, WORKERS, ensure_workers, wait_owner
+from .sdk_stream import SdkCompletionStream
+from .test_recovery import PROMPT, WORKERS, ensure_workers, llm, wait_owner
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+__all__ = ["llm"]  # the reference fixture shared with test_recovery (on this module's model)
 
 MAX_TOKENS = 400
 ACCEPTED = "sluicegate:spec_decode_num_accepted_tokens"
@@ -41,56 +38,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> Iterator[LLM]:
-    """The same model in this process, without speculation: the reference output."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield LLM(model=str(tiny_model_dir), device="cpu")
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def pipeline_env() -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1", "SLUICEGATE_SPECULATIVE_METHOD": "ngram", "SLUICEGATE_NUM_SPECULATIVE_TOKENS": "4"}
-
-
-class StreamingClient(threading.Thread):
-    """A streamed greedy completion of a token-id prompt through the openai SDK, read on its own thread."""
-
-    def __init__(self, pipeline: Pipeline, prompt: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.client = OpenAI(base_url=f"{pipeline.ingress_url}/v1", api_key=pipeline.api_key, max_retries=0)
-        self.model = pipeline.model
-        self.prompt = prompt
-        self.request_id: str | None = None
-        self.text = ""
-        self.finish: str | None = None
-        self.usage: Any = None
-        self.error: str | None = None
-
-    def run(self) -> None:
-        try:
-            raw = self.client.completions.with_raw_response.create(
-                model=self.model,
-                prompt=self.prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-                timeout=120,
-            )
-            self.request_id = raw.headers["x-request-id"]
-            for chunk in raw.parse():
-                if chunk.usage is not None:
-                    self.usage = chunk.usage
-                for choice in chunk.choices:
-                    self.text += choice.text or ""
-                    self.finish = choice.finish_reason or self.finish
-        except Exception as exc:  # reported by the test
-            self.error = repr(exc)
 
 
 def accepted_drafts(port: int) -> float:
@@ -117,7 +66,7 @@ def test_speculative_request_continues_exactly_after_a_worker_crash(pipeline: Pi
     prompt = head + continuation[0].token_ids + head
     expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
 
-    client = StreamingClient(pipeline, prompt)
+    client = SdkCompletionStream(pipeline, prompt, MAX_TOKENS)
     client.start()
     deadline = time.monotonic() + 60
     while client.request_id is None and time.monotonic() < deadline:
@@ -148,5 +97,5 @@ def test_speculative_request_continues_exactly_after_a_worker_crash(pipeline: Pi
 
     client.join(timeout=60)
     assert client.error is None, client.error
-    assert client.text == expected.text and client.finish == "length"
+    assert client.texts == [expected.text] and client.finish == ["length"]
     assert client.usage.completion_tokens == MAX_TOKENS
