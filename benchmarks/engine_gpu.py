@@ -25,7 +25,8 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
    concurrent sequences at one fixed KV budget, and decode ITL of two engines stepping in lockstep.
 7. n-gram speculative decoding against plain decoding on one engine (speculation toggled between
    interleaved runs) at concurrency 1 and 4 on the edit-style workload of ``spec_decode_cpu.py``
-   (prompt P + the model's own greedy output O + P): tok/s, ratio, acceptance rate.
+   (prompt P + the model's own greedy output O + P): tok/s, ratio, acceptance rate; then the same with a
+   draft model (a quarter of the layers, the target's others silenced: ``spec_decode_cpu.build_draft``).
 
 Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
@@ -69,7 +70,7 @@ from benchmarks.int4_checkpoint import write_random_int4
 from benchmarks.kv_cache_fp8 import Workload as KVFp8Workload
 from benchmarks.kv_cache_fp8 import compare as compare_kv_cache_dtypes
 from benchmarks.kv_cache_fp8 import report as kv_cache_report
-from benchmarks.spec_decode_cpu import compare_speculation, edit_workload
+from benchmarks.spec_decode_cpu import build_draft, compare_speculation, edit_workload
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
@@ -732,6 +733,9 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ok = spec["speedup"] >= SPEC_FACTOR and spec["acceptance_rate"] >= SPEC_MIN_ACCEPTANCE
         goal = f">= {SPEC_FACTOR}x at accept >= {SPEC_MIN_ACCEPTANCE}"
         targets.append(_target("n-gram speculation tok/s / plain, c=1", goal, spec["speedup"], ok, "x"))
+    draft = results.get("spec_draft_model", {}).get("c1")
+    if draft:
+        targets.append(_target("draft-model speculation tok/s / plain, c=1", "measured", draft["speedup"], None, "x"))
     peers = results.get("peers", {})
     ours, cb = peers.get("ours", {}), peers.get("hf_cb", {})
     shared = sorted(set(ours) & set(cb))
@@ -971,18 +975,28 @@ def kv_fp8_phase(setup: Setup, path: Path) -> dict[str, Any]:
     return result
 
 
-def spec_phase(setup: Setup, path: Path) -> dict[str, Any]:
-    engine = make_engine(setup, path, max_num_seqs=8, speculative_config={"method": "ngram"})
+def spec_phase(setup: Setup, path: Path, method: str = "ngram") -> dict[str, Any]:
+    """Speculative vs plain greedy decoding on the edit workload: n-gram lookup, or a draft model of a quarter of
+    the target's layers with the target's later layers silenced (``spec_decode_cpu.build_draft``, "predictable")."""
+    spec: dict[str, Any] = {"method": method}
+    draft_dir = path.parent / f"{path.name}-spec"
+    if method == "draft_model":
+        layers = max(1, json.loads((path / "config.json").read_text())["num_hidden_layers"] // 4)
+        shutil.rmtree(draft_dir, ignore_errors=True)
+        path, draft = build_draft("predictable", path, draft_dir, layers, setup.smoke)
+        spec["model"] = str(draft)
+    engine = make_engine(setup, path, max_num_seqs=8, speculative_config=spec)
     try:
         rows = {}
         for c in (1, 4):
             prompts = edit_workload(engine, [[3 + i] * 8 + list(range(100, 148)) for i in range(c)], setup.output_len)
             rows[f"c{c}"] = compare_speculation(engine, prompts, setup.output_len, repeats=2)
-            log(f"n-gram speculation c={c}: {rows[f'c{c}']}")
+            log(f"{method} speculation c={c}: {rows[f'c{c}']}")
         return rows
     finally:
         del engine
         free_engine(setup)
+        shutil.rmtree(draft_dir, ignore_errors=True)
 
 
 def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
@@ -1050,6 +1064,12 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
             results["spec_decode"] = guarded(results, "speculative decoding", lambda: spec_phase(setup, path))
         else:
             results["spec_decode"] = {"skipped": "time budget"}
+        if budget.allows("draft-model speculation", 60 if not setup.smoke else 3):
+            results["spec_draft_model"] = guarded(
+                results, "draft-model speculation", lambda: spec_phase(setup, path, "draft_model")
+            ) or {"skipped": "failed (see errors)"}
+        else:
+            results["spec_draft_model"] = {"skipped": "time budget"}
 
         if budget.allows("transformers peers", 60 if not setup.smoke else 3):
             prompts_by_c = peer_prompts(setup)

@@ -48,7 +48,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     check_rate_cost(prompt_tokens + max_tokens, limits)
     heartbeats = await service.model_heartbeats(body.model)
     max_tokens = check_context(body, max_tokens, heartbeats)
-    request.state.tool_call_format = _tool_call_format(heartbeats)
+    request.state.tool_call_format = advertised_tool_call_format(heartbeats)
     with _request_span(request, endpoint) as (span, carrier):
         trace = None
         if HEADER_TRACEPARENT in carrier:
@@ -125,7 +125,8 @@ def check_context(body: AnyBody, max_tokens: int, heartbeats: list[WorkerHeartbe
     )
 
 
-def _tool_call_format(heartbeats: list[WorkerHeartbeat]) -> ToolCallFormat | None:
+def advertised_tool_call_format(heartbeats: list[WorkerHeartbeat]) -> ToolCallFormat | None:
+    """The one tool-call format a model's workers advertise (None when none or they disagree)."""
     formats = {b.tool_call_format for b in heartbeats if b.tool_call_format}
     return formats.pop() if len(formats) == 1 else None
 

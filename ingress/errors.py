@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, for every failure ingress
-reports, so OpenAI clients raise their usual exception classes with a readable message.
+reports, so OpenAI clients raise their usual exception classes with a readable message; a backbone that does
+not answer is a 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluicegate.validation_errors import summarize
@@ -74,6 +76,16 @@ def invalid(exc: ValidationError, *, root_field: str = "") -> ApiError:
     return ApiError(422, message, code="invalid_value", param=field or None)
 
 
+def unavailable(what: str, exc: BaseException, *, request_id: str | None = None) -> ApiError:
+    """503 + ``Retry-After`` for a backbone that did not answer; ``request_id`` names a request whose publish
+    failed (a worker will not serve it even if the record reaches Kafka later)."""
+    detail = str(exc) or type(exc).__name__
+    headers = {"Retry-After": "1"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    return ApiError(503, f"{what} is unavailable: {detail}", code="service_unavailable", headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error (ours, routing 404/405, FastAPI's own validation) through the OpenAI shape."""
 
@@ -93,6 +105,12 @@ def install_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         return ApiError(422, f"'{param}': {first.get('msg', 'invalid')}", code="invalid_value", param=param).response()
 
+    async def redis_error(_: Request, exc: Exception) -> JSONResponse:
+        # Redis not answering is the backbone being away, not a bug: the same 503 + Retry-After as the request
+        # path's own checks give, for every route that reads or writes Redis without catching (files, batches).
+        return unavailable("Redis", exc).response()
+
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RedisError, redis_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)

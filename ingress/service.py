@@ -35,7 +35,7 @@ from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, 
 from sluicegate.telemetry import untraced
 
 from .backlog import BacklogMonitor
-from .errors import ApiError
+from .errors import ApiError, unavailable
 from .limits import Limits
 from .model_routes import ModelRoutes
 from .ratelimit import RateLimiter
@@ -48,16 +48,6 @@ log = logging.getLogger(__name__)
 # the accumulator's waiter wakes aiokafka's sender; the sender's step starts the produce task the turn after,
 # and that task writes the produce request the turn after that. Yielding twice puts the record right behind it.
 _SENDER_TURNS = 2
-
-
-def unavailable(what: str, exc: BaseException, *, request_id: str | None = None) -> ApiError:
-    """503 for a backbone that did not answer; ``request_id`` names a request whose publish failed (a worker
-    will not serve it even if the record reaches Kafka later)."""
-    detail = str(exc) or type(exc).__name__
-    headers = {"Retry-After": "1"}
-    if request_id is not None:
-        headers["x-request-id"] = request_id
-    return ApiError(503, f"{what} is unavailable: {detail}", code="service_unavailable", headers=headers)
 
 
 @dataclass(eq=False)

@@ -125,8 +125,15 @@ class Settings(BaseSettings):
         0.9, gt=0, le=1, description="Share of GPU memory the engine may use (weights, activations, KV cache)."
     )
     max_model_len: int = Field(0, ge=0, description="Longest prompt + output in tokens; 0 means the model's own limit.")
-    speculative_method: Literal["", "ngram"] = Field(
-        "", description="Speculative decoding in the worker's engine: ngram (prompt lookup) or empty (off)."
+    speculative_method: Literal["", "ngram", "draft_model"] = Field(
+        "",
+        description="Speculative decoding in the worker's engine: ngram (prompt lookup), draft_model (a smaller "
+        "model drafts, SLUICEGATE_SPECULATIVE_MODEL) or empty (off).",
+    )
+    speculative_model: str = Field(
+        "",
+        description="Folder of the draft model for SLUICEGATE_SPECULATIVE_METHOD=draft_model: a smaller model "
+        "with the served model's tokenizer.",
     )
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens verified per decode step when speculating.")
     speculative_prompt_lookup_min: int = Field(1, ge=1, description="Shortest n-gram the ngram proposer matches.")

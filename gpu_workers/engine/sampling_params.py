@@ -136,13 +136,14 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether the sampler must apply penalties, logit_bias or min_p to this request's row."""
+        """Whether the sampler must apply penalties or logit_bias to this request's row. ``min_p`` is not one:
+        it is part of the distribution the row samples from (``Sampler.target_probs``), which speculative
+        verification uses as it is, while penalties depend on the tokens before each position."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.logit_bias is not None
-            or self.min_p > 0.0
         )
 
     @property

@@ -70,6 +70,7 @@ def engine_arguments(settings: Settings) -> dict[str, object]:
                 num_speculative_tokens=settings.num_speculative_tokens,
                 prompt_lookup_min=settings.speculative_prompt_lookup_min,
                 prompt_lookup_max=settings.speculative_prompt_lookup_max,
+                model=settings.speculative_model or None,
             )
             if settings.speculative_method
             else None

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import anyio.to_thread
 
-from schemas import BatchLineError, BatchOutputLine, BatchResponse, batch_request_id
+from router.heartbeats import read_heartbeats
+from schemas import BatchLineError, BatchOutputLine, BatchResponse, ToolCallFormat, batch_request_id
 
+from ..accept import advertised_tool_call_format
 from ..errors import error_body
 from ..openai_choices import result_choices
 from ..openai_format import ResponseIds
@@ -21,8 +23,10 @@ from .store import LineOutcome
 _GROUP = 1000
 
 
-def output_line(batch_id: str, line: PreparedLine, outcome: LineOutcome, endpoint: str) -> BatchOutputLine:
-    """The output or error file line of one input line."""
+def output_line(
+    batch_id: str, line: PreparedLine, outcome: LineOutcome, endpoint: str, fmt: ToolCallFormat | None = None
+) -> BatchOutputLine:
+    """The output or error file line of one input line; ``fmt`` is how its model writes tool calls (if known)."""
     request_id = batch_request_id(batch_id, line.line)
     line_id = f"batch_req_{request_id.replace('-', '_')}"
     if outcome.no_response:
@@ -34,7 +38,8 @@ def output_line(batch_id: str, line: PreparedLine, outcome: LineOutcome, endpoin
         kind = "chat" if endpoint == "/v1/chat/completions" else "completion"
         ids = ResponseIds(kind, request_id, result.model, int(result.created_at.timestamp()))
         logprobs = line.request is not None and line.request.sampling.logprobs is not None
-        body = ids.choices_response(result_choices(kind, result, logprobs), result.usage)
+        tools = line.tools.plan(fmt) if line.tools is not None else None
+        body = ids.choices_response(result_choices(kind, result, logprobs, tools), result.usage)
         response = BatchResponse(status_code=200, request_id=request_id, body=body)
     else:
         body = error_body(
@@ -42,6 +47,19 @@ def output_line(batch_id: str, line: PreparedLine, outcome: LineOutcome, endpoin
         )
         response = BatchResponse(status_code=outcome.status_code, request_id=request_id, body=body)
     return BatchOutputLine(id=line_id, custom_id=line.custom_id, response=response)
+
+
+async def _tool_call_format(
+    runtime: BatchRuntime, model: str, known: dict[str, ToolCallFormat | None]
+) -> ToolCallFormat | None:
+    """The tool-call format ``model``'s live workers advertise, read once per model and output; None (each
+    format is tried) when no worker is live any more."""
+    if model not in known:
+        beats = await read_heartbeats(
+            runtime.redis, runtime.names, model, max_age_s=3 * runtime.settings.heartbeat_interval_s
+        )
+        known[model] = advertised_tool_call_format(beats)
+    return known[model]
 
 
 def _error_type(status: int) -> str:
@@ -64,6 +82,7 @@ async def write_outputs(
     out_id, err_id = output_file_ids(batch_id)
     out_path, err_path = files.path_for(out_id), files.path_for(err_id)
     counts = {"out": 0, "err": 0}
+    formats: dict[str, ToolCallFormat | None] = {}  # model -> how its workers write tool calls
     with files.open_write(out_path) as out, files.open_write(err_path) as err:
         for start in range(0, len(lines), _GROUP):
             group = lines[start : start + _GROUP]
@@ -72,7 +91,10 @@ async def write_outputs(
             for prepared, outcome in zip(group, outcomes, strict=True):
                 if outcome is None:
                     outcome = LineOutcome(code="batch_failed", message="The line has no result.", no_response=True)
-                text = output_line(batch_id, prepared, outcome, endpoint).model_dump_json().encode() + b"\n"
+                fmt = None
+                if prepared.tools is not None and outcome.result is not None:
+                    fmt = await _tool_call_format(runtime, outcome.result.model, formats)
+                text = output_line(batch_id, prepared, outcome, endpoint, fmt).model_dump_json().encode() + b"\n"
                 if outcome.succeeded:
                     out_data.append(text)
                 else:

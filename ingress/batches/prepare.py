@@ -17,12 +17,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from schemas import InferenceRequest, batch_request_id
+from schemas import InferenceRequest, ToolCallFormat, batch_request_id
 
 from ..accept import build_request
 from ..bodies import ChatCompletionBody, CompletionBody
 from ..errors import ApiError, invalid
 from ..limits import Limits, check_prompt_tokens, checked_max_tokens
+from ..tool_calls import Mode, ToolPlan, plan_for
 from .files import FileStore
 from .lines import InputFileError, numbered_lines, parse_line
 from .store import LineOutcome
@@ -30,14 +31,46 @@ from .store import LineOutcome
 Route = Callable[[InferenceRequest], InferenceRequest]  # a request naming a route -> one for its version
 
 
+class LineTools(BaseModel):
+    """How a chat line's output is read for tool calls (its ``tools`` and ``tool_choice``), kept so the output
+    file's body has the ``tool_calls`` the online API would answer with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode
+    named: str | None = None
+    tool_names: list[str]
+
+    @classmethod
+    def of(cls, plan: ToolPlan) -> LineTools | None:
+        """None for a line without tools (its output is content)."""
+        if plan.mode == "content":
+            return None
+        return cls(mode=plan.mode, named=plan.named, tool_names=sorted(plan.tool_names))
+
+    def plan(self, fmt: ToolCallFormat | None) -> ToolPlan:
+        """The plan again, with the tool-call format the model's workers advertise (None: try each format)."""
+        return ToolPlan(self.mode, self.named, frozenset(self.tool_names), fmt)
+
+
 class PreparedLine(BaseModel):
-    """One line of the prepared file: its number, its custom_id, and its request (None for an error line)."""
+    """One line of the prepared file: its number, its custom_id, its request (None for an error line), and how
+    its output is read for tool calls (None: content only)."""
 
     model_config = ConfigDict(extra="forbid")
 
     line: int
     custom_id: str
     request: InferenceRequest | None = None
+    tools: LineTools | None = None
+
+
+@dataclass
+class BuiltLine:
+    """A line's pipeline request and how its output is read."""
+
+    request: InferenceRequest
+    tools: LineTools | None = None
 
 
 class Chunk(BaseModel):
@@ -69,7 +102,7 @@ def _refusal(exc: ApiError) -> LineOutcome:
     return LineOutcome(status_code=exc.status, code=exc.code or "invalid_request", message=exc.message, param=exc.param)
 
 
-def build_line_request(
+def build_line(
     body: dict[str, Any],
     *,
     endpoint: str,
@@ -79,8 +112,9 @@ def build_line_request(
     deadline: datetime,
     known_models: set[str] | None,
     route: Route | None = None,
-) -> InferenceRequest | LineOutcome:
-    """The pipeline request for one line's body, or the error the online API would have answered."""
+) -> BuiltLine | LineOutcome:
+    """The pipeline request for one line's body (and its tool plan), or the error the online API would have
+    answered."""
     model = ChatCompletionBody if endpoint == "/v1/chat/completions" else CompletionBody
     try:
         parsed = model.model_validate(body)
@@ -117,7 +151,12 @@ def build_line_request(
             message=f"The model '{request.model}' does not exist or has never had a live worker.",
             param="model",
         )
-    return request
+    tools = (
+        LineTools.of(plan_for(parsed.tools, parsed.tool_choice, None))
+        if isinstance(parsed, ChatCompletionBody)
+        else None
+    )
+    return BuiltLine(request, tools)
 
 
 def prepare(
@@ -163,7 +202,7 @@ def prepare(
                     line=number,
                 )
             seen[line.custom_id] = number
-            built = build_line_request(
+            built = build_line(
                 line.body,
                 endpoint=endpoint,
                 request_id=batch_request_id(batch_id, number),
@@ -173,12 +212,14 @@ def prepare(
                 known_models=known_models,
                 route=route,
             )
-            request = built if isinstance(built, InferenceRequest) else None
             if isinstance(built, LineOutcome):
                 result.errors.append((number, built))
+                prepared = PreparedLine(line=number, custom_id=line.custom_id)
             else:
-                result.models.add(built.model)
-            data = PreparedLine(line=number, custom_id=line.custom_id, request=request).model_dump_json().encode()
+                result.models.add(built.request.model)
+                prepared = PreparedLine(line=number, custom_id=line.custom_id, request=built.request, tools=built.tools)
+            request = prepared.request
+            data = prepared.model_dump_json().encode()
             out.write(data + b"\n")
             position += len(data) + 1
             if request is not None:

@@ -86,7 +86,12 @@ async def upload_file(
         lines=lines,
         endpoint=endpoint,
     )
-    await store.register(stored)
+    try:
+        await store.register(stored)
+    except BaseException:
+        # Unregistered, the stored copy could never be listed, read or deleted: do not leave it behind.
+        await anyio.to_thread.run_sync(store.remove, path)
+        raise
     return stored.file
 
 

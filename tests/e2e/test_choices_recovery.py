@@ -7,17 +7,16 @@ text that is the seamless decoding of its own tokens."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import pytest
-from openai import OpenAI
 
 from gpu_workers.engine import LLM
 from schemas import RestartEvent, TokenEvent
 
 from .conftest import Pipeline
+from .sdk_stream import SdkCompletionStream
 from .test_recovery import (  # the paced model, one OpenMP thread per service, and the greedy reference
     MAX_TOKENS,
     PROMPT,
@@ -36,43 +35,6 @@ __all__ = ["llm", "pipeline_env", "reference", "tiny_model_dir"]  # module fixtu
 N = 3
 
 
-class ChoicesClient(threading.Thread):
-    """A streamed ``n`` = 3 greedy completion through the openai SDK, read on its own thread."""
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        super().__init__(daemon=True)
-        self.client = OpenAI(base_url=f"{pipeline.ingress_url}/v1", api_key=pipeline.api_key, max_retries=0)
-        self.model = pipeline.model
-        self.request_id: str | None = None
-        self.texts = [""] * N
-        self.finish: list[str | None] = [None] * N
-        self.usage: Any = None
-        self.error: str | None = None
-
-    def run(self) -> None:
-        try:
-            raw = self.client.completions.with_raw_response.create(
-                model=self.model,
-                prompt=PROMPT,
-                n=N,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"ignore_eos": True},
-                timeout=120,
-            )
-            self.request_id = raw.headers["x-request-id"]
-            for chunk in raw.parse():
-                if chunk.usage is not None:
-                    self.usage = chunk.usage
-                for choice in chunk.choices:
-                    self.texts[choice.index] += choice.text or ""
-                    self.finish[choice.index] = choice.finish_reason or self.finish[choice.index]
-        except Exception as exc:  # reported by the test
-            self.error = repr(exc)
-
-
 def _choice_tokens(events: list[Any], index: int) -> list[TokenEvent]:
     return [e for e in events if isinstance(e, TokenEvent) and e.index == index]
 
@@ -81,7 +43,7 @@ def test_every_choice_continues_from_its_delivered_tokens_after_a_worker_crash(
     pipeline: Pipeline, llm: LLM, reference: str
 ) -> None:
     ensure_workers(pipeline)
-    sse = ChoicesClient(pipeline)
+    sse = SdkCompletionStream(pipeline, PROMPT, MAX_TOKENS, n=N)
     sse.start()
     sampled = pipeline.submit(prompt=PROMPT, n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, ignore_eos=True)
     rid = sampled["request_id"]

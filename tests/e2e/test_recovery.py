@@ -55,11 +55,12 @@ def pipeline_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def llm(paced_model_dir: Path) -> Iterator[LLM]:
+def llm(tiny_model_dir: Path) -> Iterator[LLM]:
+    """The module's model in this process, one thread: the reference the pipeline's output is checked against."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield LLM(model=str(paced_model_dir), device="cpu")
+        yield LLM(model=str(tiny_model_dir), device="cpu")
     finally:
         torch.set_num_threads(threads)
 

@@ -13,6 +13,7 @@ import pytest
 from batch_support import ResultsWorker, batch_worker, chat_line, jsonl, wait_status
 from ingress_support import KEY, MODEL, heartbeat, running_ingress
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletion
 from redis.asyncio import Redis
 
 from schemas import BatchOutputLine, Names
@@ -21,6 +22,10 @@ from sluicegate.settings import Settings
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 OTHER_KEY = "sk-other-tenant-key"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
 
 
 @pytest.fixture
@@ -71,6 +76,9 @@ async def test_batch_runs_to_completion_with_error_lines(
     lines = [chat_line(f"req-{n}", f"hello {n}") for n in range(4)]
     lines.append(chat_line("bad-body", "x", temperature=5))  # the online API answers 422
     lines.append(chat_line("fails-at-worker", "FAIL please"))
+    # The fake model repeats the user's text: here a Hermes-style call of an offered tool.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    lines.append(chat_line("tool-call", call, tools=[WEATHER_TOOL], tool_choice="auto"))
     api = client(ingress)
     async with ResultsWorker(settings, redis):
         with batch_worker(settings, tmp_path / "batch-worker.log"):
@@ -85,13 +93,19 @@ async def test_batch_runs_to_completion_with_error_lines(
             assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
             done = await wait_status(api, batch.id, {"completed", "failed"})
     assert done.status == "completed", done
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (6, 4, 2)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (7, 5, 2)
     assert done.in_progress_at and done.finalizing_at and done.completed_at and done.expires_at
     output = await download(api, done.output_file_id)
     errors = await download(api, done.error_file_id)
     ids = [line.custom_id for line in output + errors]
     assert sorted(ids) == sorted(line["custom_id"] for line in lines)  # each custom_id exactly once
-    assert [line.custom_id for line in output] == [f"req-{n}" for n in range(4)]
+    assert [line.custom_id for line in output] == [*(f"req-{n}" for n in range(4)), "tool-call"]
+    # The tool line's body is what the online API answers: the call parsed out, finish_reason tool_calls.
+    tool_body = ChatCompletion.model_validate(output.pop().response.body)  # type: ignore[union-attr]
+    (tool_choice,) = tool_body.choices
+    assert tool_choice.finish_reason == "tool_calls" and tool_choice.message.content == "You said:"
+    (tool_call,) = tool_choice.message.tool_calls or []
+    assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Oslo"})
     for n, line in enumerate(output):
         assert line.response is not None and line.response.status_code == 200 and line.error is None
         body = line.response.body

@@ -8,7 +8,8 @@ request answered 503 may still reach Kafka from the producer's buffer once the b
 carry the cancel marker that makes workers drop it.
 
 Redis: the server is stopped and restarted. Ingress answers 503 naming Redis (submit, status, models, readiness)
-and recovers by itself; nothing is published while it cannot record a request.
+and recovers by itself; nothing is published while it cannot record a request. The Files and Batches routes answer
+the same 503 + Retry-After, and a refused upload leaves no stored copy.
 
 Each test prints one ``fault-figures`` line with what it injected and observed.
 """
@@ -283,10 +284,16 @@ async def test_kafka_crash_under_load_loses_nothing_and_recovers(stack: PrivateS
     )
 
 
-async def test_redis_outage_is_a_clear_503_and_recovers(stack: PrivateStack, settings: Settings) -> None:
+async def test_redis_outage_is_a_clear_503_and_recovers(
+    stack: PrivateStack, settings: Settings, tmp_path: Path
+) -> None:
+    settings = settings.model_copy(update={"files_url": str(tmp_path)})
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": MODEL, "prompt": "remember me", "max_tokens": 4}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "x"}}
+    upload = (json.dumps(line) + "\n").encode()
+    batch = {"input_file_id": "file-abc", "endpoint": "/v1/completions", "completion_window": "24h"}
     async with running_ingress(settings) as url, httpx.AsyncClient(base_url=url, headers=headers, timeout=20) as http:
         before = [await http.post("/v1/requests", json=body) for _ in range(10)]
         assert {r.status_code for r in before} == {202}
@@ -302,16 +309,34 @@ async def test_redis_outage_is_a_clear_503_and_recovers(stack: PrivateStack, set
             ("/v1/models", "GET"),
             ("/v1/chat/completions", "POST"),
             ("/readyz", "GET"),
+            # The Files and Batches APIs keep their records in Redis too.
+            ("/v1/files", "POST"),
+            ("/v1/files", "GET"),
+            ("/v1/files/file-abc", "GET"),
+            ("/v1/files/file-abc/content", "GET"),
+            ("/v1/files/file-abc", "DELETE"),
+            ("/v1/batches", "POST"),
+            ("/v1/batches", "GET"),
+            ("/v1/batches/batch_abc", "GET"),
+            ("/v1/batches/batch_abc/cancel", "POST"),
         ) * 2:
             started = time.monotonic()
-            payload = {"/v1/requests": body, "/v1/chat/completions": chat}.get(path) if method == "POST" else None
-            response = await http.request(method, path, json=payload)
+            payload = {"/v1/requests": body, "/v1/chat/completions": chat, "/v1/batches": batch}.get(path)
+            if path == "/v1/files":
+                files = {"file": ("in.jsonl", upload)} if method == "POST" else None
+                response = await http.request(method, path, files=files, data={"purpose": "batch"} if files else None)
+            else:
+                response = await http.request(method, path, json=payload if method == "POST" else None)
+            if path != "/readyz":  # a probe's answer, not an API error
+                assert response.headers.get("retry-after") == "1", (path, response.headers)
             answer = response.json()
             # Errors carry OpenAI's shape; /readyz lists each backbone's problem.
             text = answer["error"]["message"] if "error" in answer else answer.get("redis", "")
             answers.append((path, response.status_code, time.monotonic() - started, text))
         assert {status for _, status, _, _ in answers} == {503}, answers
         assert all(text.startswith("Redis is unavailable: ") for *_, text in answers), answers
+        # An upload refused for want of Redis leaves no stored copy behind.
+        assert not await asyncio.to_thread(lambda: [p for p in tmp_path.rglob("*") if p.is_file()])
         slowest = max(elapsed for _, _, elapsed, _ in answers)
         assert slowest < PROMPT_S, f"a response took {slowest:.1f}s"
 

@@ -19,6 +19,7 @@ from ..guided import GuidedDecoding
 from ..models.loader import load_model
 from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
+from ..spec_decode.draft_model import build_draft_model
 from ..spec_decode.speculator import Speculator
 from ..tokenizer import load_tokenizer, resolve_eos_token_ids
 from .admission import RequestValidator, max_output_tokens
@@ -50,7 +51,13 @@ class LLMEngine:
         kv_dtype = config.kv_cache_torch_dtype
         backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype, kv_dtype)
         self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
-        num_blocks = config.num_kv_blocks or self.runner.profile_num_blocks(config, self.max_model_len)
+        spec = config.speculative_config
+        # A draft model loads before the cache is sized: its weights count as used memory, and its own cache
+        # takes one block for each of the target's (the same token capacity), so the budget is split per block.
+        draft = build_draft_model(spec, config, self.max_model_len, self.vocab_size, self.tokenizer)
+        num_blocks = config.num_kv_blocks or self.runner.profile_num_blocks(
+            config, self.max_model_len, extra_bytes_per_block=draft.bytes_per_block if draft else 0
+        )
         if num_blocks * block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens) "
@@ -58,6 +65,8 @@ class LLMEngine:
                 "(num_kv_blocks, cpu_kv_cache_gb or gpu_memory_utilization) or lower max_model_len"
             )
         self.runner.allocate_kv_cache(num_blocks)
+        if draft is not None:
+            draft.allocate_kv_cache(num_blocks)
         # Cascade attention and decode CUDA graphs (captured here: they bind the cache's addresses).
         self.runner.setup_decode(config, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, block_size, config.enable_prefix_caching)
@@ -69,8 +78,7 @@ class LLMEngine:
             lower_tier_max_batched_tokens=config.lower_tier_max_batched_tokens,
         )
         self.sampler = Sampler(config.seed, self.device)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         # Built on the first guided request (it indexes the whole vocabulary once).
         self._grammar_compiler: GrammarCompiler | None = None
         # Each request's unfinished sequences: one per choice still generating (n > 1 forks siblings).
@@ -190,7 +198,7 @@ class LLMEngine:
         now = time.time()
         deltas = []
         for seq in seqs:
-            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            self._finish(seq, RequestStatus.FINISHED_ABORTED)
             seq.finish_time = now
             deltas.append(self._make_delta(seq))
         if seqs and seqs[0].num_pending_forks:
@@ -199,6 +207,11 @@ class LLMEngine:
                 self._make_delta(self._aborted_sibling(seqs[0], i)) for i in range(1, 1 + seqs[0].num_pending_forks)
             ]
         return deltas
+
+    def _finish(self, seq: Sequence, status: RequestStatus) -> None:
+        self.scheduler.finish(seq, status)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
 
     def _aborted_sibling(self, parent: Sequence, index: int) -> Sequence:
         sibling = self._make_sibling(parent, index)
@@ -226,7 +239,7 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Run one engine iteration; returns a delta for every request that produced a token."""
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.sampler)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_unfinished():
@@ -304,7 +317,7 @@ class LLMEngine:
             if seq.stop_reason is None or isinstance(seq.stop_reason, int):
                 # Not cut at a stop string: the text is everything the tokens decode to.
                 seq.text += seq.detokenizer.flush()
-            self.scheduler.finish(seq, status)
+            self._finish(seq, status)
             seq.finish_time = now
             live = self._requests[seq.request_id]
             live.remove(seq)

@@ -157,10 +157,11 @@ class ModelRunner:
         assert self.kv_cache is not None
         self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
-    def profile_num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+    def profile_num_blocks(self, config: EngineConfig, max_model_len: int, extra_bytes_per_block: int = 0) -> int:
         """How many KV blocks fit: a share of free GPU memory after a full-budget forward, or the
-        configured CPU share (never more than ``max_num_seqs`` full-length sequences need)."""
-        per_block = kv_bytes_per_block(self.loaded, self.block_size, self.kv_cache_dtype)
+        configured CPU share (never more than ``max_num_seqs`` full-length sequences need).
+        ``extra_bytes_per_block``: what each block costs elsewhere too (a draft model's cache block)."""
+        per_block = kv_bytes_per_block(self.loaded, self.block_size, self.kv_cache_dtype) + extra_bytes_per_block
         max_useful = config.max_num_seqs * -(-max_model_len // self.block_size)
         if self.device.type != "cuda":
             return max(1, min(int(config.cpu_kv_cache_gb * (1 << 30)) // per_block, max_useful))

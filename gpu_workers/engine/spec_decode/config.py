@@ -12,8 +12,8 @@ KNOWN_METHODS = ("ngram", "draft_model")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method="ngram"``: prompt lookup, drafting the tokens that followed the latest earlier occurrence of the
-    last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of prompt + output. ``method="draft_model"`` (a
-    smaller model of the same tokenizer, ``model``) is refused for now with a clear error."""
+    last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens of prompt + output. ``method="draft_model"``: a
+    smaller model of the target's tokenizer (``model``, a Hugging Face folder) drafts them (``draft_model.py``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -24,9 +24,11 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in KNOWN_METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; choose one of {', '.join(KNOWN_METHODS)}")
-        if self.method == "draft_model":
-            # Named so a config written for it fails loudly instead of silently running without speculation.
-            raise ValueError("speculative method 'draft_model' is not implemented yet; use method='ngram'")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs model: the draft model's folder")
+        if self.method == "ngram" and self.model:
+            # A model given to the n-gram method would be silently unused: most likely a mistyped method.
+            raise ValueError(f"speculative method 'ngram' takes no model (got {self.model!r}); use 'draft_model'")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -55,8 +55,10 @@ def test_ngram_proposer_drafts_from_latest_longest_match() -> None:
 
 
 def test_speculative_config_is_checked() -> None:
-    with pytest.raises(ValueError, match="not implemented"):
-        SpeculativeConfig(method="draft_model", model="x")
+    with pytest.raises(ValueError, match="needs model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match="takes no model"):
+        SpeculativeConfig(method="ngram", model="x")
     with pytest.raises(ValueError, match="unknown speculative method"):
         SpeculativeConfig(method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
@@ -150,6 +152,20 @@ def test_unsupported_sampling_options_decode_without_drafts(
     assert llm.engine.stats().spec_num_drafts == 0
     base = make_llm(path).generate(prompts, params)  # type: ignore[arg-type]
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+
+
+def test_min_p_requests_speculate(model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:
+    """min_p shapes each row's distribution without reading earlier positions, so its requests draft: greedy ones
+    keep the plain output, sampled ones verify against the min_p-filtered target."""
+    path = model_dir("llama")
+    prompts = repetitive_prompts(10, count=3)
+    llm = make_llm(path, speculative_config=SPEC)
+    assert token_ids(llm, prompts, greedy(24, min_p=0.2)) == token_ids(make_llm(path), prompts, greedy(24))
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    sampled = SamplingParams(temperature=0.3, min_p=0.1, max_tokens=24, ignore_eos=True, seed=3)
+    drafts_before = llm.engine.stats().spec_num_drafts
+    assert all(len(o.token_ids) == 24 for o in llm.generate(prompts, sampled))
+    assert llm.engine.stats().spec_num_drafts > drafts_before
 
 
 def test_sampled_requests_speculate_and_finish(model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:

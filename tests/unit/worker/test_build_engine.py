@@ -70,6 +70,22 @@ def test_defaults_leave_the_model_its_own_length(tiny: Path) -> None:
     assert engine.config.speculative_config is None and engine.speculator is None  # speculation is opt-in
 
 
+def test_draft_model_speculation_comes_from_settings(tiny: Path) -> None:
+    settings = Settings(
+        model=str(tiny), kv_cache_gb=0.01, engine_mode="thread", max_model_len=256,
+        speculative_method="draft_model", speculative_model=str(tiny), num_speculative_tokens=2,
+    )  # fmt: skip
+    engine = build_engine(settings).engine
+    assert engine.config.speculative_config == SpeculativeConfig(
+        method="draft_model", model=str(tiny), num_speculative_tokens=2
+    )
+    assert engine.speculator is not None and engine.speculator.draft_model is not None
+    # The draft's cache has one block for each of the target's, out of the same KV budget.
+    assert engine.speculator.draft_model.pool.num_blocks == engine.num_total_blocks
+    with pytest.raises(ValueError, match="needs model"):
+        build_engine(Settings(model=str(tiny), engine_mode="thread", speculative_method="draft_model"))
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
