@@ -21,12 +21,14 @@ import weakref
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from ..attention import get_attention_backend
 from ..config import EngineConfig
 from ..execution.model_runner import ModelRunner, PreparedBatch
-from ..models.loader import LoadedModel, load_model
+from ..models.loader import LoadedModel, load_model, resolve_model_path
 from .group import TPGroup, free_port
+from .shard import TPShard
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class TensorParallelRanks:
 
     def __init__(self, config: EngineConfig) -> None:
         world = config.tensor_parallel_size
+        # A model whose heads do not divide over the ranks is refused before any process starts.
+        TPShard.plan(AutoConfig.from_pretrained(str(resolve_model_path(config.model))), 0, world)
         port = free_port()
         context = multiprocessing.get_context("spawn")
         self.processes = [
