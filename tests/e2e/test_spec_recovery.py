@@ -8,7 +8,6 @@ larger init never repeats, so nothing would be accepted)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -67,17 +66,8 @@ def test_speculative_request_continues_exactly_after_a_worker_crash(pipeline: Pi
     expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
 
     client = SdkCompletionStream(pipeline, prompt, MAX_TOKENS)
-    client.start()
-    deadline = time.monotonic() + 60
-    while client.request_id is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert client.request_id is not None, client.error
-    rid = client.request_id
+    rid = client.start_until(pipeline, 40)
     owner = wait_owner(pipeline, rid)
-    while time.monotonic() < deadline:
-        if sum(len(e.token_ids) for e in pipeline.stream_events(rid) if isinstance(e, TokenEvent)) >= 40:
-            break
-        time.sleep(0.005)
     accepted_before_crash = accepted_drafts(ports[owner])
     pipeline.kill(pipeline.find(owner))
     delivered = pipeline.stream_events(rid)

@@ -6,12 +6,11 @@ reads exactly the uninterrupted greedy text of the unsplit model."""
 from __future__ import annotations
 
 import signal
-import time
 
 import psutil
 import pytest
 
-from schemas import RestartEvent, TokenEvent
+from schemas import RestartEvent
 
 from .conftest import Pipeline
 from .sdk_stream import SdkCompletionStream
@@ -35,17 +34,8 @@ def rank_processes(worker_pid: int) -> list[psutil.Process]:
 def test_a_dead_rank_fails_its_worker_over(pipeline: Pipeline, reference: str) -> None:
     ensure_workers(pipeline)
     client = SdkCompletionStream(pipeline, PROMPT, MAX_TOKENS)
-    client.start()
-    deadline = time.monotonic() + 60
-    while client.request_id is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert client.request_id is not None, client.error
-    rid = client.request_id
+    rid = client.start_until(pipeline, 40)
     owner = wait_owner(pipeline, rid)
-    while time.monotonic() < deadline:
-        if sum(len(e.token_ids) for e in pipeline.stream_events(rid) if isinstance(e, TokenEvent)) >= 40:
-            break
-        time.sleep(0.005)
     service = pipeline.find(owner)
     (rank,) = rank_processes(service.process.pid)
     rank.send_signal(signal.SIGKILL)
