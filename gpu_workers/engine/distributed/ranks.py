@@ -49,7 +49,10 @@ class TensorParallelRanks:
         context = multiprocessing.get_context("spawn")
         self.processes = [
             context.Process(
-                target=follower_main, args=(config, rank, port), name=f"sluicegate-tp-rank{rank}", daemon=False
+                target=follower_main,
+                args=(config, rank, port, torch.get_num_threads()),
+                name=f"sluicegate-tp-rank{rank}",
+                daemon=False,
             )
             for rank in range(1, world)
         ]
@@ -115,8 +118,10 @@ class TPModelRunner(ModelRunner):
         return super()._build(*args, **kwargs)
 
 
-def follower_main(config: EngineConfig, rank: int, port: int) -> None:
-    """Rank ``rank`` (>= 1): load the shard, then mirror rank 0's operations until told to stop."""
+def follower_main(config: EngineConfig, rank: int, port: int, threads: int) -> None:
+    """Rank ``rank`` (>= 1): load the shard, then mirror rank 0's operations until told to stop. ``threads``:
+    rank 0's torch thread count (a spawned process would otherwise take every core)."""
+    torch.set_num_threads(threads)
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
