@@ -33,7 +33,7 @@ class TPGroup:
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
         if device.type == "cuda":
-            self.pg: Any = dist.ProcessGroupNCCL(self.store, rank, world_size)
+            self.pg: Any = dist.ProcessGroupNCCL(self.store, rank, world_size, timeout)
         else:
             self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
 
