@@ -27,6 +27,8 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
    interleaved runs) at concurrency 1 and 4 on the edit-style workload of ``spec_decode_cpu.py``
    (prompt P + the model's own greedy output O + P): tok/s, ratio, acceptance rate; then the same with a
    draft model (a quarter of the layers, the target's others silenced: ``spec_decode_cpu.build_draft``).
+8. tensor parallelism over every visible GPU (skipped with one GPU): decode ITL at c=1 and tok/s at c=8
+   against one GPU, greedy outputs checked equal.
 
 Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
@@ -390,9 +392,11 @@ def make_engine(
     quantization: str | None = None,
     max_num_seqs: int | None = None,
     speculative_config: dict[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LLMEngine:
     config = EngineConfig(
         speculative_config=speculative_config,
+        tensor_parallel_size=tensor_parallel_size,
         model=str(path),
         dtype=setup.dtype,
         device=setup.device,
@@ -733,6 +737,11 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         ok = spec["speedup"] >= SPEC_FACTOR and spec["acceptance_rate"] >= SPEC_MIN_ACCEPTANCE
         goal = f">= {SPEC_FACTOR}x at accept >= {SPEC_MIN_ACCEPTANCE}"
         targets.append(_target("n-gram speculation tok/s / plain, c=1", goal, spec["speedup"], ok, "x"))
+    tp = results.get("tensor_parallel", {})
+    if "tp1" in tp and f"tp{tp.get('world_size')}" in tp:
+        ratio = tp[f"tp{tp['world_size']}"]["c8_output_tok_s"] / tp["tp1"]["c8_output_tok_s"]
+        name = f"TP={tp['world_size']} c=8 tok/s / TP=1 (greedy equal: {tp['greedy_equal']})"
+        targets.append(_target(name, "measured", ratio, None, "x"))
     draft = results.get("spec_draft_model", {}).get("c1")
     if draft:
         targets.append(_target("draft-model speculation tok/s / plain, c=1", "measured", draft["speedup"], None, "x"))
@@ -951,6 +960,43 @@ def quantized_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
         free_engine(setup)
 
 
+def tp_phase(setup: Setup, path: Path) -> dict[str, Any]:
+    """Tensor parallelism over every visible GPU (2 or more) against one GPU: decode ITL at c=1 and tok/s at
+    c=8, greedy outputs checked equal."""
+    world = torch.cuda.device_count() if setup.device == "cuda" else 2
+    if setup.device == "cuda" and world < 2:
+        return {"skipped": f"{world} GPU visible; tensor parallelism needs 2 or more"}
+    rows: dict[str, Any] = {}
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, setup.vocab) for _ in range(64)] for _ in range(8)]
+    outputs = {}
+    for size in (1, world):
+        engine = make_engine(setup, path, max_num_seqs=8, tensor_parallel_size=size)
+        try:
+            decode_itl(engine, setup, repeats=1, seed=99)  # warm-up
+            row = decode_itl(engine, setup, repeats=3, seed=2).summary()
+            batch = burst(engine, prompts, setup.output_len)
+            row["c8_output_tok_s"] = batch.summary()["output_tok_s"]
+            outputs[size] = [engine_greedy(engine, p, 16) for p in prompts[:2]]
+            rows[f"tp{size}"] = row
+            log(f"tp={size}: ITL p50 {row['itl_p50_ms']:.2f} ms, c=8 {row['c8_output_tok_s']:.0f} tok/s")
+        finally:
+            engine.close()
+            del engine
+            free_engine(setup)
+    rows["greedy_equal"] = outputs[1] == outputs[world]
+    rows["world_size"] = world
+    return rows
+
+
+def engine_greedy(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() if d.request_id == rid for t in d.token_ids]
+    return tokens
+
+
 def int4_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
     """Decode ITL and weight bytes of an INT4 checkpoint of the same shape (values random)."""
     start = time.perf_counter()
@@ -1070,6 +1116,13 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
             ) or {"skipped": "failed (see errors)"}
         else:
             results["spec_draft_model"] = {"skipped": "time budget"}
+
+        if budget.allows("tensor parallelism", 120 if not setup.smoke else 3):
+            results["tensor_parallel"] = guarded(results, "tensor parallelism", lambda: tp_phase(setup, path)) or {
+                "skipped": "failed (see errors)"
+            }
+        else:
+            results["tensor_parallel"] = {"skipped": "time budget"}
 
         if budget.allows("transformers peers", 60 if not setup.smoke else 3):
             prompts_by_c = peer_prompts(setup)

@@ -138,6 +138,12 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = Field(4, ge=1, description="Draft tokens verified per decode step when speculating.")
     speculative_prompt_lookup_min: int = Field(1, ge=1, description="Shortest n-gram the ngram proposer matches.")
     speculative_prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram the ngram proposer matches.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Split the model over this many ranks (GPUs 0.. on CUDA, processes under gloo on CPU); 1 is "
+        "off. A rank that dies fails the worker's engine, and its requests resume on another worker.",
+    )
     engine_mode: Literal["auto", "process", "thread"] = Field(
         "auto",
         description="Where a worker runs the engine's step loop: a child process with its own GIL (auto, process) "

@@ -79,6 +79,10 @@ class EngineConfig:
     lower_tier_max_batched_tokens: int | None = None
     # Speculative decoding (off when None): a ``SpeculativeConfig`` or a dict of its fields, as vLLM takes it.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # Tensor parallelism: the model split over this many ranks (one process each: GPUs 0.. on CUDA, gloo on
+    # CPU); rank 0 schedules and samples. A collective waiting longer than the timeout fails the step.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -126,6 +130,7 @@ class EngineConfig:
             problem = flash_attn_block_size_problem(self.block_size)
             if problem is not None:
                 raise ValueError(problem)
+        self._check_tensor_parallel()
         for flag in ("enforce_eager", "enable_cascade_attention"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -138,6 +143,26 @@ class EngineConfig:
                 raise ValueError(f"tenant_weights keys must be non-empty strings, got {tenant!r}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
                 raise ValueError(f"weight of tenant {tenant!r} must be a positive finite number, got {weight!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, got {self.tensor_parallel_timeout_s}")
+        if self.tensor_parallel_size == 1:
+            return
+        # Combinations whose shards or scales are not split per rank yet: refused by name, not run wrong.
+        if self.quantization is not None:
+            raise ValueError(f"tensor_parallel_size > 1 does not support quantization={self.quantization!r} yet")
+        if self.kv_cache_torch_dtype is not None:
+            raise ValueError("tensor_parallel_size > 1 does not support an FP8 KV cache yet")
+        spec = self.speculative_config
+        if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
+            raise ValueError("tensor_parallel_size > 1 does not support a draft model yet (ngram works)")
+        if self.device.type == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; "
+                f"{torch.cuda.device_count()} visible"
+            )
 
     @property
     def tokenizer_path(self) -> str:

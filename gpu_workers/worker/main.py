@@ -64,6 +64,7 @@ def engine_arguments(settings: Settings) -> dict[str, object]:
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len or None,
+        tensor_parallel_size=settings.tensor_parallel_size,
         speculative_config=(
             dict(
                 method=settings.speculative_method,

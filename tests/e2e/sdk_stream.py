@@ -5,9 +5,12 @@ chunk; the request id ingress answered with; and any exception, kept for the tes
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from openai import OpenAI
+
+from schemas import TokenEvent
 
 from .conftest import Pipeline
 
@@ -48,3 +51,18 @@ class SdkCompletionStream(threading.Thread):
                     self.finish[choice.index] = choice.finish_reason or self.finish[choice.index]
         except Exception as exc:  # reported by the test
             self.error = repr(exc)
+
+    def start_until(self, pipeline: Pipeline, min_tokens: int, timeout_s: float = 60) -> str:
+        """Start streaming; return the request id once the worker has appended ``min_tokens`` tokens to its
+        stream (so a fault injected now lands mid-generation)."""
+        self.start()
+        deadline = time.monotonic() + timeout_s
+        while self.request_id is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert self.request_id is not None, self.error
+        while time.monotonic() < deadline:
+            events = pipeline.stream_events(self.request_id)
+            if sum(len(e.token_ids) for e in events if isinstance(e, TokenEvent)) >= min_tokens:
+                return self.request_id
+            time.sleep(0.005)
+        raise AssertionError(f"{self.request_id} did not reach {min_tokens} tokens")

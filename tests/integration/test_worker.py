@@ -453,7 +453,9 @@ async def test_a_worker_whose_engine_process_dies_stops_and_another_finishes_its
                 assert time.monotonic() < deadline, "the request never started streaming"
                 await asyncio.sleep(0.01)
             os.kill(engines[0], signal.SIGKILL)
-            with pytest.raises(RuntimeError, match="the engine failed; stopping this worker"):
+            # The fetch loop (a failed stream) or the heartbeat (a dead engine) notices first, whichever runs
+            # first on a busy box; either way the worker stops without committing the request.
+            with pytest.raises(RuntimeError, match=r"the engine (failed|stopped); stopping this worker"):
                 await asyncio.wait_for(first.task, 30)
             cut = await read_events(redis, names, request.request_id)
             assert cut[-1].type == "token", "the request finished before its engine was killed"

@@ -13,6 +13,7 @@ import torch
 from ..attention import get_attention_backend
 from ..config import EngineConfig
 from ..detokenizer import IncrementalDetokenizer
+from ..distributed.ranks import TensorParallelRanks, TPModelRunner
 from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
 from ..guided import GuidedDecoding
@@ -39,7 +40,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.loaded = load_model(config)
+        # Tensor parallelism: ranks 1.. start first (they load their shards while this rank loads its own).
+        self.tp_ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+        self.loaded = load_model(config, self.tp_ranks.group if self.tp_ranks else None)
         self.device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.tokenizer or self.loaded.path)
         self.eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
@@ -50,7 +53,10 @@ class LLMEngine:
         block_size = config.block_size
         kv_dtype = config.kv_cache_torch_dtype
         backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype, kv_dtype)
-        self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
+        if self.tp_ranks is not None:
+            self.runner: ModelRunner = TPModelRunner(self.loaded, backend, block_size, kv_dtype, self.tp_ranks.group)
+        else:
+            self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
         spec = config.speculative_config
         # A draft model loads before the cache is sized: its weights count as used memory, and its own cache
         # takes one block for each of the target's (the same token capacity), so the budget is split per block.
@@ -227,6 +233,11 @@ class LLMEngine:
     def abort_all(self) -> list[RequestDelta]:
         """Abort every unfinished request (shutdown); returns their final deltas."""
         return [d for rid in list(self._requests) for d in self.abort(rid)]
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them); the engine cannot step after."""
+        if self.tp_ranks is not None:
+            self.tp_ranks.stop()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

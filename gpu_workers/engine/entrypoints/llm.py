@@ -53,6 +53,8 @@ class LLM:
         seed: int = 0,
         tenant_weights: dict[str, float] | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_timeout_s: float = 60.0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -75,6 +77,8 @@ class LLM:
             seed=seed,
             tenant_weights=dict(tenant_weights or {}),
             speculative_config=speculative_config,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_timeout_s=tensor_parallel_timeout_s,
         )
         self.engine = LLMEngine(config)
 

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -26,6 +27,9 @@ from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int
 from . import resolve_architecture
 from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
 from .rotary import rope_type_of
+
+if TYPE_CHECKING:
+    from ..distributed.group import TPGroup
 
 # (checkpoint module name, merged module name, shard index inside the merged weight)
 _STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -48,6 +52,8 @@ class LoadedModel:
     max_model_len: int
     # [2, num_layers, num_kv_heads] fp32 (K, V) FP8 KV-cache scales from the checkpoint, if it has them.
     kv_scales: torch.Tensor | None = None
+    # Under tensor parallelism, the KV heads this rank keeps (its KV cache holds only those).
+    local_kv_heads: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -55,6 +61,8 @@ class LoadedModel:
 
     @property
     def num_kv_heads(self) -> int:
+        if self.local_kv_heads is not None:
+            return self.local_kv_heads
         return int(self.hf_config.num_key_value_heads or self.hf_config.num_attention_heads)
 
     @property
@@ -178,9 +186,15 @@ class _KVScaleReader:
         return torch.stack([torch.stack([self.found[(i, layer)] for layer in range(self.num_layers)]) for i in (0, 1)])
 
 
-def load_weights(model: LlamaForCausalLM, path: Path, int4: Int4Config | None = None) -> torch.Tensor | None:
+def load_weights(
+    model: LlamaForCausalLM,
+    path: Path,
+    int4: Int4Config | None = None,
+    cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or extras.
-    ``int4``: the model's projections are ``Int4Linear`` and take the packed tensors.
+    ``int4``: the model's projections are ``Int4Linear`` and take the packed tensors. ``cut``: cuts each
+    tensor to this tensor-parallel rank's part as it is read.
     Returns the checkpoint's KV-cache scales (``[2, layers, kv_heads]``), or None without them."""
     int4_reader = None if int4 is None else Int4WeightReader(model, int4)
     attn = model.attention_layers[0]
@@ -217,6 +231,8 @@ def load_weights(model: LlamaForCausalLM, path: Path, int4: Int4Config | None = 
                         unexpected.append(ckpt_name)
                         continue
                     tensor = f.get_tensor(ckpt_name)
+                    if cut is not None:
+                        tensor = cut(ckpt_name, tensor)
                     param = params[target]
                     if shard is None:
                         dest = param.data
@@ -240,9 +256,9 @@ def load_weights(model: LlamaForCausalLM, path: Path, int4: Int4Config | None = 
     return kv_scales.result()
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedModel:
     """Read the config, build the model on ``config.device`` in the resolved dtype, load weights,
-    then quantize if asked."""
+    then quantize if asked. ``tp_group``: build and load only this tensor-parallel rank's shard."""
     device = torch.device(config.device)
     if config.quantization is not None:
         from ..quantization import check_quantization_supported
@@ -254,8 +270,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     dtype = resolve_dtype(config.torch_dtype, hf_config, device)
     max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)
+    shard = None
     with torch.device("meta"):
         model = model_cls(hf_config, max_len=max_model_len)
+        if tp_group is not None:
+            from ..distributed.shard import TPShard, parallelize
+
+            shard = TPShard.plan(hf_config, tp_group.rank, tp_group.world_size)
+            parallelize(model, shard, tp_group)
     if int4 is not None:
         swap_in_int4_layers(model, int4, dtype)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -263,12 +285,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # to_empty() replaces parameters one module at a time, which unties shared weights.
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_cache(dtype)
-    kv_scales = load_weights(model, path, int4)
+    kv_scales = load_weights(model, path, int4, shard.shard_tensor if shard is not None else None)
     model.eval()
     if config.quantization is not None and int4 is None:
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)
     return LoadedModel(
-        model=model, hf_config=hf_config, path=path, dtype=dtype, max_model_len=max_model_len, kv_scales=kv_scales
+        model=model,
+        hf_config=hf_config,
+        path=path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        kv_scales=kv_scales,
+        local_kv_heads=shard.num_kv_heads if shard is not None else None,
     )

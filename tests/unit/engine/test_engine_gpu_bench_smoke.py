@@ -45,6 +45,8 @@ def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
     peers = results["peers"]
     assert set(peers["ours"]) == {"1", "4"} and set(peers["hf_generate"]) == {"1", "4"}
     assert set(peers["hf_cb"]) == {"1", "4"} and all(r["complete"] for r in peers["hf_cb"].values())
+    # Tensor parallelism (2 ranks under gloo in the smoke run) keeps greedy output equal.
+    assert results["tensor_parallel"]["greedy_equal"] is True
     # Draft-model speculation (the target's first layers as the draft) ran and kept greedy output exact.
     assert results["spec_draft_model"]["c1"]["verification_steps"] > 0
     names = [t["name"] for t in results["targets"]]
