@@ -72,7 +72,7 @@ from benchmarks.int4_checkpoint import write_random_int4
 from benchmarks.kv_cache_fp8 import Workload as KVFp8Workload
 from benchmarks.kv_cache_fp8 import compare as compare_kv_cache_dtypes
 from benchmarks.kv_cache_fp8 import report as kv_cache_report
-from benchmarks.spec_decode_cpu import build_draft, compare_speculation, edit_workload
+from benchmarks.spec_decode_cpu import build_draft, compare_speculation, edit_workload, generate_greedy
 from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
@@ -977,7 +977,7 @@ def tp_phase(setup: Setup, path: Path) -> dict[str, Any]:
             row = decode_itl(engine, setup, repeats=3, seed=2).summary()
             batch = burst(engine, prompts, setup.output_len)
             row["c8_output_tok_s"] = batch.summary()["output_tok_s"]
-            outputs[size] = [engine_greedy(engine, p, 16) for p in prompts[:2]]
+            outputs[size] = generate_greedy(engine, prompts[:2], 16)[1]
             rows[f"tp{size}"] = row
             log(f"tp={size}: ITL p50 {row['itl_p50_ms']:.2f} ms, c=8 {row['c8_output_tok_s']:.0f} tok/s")
         finally:
@@ -987,14 +987,6 @@ def tp_phase(setup: Setup, path: Path) -> dict[str, Any]:
     rows["greedy_equal"] = outputs[1] == outputs[world]
     rows["world_size"] = world
     return rows
-
-
-def engine_greedy(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[int]:
-    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        tokens += [t for d in engine.step() if d.request_id == rid for t in d.token_ids]
-    return tokens
 
 
 def int4_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def generate_greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
     """Submit every prompt at once, step until all finish; wall seconds and each request's tokens."""
     start = time.perf_counter()
     ids = [engine.add_request(p, _greedy(max_tokens)) for p in prompts]
@@ -107,7 +107,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> t
 
 def edit_workload(engine: LLMEngine, prompts: list[list[int]], output_tokens: int) -> list[list[int]]:
     """``P + O + P`` per prompt P, O being the engine's greedy continuation of P (an edit / rewrite request)."""
-    _, outputs = _generate(engine, prompts, output_tokens)
+    _, outputs = generate_greedy(engine, prompts, output_tokens)
     return [p + o + p for p, o in zip(prompts, outputs, strict=True)]
 
 
@@ -121,10 +121,10 @@ def compare_speculation(engine: LLMEngine, prompts: list[list[int]], max_tokens:
     drafts = draft_tokens = accepted = 0
     for _ in range(repeats):
         engine.speculator = None
-        wall_plain, out_plain = _generate(engine, prompts, max_tokens)
+        wall_plain, out_plain = generate_greedy(engine, prompts, max_tokens)
         engine.speculator = speculator
         before = (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens)
-        wall_spec, out_spec = _generate(engine, prompts, max_tokens)
+        wall_spec, out_spec = generate_greedy(engine, prompts, max_tokens)
         drafts += speculator.num_drafts - before[0]
         draft_tokens += speculator.num_draft_tokens - before[1]
         accepted += speculator.num_accepted_tokens - before[2]
@@ -174,7 +174,7 @@ def main() -> None:
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.batch)]
         if args.workload == "repeat":
             prompts = edit_workload(engine, prompts, args.output_tokens)
-        _generate(engine, [p[:16] for p in prompts[:2]], 4)  # warm-up
+        generate_greedy(engine, [p[:16] for p in prompts[:2]], 4)  # warm-up
         row = compare_speculation(engine, prompts, args.output_tokens, args.repeats)
     draft_label = ""
     if args.method == "draft_model":

@@ -18,26 +18,15 @@ import os
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from benchmarks.spec_decode_cpu import generate_greedy
+from gpu_workers.engine import EngineConfig, LLMEngine
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
-
-
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    while engine.has_unfinished():
-        for delta in engine.step():
-            tokens[delta.request_id] += delta.token_ids
-    return time.perf_counter() - start, [tokens[rid] for rid in ids]
 
 
 def main() -> None:
@@ -59,10 +48,10 @@ def main() -> None:
             config = EngineConfig(str(path), max_model_len=512, max_num_seqs=64, tensor_parallel_size=tp)
             engine = LLMEngine(config)
             try:
-                run(engine, [p[:8] for p in prompts[:2]], 4)  # warm-up
+                generate_greedy(engine, [p[:8] for p in prompts[:2]], 4)  # warm-up
                 best = float("inf")
                 for _ in range(args.repeats):
-                    wall, out = run(engine, prompts, args.output_tokens)
+                    wall, out = generate_greedy(engine, prompts, args.output_tokens)
                     best = min(best, wall)
                 outputs[label] = out
             finally:

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_workers.engine import LLM, SamplingParams
+from gpu_workers.engine import LLM, RequestOutput, SamplingParams
 from schemas import RestartEvent, TokenEvent
 
 from .conftest import Pipeline, free_port
@@ -55,13 +55,12 @@ def pipeline_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def edit_prompt(llm: LLM) -> tuple[list[int], SamplingParams]:
+def edit_prompt(llm: LLM) -> tuple[list[int], RequestOutput]:
     """The edit-shaped prompt, and the reference output of the unsplit model without speculation."""
     head = llm.engine.tokenizer.encode(PROMPT, add_special_tokens=False)
     continuation = llm.generate([head], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
-    return head + continuation[0].token_ids + head, SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True
-    )
+    prompt = head + continuation[0].token_ids + head
+    return prompt, llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))[0]
 
 
 def accepted_drafts(port: int) -> float:
@@ -74,6 +73,25 @@ def accepted_drafts(port: int) -> float:
     raise AssertionError(f"{ACCEPTED} not exported")
 
 
+def assert_continued_exactly(
+    pipeline: Pipeline, client: SdkCompletionStream, rid: str, owner: str, expected: RequestOutput
+) -> str:
+    """The request ran to the end on another worker with exactly ``expected``'s tokens, without a restart or a
+    gap, and the SDK client read exactly its text; returns the worker that finished it."""
+    events = pipeline.wait_stream_end(rid, timeout_s=120)
+    assert events[-1].type == "done", events[-1]
+    assert not any(isinstance(e, RestartEvent) for e in events), "continued, not started over"
+    assert [e.seq for e in events] == list(range(len(events)))
+    ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+    assert ids == expected.token_ids, "the output across the crash differs from plain, unsplit greedy decoding"
+    successor = str(pipeline.record(rid).worker_id)
+    assert successor != owner
+    client.join(timeout=60)
+    assert client.error is None, client.error
+    assert client.texts == [expected.text] and client.finish == ["length"]
+    return successor
+
+
 def rank_processes(worker_pid: int) -> list[psutil.Process]:
     """The worker's tensor-parallel rank processes (multiprocessing spawn children of its engine process)."""
     children = psutil.Process(worker_pid).children(recursive=True)
@@ -81,7 +99,7 @@ def rank_processes(worker_pid: int) -> list[psutil.Process]:
 
 
 def test_speculative_request_continues_exactly_after_a_worker_crash(
-    pipeline: Pipeline, llm: LLM, edit_prompt: tuple[list[int], SamplingParams]
+    pipeline: Pipeline, edit_prompt: tuple[list[int], RequestOutput]
 ) -> None:
     # Both workers with a metrics port of their own (the fixture's worker-a has none).
     ports = {name: free_port() for name in WORKERS}
@@ -91,9 +109,7 @@ def test_speculative_request_continues_exactly_after_a_worker_crash(
         pipeline.start_worker(name, SLUICEGATE_WORKER_METRICS_PORT=str(ports[name]))
     ensure_workers(pipeline)
 
-    prompt, params = edit_prompt
-    expected = llm.generate([prompt], params)[0]
-
+    prompt, expected = edit_prompt
     client = SdkCompletionStream(pipeline, prompt, MAX_TOKENS)
     rid = client.start_until(pipeline, 40)
     owner = wait_owner(pipeline, rid)
@@ -104,28 +120,14 @@ def test_speculative_request_continues_exactly_after_a_worker_crash(
     assert sum(len(e.token_ids) for e in delivered if isinstance(e, TokenEvent)) < MAX_TOKENS - 50
     assert accepted_before_crash > 0, "the first owner never accepted a draft: the test proves nothing"
 
-    events = pipeline.wait_stream_end(rid, timeout_s=120)
-    assert events[-1].type == "done", events[-1]
-    assert not any(isinstance(e, RestartEvent) for e in events), "continued, not started over"
-    assert [e.seq for e in events] == list(range(len(events)))
-    ids = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
-    assert ids == expected.token_ids, "speculative output across the crash differs from plain greedy decoding"
-    successor = pipeline.record(rid).worker_id
-    assert successor != owner
-    assert accepted_drafts(ports[str(successor)]) > 0, "the new owner did not speculate"
-
-    client.join(timeout=60)
-    assert client.error is None, client.error
-    assert client.texts == [expected.text] and client.finish == ["length"]
+    successor = assert_continued_exactly(pipeline, client, rid, owner, expected)
+    assert accepted_drafts(ports[successor]) > 0, "the new owner did not speculate"
     assert client.usage.completion_tokens == MAX_TOKENS
 
 
-def test_a_dead_rank_fails_its_worker_over(
-    pipeline: Pipeline, llm: LLM, edit_prompt: tuple[list[int], SamplingParams]
-) -> None:
+def test_a_dead_rank_fails_its_worker_over(pipeline: Pipeline, edit_prompt: tuple[list[int], RequestOutput]) -> None:
     ensure_workers(pipeline)
-    prompt, params = edit_prompt
-    expected = llm.generate([prompt], params)[0]
+    prompt, expected = edit_prompt
     client = SdkCompletionStream(pipeline, prompt, MAX_TOKENS)
     rid = client.start_until(pipeline, 40)
     owner = wait_owner(pipeline, rid)
@@ -138,12 +140,4 @@ def test_a_dead_rank_fails_its_worker_over(
     service.process.wait(timeout=60)
     assert "engine" in service.log().lower()
 
-    events = pipeline.wait_stream_end(rid, timeout_s=120)
-    assert events[-1].type == "done", events[-1]
-    assert not any(isinstance(e, RestartEvent) for e in events), "continued, not started over"
-    assert [e.seq for e in events] == list(range(len(events)))
-    assert [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] == expected.token_ids
-    assert pipeline.record(rid).worker_id != owner
-    client.join(timeout=60)
-    assert client.error is None, client.error
-    assert client.texts == [expected.text] and client.finish == ["length"]
+    assert_continued_exactly(pipeline, client, rid, owner, expected)
