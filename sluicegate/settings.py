@@ -92,9 +92,22 @@ class Settings(BaseSettings):
     worker_lower_tier_lookahead_busy: int = Field(
         16,
         ge=0,
-        description="Requests of less important tiers (batch) a CPU worker holds at most while it holds any of a more "
-        "important tier (interactive); the rest wait in Kafka. 0 means only worker_lookahead applies. CUDA workers "
-        "are not limited (unmeasured there).",
+        description="Requests of less important tiers (batch) a CPU worker holds at most while a more important tier "
+        "(interactive) is busy (see worker_busy_window_s); the rest wait in Kafka. 0 means only worker_lookahead "
+        "applies. CUDA workers are not limited (unmeasured there).",
+    )
+    worker_batch_rate_busy: float = Field(
+        20.0,
+        ge=0,
+        description="Batch-tier requests a CPU worker starts at most per second while a more important tier is busy, "
+        "so the batch's CPU on shared cores (Kafka, Redis, results) never queues interactive requests; at full speed "
+        "otherwise. 0 means unpaced. CUDA workers are not paced (unmeasured there).",
+    )
+    worker_busy_window_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds a tier counts as busy after the worker last took one of its requests (and while it holds "
+        "any), for worker_lower_tier_lookahead_busy and worker_batch_rate_busy.",
     )
     tenant_weights: dict[str, float] = Field(
         {},  # pydantic copies a mutable default per instance

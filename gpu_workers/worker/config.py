@@ -17,6 +17,10 @@ class WorkerConfig:
     # While requests of a more important tier are held, those of less important tiers are held at most this many
     # (0: no such limit): batch intake and its output writes wait while interactive requests need the CPU.
     lower_tier_in_flight_while_busy: int = 0
+    # While a more important tier is busy, the batch tier starts at most this many requests a second (0: unpaced).
+    batch_rate_while_busy: float = 0.0
+    # A tier counts as busy while it holds requests, and for this long after it last took one.
+    busy_window_s: float = 2.0
     heartbeat_interval_s: float = 2.0
     stream_ttl_s: int = 3600
     drain_timeout_s: float = 30.0

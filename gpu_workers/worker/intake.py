@@ -1,9 +1,9 @@
 """Taking requests from Kafka: the fetch loop over the tier topics, each tier's room, admitting records,
 hand-off on rebalance, and offset commits.
 
-A tier's partitions are paused once the worker holds ``max_in_flight`` requests of that tier or above, so
-the backlog stays in Kafka; an offset is committed only when every request at or below it reached an
-outcome (:mod:`.offsets`).
+A tier's partitions are paused once it has no room (:mod:`.tier_rooms`: ``max_in_flight`` requests of that tier
+or above, and the batch tier's yielding to interactive traffic), so the backlog stays in Kafka; an offset is
+committed only when every request at or below it reached an outcome (:mod:`.offsets`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .offsets import CompletionWatermarks
 from .outputs import Outputs
 from .serving import Serving
 from .telemetry import WorkerTelemetry
+from .tier_rooms import TierRooms
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Intake:
         self.stopping = stopping
         self.watermarks: CompletionWatermarks[TopicPartition] = CompletionWatermarks()
         self._tiers: dict[str, Tier] = {names.request_topic(config.model_name, t): t for t in TIERS}
+        self.rooms = TierRooms(config)
         self._room = asyncio.Event()
         self._commit_task: asyncio.Task[None] | None = None
         self.joined = False  # the group consumer has joined (readiness)
@@ -113,7 +115,7 @@ class Intake:
             if not open_tps:
                 self._room.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), 0.2)
+                    await asyncio.wait_for(self._room.wait(), self._wait_s(0.2))
                 continue
             self.consumer.resume(*open_tps)
             for record in await self._fetch_by_tier(open_tps, rooms):
@@ -128,20 +130,16 @@ class Intake:
         return self._tiers.get(tp.topic, "batch")
 
     def _rooms(self) -> dict[Tier, int]:
-        """How many more requests each tier may take: ``max_in_flight`` minus those held at that tier or above."""
+        """How many more requests each tier may take now (:class:`.tier_rooms.TierRooms`)."""
         held = dict.fromkeys(TIERS, 0)
         for entry in self.in_flight:
             held[entry.tier] += 1
-        rooms: dict[Tier, int] = {}
-        at_or_above = 0
-        busy_cap = self.config.lower_tier_in_flight_while_busy
-        for tier in TIERS:
-            rooms[tier] = self.config.max_in_flight - at_or_above - held[tier]
-            if busy_cap and at_or_above:
-                # A more important tier is held: this tier and those below may hold only ``busy_cap`` in all.
-                rooms[tier] = min(rooms[tier], busy_cap - (sum(held.values()) - at_or_above))
-            at_or_above += held[tier]
-        return rooms
+        return self.rooms.rooms(held)
+
+    def _wait_s(self, longest: float) -> float:
+        """How long to wait for records (or room): ``longest``, or less when the batch tier's pace frees it sooner."""
+        paced = self.rooms.paced_wait_s()
+        return longest if paced is None else min(longest, paced)
 
     async def _fetch_by_tier(self, open_tps: list[TopicPartition], rooms: dict[Tier, int]) -> list[Any]:
         """Records already fetched for the highest non-empty tier; else wait briefly for any (no tier gets
@@ -154,9 +152,8 @@ class Intake:
                 batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=rooms[tier])
                 if batch:
                     return [r for records in batch.values() for r in records]
-        batch = await self.consumer.getmany(
-            *open_tps, timeout_ms=100, max_records=min(rooms[t] for t in by_tier if by_tier[t])
-        )
+        most = min(rooms[t] for t in by_tier if by_tier[t])
+        batch = await self.consumer.getmany(*open_tps, timeout_ms=round(1000 * self._wait_s(0.1)), max_records=most)
         records = [r for records in batch.values() for r in records]
         records.sort(key=lambda r: TIERS.index(self._tiers.get(r.topic, "batch")))
         return records
@@ -168,7 +165,9 @@ class Intake:
             self.telemetry.record_taken(record)
         tp = TopicPartition(record.topic, record.partition)
         self.watermarks.started(tp, record.offset)
-        entry = self.in_flight.take(tp, record.offset, self._tier_of(tp))
+        tier = self._tier_of(tp)
+        self.rooms.taken(tier)
+        entry = self.in_flight.take(tp, record.offset, tier)
         parsed: InferenceRequest | Rejection | Exception
         try:
             # No deadline check here: it is about starting, which only the request's stream can tell.

@@ -42,7 +42,7 @@ from schemas import (
     WorkerHeartbeat,
     parse_stream_event,
 )
-from schemas.names import HEADER_REQUEST_ID
+from schemas.names import HEADER_REQUEST_ID, Tier
 from sluicegate.kafka import create_admin, create_producer
 from sluicegate.settings import Settings
 
@@ -281,11 +281,11 @@ async def running_worker(
         await admin.close()
 
 
-async def publish(worker: RunningWorker, *requests: InferenceRequest | bytes) -> None:
+async def publish(worker: RunningWorker, *requests: InferenceRequest | bytes, tier: Tier = "standard") -> None:
     producer = create_producer(worker.settings)
     await producer.start()
     try:
-        topic = worker.names.request_topic(MODEL, "standard")
+        topic = worker.names.request_topic(MODEL, tier)
         for item in requests:
             if isinstance(item, bytes):
                 await producer.send_and_wait(topic, item)
@@ -626,6 +626,27 @@ async def test_worker_keeps_publishing_after_redis_restart_without_persistence(
     finally:
         with contextlib.suppress(Exception):
             server.kill()
+
+
+async def test_batch_lines_are_paced_while_an_interactive_request_was_taken_lately(
+    kafka_bootstrap: str, redis_url: str, model_dir: Path, unique_prefix: str
+) -> None:
+    """An interactive request taken within the busy window makes the batch tier start at most
+    ``worker_batch_rate_busy`` requests a second: 9 one-token lines at 4 a second need at least 2 s from their
+    publishing to the last one's end (unpaced, this worker ends them in a small fraction of that)."""
+    overrides: dict[str, Any] = {"worker_batch_rate_busy": 4.0, "worker_busy_window_s": 120.0}
+    async with running_worker(kafka_bootstrap, redis_url, model_dir, unique_prefix, **overrides) as worker:
+        interactive = request_for(2).model_copy(update={"priority": "interactive"})
+        await publish(worker, interactive, tier="interactive")
+        await wait_terminal(worker.redis, worker.names, interactive.request_id)
+        lines = [request_for(1).model_copy(update={"priority": "batch"}) for _ in range(9)]
+        published = time.monotonic()
+        await publish(worker, *lines, tier="batch")
+        for line in lines:
+            assert_exactly_once(await wait_terminal(worker.redis, worker.names, line.request_id))
+        elapsed = time.monotonic() - published
+        report("batch_paced", lines=len(lines), rate=4.0, elapsed_s=round(elapsed, 2))
+        assert elapsed >= 2.0, f"9 batch lines ended {elapsed:.2f}s after publishing: not paced at 4 a second"
 
 
 async def test_a_session_timeout_the_broker_refuses_stops_the_worker_with_a_clear_error(
