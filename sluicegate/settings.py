@@ -97,11 +97,12 @@ class Settings(BaseSettings):
         "applies. CUDA workers are not limited (unmeasured there).",
     )
     worker_batch_rate_busy: float = Field(
-        20.0,
+        10.0,
         ge=0,
         description="Batch-tier requests a CPU worker starts at most per second while a more important tier is busy, "
         "so the batch's CPU on shared cores (Kafka, Redis, results) never queues interactive requests; at full speed "
-        "otherwise. 0 means unpaced. CUDA workers are not paced (unmeasured there).",
+        "otherwise; none starts while such a request awaits its first token. 0 means unpaced. CUDA workers are not "
+        "paced (unmeasured there).",
     )
     worker_busy_window_s: float = Field(
         2.0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ class Active:
     watch: Any = field(default=None, repr=False)  # its telemetry.RequestWatch while it is served
     # The engine's ids for it when not its request id: a resumed request with n > 1 runs one per choice.
     engine_ids: tuple[str, ...] = ()
+    taken_at: float = field(default_factory=time.monotonic)
+    # Its first output reached the worker: it no longer waits for a first token (see ``tier_rooms``).
+    produced: bool = False
 
     @property
     def engine_request_ids(self) -> tuple[str, ...]:

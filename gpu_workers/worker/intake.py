@@ -132,9 +132,12 @@ class Intake:
     def _rooms(self) -> dict[Tier, int]:
         """How many more requests each tier may take now (:class:`.tier_rooms.TierRooms`)."""
         held = dict.fromkeys(TIERS, 0)
+        awaiting: list[float] = []
         for entry in self.in_flight:
             held[entry.tier] += 1
-        return self.rooms.rooms(held)
+            if entry.tier != "batch" and not entry.produced:
+                awaiting.append(entry.taken_at)
+        return self.rooms.rooms(held, awaiting)
 
     def _wait_s(self, longest: float) -> float:
         """How long to wait for records (or room): ``longest``, or less when the batch tier's pace frees it sooner."""

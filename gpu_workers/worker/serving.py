@@ -279,7 +279,7 @@ class Serving:
                 entry.watch.generating()
             async with self._reading(deltas):
                 async for delta in deltas:
-                    started = True
+                    started = entry.produced = True
                     if delta.final is not None and entry.watch is not None:
                         entry.watch.engine_finished(delta.final.metrics)
                     if entry.handed_off:

@@ -9,12 +9,15 @@
   interactive request queues behind; the in-flight cap alone does not bound it, since short lines finish and are
   replaced at once. The window matters because interactive traffic arrives in gaps: without it, the batch would
   run at full speed in every gap and be mid-burst when the next interactive request lands.
+- With the pace on, no batch request starts while a more important one waits for its first token (for at most
+  ``_FIRST_TOKEN_HOLD_S``, so a stuck request never starves the batch): a start (parsing, the chat template, the
+  pickup read, the prefill) is the costliest part of a batch line, and that wait is the TTFT being made.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from schemas import TIERS
 from schemas.names import Tier
@@ -22,6 +25,11 @@ from schemas.names import Tier
 from .config import WorkerConfig
 
 _BATCH: Tier = TIERS[-1]
+
+#: How long a more important request waiting for its first token holds batch starts back, at most.
+_FIRST_TOKEN_HOLD_S = 0.5
+#: How often the intake looks again while batch starts are held for a first token.
+_FIRST_TOKEN_POLL_S = 0.005
 
 
 class TierRooms:
@@ -32,6 +40,7 @@ class TierRooms:
         self._clock = clock
         self._last_taken: dict[Tier, float] = {}
         self._next_batch_at = float("-inf")
+        self._holding = False  # batch starts held for a first token (as of the last ``rooms``)
 
     def taken(self, tier: Tier) -> None:
         """A record of ``tier`` was taken: it makes the tiers below yield, and spends the batch tier's pace."""
@@ -41,9 +50,11 @@ class TierRooms:
             # Spaced from the last start; :meth:`rooms` enforces it only while the batch tier is paced.
             self._next_batch_at = now + self._pace_s
 
-    def rooms(self, held: Mapping[Tier, int]) -> dict[Tier, int]:
-        """How many more requests each tier may take now (0 or less: none)."""
+    def rooms(self, held: Mapping[Tier, int], awaiting_first_token: Sequence[float] = ()) -> dict[Tier, int]:
+        """How many more requests each tier may take now (0 or less: none); ``awaiting_first_token``: when each
+        held request above the batch tier that has no first token yet was taken."""
         now = self._clock()
+        self._holding = bool(self._pace_s) and any(now - taken < _FIRST_TOKEN_HOLD_S for taken in awaiting_first_token)
         config = self.config
         rooms: dict[Tier, int] = {}
         at_or_above = 0
@@ -55,14 +66,19 @@ class TierRooms:
                     # This tier and those below may hold only the busy cap in all.
                     rooms[tier] = min(rooms[tier], config.lower_tier_in_flight_while_busy - (total - at_or_above))
                 if tier == _BATCH and self._pace_s:
-                    rooms[tier] = min(rooms[tier], 0 if now < self._next_batch_at else 1)
+                    rooms[tier] = min(rooms[tier], 0 if self._holding or now < self._next_batch_at else 1)
             at_or_above += held.get(tier, 0)
         return rooms
 
     def paced_wait_s(self) -> float | None:
-        """Seconds until the batch tier may start its next request, when only its pace holds it back now."""
+        """Seconds until the batch tier may start its next request, when its pace (or a first token awaited)
+        holds it back now; None when neither does."""
+        if not self._pace_s:
+            return None
         wait = self._next_batch_at - self._clock()
-        return wait if self._pace_s and wait > 0 else None
+        if self._holding:
+            return max(wait, _FIRST_TOKEN_POLL_S)
+        return wait if wait > 0 else None
 
     @property
     def _pace_s(self) -> float:
