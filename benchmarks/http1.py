@@ -87,14 +87,21 @@ class Http1Pool:
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
 
-    async def post_json(self, path: str, body: Any, *, clock: Any) -> Response:
+    async def post_json(
+        self, path: str, body: Any, *, clock: Any, headers: list[tuple[str, str]] | None = None
+    ) -> Response:
         """POST ``body`` as JSON; ``clock()`` stamps the moment the bytes are written.
 
         A kept-alive connection the server closed while it sat idle (uvicorn drops them after 5 s) fails
         before any answer arrives; the request then goes once more, on a new connection.
         """
         payload = json.dumps(body).encode()
-        headers = [*self._headers, ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+        headers = [
+            *self._headers,
+            *(headers or ()),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(payload))),
+        ]
         while self._idle:
             conn = self._idle.pop()
             if conn.reader.at_eof():

@@ -58,6 +58,7 @@ from benchmarks.pipeline_report import (
     latency_table,
     relay_table,
     stage_table,
+    tracing_split_table,
 )
 from benchmarks.pipeline_stack import Stack, start_stack
 from sluicegate.settings import Settings
@@ -131,10 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tracing",
-        choices=("off", "on"),
+        choices=("off", "on", "mixed"),
         default="off",
         help="on: every service exports its spans over OTLP/HTTP to a local receiver (a process of its own); "
-        "compare with an 'off' run made right before or after (docs/benchmarks.md pairs them)",
+        "compare with an 'off' run made right before or after (docs/benchmarks.md pairs them). mixed: tracing on "
+        "in every service, but only every other request is traced (its traceparent's sampled flag; the services "
+        "root no trace of their own), and the report compares the two halves of the same run",
     )
     parser.add_argument(
         "--trace-sample-ratio",
@@ -161,13 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     use_uvloop()
     workdir = Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
-    sink = OtlpSink() if args.tracing == "on" else None
+    sink = OtlpSink() if args.tracing in ("on", "mixed") else None
     args.otlp_endpoint = sink.url if sink is not None else ""
     for name in [n for n in os.environ if n.startswith("OTEL_")]:
         del os.environ[name]  # only --tracing and --trace-sample-ratio decide
-    if sink is not None and args.trace_sample_ratio < 1.0:
+    if sink is not None and (args.trace_sample_ratio < 1.0 or args.tracing == "mixed"):
         os.environ["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-        os.environ["OTEL_TRACES_SAMPLER_ARG"] = repr(args.trace_sample_ratio)
+        os.environ["OTEL_TRACES_SAMPLER_ARG"] = "0" if args.tracing == "mixed" else repr(args.trace_sample_ratio)
     try:
         stack = start_stack(args, workdir)
     except BaseException:
@@ -175,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sink.close()
         raise
     levels: list[Level] = []
+    split: list[tuple[Level, Level]] = []  # --tracing mixed: each level's traced and untraced halves
     relay_rows: list[RelayRow] = []
     floor: TransportFloor | None = None
     load_before = _load_average()
@@ -189,7 +193,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rate in rates:
             progress(f"{rate:g} req/s for {args.duration:g} s ...")
             before, cpu_before = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())
-            samples = asyncio.run(run_rate(stack, rate, args.duration, max_tokens=args.max_tokens, seed=args.seed))
+            samples = asyncio.run(
+                run_rate(
+                    stack,
+                    rate,
+                    args.duration,
+                    max_tokens=args.max_tokens,
+                    seed=args.seed,
+                    mixed_tracing=args.tracing == "mixed",
+                )
+            )
             after, cpu_after = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())
             stack.check_alive()
             level = Level(rate, args.duration, samples)
@@ -208,6 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         recorded = stack.stop_worker()
         for level in levels:
             analyse(level, recorded["stamps"])
+            if args.tracing == "mixed":
+                halves = [
+                    Level(level.rate, level.duration_s, [x for x in level.samples if x.traced is t])
+                    for t in (True, False)
+                ]
+                for half in halves:
+                    analyse(half, recorded["stamps"])
+                split.append((halves[0], halves[1]))
         if rates and not recorded["probes"]:
             progress("the worker wrote no stamps (see its log): no stage split")
         if args.floor_messages > 0:
@@ -218,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         stack.close()
         if sink is not None:
-            progress(f"tracing on: the receiver took {sink.spans} spans")
+            progress(f"tracing {args.tracing}: the receiver took {sink.spans} spans")
             for name, count in sorted(sink.by_name().items(), key=lambda kv: -kv[1]):
                 progress(f"  {count:7d}  {name}")
             sink.close()
@@ -245,6 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "per request, by the worker under test\n"
         )
         print(latency_table(levels))
+        if split:
+            print("\nthe same run split by the request's traceparent (traced: sampled and exported; untraced: not):\n")
+            print(tracing_split_table(split))
         print("\nwhere the overhead goes (stages add up to it; see the module docstring):\n")
         print(stage_table(levels))
         print("\nCPU milliseconds per request, by process (clients: this script's load generator):\n")

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class Sample:
     request_id: str = ""
     tokens: int = 0
     error: str | None = None
+    #: With ``mixed_tracing``: whether the request's traceparent asked for it to be traced (sampled flag).
+    traced: bool | None = None
 
 
 class _StreamReader(relay.SansIOWebSocket):
@@ -78,8 +81,13 @@ class _StreamReader(relay.SansIOWebSocket):
 
 
 async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float) -> None:
+    headers = None
+    if sample.traced is not None:
+        # A caller's traceparent: the services' parent-based sampler follows its sampled flag (01 or 00).
+        flags = "01" if sample.traced else "00"
+        headers = [("traceparent", f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{flags}")]
     try:
-        response = await client.post_json("/v1/requests", body, clock=time.time)
+        response = await client.post_json("/v1/requests", body, clock=time.time, headers=headers)
         sample.sent = response.sent_at  # as the bytes are written, so no client library time counts
         sample.accepted = time.time()
         if response.status != 202:
@@ -106,9 +114,19 @@ def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]
 
 
 async def run_rate(
-    stack: Stack, rate: float, duration_s: float, *, max_tokens: int, seed: int, label: str = ""
+    stack: Stack,
+    rate: float,
+    duration_s: float,
+    *,
+    max_tokens: int,
+    seed: int,
+    label: str = "",
+    mixed_tracing: bool = False,
 ) -> list[Sample]:
-    """Open-loop arrivals at ``rate`` for ``duration_s``; returns once every request ended (or timed out)."""
+    """Open-loop arrivals at ``rate`` for ``duration_s``; returns once every request ended (or timed out).
+
+    ``mixed_tracing``: every other request carries a traceparent asking to be traced, the rest one asking not to
+    be, so one run compares the two under the same machine load."""
     rng = random.Random(f"{seed}-{rate}-{label}")
     headers = {"Authorization": f"Bearer {API_KEY}"}
     samples: list[Sample] = []
@@ -121,7 +139,8 @@ async def run_rate(
             delay = start + offset - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            sample = Sample(lateness=max(0.0, loop.time() - start - offset))
+            traced = i % 2 == 0 if mixed_tracing else None
+            sample = Sample(lateness=max(0.0, loop.time() - start - offset), traced=traced)
             samples.append(sample)
             # Different prompts spread the requests over partitions (the router keys on the prompt prefix).
             body = {

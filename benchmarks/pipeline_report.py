@@ -202,3 +202,42 @@ def floor_table(floor: TransportFloor, levels: Sequence[Level]) -> str:
         label = f"pipeline overhead at {level.rate:g} req/s{which}, as a multiple of the floor"
         rows.append([label, "", f"{fmt(o50 / t50)}x", f"{fmt(o99 / t99)}x"])
     return markdown_table(["transport alone", "samples", "p50 ms", "p99 ms"], rows)
+
+
+def tracing_split_table(split: Sequence[tuple[Level, Level]]) -> str:
+    """``--tracing mixed``: overhead and TTFT of the traced and the untraced requests of the same run."""
+    rows = []
+    for traced, untraced in split:
+        for name, level in (("traced", traced), ("untraced", untraced)):
+            rows.append(
+                [
+                    f"{level.rate:g}",
+                    name,
+                    str(len(level.series.get("overhead", []))),
+                    f"{fmt(level.p('e2e', 0.5))} / {fmt(level.p('e2e', 0.99))}",
+                    f"{fmt(level.p('engine', 0.5))} / {fmt(level.p('engine', 0.99))}",
+                    fmt(level.p("overhead", 0.5)),
+                    fmt(level.p("overhead", 0.99)),
+                ]
+            )
+        rows.append(
+            [
+                f"{traced.rate:g}",
+                "traced - untraced",
+                "",
+                "",
+                "",
+                f"{traced.p('overhead', 0.5) - untraced.p('overhead', 0.5):+.2f}",
+                f"{traced.p('overhead', 0.99) - untraced.p('overhead', 0.99):+.2f}",
+            ]
+        )
+    header = [
+        "offered req/s",
+        "requests",
+        "n",
+        "e2e TTFT p50 / p99 ms",
+        "engine TTFT p50 / p99 ms",
+        "overhead p50 ms",
+        "overhead p99 ms",
+    ]
+    return markdown_table(header, rows)

@@ -23,7 +23,10 @@ async def echo_server(keep_alive_s: float) -> AsyncIterator[tuple[str, int, list
     @app.post("/echo")
     async def echo(request: Request) -> dict[str, object]:
         peers.append(f"{request.client.host}:{request.client.port}" if request.client else "")
-        return {"got": await request.json(), "auth": request.headers.get("authorization")}
+        got = {"got": await request.json(), "auth": request.headers.get("authorization")}
+        if "traceparent" in request.headers:
+            got["traceparent"] = request.headers["traceparent"]
+        return got
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, timeout_keep_alive=keep_alive_s)
     server = uvicorn.Server(config)
@@ -47,6 +50,18 @@ async def test_requests_reuse_one_connection_and_carry_headers() -> None:
             assert response.status == 200 and response.json() == {"got": {"n": i}, "auth": "Bearer k"}
             assert before <= response.sent_at <= time.time()
     assert len(peers) == 3 and len(set(peers)) == 1
+
+
+async def test_a_request_can_add_headers_of_its_own() -> None:
+    parent = "00-" + "1" * 32 + "-" + "2" * 16 + "-00"
+    async with echo_server(5.0) as (host, port, _), Http1Pool(host, port, {"Authorization": "Bearer k"}) as pool:
+        traced = await pool.post_json("/echo", {"n": 1}, clock=time.time, headers=[("traceparent", parent)])
+        assert traced.json() == {"got": {"n": 1}, "auth": "Bearer k", "traceparent": parent}
+        # Only that request: the next one on the same connection carries the pool's headers alone.
+        assert (await pool.post_json("/echo", {"n": 2}, clock=time.time)).json() == {
+            "got": {"n": 2},
+            "auth": "Bearer k",
+        }
 
 
 async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
