@@ -222,13 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for level in levels:
             analyse(level, recorded["stamps"])
             if args.tracing == "mixed":
-                halves = [
+                traced, untraced = (
                     Level(level.rate, level.duration_s, [x for x in level.samples if x.traced is t])
                     for t in (True, False)
-                ]
-                for half in halves:
-                    analyse(half, recorded["stamps"])
-                split.append((halves[0], halves[1]))
+                )
+                analyse(traced, recorded["stamps"])
+                analyse(untraced, recorded["stamps"])
+                split.append((traced, untraced))
         if rates and not recorded["probes"]:
             progress("the worker wrote no stamps (see its log): no stage split")
         if args.floor_messages > 0:

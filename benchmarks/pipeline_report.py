@@ -233,7 +233,7 @@ def tracing_split_table(split: Sequence[tuple[Level, Level]]) -> str:
         )
     header = [
         "offered req/s",
-        "requests",
+        "half",
         "n",
         "e2e TTFT p50 / p99 ms",
         "engine TTFT p50 / p99 ms",

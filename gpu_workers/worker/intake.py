@@ -132,11 +132,11 @@ class Intake:
     def _rooms(self) -> dict[Tier, int]:
         """How many more requests each tier may take now (:class:`.tier_rooms.TierRooms`)."""
         held = dict.fromkeys(TIERS, 0)
-        awaiting: list[float] = []
+        awaiting: list[tuple[Tier, float]] = []
         for entry in self.in_flight:
             held[entry.tier] += 1
-            if entry.tier != "batch" and not entry.produced:
-                awaiting.append(entry.taken_at)
+            if not entry.produced:
+                awaiting.append((entry.tier, entry.taken_at))
         return self.rooms.rooms(held, awaiting)
 
     def _wait_s(self, longest: float) -> float:

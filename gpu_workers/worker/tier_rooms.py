@@ -50,11 +50,15 @@ class TierRooms:
             # Spaced from the last start; :meth:`rooms` enforces it only while the batch tier is paced.
             self._next_batch_at = now + self._pace_s
 
-    def rooms(self, held: Mapping[Tier, int], awaiting_first_token: Sequence[float] = ()) -> dict[Tier, int]:
-        """How many more requests each tier may take now (0 or less: none); ``awaiting_first_token``: when each
-        held request above the batch tier that has no first token yet was taken."""
+    def rooms(
+        self, held: Mapping[Tier, int], awaiting_first_token: Sequence[tuple[Tier, float]] = ()
+    ) -> dict[Tier, int]:
+        """How many more requests each tier may take now (0 or less: none); ``awaiting_first_token``: the tier of
+        each held request that has no first token yet, and when it was taken."""
         now = self._clock()
-        self._holding = bool(self._pace_s) and any(now - taken < _FIRST_TOKEN_HOLD_S for taken in awaiting_first_token)
+        self._holding = bool(self._pace_s) and any(
+            tier != _BATCH and now - taken < _FIRST_TOKEN_HOLD_S for tier, taken in awaiting_first_token
+        )
         config = self.config
         rooms: dict[Tier, int] = {}
         at_or_above = 0

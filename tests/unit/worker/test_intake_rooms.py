@@ -115,11 +115,11 @@ def test_no_batch_start_while_a_more_important_request_awaits_its_first_token() 
     rooms.taken("interactive")
     clock.now += 1.0  # the pace alone would let a batch request start now
     assert rooms.rooms({"interactive": 1})["batch"] == 1
-    assert rooms.rooms({"interactive": 1}, awaiting_first_token=[clock.now - 0.01])["batch"] == 0
+    assert rooms.rooms({"interactive": 1}, awaiting_first_token=[("interactive", clock.now - 0.01)])["batch"] == 0
     wait = rooms.paced_wait_s()
     assert wait is not None and 0 < wait < 0.1  # look again soon: the first token is a few ms away
     # A request that has waited past the hold no longer keeps the batch out (nothing starves behind it).
-    assert rooms.rooms({"interactive": 1}, awaiting_first_token=[clock.now - 0.6])["batch"] == 1
+    assert rooms.rooms({"interactive": 1}, awaiting_first_token=[("interactive", clock.now - 0.6)])["batch"] == 1
     # Unpaced, the hold does not apply either.
     unpaced = _rooms(clock, max_in_flight=64)
-    assert unpaced.rooms({"interactive": 1}, awaiting_first_token=[clock.now])["batch"] == 63
+    assert unpaced.rooms({"interactive": 1}, awaiting_first_token=[("interactive", clock.now)])["batch"] == 63
