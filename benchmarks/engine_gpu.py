@@ -57,7 +57,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +126,7 @@ class Setup:
     output_len: int
     concurrencies: tuple[int, ...]
     prefix_off_concurrencies: tuple[int, ...]
+    cascade_off_concurrencies: tuple[int, ...]
     peer_concurrencies: tuple[int, ...]
     max_model_len: int
     max_num_seqs: int
@@ -134,6 +135,8 @@ class Setup:
     # Seconds reserved, when a level starts, for the phases after the sweep.
     reserve_after_sweep_s: float
     level_cap_s: Callable[[int], float]
+    # Phases left out by --skip (names in PHASES).
+    skip: frozenset[str] = frozenset()
 
     def shape(self) -> dict[str, Any]:
         keys = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")
@@ -154,8 +157,10 @@ def full_setup(budget_s: float) -> Setup:
         system_len=1900,
         unique_len=100,
         output_len=200,
-        concurrencies=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        # The issue's priority levels first (1 and 64, then the A100 table's 8 and 256), so a cut run keeps them.
+        concurrencies=(1, 64, 8, 256, 16, 128, 2, 4, 32),
         prefix_off_concurrencies=(1, 8),
+        cascade_off_concurrencies=(64, 8),
         peer_concurrencies=(1, 64),
         max_model_len=4096,
         max_num_seqs=256,
@@ -180,8 +185,9 @@ def smoke_setup(budget_s: float) -> Setup:
         system_len=48,
         unique_len=8,
         output_len=12,
-        concurrencies=(1, 2, 4),
+        concurrencies=(1, 4, 2),
         prefix_off_concurrencies=(1,),
+        cascade_off_concurrencies=(4,),
         peer_concurrencies=(1, 4),
         max_model_len=256,
         max_num_seqs=8,
@@ -191,6 +197,11 @@ def smoke_setup(budget_s: float) -> Setup:
         level_cap_s=lambda c: 3.0,
     )
 
+
+# What --skip takes: parts of the bf16 engine's run, then the later phases (later_phases()).
+ENGINE_PHASES = ("sweep", "cascade_off", "prefix_off")
+LATER_PHASES = ("fp8", "bnb-int8", "awq", "gptq", "ngram", "draft_model", "tp", "peers", "kv_fp8")
+PHASES = ENGINE_PHASES + LATER_PHASES
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -909,7 +920,7 @@ def engine_phases(engine: LLMEngine, setup: Setup, budget: Budget, results: dict
     guarded(results, "decode c=1", c1)
 
     results["voice_bot"] = []
-    for index, c in enumerate(setup.concurrencies):
+    for index, c in enumerate(setup.concurrencies if "sweep" not in setup.skip else ()):
         levels_left = len(setup.concurrencies) - index
         if not budget.allows(f"voice bot c={c}", setup.reserve_after_sweep_s + 2.0 * levels_left):
             continue
@@ -927,14 +938,18 @@ def engine_phases(engine: LLMEngine, setup: Setup, budget: Budget, results: dict
             f"{'complete' if row['complete'] else 'cut by its time cap'})"
         )
 
-    for c, batch in peer_prompts(setup).items():
+    results["voice_bot"].sort(key=lambda row: row["concurrency"])
+    if "cascade_off" not in setup.skip and engine.runner.use_cascade:
+        cascade_off(engine, setup, budget, results, prompts)
+
+    for c, batch in peer_prompts(setup).items() if "peers" not in setup.skip else ():
         if budget.allows(f"engine burst c={c}", 10 if not setup.smoke else 1):
             stats = guarded(results, f"engine burst c={c}", lambda b=batch: burst(engine, b, setup.output_len))
             if stats is not None:
                 results["peers"]["ours"][c] = stats.summary()
 
     engine.block_manager.enable_prefix_caching = False
-    for c in setup.prefix_off_concurrencies:
+    for c in setup.prefix_off_concurrencies if "prefix_off" not in setup.skip else ():
         if not budget.allows(f"prefix caching off c={c}", 160 if not setup.smoke else 2):
             continue
         deadline = budget.deadline(setup.level_cap_s(c), reserve_s=150 if not setup.smoke else 0)
@@ -945,6 +960,29 @@ def engine_phases(engine: LLMEngine, setup: Setup, budget: Budget, results: dict
             results["prefix_off"].append(stats.summary())
             log(f"prefix caching off c={c}: TTFT p50 {results['prefix_off'][-1]['ttft_p50_ms']:.1f} ms")
     engine.block_manager.enable_prefix_caching = True
+
+
+def cascade_off(
+    engine: LLMEngine, setup: Setup, budget: Budget, results: dict[str, Any], prompts: Iterator[list[int]]
+) -> None:
+    """The voice bot at the cascade levels with cascade attention off: the shared 1900-token prefix is then
+    read once per sequence instead of once per batch (decode graphs fall back to their plain variant)."""
+    results["cascade_off"] = []
+    engine.runner.use_cascade = False
+    try:
+        for c in setup.cascade_off_concurrencies:
+            if not budget.allows(f"cascade off c={c}", setup.reserve_after_sweep_s + 5.0):
+                continue
+            deadline = budget.deadline(setup.level_cap_s(c), reserve_s=setup.reserve_after_sweep_s)
+            stats = guarded(
+                results, f"cascade off c={c}", lambda c=c, d=deadline: closed_loop(engine, setup, prompts, c, c, d)
+            )
+            if stats is not None:
+                row = stats.summary()
+                results["cascade_off"].append(row)
+                log(f"cascade off c={c}: {row['output_tok_s']:.0f} tok/s, ITL p99 {row['itl_p99_ms']:.1f} ms")
+    finally:
+        engine.runner.use_cascade = True
 
 
 def quantized_phase(setup: Setup, path: Path, method: str) -> dict[str, Any]:
@@ -1037,6 +1075,36 @@ def spec_phase(setup: Setup, path: Path, method: str = "ngram") -> dict[str, Any
         shutil.rmtree(draft_dir, ignore_errors=True)
 
 
+def later_phases(
+    setup: Setup, path: Path, budget: Budget, results: dict[str, Any]
+) -> list[tuple[str, str, float, Callable[[], Any]]]:
+    """(name for --skip, result key, seconds it needs, phase) of everything after the bf16 engine, in order."""
+    phases: list[tuple[str, str, float, Callable[[], Any]]] = []
+    for method, key in (("fp8", "fp8"), ("bnb-int8", "bnb_int8")):
+        try:
+            check_quantization_supported(method, torch.device(setup.device))
+        except (RuntimeError, ValueError) as exc:
+            results[key] = {"skipped": f"{method} unavailable: {exc}"}
+            continue
+        phases.append((method, key, 130, lambda m=method: quantized_phase(setup, path, m)))
+    phases += [
+        ("awq", "awq", 120, lambda: int4_phase(setup, path, "awq")),
+        ("gptq", "gptq", 120, lambda: int4_phase(setup, path, "gptq")),
+        ("ngram", "spec_decode", 60, lambda: spec_phase(setup, path)),
+        ("draft_model", "spec_draft_model", 60, lambda: spec_phase(setup, path, "draft_model")),
+        ("tp", "tensor_parallel", 120, lambda: tp_phase(setup, path)),
+        (
+            "peers",
+            "hf_peers",
+            60,
+            lambda: run_peers(path, setup, peer_prompts(setup), budget, results) or {"ran": True},
+        ),
+        # Last: it loads the model four times (two capacity engines, then two in lockstep for ITL).
+        ("kv_fp8", "kv_fp8", 150, lambda: kv_fp8_phase(setup, path)),
+    ]
+    return phases
+
+
 def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
     budget = Budget(setup.budget_s)
     import transformers
@@ -1077,56 +1145,14 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
             del engine
             free_engine(setup)
 
-        for method, key in (("fp8", "fp8"), ("bnb-int8", "bnb_int8")):
-            try:
-                check_quantization_supported(method, torch.device(setup.device))
-            except (RuntimeError, ValueError) as exc:
-                results[key] = {"skipped": f"{method} unavailable: {exc}"}
-                continue
-            if not budget.allows(method, 130 if not setup.smoke else 3):
+        for name, key, need_s, phase in later_phases(setup, path, budget, results):
+            if name in setup.skip:
+                results[key] = {"skipped": "--skip"}
+            elif budget.allows(name, need_s if not setup.smoke else 3):
+                results[key] = guarded(results, name, phase) or {"skipped": "failed (see errors)"}
+                free_engine(setup)
+            else:
                 results[key] = {"skipped": "time budget"}
-                continue
-            results[key] = guarded(results, method, lambda m=method: quantized_phase(setup, path, m)) or {
-                "skipped": "failed (see errors)"
-            }
-
-        for method in ("awq", "gptq"):
-            if not budget.allows(method, 120 if not setup.smoke else 3):
-                results[method] = {"skipped": "time budget"}
-                continue
-            results[method] = guarded(results, method, lambda m=method: int4_phase(setup, path, m)) or {
-                "skipped": "failed (see errors)"
-            }
-
-        if budget.allows("speculative decoding", 60 if not setup.smoke else 3):
-            results["spec_decode"] = guarded(results, "speculative decoding", lambda: spec_phase(setup, path))
-        else:
-            results["spec_decode"] = {"skipped": "time budget"}
-        if budget.allows("draft-model speculation", 60 if not setup.smoke else 3):
-            results["spec_draft_model"] = guarded(
-                results, "draft-model speculation", lambda: spec_phase(setup, path, "draft_model")
-            ) or {"skipped": "failed (see errors)"}
-        else:
-            results["spec_draft_model"] = {"skipped": "time budget"}
-
-        if budget.allows("tensor parallelism", 120 if not setup.smoke else 3):
-            results["tensor_parallel"] = guarded(results, "tensor parallelism", lambda: tp_phase(setup, path)) or {
-                "skipped": "failed (see errors)"
-            }
-        else:
-            results["tensor_parallel"] = {"skipped": "time budget"}
-
-        if budget.allows("transformers peers", 60 if not setup.smoke else 3):
-            prompts_by_c = peer_prompts(setup)
-            guarded(results, "transformers peers", lambda: run_peers(path, setup, prompts_by_c, budget, results))
-            free_engine(setup)
-
-        # Last: it loads the model four times (two capacity engines, then two in lockstep for ITL).
-        if budget.allows("fp8 KV cache", 150 if not setup.smoke else 3):
-            results["kv_fp8"] = guarded(results, "fp8 KV cache", lambda: kv_fp8_phase(setup, path)) or {
-                "skipped": "failed (see errors)"
-            }
-            free_engine(setup)
 
     results["targets"] = evaluate_targets(results)
     results["budget_skipped"] = budget.skipped
@@ -1139,7 +1165,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="same code path on CPU with a tiny model (< 1 minute)")
     parser.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 510, smoke 45)")
     parser.add_argument("--model-dir", type=Path, default=None, help="keep/reuse the generated checkpoint here")
+    parser.add_argument("--skip", default="", help=f"comma-separated phases to leave out: {', '.join(PHASES)}")
     args = parser.parse_args()
+    skip = frozenset(filter(None, args.skip.split(",")))
+    if unknown := skip - set(PHASES):
+        parser.error(f"unknown phase(s) in --skip: {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
     if args.smoke:
         torch.set_num_threads(1)
         setup = smoke_setup(args.budget_s or 45.0)
@@ -1147,6 +1177,9 @@ def main() -> None:
         if not torch.cuda.is_available():
             parser.error("the full benchmark needs a CUDA GPU; use --smoke on a CPU")
         setup = full_setup(args.budget_s or 510.0)
+    # The sweep keeps time back for the later phases only when some of them will run.
+    later = set(LATER_PHASES) - skip
+    setup = replace(setup, skip=skip, reserve_after_sweep_s=setup.reserve_after_sweep_s if later else 5.0)
     results = run(setup, args.model_dir)
     print_report(results)
     target = write_results(results, final=True)
