@@ -103,8 +103,8 @@ else
         model_dir=/dev/shm/sluicegate-gpu-model
     fi
     phase env 60 environment
-    phase tests 150 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" tests/unit/engine
-    phase parity 120 "$PY" -m benchmarks.gpu_parity
+    phase tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" tests/unit/engine
+    phase parity 90 "$PY" -m benchmarks.gpu_parity
     phase bench $((budget + 90)) "$PY" benchmarks/engine_gpu.py --budget-s "$budget" --model-dir "$model_dir" \
         ${skip:+--skip "$skip"}
 fi
