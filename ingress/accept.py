@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
 
 from fastapi import Request
 from opentelemetry import propagate
@@ -16,15 +15,16 @@ from opentelemetry.trace import Span, SpanKind
 from pydantic import ValidationError
 
 from router.policy import resolve_tier
-from schemas import ChatMessage, InferenceRequest, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
+from schemas import InferenceRequest, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.api.bodies import AnyBody
+from sluicegate.api.build import advertised_tool_call_format, build_request
+from sluicegate.api.errors import ApiError, invalid
+from sluicegate.api.limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
-from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody
-from .errors import ApiError, invalid
-from .limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
 SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
@@ -125,12 +125,6 @@ def check_context(body: AnyBody, max_tokens: int, heartbeats: list[WorkerHeartbe
     )
 
 
-def advertised_tool_call_format(heartbeats: list[WorkerHeartbeat]) -> ToolCallFormat | None:
-    """The one tool-call format a model's workers advertise (None when none or they disagree)."""
-    formats = {b.tool_call_format for b in heartbeats if b.tool_call_format}
-    return formats.pop() if len(formats) == 1 else None
-
-
 def tool_call_format(request: Request) -> ToolCallFormat | None:
     """How the accepted request's model writes tool calls (from its workers' heartbeats), if known."""
     return getattr(request.state, "tool_call_format", None)
@@ -153,56 +147,3 @@ def _request_span(request: Request, endpoint: str) -> Iterator[tuple[Span | None
         carrier = {}
         propagate.inject(carrier)
         yield span, carrier
-
-
-def build_request(
-    body: AnyBody,
-    *,
-    request_id: str,
-    tenant: str,
-    tier: Tier,
-    trace: TraceContext | None,
-    now: datetime | None = None,
-    max_tokens: int | None = None,
-    default_deadline: datetime | None = None,
-) -> InferenceRequest:
-    """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
-
-    ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
-    when the body gives no deadline (the key's queue-time budget).
-    """
-    now = now or utcnow()
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    deadline: datetime | None = None
-    tools = None
-    if isinstance(body, ChatCompletionBody):
-        messages = body.chat_messages()
-        tools = body.offered_tools()
-    elif isinstance(body, CompletionBody):
-        prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
-    else:
-        assert isinstance(body, NativeRequestBody)
-        prompt = body.prompt
-        tools = body.tools
-        messages = [m.to_schema() for m in body.messages] if body.messages else None
-        deadline = body.absolute_deadline(now)
-        if deadline is not None and deadline <= now:
-            raise ValueError(f"deadline {deadline.isoformat()} has already passed")
-    if deadline is None:
-        deadline = default_deadline
-    return InferenceRequest(
-        request_id=request_id,
-        model=body.model,
-        prompt=prompt,
-        messages=messages,
-        sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
-        guided=body.guided_spec(),
-        tools=tools or None,
-        priority=tier,
-        tenant=tenant,
-        user=getattr(body, "user", None),
-        deadline=deadline,
-        created_at=now,
-        trace=trace,
-    )

@@ -16,13 +16,13 @@ from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.batches.files import FileStore
+from sluicegate.batches.store import BatchStore
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.settings import Settings
 from sluicegate.telemetry import configure_tracing, instrument_app, instrument_celery, tracer
 
 from .auth import KeyRing
-from .batches.files import FileStore
-from .batches.store import BatchStore
 from .body_limit import BodyLimitMiddleware
 from .errors import install_error_handlers
 from .lean_route import LeanRoute

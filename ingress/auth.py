@@ -5,7 +5,7 @@ request (the ``Caller`` dependency), 401 without a valid key.
 Keys file format, one entry per line (blank lines and ``#`` comments ignored): either a bare key, or a
 JSON object ``{"key": ..., "tenant": ..., "default_tier": ..., "max_tier": ...}`` where ``key_hash``
 (hex SHA-256) may replace ``key`` so the file itself need not hold secrets. An object may also set the key's
-limits (:class:`ingress.limits.KeyLimits`): ``rps``, ``rpm``, ``tpm``, ``max_prompt_tokens``, ``max_tokens``,
+limits (:class:`sluicegate.api.limits.KeyLimits`): ``rps``, ``rpm``, ``tpm``, ``max_prompt_tokens``, ``max_tokens``,
 ``max_body_bytes`` and ``default_queue_budget_s``.
 """
 
@@ -21,10 +21,9 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas import Tier, tier_rank
+from sluicegate.api.errors import ApiError
+from sluicegate.api.limits import KeyLimits
 from sluicegate.validation_errors import summarize
-
-from .errors import ApiError
-from .limits import KeyLimits
 
 _TENANT_PATTERN = r"^[A-Za-z0-9._:@-]+$"
 

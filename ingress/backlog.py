@@ -27,10 +27,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import TIERS, Names, Tier, WorkerHeartbeat, tier_rank
+from sluicegate.api.errors import ApiError
 from sluicegate.kafka import create_admin, create_consumer
 from sluicegate.settings import Settings
 
-from .errors import ApiError
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)

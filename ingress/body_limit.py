@@ -8,8 +8,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sluicegate.api.errors import ApiError
+
 from .auth import KeyRing, presented_key
-from .errors import ApiError
+from .errors import error_response
 
 
 class BodyLimitMiddleware:
@@ -57,10 +59,10 @@ class BodyLimitMiddleware:
             if name == b"content-length":
                 if not value.isdigit():
                     bad = ApiError(400, "Invalid Content-Length header.", code="invalid_header")
-                    await bad.response()(scope, receive, send)
+                    await error_response(bad)(scope, receive, send)
                     return
                 if int(value) > limit:
-                    await self._too_large(limit).response()(scope, receive, send)
+                    await error_response(self._too_large(limit))(scope, receive, send)
                     return
         received = 0
 

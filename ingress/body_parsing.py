@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from .errors import ApiError, invalid
+from sluicegate.api.errors import ApiError, invalid
 
 B = TypeVar("B", bound=BaseModel)
 

@@ -27,9 +27,9 @@ from router.route_table import RouteTable, Table
 from router.routes import RoutesFile, RouteSpec
 from router.versions import VersionChoice
 from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
+from sluicegate.api.bodies import AnyBody, ChatCompletionBody, NativeRequestBody
 from sluicegate.settings import Settings
 
-from .bodies import AnyBody, ChatCompletionBody, NativeRequestBody
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)

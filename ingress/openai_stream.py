@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import Request
 
-from .assembler import StreamAssembler
-from .errors import ApiError, error_body
-from .openai_choices import ChoiceChunks, ChoicePlan
-from .openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, sse
+from sluicegate.api.assembler import StreamAssembler
+from sluicegate.api.errors import ApiError, error_body
+from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
+from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, sse
+
 from .service import IngressService
 from .telemetry import IngressMetrics
 

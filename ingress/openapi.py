@@ -1,7 +1,7 @@
 """The ingress's OpenAPI document made accurate: request bodies (parsed by hand, so FastAPI cannot see them),
 every response an operation can give with its schema and headers, and the two ways to present an API key.
 
-Response models here only document shapes that :mod:`ingress.openai_format` and the endpoints build; they are
+Response models here only document shapes that :mod:`sluicegate.api.openai_format` and the endpoints build; they are
 checked against real responses by the schemathesis test.
 """
 
@@ -16,8 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from schemas import Tier
-
-from .bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
+from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
 
 _REF = "#/components/schemas/{model}"
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from schemas import Names
-
-from .errors import ApiError
-from .limits import Limits
+from sluicegate.api.errors import ApiError
+from sluicegate.api.limits import Limits
 
 # KEYS: one counter per limit. ARGV: period_ms, limit and cost for each, in KEYS order.
 # Returns {allowed (1/0), wait_ms}. Stored values are the theoretical arrival time in milliseconds.

@@ -26,6 +26,8 @@ from router.heartbeats import HeartbeatCache
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
 from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
+from sluicegate.api.errors import ApiError
+from sluicegate.api.limits import Limits
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
@@ -35,8 +37,7 @@ from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, 
 from sluicegate.telemetry import untraced
 
 from .backlog import BacklogMonitor
-from .errors import ApiError, unavailable
-from .limits import Limits
+from .errors import unavailable
 from .model_routes import ModelRoutes
 from .ratelimit import RateLimiter
 from .response_cache import ResponseCache

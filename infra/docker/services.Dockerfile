@@ -18,6 +18,7 @@ COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY sluicegate ./sluicegate
 COPY ingress ./ingress
+COPY batch_service ./batch_service
 COPY router ./router
 COPY gpu_workers ./gpu_workers
 COPY result_service ./result_service

@@ -14,11 +14,11 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import BATCH_ENDPOINTS, Batch
+from sluicegate.api.errors import ApiError
+from sluicegate.batches.celery_app import kick
+from sluicegate.batches.store import BatchStore
 
 from ..auth import Caller
-from ..batches.celery_app import kick
-from ..batches.store import BatchStore
-from ..errors import ApiError
 from ..openapi import errors
 from .files import file_store
 

@@ -14,11 +14,11 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import StreamingResponse
 
 from schemas import FileObject
+from sluicegate.api.errors import ApiError
+from sluicegate.batches.files import FileStore, StoredFile, file_object, new_file_id
+from sluicegate.batches.lines import InputFileError, check_input_file
 
 from ..auth import Caller
-from ..batches.files import FileStore, StoredFile, file_object, new_file_id
-from ..batches.lines import InputFileError, check_input_file
-from ..errors import ApiError
 from ..openapi import errors
 
 router = APIRouter(tags=["files"])

@@ -10,14 +10,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from schemas import RequestRecord
+from sluicegate.api.bodies import NativeRequestBody
+from sluicegate.api.errors import ApiError
 from sluicegate.stream_tokens import issue_stream_token
 
 from ..accept import SUBMIT_ERRORS, accept
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
-from ..bodies import NativeRequestBody
 from ..body_parsing import parse_body
-from ..errors import ApiError
 from ..lean_route import lean_post
 from ..openapi import CancelResponse, SubmitResponse, errors, json_body, ok
 

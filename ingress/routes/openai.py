@@ -10,18 +10,19 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
+from sluicegate.api.errors import ApiError
+from sluicegate.api.openai_choices import ChoicePlan, whole_choices
+from sluicegate.api.openai_format import Kind, ResponseIds
+from sluicegate.api.tool_calls import ToolPlan, plan_for
+
 from ..accept import SUBMIT_ERRORS, accept, tool_call_format
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
-from ..bodies import ChatCompletionBody, CompletionBody
 from ..body_parsing import parse_body
-from ..errors import ApiError
 from ..lean_route import lean_post
-from ..openai_choices import ChoicePlan, whole_choices
-from ..openai_format import Kind, ResponseIds
 from ..openai_stream import collect_or_cancel, sse_events, stream_failure
 from ..openapi import ChatCompletion, ModelCard, ModelList, TextCompletion, errors, json_body, ok
-from ..tool_calls import ToolPlan, plan_for
 
 router = APIRouter(tags=["openai"])
 

@@ -90,7 +90,7 @@ def _result_service(args: argparse.Namespace) -> int:
 
 
 def _batch_worker(args: argparse.Namespace) -> int:
-    from ingress.batches.tasks import run_worker
+    from batch_service.tasks import run_worker
 
     settings = get_settings()
     run_worker(settings, beat=not args.no_beat, loglevel=settings.log_level)

@@ -255,8 +255,8 @@ async def _sleep(seconds: float) -> None:
 async def test_a_result_seen_twice_is_stored_and_counted_once(settings: Settings, redis: Redis) -> None:
     """``llm.results`` is at-least-once and a collector that crashed re-reads from its stored offsets: the same
     outcome arriving again changes nothing, and the offsets move in the same atomic step."""
-    from ingress.batches.store import BatchStore, LineOutcome
-    from ingress.limits import Limits
+    from sluicegate.api.limits import Limits
+    from sluicegate.batches.store import BatchStore, LineOutcome
 
     names = Names(settings.topic_prefix)
     store = BatchStore(settings, redis, names)

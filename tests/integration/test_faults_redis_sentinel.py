@@ -272,7 +272,7 @@ async def test_appends_the_replica_never_received_are_restored_after_failover(
 
 
 def test_sentinel_urls_parse_for_redis_py_and_kombu() -> None:
-    from ingress.batches.celery_app import kombu_broker
+    from sluicegate.batches.celery_app import kombu_broker
     from sluicegate.kafka import replication_plan
     from sluicegate.redis_client import parse_sentinel_url
 

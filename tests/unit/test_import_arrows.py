@@ -4,7 +4,10 @@
 * the runtime library (``sluicegate`` outside ``sluicegate.stack``) imports only ``schemas``;
 * ``gpu_workers.engine`` imports nothing of the pipeline: no project package outside itself, no Kafka, Redis
   or pydantic (it must run on a bare GPU image);
-* services import no other service, except ``ingress`` -> ``router``; the worker may use the engine;
+* services import no other service, except ``ingress`` -> ``router`` and ``batch_service`` -> ``router`` (the
+  routing library, used in-process to publish); the worker may use the engine; in particular ``ingress`` and
+  ``batch_service`` never import each other: what both use lives in the runtime library (``sluicegate.api``,
+  ``sluicegate.batches``);
 * nothing imports the composition root ``sluicegate.stack``.
 """
 
@@ -16,7 +19,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT = ("schemas", "sluicegate", "ingress", "router", "gpu_workers", "result_service", "benchmarks")
+PROJECT = (
+    "schemas",
+    "sluicegate",
+    "ingress",
+    "batch_service",
+    "router",
+    "gpu_workers",
+    "result_service",
+    "benchmarks",
+)
 PIPELINE_LIBRARIES = ("aiokafka", "redis", "pydantic", "pydantic_settings", "fastapi", "celery")
 
 
@@ -100,6 +112,7 @@ def test_the_engine_imports_nothing_of_the_pipeline() -> None:
     ("service", "allowed"),
     [
         ("ingress", ("schemas", "sluicegate", "router")),
+        ("batch_service", ("schemas", "sluicegate", "router")),
         ("router", ("schemas", "sluicegate")),
         ("gpu_workers.worker", ("schemas", "sluicegate", "gpu_workers.engine")),
         ("result_service", ("schemas", "sluicegate")),
@@ -111,6 +124,13 @@ def test_services_import_only_downwards(service: str, allowed: tuple[str, ...]) 
         f"{_module_name(p)} -> {n}" for p in _modules(service) for n in _imports(p) if _within(n, "sluicegate.stack")
     ]
     assert bad == []
+
+
+@pytest.mark.parametrize(("service", "other"), [("ingress", "batch_service"), ("batch_service", "ingress")])
+def test_ingress_and_the_batch_service_import_neither_way(service: str, other: str) -> None:
+    """The two processes share code only through the runtime library, never each other's modules."""
+    assert _modules(service), f"no modules under {service}"
+    assert [f"{_module_name(p)} -> {n}" for p in _modules(service) for n in _imports(p) if _within(n, other)] == []
 
 
 def test_the_reader_resolves_relative_imports(tmp_path: Path) -> None:

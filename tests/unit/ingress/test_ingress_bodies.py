@@ -8,16 +8,16 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from ingress.accept import build_request
-from ingress.bodies import (
+from schemas import TraceContext, utcnow
+from sluicegate.api.bodies import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     ChatCompletionBody,
     CompletionBody,
     NativeRequestBody,
 )
-from ingress.errors import ApiError, invalid
-from schemas import TraceContext, utcnow
+from sluicegate.api.build import build_request
+from sluicegate.api.errors import ApiError, invalid
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -9,13 +9,13 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from ingress.accept import build_request
 from ingress.app import create_app
 from ingress.auth import hash_key, parse_keys_file
 from ingress.backlog import backlog_ahead
-from ingress.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
-from ingress.errors import ApiError
-from ingress.limits import KeyLimits, Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
+from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
+from sluicegate.api.build import build_request
+from sluicegate.api.errors import ApiError
+from sluicegate.api.limits import KeyLimits, Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 from sluicegate.settings import Settings
 
 KEY = "sk-unit-limits-key"

@@ -8,9 +8,9 @@ import json
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from ingress.assembler import StreamAssembler
-from ingress.openai_format import SSE_DONE, ResponseIds, sse
 from schemas import DoneEvent, ErrorEvent, RestartEvent, TokenEvent, Usage
+from sluicegate.api.assembler import StreamAssembler
+from sluicegate.api.openai_format import SSE_DONE, ResponseIds, sse
 
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=8, cached_tokens=2)
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from ingress.assembler import StreamAssembler
-from ingress.openai_choices import ChoiceChunks, ChoicePlan, whole_choices
-from ingress.tool_call_stream import ToolCallStream
-from ingress.tool_calls import ToolPlan, parse_output
 from schemas import DoneEvent, TokenEvent, TokenLogprob, Usage
+from sluicegate.api.assembler import StreamAssembler
+from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan, whole_choices
+from sluicegate.api.tool_call_stream import ToolCallStream
+from sluicegate.api.tool_calls import ToolPlan, parse_output
 
 NAMES = frozenset({"get_weather", "get_time"})
 HERMES = ToolPlan("auto", None, NAMES, "hermes")

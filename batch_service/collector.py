@@ -15,12 +15,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import ValidationError
 
 from schemas import FinalResult, parse_batch_request_id
+from sluicegate.batches.store import LineOutcome
 from sluicegate.kafka import create_consumer, ensure_topics
 
 from .locks import RedisLock
 from .outcomes import outcome_of_result
 from .runtime import BatchRuntime
-from .store import LineOutcome
 
 log = logging.getLogger(__name__)
 

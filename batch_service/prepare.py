@@ -1,6 +1,7 @@
-"""Validating a batch: every input line checked and turned into the pipeline's ``InferenceRequest`` by ingress's
-own request building (the body models of :mod:`ingress.bodies`, the key's limits of :mod:`ingress.limits`,
-:func:`ingress.accept.build_request`), so a line is judged exactly as the online API would judge the same call.
+"""Validating a batch: every input line checked and turned into the pipeline's ``InferenceRequest`` by the request
+building ingress uses too (the body models of :mod:`sluicegate.api.bodies`, the key's limits of
+:mod:`sluicegate.api.limits`, :func:`sluicegate.api.build.build_request`), so a line is judged exactly as the online
+API would judge the same call.
 
 A line whose body the online API would refuse becomes an error line carrying that refusal (status, code, message,
 field); a file that is no longer a valid batch file (unreadable line, duplicate custom_id) fails the batch, naming
@@ -18,15 +19,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from schemas import InferenceRequest, ToolCallFormat, batch_request_id
-
-from ..accept import build_request
-from ..bodies import ChatCompletionBody, CompletionBody
-from ..errors import ApiError, invalid
-from ..limits import Limits, check_prompt_tokens, checked_max_tokens
-from ..tool_calls import Mode, ToolPlan, plan_for
-from .files import FileStore
-from .lines import InputFileError, numbered_lines, parse_line
-from .store import LineOutcome
+from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
+from sluicegate.api.build import build_request
+from sluicegate.api.errors import ApiError, invalid
+from sluicegate.api.limits import Limits, check_prompt_tokens, checked_max_tokens
+from sluicegate.api.tool_calls import Mode, ToolPlan, plan_for
+from sluicegate.batches.files import FileStore
+from sluicegate.batches.lines import InputFileError, numbered_lines, parse_line
+from sluicegate.batches.store import LineOutcome
 
 Route = Callable[[InferenceRequest], InferenceRequest]  # a request naming a route -> one for its version
 

@@ -38,7 +38,7 @@ def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
 
 
 def make_app(settings: Settings) -> Celery:
-    """A Celery app configured from ``settings`` (tasks are registered by :mod:`ingress.batches.tasks`)."""
+    """A Celery app configured from ``settings`` (tasks are registered by :mod:`batch_service.tasks`)."""
     names = Names(settings.topic_prefix)
     broker, sentinel_options = kombu_broker(broker_url(settings))
     app = Celery("sluicegate-batch", broker=broker)

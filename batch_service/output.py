@@ -1,6 +1,6 @@
 """Writing a finished batch's output and error files in OpenAI's line format, in input order: a line that got a
 response (``status_code`` 200 and exactly the ``chat.completion`` / ``text_completion`` object the online API
-returns, built by :mod:`ingress.openai_format`) goes to the output file; every other line to the error file.
+returns, built by :mod:`sluicegate.api.openai_format`) goes to the output file; every other line to the error file.
 File ids derive from the batch id, so writing again after a crash replaces the same files.
 """
 
@@ -10,15 +10,15 @@ import anyio.to_thread
 
 from router.heartbeats import read_heartbeats
 from schemas import BatchLineError, BatchOutputLine, BatchResponse, ToolCallFormat, batch_request_id
+from sluicegate.api.build import advertised_tool_call_format
+from sluicegate.api.errors import error_body
+from sluicegate.api.openai_choices import result_choices
+from sluicegate.api.openai_format import ResponseIds
+from sluicegate.batches.files import StoredFile, file_object
+from sluicegate.batches.store import LineOutcome
 
-from ..accept import advertised_tool_call_format
-from ..errors import error_body
-from ..openai_choices import result_choices
-from ..openai_format import ResponseIds
-from .files import StoredFile, file_object
 from .prepare import PreparedLine, read_prepared
 from .runtime import BatchRuntime
-from .store import LineOutcome
 
 _GROUP = 1000
 

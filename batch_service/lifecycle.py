@@ -18,16 +18,16 @@ import anyio.to_thread
 from router.heartbeats import read_heartbeats
 from router.publish import request_headers, send_routed
 from schemas import BATCH_TERMINAL, BatchError, BatchErrors, InferenceRequest, batch_request_id
+from sluicegate.api.limits import Limits
+from sluicegate.batches.files import StoredFile
+from sluicegate.batches.lines import InputFileError
+from sluicegate.batches.store import LineOutcome
 
-from ..limits import Limits
-from .files import StoredFile
-from .lines import InputFileError
 from .locks import RedisLock
 from .outcomes import outcome_from_records
 from .output import write_outputs
 from .prepare import chunks_from_json, chunks_json, prepare, read_prepared
 from .runtime import BatchRuntime
-from .store import LineOutcome
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,12 @@ from router.publish import TopicRegistry
 from router.route_table import RouteTable
 from router.router import Router
 from schemas import Names
+from sluicegate.batches.files import FileStore
+from sluicegate.batches.store import BatchStore
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
-
-from .files import FileStore
-from .store import BatchStore
 
 T = TypeVar("T")
 

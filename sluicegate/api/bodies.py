@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI-compatible and native endpoints: what each accepts and how it is checked
-(:func:`ingress.accept.build_request` turns one into the pipeline's :class:`schemas.InferenceRequest`).
+(:func:`sluicegate.api.build.build_request` turns one into the pipeline's :class:`schemas.InferenceRequest`).
 
 OpenAI fields Sluicegate does not implement (``functions``, ``audio``, ``echo``...) are rejected with a
 400 naming them instead of being ignored; fields that change nothing (``user``, ``metadata``...) are
 accepted. vLLM-style extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``) and ``priority`` are accepted on every endpoint. ``response_format`` and a forced
-``tool_choice`` become a :class:`schemas.GuidedSpec` (:mod:`ingress.tool_calls` builds the tool-call schema).
+``tool_choice`` become a :class:`schemas.GuidedSpec` (:mod:`sluicegate.api.tool_calls` builds the tool-call schema).
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from schemas import STREAM_FIELD, ErrorEvent, FinalResult, Names, RequestRecord, parse_stream_event
-
-from ..openai_format import ERROR_STATUS
-from .store import LineOutcome
+from sluicegate.api.openai_format import ERROR_STATUS
+from sluicegate.batches.store import LineOutcome
 
 
 def outcome_of_result(result: FinalResult) -> LineOutcome:

@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from schemas import BATCH_TERMINAL, Batch, BatchErrors, BatchRequestCounts, FinalResult, Names
 from sluicegate.settings import Settings
 
-from ..limits import Limits
+from ..api.limits import Limits
 
 #: Hash fields that hold Batch fields as JSON (the rest are plain strings or integers).
 _JSON_FIELDS = ("metadata", "errors")

@@ -1,6 +1,6 @@
 """The Batch API carries the issue-15 fields: a line's body becomes a request with its grammar, n, logprobs and
-penalties (through ``accept.build_request``), and a result with several choices and logprobs becomes an output
-line in OpenAI's shape; a line with tools gets the ``tool_calls`` the online API answers with."""
+penalties (through ``sluicegate.api.build.build_request``), and a result with several choices and logprobs becomes
+an output line in OpenAI's shape; a line with tools gets the ``tool_calls`` the online API answers with."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 from openai.types.chat import ChatCompletion
 
-from ingress.batches.output import output_line
-from ingress.batches.prepare import BuiltLine, PreparedLine, build_line
-from ingress.batches.store import LineOutcome
-from ingress.limits import Limits
+from batch_service.output import output_line
+from batch_service.prepare import BuiltLine, PreparedLine, build_line
 from schemas import ChoiceResult, FinalResult, InferenceRequest, TokenLogprob, TopLogprob, Usage, utcnow
+from sluicegate.api.limits import Limits
+from sluicegate.batches.store import LineOutcome
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

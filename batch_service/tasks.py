@@ -12,10 +12,10 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_process_shutdown, worker_shutdown
 
+from sluicegate.batches.celery_app import ADVANCE_TASK, TICK_TASK, make_app
 from sluicegate.settings import Settings, get_settings
 from sluicegate.telemetry import configure_tracing, instrument_celery
 
-from .celery_app import ADVANCE_TASK, TICK_TASK, make_app
 from .collector import Collector
 from .eta import update_etas
 from .lifecycle import advance

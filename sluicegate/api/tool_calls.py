@@ -7,7 +7,7 @@ the chat template: Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</to
 optional content, or Llama-3.1-style JSON ``{"name": ..., "parameters": ...}`` (optionally behind
 ``<|python_tag|>``, several separated by ``;``). Text that does not parse as calls of offered tools stays content.
 
-Streamed, calls are read as they are written by :mod:`ingress.tool_call_stream`.
+Streamed, calls are read as they are written by :mod:`sluicegate.api.tool_call_stream`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Per call: a first delta with ``index``, ``id``, ``type`` and the function name (arguments ``""``), then the
 arguments in fragments as they are generated, one ``index`` per call. A named ``tool_choice`` makes the whole
 output the arguments. For ``auto`` and ``required`` an incremental parser reads the model's format
-(:mod:`ingress.tool_calls` says which): Hermes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+(:mod:`sluicegate.api.tool_calls` says which): Hermes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
 blocks after optional content, Llama-3.1 JSON ``{"name": ..., "parameters": ...}`` objects (optionally behind
 ``<|python_tag|>``, separated by ``;``), or the ``required`` grammar's JSON list of such objects.
 

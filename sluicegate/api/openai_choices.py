@@ -1,5 +1,5 @@
 """OpenAI ``choices`` from an assembled stream: one per ``n``, with logprobs in the endpoint's shape and tool
-calls read under the request's :class:`ingress.tool_calls.ToolPlan`; whole (:func:`whole_choices`) or as
+calls read under the request's :class:`sluicegate.api.tool_calls.ToolPlan`; whole (:func:`whole_choices`) or as
 streamed chunks (:class:`ChoiceChunks`)."""
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""The pipeline's :class:`schemas.InferenceRequest` from a checked body (``build_request``), as ingress builds it for
+a request it accepts and the batch service for each line of a batch; and the tool-call format a model's workers
+advertise, by which both read tool calls from a finished output."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from schemas import ChatMessage, InferenceRequest, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
+
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody
+
+
+def advertised_tool_call_format(heartbeats: list[WorkerHeartbeat]) -> ToolCallFormat | None:
+    """The one tool-call format a model's workers advertise (None when none or they disagree)."""
+    formats = {b.tool_call_format for b in heartbeats if b.tool_call_format}
+    return formats.pop() if len(formats) == 1 else None
+
+
+def build_request(
+    body: AnyBody,
+    *,
+    request_id: str,
+    tenant: str,
+    tier: Tier,
+    trace: TraceContext | None,
+    now: datetime | None = None,
+    max_tokens: int | None = None,
+    default_deadline: datetime | None = None,
+) -> InferenceRequest:
+    """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
+
+    ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
+    when the body gives no deadline (the key's queue-time budget).
+    """
+    now = now or utcnow()
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    deadline: datetime | None = None
+    tools = None
+    if isinstance(body, ChatCompletionBody):
+        messages = body.chat_messages()
+        tools = body.offered_tools()
+    elif isinstance(body, CompletionBody):
+        prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
+    else:
+        assert isinstance(body, NativeRequestBody)
+        prompt = body.prompt
+        tools = body.tools
+        messages = [m.to_schema() for m in body.messages] if body.messages else None
+        deadline = body.absolute_deadline(now)
+        if deadline is not None and deadline <= now:
+            raise ValueError(f"deadline {deadline.isoformat()} has already passed")
+    if deadline is None:
+        deadline = default_deadline
+    return InferenceRequest(
+        request_id=request_id,
+        model=body.model,
+        prompt=prompt,
+        messages=messages,
+        sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
+        guided=body.guided_spec(),
+        tools=tools or None,
+        priority=tier,
+        tenant=tenant,
+        user=getattr(body, "user", None),
+        deadline=deadline,
+        created_at=now,
+        trace=trace,
+    )
