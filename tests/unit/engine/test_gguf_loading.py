@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.models.gguf_checkpoint import SOURCE_FILE, converted_folder, find_gguf
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
-from gpu_workers.engine.tokenizer import has_chat_template
+from gpu_workers.engine.tokenizer import has_chat_template, load_tokenizer
 
 from .conftest import HFReference, random_prompts
 from .gguf_files import DEQUANTIZE_ONLY, write_gguf
@@ -110,6 +110,8 @@ def test_a_folder_holding_one_gguf_loads_and_the_conversion_is_cached(
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (converted / name).is_file(), name
     assert llm.generate([[5, 6, 7]], _greedy(4))[0].token_ids
+    # The process engine loads the tokenizer from the model argument itself (EngineConfig.tokenizer_path).
+    assert load_tokenizer(gguf_path).get_vocab() == llm.tokenizer.get_vocab()
     weights_mtime = (converted / "model.safetensors").stat().st_mtime_ns
     assert converted_folder(gguf_path) == converted
     assert (converted / "model.safetensors").stat().st_mtime_ns == weights_mtime  # reused, not rebuilt
