@@ -1,5 +1,7 @@
 """Builds a supported model from a Hugging Face folder (config.json + safetensors) onto a device.
 
+A GGUF file becomes such a folder first (``gguf_checkpoint.py``, cached beside the file).
+
 Checkpoint names map onto the merged projections: ``q/k/v_proj`` fill row slices of
 ``qkv_proj`` and ``gate/up_proj`` fill ``gate_up_proj``. Sharded checkpoints are read through
 ``model.safetensors.index.json``. Optional weight quantization runs after loading. FP8 KV-cache
@@ -25,6 +27,7 @@ from ..config import EngineConfig
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import resolve_architecture
+from .gguf_checkpoint import converted_folder, find_gguf
 from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
 from .rotary import rope_type_of
 
@@ -75,7 +78,11 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local folder as is; anything else is fetched as a hub id (config, weights, tokenizer only)."""
+    """A local folder as is; a GGUF file (or a folder holding only one) as the folder converted from it
+    (``gguf_checkpoint.py``); anything else is fetched as a hub id (config, weights, tokenizer only)."""
+    gguf_file = find_gguf(model)
+    if gguf_file is not None:
+        return converted_folder(gguf_file)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -1,0 +1,145 @@
+"""Writes GGUF files from tiny Hugging Face checkpoints with ``gguf.GGUFWriter``, the way llama.cpp's converter
+lays them out (tensor names, Q/K row permutation for llama/mistral, tokenizer metadata), for the GGUF tests.
+
+Types the ``gguf`` library can quantize are written from the real weights; the K-quants (Q4_K, Q5_K, Q6_K), which
+it can only dequantize, are written as random blocks with small finite scales: the load is then checked against
+the library's dequantization of those bytes, not against the original weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from safetensors.numpy import load_file
+from transformers import AutoConfig
+
+DEQUANTIZE_ONLY = (T.Q4_K, T.Q5_K, T.Q6_K)
+# Byte offsets of the f16 scales in one block of each K-quant (the rest of a block may hold any bits).
+_K_SCALE_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str) -> str:
+    base, _, kind = hf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    _, _, layer, rest = base.split(".", 3)
+    return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+
+
+def permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``convert_hf_to_gguf`` Q/K permutation (interleaves the two rotary halves of each head)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def reverse_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of ``permute``, written as transformers' GGUF loader writes it."""
+    return (
+        weight.reshape(heads, weight.shape[0] // heads // 2, 2, *weight.shape[1:]).swapaxes(2, 1).reshape(weight.shape)
+    )
+
+
+def _random_k_blocks(qtype: T, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
+    for offset in _K_SCALE_OFFSETS[qtype]:
+        scale = np.float16(rng.uniform(0.002, 0.01))
+        raw[:, :, offset : offset + 2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, chat_template: bool) -> None:
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = dict(data["model"]["vocab"])
+    added = {t["id"]: t for t in data["added_tokens"]}
+    vocab.update({t["content"]: i for i, t in added.items()})
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [
+        (gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED) if i in added else 1
+        for i in range(len(tokens))
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[config.get("bos_token") or "<s>"])
+    writer.add_eos_token_id(vocab[config.get("eos_token") or "</s>"])
+    writer.add_pad_token_id(vocab[config.get("pad_token") or "<pad>"])
+    writer.add_add_bos_token(True)
+    template = hf_dir / "chat_template.jinja"
+    if chat_template and template.is_file():
+        writer.add_chat_template(template.read_text())
+
+
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    qtype: T = T.F32,
+    *,
+    arch: str | None = None,
+    tokenizer: bool = True,
+    chat_template: bool = True,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Write ``out`` from the checkpoint in ``hf_dir``, every 2-D tensor whose rows fit ``qtype``'s blocks in
+    ``qtype`` (the rest F32), and return what a loader must produce: the library's dequantization of every
+    written tensor, back in Hugging Face names and row order."""
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    arch = arch or config.model_type
+    permuted = config.model_type in ("llama", "mistral")
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    if tokenizer:
+        _write_tokenizer(writer, hf_dir, chat_template)
+    rng = np.random.default_rng(seed)
+    expected: dict[str, np.ndarray] = {}
+    for name, weight in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+        weight = weight.astype(np.float32)
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
+        if permuted and heads and name.endswith("weight"):
+            weight = permute(weight, heads)
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        kind = qtype if weight.ndim == 2 and weight.shape[1] % block == 0 else T.F32
+        if kind in DEQUANTIZE_ONLY:
+            data = _random_k_blocks(kind, weight.shape, rng)
+        else:
+            data = gguf.quants.quantize(weight, kind)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+        loaded = gguf.quants.dequantize(data, kind).reshape(weight.shape)
+        expected[name] = reverse_permute(loaded, heads) if permuted and heads and name.endswith("weight") else loaded
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
