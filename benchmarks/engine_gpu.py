@@ -1066,7 +1066,8 @@ def spec_phase(setup: Setup, path: Path, method: str = "ngram") -> dict[str, Any
         rows = {}
         for c in (1, 4):
             prompts = edit_workload(engine, [[3 + i] * 8 + list(range(100, 148)) for i in range(c)], setup.output_len)
-            rows[f"c{c}"] = compare_speculation(engine, prompts, setup.output_len, repeats=2)
+            exact = setup.dtype == torch.float32
+            rows[f"c{c}"] = compare_speculation(engine, prompts, setup.output_len, repeats=2, exact=exact)
             log(f"{method} speculation c={c}: {rows[f'c{c}']}")
         return rows
     finally:

@@ -4,8 +4,9 @@ The engine's reference of truth (DESIGN.md) is that greedy decoding gives exactl
 gives for the same model and prompts in fp32. The unit tests check it on the CPU; this script checks it on
 a GPU for every path the GPU adds: the torch backend on CUDA tensors, the compiled Triton kernels with
 CUDA graphs off and on, flash-attn when installed, and the Triton path with prefix caching, cascade
-attention and chunked prefill. Models are small random-weight checkpoints built here (Llama 3 style with
-tied embeddings and llama3 RoPE, Qwen2 with biases, Mistral with one KV head), fp32, TF32 off.
+attention, chunked prefill, and n-gram and draft-model speculation. Models are small random-weight
+checkpoints built here (Llama 3 style with tied embeddings and llama3 RoPE, Qwen2 with biases, Mistral
+with one KV head), fp32, TF32 off.
 
 A mismatch is reported with where it starts and how close the reference's top two logits were there
 (teacher-forced): a gap below ~1e-4 is a rounding tie, not a bug. Writes ``$OUT/gpu_parity.json``
@@ -75,6 +76,8 @@ class Case:
     max_num_batched_tokens: int = 8192
     shared_prefix: bool = False
     dtype: str = "float32"
+    # "ngram" or "draft_model" (the model itself as its draft: every draft accepted, the rollback paths idle).
+    speculative: str | None = None
 
 
 def cases(device: str) -> list[Case]:
@@ -83,6 +86,7 @@ def cases(device: str) -> list[Case]:
             Case("torch", "torch"),
             Case("triton (interpreter)", "triton"),
             Case("triton, prefix caching + chunked prefill", "triton", True, True, 64, True),
+            Case("torch, n-gram speculation", "torch", shared_prefix=True, speculative="ngram"),
         ]
     found = [
         Case("torch", "torch"),
@@ -90,6 +94,8 @@ def cases(device: str) -> list[Case]:
         Case("triton, CUDA graphs", "triton", enforce_eager=False),
         Case("triton, CUDA graphs, prefix caching + cascade", "triton", False, True, 8192, True),
         Case("triton, chunked prefill (64-token budget) + prefix caching", "triton", True, True, 64, True),
+        Case("triton, CUDA graphs, n-gram speculation", "triton", False, True, 8192, True, speculative="ngram"),
+        Case("triton, CUDA graphs, draft-model speculation", "triton", False, True, speculative="draft_model"),
     ]
     try:
         import flash_attn  # noqa: F401
@@ -113,6 +119,8 @@ def make_prompts(vocab: int, smoke: bool) -> Prompts:
     plain = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
     prefix = [rng.randrange(3, vocab) for _ in range(40 if smoke else 300)]
     shared = [prefix + [rng.randrange(3, vocab) for _ in range(rng.randint(0, 30))] for _ in range(3 if smoke else 6)]
+    # A prompt that repeats itself, so n-gram lookup finds drafts (and some are rejected).
+    shared.append(prefix + prefix[:50])
     return Prompts(plain, shared, 8 if smoke else 24)
 
 
@@ -174,6 +182,11 @@ def run_case(case: Case, model: str, path: Path, device: str, prompts: Prompts, 
         max_model_len=1024,
         max_num_seqs=16,
         num_kv_blocks=256,
+        speculative_config=(
+            None
+            if case.speculative is None
+            else {"method": case.speculative} | ({"model": str(path)} if case.speculative == "draft_model" else {})
+        ),
     )
     params = SamplingParams(temperature=0.0, max_tokens=prompts.max_tokens, ignore_eos=True)
     batches = [prompts.plain]

@@ -111,14 +111,21 @@ def edit_workload(engine: LLMEngine, prompts: list[list[int]], output_tokens: in
     return [p + o + p for p, o in zip(prompts, outputs, strict=True)]
 
 
-def compare_speculation(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict[str, Any]:
+def compare_speculation(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, repeats: int, *, exact: bool = True
+) -> dict[str, Any]:
     """Plain and speculative decoding of the same greedy requests on one engine (its speculator switched off and
-    on between interleaved runs): best tok/s of each, their ratio, and the speculative runs' acceptance."""
+    on between interleaved runs): best tok/s of each, their ratio, and the speculative runs' acceptance.
+
+    ``exact`` (fp32) raises when speculation changes a greedy token. In bf16 on a GPU, verifying k+1 tokens
+    per sequence runs other GEMM shapes than a 1-token decode, so a near-tied logit of a random-weight model
+    may round the other way: then the share of requests whose output is identical is reported instead."""
     speculator = engine.speculator
     if speculator is None:
         raise ValueError("the engine was built without speculative_config")
     best = {"plain": float("inf"), "spec": float("inf")}
     drafts = draft_tokens = accepted = 0
+    identical = 0
     for _ in range(repeats):
         engine.speculator = None
         wall_plain, out_plain = generate_greedy(engine, prompts, max_tokens)
@@ -128,8 +135,9 @@ def compare_speculation(engine: LLMEngine, prompts: list[list[int]], max_tokens:
         drafts += speculator.num_drafts - before[0]
         draft_tokens += speculator.num_draft_tokens - before[1]
         accepted += speculator.num_accepted_tokens - before[2]
-        if out_plain != out_spec:
+        if exact and out_plain != out_spec:
             raise RuntimeError("speculative greedy output differs from plain greedy output")
+        identical += sum(a == b for a, b in zip(out_plain, out_spec, strict=True))
         best["plain"] = min(best["plain"], wall_plain)
         best["spec"] = min(best["spec"], wall_spec)
     tokens = len(prompts) * max_tokens
@@ -140,6 +148,7 @@ def compare_speculation(engine: LLMEngine, prompts: list[list[int]], max_tokens:
         "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else 0.0,
         "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else 0.0,
         "verification_steps": drafts,
+        "identical_outputs": round(identical / (repeats * len(prompts)), 3),
     }
 
 

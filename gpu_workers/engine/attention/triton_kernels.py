@@ -104,6 +104,8 @@ def _store_kvcache_kernel(
 ):
     # FP8: the cache is float8_e4m3fn; each row is divided by its KV head's scale, saturated at
     # +-448 and rounded to nearest even (kv_quant.quantize_rows is the torch twin, bit for bit).
+    # The division is div_rn: compiled Triton's plain '/' on fp32 is the approximate div.full.f32
+    # (up to 2 ulp off), which moved values across a rounding boundary on an H100 (2026-11-26 run).
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -120,7 +122,7 @@ def _store_kvcache_kernel(
         k = tl.load(src_k, mask=mask)
         if FP8:
             k_scale = tl.load(k_scale_ptr + heads, mask=head_valid, other=1.0)
-            k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0))
+            k = _round_to_e4m3(tl.clamp(tl.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0))
         tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
         src_v = v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
@@ -129,7 +131,7 @@ def _store_kvcache_kernel(
         v = tl.load(src_v, mask=mask)
         if FP8:
             v_scale = tl.load(v_scale_ptr + heads, mask=head_valid, other=1.0)
-            v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0))
+            v = _round_to_e4m3(tl.clamp(tl.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0))
         tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 

@@ -1,0 +1,251 @@
+"""Reads a GGUF with the ``gguf`` library and writes the Hugging Face folder ``gguf_checkpoint`` caches: config from
+the metadata, every tensor dequantized by the library's own dequantizer (llama.cpp's Q/K row permutation undone
+for llama/mistral), the tokenizer with its chat template, and the generation config."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+from .gguf_checkpoint import GGUFLoadError
+
+log = logging.getLogger(__name__)
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K}
+)
+# GGUF architecture -> (config class, HF architecture name, Q/K rows permuted by llama.cpp's converter)
+ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM", True),
+    "mistral": (MistralConfig, "MistralForCausalLM", True),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
+
+
+def read_gguf(path: Path) -> GGUFReader:
+    """Open a GGUF with the library's reader; a truncated or corrupt file is one ``GGUFLoadError``."""
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError, IndexError, struct/numpy errors on bad bytes
+        raise GGUFLoadError(
+            path, f"not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise GGUFLoadError(reader.data.filename, f"metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
+    """The transformers config the GGUF's metadata describes (tied embeddings when it has no ``output``)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFLoadError(path, f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    config_cls, hf_arch, _ = ARCHITECTURES[arch]
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFLoadError(path, "per-dimension RoPE factors (rope_freqs, Llama 3.1 style scaling) are not supported")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise GGUFLoadError(path, f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFLoadError(path, "tensor 'token_embd.weight' is missing")
+    vocab = int(_field(reader, f"{arch}.vocab_size", int(embed.shape[-1])))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 1e4))}
+    scaling = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    if scaling in ("linear", "yarn"):
+        rope.update(rope_type=scaling, factor=float(_field(reader, f"{arch}.rope.scaling.factor")))
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = int(
+                _field(reader, f"{arch}.rope.scaling.original_context_length")
+            )
+    elif scaling != "none":
+        raise GGUFLoadError(path, f"RoPE scaling {scaling!r} is not supported (none, linear, yarn)")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None)
+    config = config_cls(**kwargs)
+    config.architectures = [hf_arch]
+    types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
+    config.dtype = "float16" if types == {T.F16} else "float32" if types == {T.F32} else "bfloat16"
+    return config
+
+
+def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name the config implies, with its ``[out, in]`` shape."""
+    h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
+        shapes |= {p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
+        shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if arch == "qwen2":
+            shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+    return shapes
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation: it interleaves each head's two rotary halves; HF keeps them apart."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf name, tensor)`` for every tensor of the file, dequantized (F16/BF16 kept in their precision, every
+    quantized type as float32), checked against the config's names and shapes before the first is yielded."""
+    arch = _field(reader, "general.architecture")
+    permuted = ARCHITECTURES[arch][2]
+    expected = expected_shapes(config, arch)
+    mapped: dict[str, Any] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or name not in expected:
+            raise GGUFLoadError(path, f"tensor {t.name!r} has no place in a {arch} model")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(s.name for s in SUPPORTED_TYPES))
+            raise GGUFLoadError(path, f"tensor {t.name!r} has type {t.tensor_type.name}, not supported ({supported})")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != expected[name]:
+            raise GGUFLoadError(path, f"tensor {t.name!r} has shape {shape}, expected {expected[name]}")
+        mapped[name] = t
+    missing = sorted(set(expected) - set(mapped))
+    if missing:
+        raise GGUFLoadError(path, f"tensors missing: {missing[:4]}")
+    for name, t in mapped.items():
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except Exception as exc:  # tensor bytes past the end of a truncated file, and similar
+            raise GGUFLoadError(path, f"tensor {t.name!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+        values = np.ascontiguousarray(values) if values.flags.writeable else np.array(values)  # memmap views
+        tensor = torch.from_numpy(values.reshape(expected[name]))
+        if t.tensor_type == T.F16:
+            tensor = tensor.to(torch.float16)
+        elif t.tensor_type == T.BF16:
+            tensor = tensor.to(torch.bfloat16)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            tensor = unpermute_rows(tensor, heads)
+        yield name, tensor.contiguous()
+
+
+def _write_weights(reader: GGUFReader, path: Path, config: PretrainedConfig, out: Path) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in read_tensors(reader, path, config):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _write_tokenizer(reader: GGUFReader, path: Path, out: Path) -> bool:
+    """Tokenizer files built by transformers from the GGUF's metadata; True when it has a chat template."""
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
+        if key not in reader.fields:
+            raise GGUFLoadError(path, f"no tokenizer: metadata key {key!r} is missing")
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+    except Exception as exc:  # an unknown tokenizer model, inconsistent vocabulary, ...
+        raise GGUFLoadError(path, f"tokenizer cannot be built: {type(exc).__name__}: {exc}") from exc
+    tokenizer.save_pretrained(str(out))
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def convert(path: Path, out: Path) -> None:
+    """Write the Hugging Face folder of the GGUF at ``path`` into ``out`` (an empty folder)."""
+    reader = read_gguf(path)
+    config = build_config(reader, path)
+    has_template = _write_tokenizer(reader, path, out)
+    if not has_template:
+        log.warning("GGUF %s has no chat template: the model serves completions only", path)
+    _write_weights(reader, path, config, out)
+    config.save_pretrained(str(out))
+    ids = {k: getattr(config, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+    GenerationConfig(**{f"{k}_token_id": v for k, v in ids.items() if v is not None}).save_pretrained(str(out))
