@@ -51,3 +51,27 @@ def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
     assert results["spec_draft_model"]["c1"]["verification_steps"] > 0
     names = [t["name"] for t in results["targets"]]
     assert "c=1 decode ITL p50 / floor (weights read per token)" in names and "tok/s vs transformers CB, c=4" in names
+
+
+@pytest.mark.slow
+def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
+    """The prepared GPU run (benchmarks/gpu_run.sh) in its CPU rehearsal: every phase leaves its files and its
+    exit status in summary.json, and greedy parity with transformers holds on the CPU's attention paths."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)  # gpu_parity --smoke sets it itself, before triton's import
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_run.sh"), "--smoke", "--only", "env,parity"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary) == {"env", "parity"} and all(phase["rc"] == 0 for phase in summary.values()), summary
+    parity = json.loads((tmp_path / "gpu_parity.json").read_text())
+    assert parity["failures"] == [] and len(parity["cases"]) >= 4
+    assert all(case["all_equal"] for case in parity["cases"]), parity["cases"]
+    assert "torch" in (tmp_path / "gpu_run.log").read_text()
