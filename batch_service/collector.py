@@ -12,11 +12,13 @@ import secrets
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from schemas import FinalResult, parse_batch_request_id
 from sluicegate.batches.store import LineOutcome
 from sluicegate.kafka import create_consumer, ensure_topics
+from sluicegate.telemetry import context_from_headers, tracer, tracing_enabled
 
 from .locks import RedisLock
 from .outcomes import outcome_of_result
@@ -74,7 +76,6 @@ class Collector:
 
     async def _pass(self, budget_s: float) -> int:
         consumer = await self._start()
-        store = self.runtime.batches
         raw_offsets = await self.runtime.redis.hgetall(self.runtime.names.batch_collector_offsets_key)
         stored = {int(p): int(o) for p, o in raw_offsets.items()}
         # Always from the stored positions: another collector may have moved them since this one last ran.
@@ -103,10 +104,21 @@ class Collector:
                         log.error("batch.collector_bad_result offset=%s error=%s", record.offset, exc)
                         continue
                     lines.append((owner[0], owner[1], outcome_of_result(result)))
-            new += await store.resolve(lines, offsets)
+                    if tracing_enabled():
+                        _trace_collected(record.headers, owner[0], owner[1])
+            new += (await self.runtime.resolve(lines, offsets)).total
             await self.lock.extend()
         await self._measure(new, time.monotonic() - started)
+        await self._measure_lag(consumer)
         return new
+
+    async def _measure_lag(self, consumer: AIOKafkaConsumer) -> None:
+        """Records of ``llm.results`` past the positions this pass stored (the metrics' collector lag)."""
+        ends = await consumer.end_offsets(self._partitions)
+        raw = await self.runtime.redis.hgetall(self.runtime.names.batch_collector_offsets_key)
+        stored = {int(p): int(o) for p, o in raw.items()}
+        lag = sum(max(0, end - stored.get(tp.partition, 0)) for tp, end in ends.items())
+        self.runtime.metrics.collector_lag.set(lag)
 
     async def _measure(self, new: int, elapsed_s: float) -> None:
         """Fold this pass into the completion rate: lines per second since the previous pass."""
@@ -119,3 +131,15 @@ class Collector:
             sample = new / (now - last_at)
             rate = sample if rate == 0.0 else (1 - _RATE_ALPHA) * rate + _RATE_ALPHA * sample
         await self.runtime.redis.hset(key, mapping={"at": now, "rate": rate})
+
+
+def _trace_collected(headers: list[tuple[str, bytes]] | None, batch_id: str, line: int) -> None:
+    """A span for a batch line's result reaching its batch, in the line's trace (the worker's result record
+    carries it): the last hop of create -> task -> Kafka -> worker -> collected."""
+    span = tracer("sluicegate.batch").start_span(
+        "collect batch line",
+        context=context_from_headers(headers),
+        kind=SpanKind.CONSUMER,
+        attributes={"sluicegate.batch_id": batch_id, "sluicegate.batch_line": line},
+    )
+    span.end()

@@ -9,6 +9,7 @@ acknowledged chunk, outcomes are stored once (HSETNX), and files are rewritten u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -17,13 +18,15 @@ import anyio.to_thread
 
 from router.heartbeats import read_heartbeats
 from router.publish import request_headers, send_routed
-from schemas import BATCH_TERMINAL, BatchError, BatchErrors, InferenceRequest, batch_request_id
+from schemas import BATCH_TERMINAL, BatchError, BatchErrors, InferenceRequest, TraceContext, batch_request_id
 from sluicegate.api.limits import Limits
 from sluicegate.batches.files import StoredFile
 from sluicegate.batches.lines import InputFileError
 from sluicegate.batches.store import LineOutcome
+from sluicegate.telemetry import attached, context_from_traceparent
 
 from .locks import RedisLock
+from .metrics import eta_error
 from .outcomes import outcome_from_records
 from .output import write_outputs
 from .prepare import chunks_from_json, chunks_json, prepare, read_prepared
@@ -81,6 +84,8 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
     known = {m.decode() for m in await runtime.redis.smembers(runtime.names.models_key)}
     known |= {m.strip() for m in settings.served_models.split(",") if m.strip()}
     await runtime.routes.refresh()
+    # Every line carries the creating request's trace (kept with the batch: the step may run in any task).
+    trace = TraceContext.model_validate_json(state["trace"]) if state.get("trace") else None
     try:
         prepared = await anyio.to_thread.run_sync(
             lambda: prepare(
@@ -95,6 +100,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
                 max_lines=settings.batch_max_lines,
                 known_models=known,
                 route=runtime.routes.routed,
+                trace=trace,
             )
         )
     except InputFileError as exc:
@@ -105,7 +111,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
     await runtime.batches.set_fields(
         batch_id, total=prepared.total, chunks=chunks_json(prepared.chunks), invalid=len(prepared.errors)
     )
-    await runtime.batches.resolve([(batch_id, line, outcome) for line, outcome in prepared.errors])
+    await runtime.resolve([(batch_id, line, outcome) for line, outcome in prepared.errors])
     moved = await runtime.batches.transition(batch_id, "in_progress", ("validating",))
     log.info(
         "batch.validated batch_id=%s lines=%d errors=%d chunks=%d moved=%s",
@@ -148,6 +154,7 @@ async def _run(runtime: BatchRuntime, batch_id: str, state: dict[str, str], lock
         lines = await anyio.to_thread.run_sync(read_prepared, runtime.files, batch_id, chunk.start, chunk.end)
         requests = [p.request for p in lines if p.request is not None]
         await _publish(runtime, requests)
+        runtime.metrics.lines_enqueued.inc(len(requests))
         done_chunks += 1
         enqueued_lines += len(requests)
         await runtime.batches.set_fields(batch_id, enqueued=done_chunks, enqueued_lines=enqueued_lines)
@@ -174,7 +181,11 @@ async def _publish(runtime: BatchRuntime, requests: list[InferenceRequest]) -> N
         runtime.router.set_heartbeats(model, beats)
     for request in requests:
         route = runtime.router.route(request, max_tier="batch")
-        deliveries.append(await send_routed(producer, request, route, request_headers(request)))
+        # The producer span (and so the worker's) continues the line's own trace, not the publishing tick's.
+        trace = request.trace
+        parent = context_from_traceparent(trace.traceparent, trace.tracestate) if trace else None
+        with attached(parent) if parent is not None else contextlib.nullcontext():
+            deliveries.append(await send_routed(producer, request, route, request_headers(request)))
     await asyncio.gather(*deliveries)
 
 
@@ -206,8 +217,8 @@ async def _sweep_if_stalled(runtime: BatchRuntime, batch_id: str, state: dict[st
         if outcome is not None:
             found.append((batch_id, line, outcome))
     if found:
-        stored = await runtime.batches.resolve(found)
-        log.info("batch.swept batch_id=%s ended_without_result=%d stored=%d", batch_id, len(found), stored)
+        stored = await runtime.resolve(found)
+        log.info("batch.swept batch_id=%s ended_without_result=%d stored=%d", batch_id, len(found), stored.total)
 
 
 async def _cancel_lines(runtime: BatchRuntime, batch_id: str, tenant: str, reason: str) -> int:
@@ -251,7 +262,7 @@ async def _close_out(runtime: BatchRuntime, batch_id: str, code: str, message: s
     """Give every line without an outcome the error ``code``; after this no line of the batch can change."""
     missing = await _unresolved(runtime, batch_id, enqueued_only=False)
     outcome = LineOutcome(code=code, message=message, no_response=True)
-    await runtime.batches.resolve([(batch_id, line, outcome) for line in missing])
+    await runtime.resolve([(batch_id, line, outcome) for line in missing])
 
 
 async def _finalize(runtime: BatchRuntime, batch_id: str, state: dict[str, str]) -> None:
@@ -266,6 +277,8 @@ async def _write_and_end(
     fields = {k: v for k, v in {"output_file_id": output_id, "error_file_id": error_id}.items() if v is not None}
     if await runtime.batches.transition(batch_id, final, expected, **fields):
         done = await runtime.batches.state(batch_id) or {}
+        if final == "completed":
+            _record_eta_error(runtime, batch_id, done)
         log.info(
             "batch.%s batch_id=%s total=%s completed=%s failed=%s output=%s errors=%s",
             final,
@@ -276,3 +289,13 @@ async def _write_and_end(
             output_id,
             error_id,
         )
+
+
+def _record_eta_error(runtime: BatchRuntime, batch_id: str, state: dict[str, str]) -> None:
+    """How far the ETA given when a tenth of the lines were done was from the real finish (the metrics)."""
+    if "eta_check_at" not in state or "eta_check_finish" not in state:
+        return  # it finished before any ETA could be given at a tenth done (no rate yet, or a tiny batch)
+    error = eta_error(float(state["eta_check_at"]), float(state["eta_check_finish"]), time.time())
+    if error is not None:
+        runtime.metrics.eta_error.observe(error)
+        log.info("batch.eta_error batch_id=%s error=%.3f", batch_id, error)

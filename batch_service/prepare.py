@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from schemas import InferenceRequest, ToolCallFormat, batch_request_id
+from schemas import InferenceRequest, ToolCallFormat, TraceContext, batch_request_id
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
 from sluicegate.api.build import build_request
 from sluicegate.api.errors import ApiError, invalid
@@ -112,6 +112,7 @@ def build_line(
     deadline: datetime,
     known_models: set[str] | None,
     route: Route | None = None,
+    trace: TraceContext | None = None,
 ) -> BuiltLine | LineOutcome:
     """The pipeline request for one line's body (and its tool plan), or the error the online API would have
     answered."""
@@ -132,7 +133,7 @@ def build_line(
             request_id=request_id,
             tenant=tenant,
             tier="batch",
-            trace=None,
+            trace=trace,
             max_tokens=max_tokens,
             # A line not started by the end of the window is not started at all.
             default_deadline=deadline,
@@ -172,8 +173,10 @@ def prepare(
     max_lines: int,
     known_models: set[str] | None,
     route: Route | None = None,
+    trace: TraceContext | None = None,
 ) -> Prepared:
-    """Validate the input file and write the prepared file. Blocking (run it in a thread).
+    """Validate the input file and write the prepared file. Blocking (run it in a thread). ``trace``: the
+    context every line's request carries (the batch's validation, so a line's spans join the batch's trace).
 
     Raises :class:`InputFileError` for a file that is not a valid batch file.
     """
@@ -211,6 +214,7 @@ def prepare(
                 deadline=deadline,
                 known_models=known_models,
                 route=route,
+                trace=trace,
             )
             if isinstance(built, LineOutcome):
                 result.errors.append((number, built))

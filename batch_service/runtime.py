@@ -19,11 +19,13 @@ from router.route_table import RouteTable
 from router.router import Router
 from schemas import Names
 from sluicegate.batches.files import FileStore
-from sluicegate.batches.store import BatchStore
+from sluicegate.batches.store import BatchStore, LineOutcome, Resolved
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+
+from .metrics import BatchMetrics
 
 T = TypeVar("T")
 
@@ -31,8 +33,9 @@ T = TypeVar("T")
 class BatchRuntime:
     """The clients one batch-worker process shares across tasks."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: BatchMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or BatchMetrics()
         self.names = Names(settings.topic_prefix)
         self.redis: Redis = create_redis(settings, socket_timeout=10.0, client_name="batch-worker")
         self.files = FileStore(settings, self.redis, self.names)
@@ -63,6 +66,14 @@ class BatchRuntime:
         # Made by the collector on first use (it owns the consumer's positions).
         self.collector: Any = None
 
+    async def resolve(
+        self, lines: list[tuple[str, int, LineOutcome]], offsets: dict[int, int] | None = None
+    ) -> Resolved:
+        """Store lines' outcomes (:meth:`BatchStore.resolve`) and count the new ones in the metrics."""
+        resolved = await self.batches.resolve(lines, offsets)
+        self.metrics.count_finished(resolved.completed, resolved.failed)
+        return resolved
+
     async def producer(self) -> AIOKafkaProducer:
         """The started producer (acks=all, idempotent)."""
         if self._producer is None:
@@ -91,8 +102,9 @@ class BatchRuntime:
 class Runner:
     """One event loop per process and the runtime living on it; ``run`` executes a task's coroutine."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, metrics: BatchMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics or BatchMetrics()
         self.loop = asyncio.new_event_loop()
         self.runtime: BatchRuntime | None = None
 
@@ -101,7 +113,7 @@ class Runner:
 
         async def main() -> Any:
             if self.runtime is None:
-                self.runtime = BatchRuntime(self.settings)
+                self.runtime = BatchRuntime(self.settings, self.metrics)
             return await coro_fn(self.runtime, *args)
 
         return self.loop.run_until_complete(main())

@@ -19,6 +19,7 @@ from sluicegate.telemetry import configure_tracing, instrument_celery
 from .collector import Collector
 from .eta import update_etas
 from .lifecycle import advance
+from .metrics import BatchMetrics
 from .runtime import BatchRuntime, Runner
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,9 @@ async def advance_one(runtime: BatchRuntime, batch_id: str) -> str | None:
     return await advance(runtime, batch_id)
 
 
-def register(app: Celery, settings: Settings) -> Runner:
+def register(app: Celery, settings: Settings, metrics: BatchMetrics | None = None) -> Runner:
     """Register the tasks on ``app``; they run on one :class:`Runner` per process."""
-    runner = Runner(settings)
+    runner = Runner(settings, metrics)
 
     @app.task(name=TICK_TASK, acks_late=True, reject_on_worker_lost=True)
     def tick_task() -> int:
@@ -74,11 +75,11 @@ def register(app: Celery, settings: Settings) -> Runner:
     return runner
 
 
-def build_worker_app(settings: Settings | None = None) -> Celery:
+def build_worker_app(settings: Settings | None = None, metrics: BatchMetrics | None = None) -> Celery:
     """The Celery app with its tasks, for ``sluicegate batch-worker``."""
     settings = settings or get_settings()
     app = make_app(settings)
-    register(app, settings)
+    register(app, settings, metrics)
     return app
 
 
@@ -92,7 +93,9 @@ def run_worker(settings: Settings, *, beat: bool = True, loglevel: str = "INFO")
     # each child, from ``worker_process_init``). Off without an OTLP endpoint.
     configure_tracing("sluicegate-batch-worker", settings.otlp_endpoint)
     instrument_celery()
-    app = build_worker_app(settings)
+    metrics = BatchMetrics()
+    metrics.serve(settings.batch_metrics_port)
+    app = build_worker_app(settings, metrics)
     argv = ["worker", "--pool=solo", f"--loglevel={loglevel}", "--without-gossip", "--without-mingle"]
     # Scale by running more batch workers (``--no-beat``); one beat is enough, a second only duplicates ticks.
     argv += ["-Q", app.conf.task_default_queue, "-n", f"batch-{settings.topic_prefix or 'default'}-{os.getpid()}@%h"]

@@ -194,6 +194,9 @@ class Settings(BaseSettings):
     router_metrics_port: int = Field(
         8003, ge=0, le=65535, description="Port of the router stream processor's /metrics and /healthz; 0 disables."
     )
+    batch_metrics_port: int = Field(
+        8004, ge=0, le=65535, description="Port of a batch worker's /metrics (Celery worker); 0 disables it."
+    )
 
     # --- ingress and router ---------------------------------------------------------------------------
     ingress_host: str = Field("0.0.0.0", description="Address the ingress API binds to.")

@@ -41,7 +41,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult, TraceIdRatioBased
 from opentelemetry.trace import SpanKind
 
-from schemas import InferenceRequest
+from schemas import InferenceRequest, TraceContext
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 
 log = logging.getLogger(__name__)
@@ -280,6 +280,16 @@ def context_from_traceparent(traceparent: str | None, tracestate: str | None = N
     if traceparent and tracestate:
         carrier[HEADER_TRACESTATE] = tracestate
     return propagate.extract(carrier)
+
+
+def current_trace() -> TraceContext | None:
+    """The current span's context as a request's ``trace`` field (None while tracing is off or no span is
+    current): for work that starts later, elsewhere, as part of this trace (a batch's lines)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if HEADER_TRACEPARENT not in carrier:
+        return None
+    return TraceContext(traceparent=carrier[HEADER_TRACEPARENT], tracestate=carrier.get(HEADER_TRACESTATE))
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from schemas import BATCH_ENDPOINTS, Batch
 from sluicegate.api.errors import ApiError
 from sluicegate.batches.celery_app import kick
 from sluicegate.batches.store import BatchStore
+from sluicegate.telemetry import current_trace
 
 from ..auth import Caller
 from ..openapi import errors
@@ -91,6 +92,7 @@ async def create_batch(request: Request, caller: Caller, body: CreateBatchBody) 
         input_file_id=body.input_file_id,
         metadata=body.metadata,
         limits=caller.limits.resolve(settings),
+        trace=current_trace(),
     )
     log.info(
         "batch.created batch_id=%s tenant=%s file=%s lines=%d", batch.id, caller.tenant, stored.file.id, stored.lines

@@ -12,12 +12,12 @@ import json
 import secrets
 import time
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 from redis.asyncio import Redis
 
-from schemas import BATCH_TERMINAL, Batch, BatchErrors, BatchRequestCounts, FinalResult, Names
+from schemas import BATCH_TERMINAL, Batch, BatchErrors, BatchRequestCounts, FinalResult, Names, TraceContext
 from sluicegate.settings import Settings
 
 from ..api.limits import Limits
@@ -54,6 +54,7 @@ for i = 1, pairs_n do
   a = a + 2
 end
 local stored = 0
+local completed = 0
 local k = 2
 while a <= #ARGV do
   local status = redis.call('HGET', KEYS[k], 'status')
@@ -62,13 +63,27 @@ while a <= #ARGV do
       redis.call('HINCRBY', KEYS[k], ARGV[a + 2], 1)
       redis.call('HSET', KEYS[k], 'last_result_at', ARGV[1])
       stored = stored + 1
+      if ARGV[a + 2] == 'completed' then
+        completed = completed + 1
+      end
     end
   end
   a = a + 3
   k = k + 2
 end
-return stored
+return {completed, stored - completed}
 """
+
+
+class Resolved(NamedTuple):
+    """Outcomes newly stored by one :meth:`BatchStore.resolve`, by the batch counter each went to."""
+
+    completed: int
+    failed: int
+
+    @property
+    def total(self) -> int:
+        return self.completed + self.failed
 
 
 class LineOutcome(BaseModel):
@@ -127,8 +142,10 @@ class BatchStore:
         input_file_id: str,
         metadata: dict[str, str] | None,
         limits: Limits,
+        trace: TraceContext | None = None,
     ) -> Batch:
-        """A new batch in ``validating``, listed under its tenant and among the active batches."""
+        """A new batch in ``validating``, listed under its tenant and among the active batches. ``trace``: the
+        creating request's context, which every line's request carries (so the lines join that trace)."""
         now = int(time.time())
         batch = Batch(
             id=new_batch_id(),
@@ -140,6 +157,8 @@ class BatchStore:
             metadata=metadata,
         )
         fields = self._fields(batch) | {"tenant": tenant, "limits": json.dumps(asdict(limits)), "enqueued": "0"}
+        if trace is not None:
+            fields["trace"] = trace.model_dump_json(exclude_none=True)
         key = self.names.batch_key(batch.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
@@ -208,10 +227,12 @@ class BatchStore:
         return await self.transition(batch_id, "cancelling", ("validating", "in_progress"))
 
     # --- line outcomes ------------------------------------------------------------------------------
-    async def resolve(self, lines: list[tuple[str, int, LineOutcome]], offsets: dict[int, int] | None = None) -> int:
+    async def resolve(
+        self, lines: list[tuple[str, int, LineOutcome]], offsets: dict[int, int] | None = None
+    ) -> Resolved:
         """Store each (batch id, line, outcome) not already stored and count it; with ``offsets`` (partition ->
         next offset of ``llm.results``) the collector's position moves in the same atomic step. Returns how many
-        outcomes were new."""
+        outcomes were new, by the counter they went to."""
         keys = [self.names.batch_collector_offsets_key]
         args: list[Any] = [int(time.time() * 1000), len(offsets or {})]
         for partition, offset in (offsets or {}).items():
@@ -220,8 +241,9 @@ class BatchStore:
             keys += [self.names.batch_key(batch_id), self.names.batch_results_key(batch_id)]
             args += [line, outcome.model_dump_json(exclude_defaults=True), outcome.counter]
         if len(keys) == 1 and not offsets:
-            return 0
-        return int(await self._resolve(keys=keys, args=args))
+            return Resolved(0, 0)
+        completed, failed = await self._resolve(keys=keys, args=args)
+        return Resolved(int(completed), int(failed))
 
     async def resolved_lines(self, batch_id: str) -> set[int]:
         """Line numbers that have an outcome."""

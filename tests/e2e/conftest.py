@@ -253,6 +253,7 @@ def pipeline(
         # Several pipelines (and workers) share this host: no fixed metrics ports unless a module asks for them.
         "SLUICEGATE_WORKER_METRICS_PORT": "0",
         "SLUICEGATE_ROUTER_METRICS_PORT": "0",
+        "SLUICEGATE_BATCH_METRICS_PORT": "0",
         # Uploaded and batch output files: one folder that ingress and the batch workers share.
         "SLUICEGATE_FILES_URL": str(tmp_path_factory.mktemp("files")),
         **pipeline_env,

@@ -29,13 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Names
 
-from .conftest import Pipeline, free_port
+from .conftest import Pipeline, Service, free_port
 from .observability_names import dashboard_expressions, exposed_names, referenced_metrics, rule_expressions
 
 pytestmark = pytest.mark.slow
 
 WORKER_METRICS_PORT = free_port()
 ROUTER_METRICS_PORT = free_port()
+BATCH_METRICS_PORT = free_port()
 
 
 @dataclass
@@ -143,6 +144,8 @@ def pipeline_env(receiver: Receiver) -> dict[str, str]:
         "OTEL_BSP_SCHEDULE_DELAY": "200",  # export within the test's patience
         "SLUICEGATE_WORKER_METRICS_PORT": str(WORKER_METRICS_PORT),
         "SLUICEGATE_ROUTER_METRICS_PORT": str(ROUTER_METRICS_PORT),
+        "SLUICEGATE_BATCH_METRICS_PORT": str(BATCH_METRICS_PORT),
+        "SLUICEGATE_BATCH_TICK_S": "0.3",  # ETA samples often enough to see it fall within a short batch
     }
 
 
@@ -347,3 +350,125 @@ def test_dashboard_and_rules_name_only_exported_metrics(pipeline: Pipeline) -> N
     ):
         scraped |= exposed_names(_scrape(url)["text"])
     assert referenced_metrics(dashboard_expressions() + rule_expressions()) - scraped == set()
+
+
+@pytest.fixture(scope="module")
+def traced_batch_worker(pipeline: Pipeline) -> Iterator[Service]:
+    """A batch worker exporting spans and serving its metrics on ``BATCH_METRICS_PORT``."""
+    service = pipeline.start_batch_worker("batch-worker-observed")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{BATCH_METRICS_PORT}/metrics", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert service.alive() and time.monotonic() < deadline, service.log()
+        time.sleep(0.3)
+    yield service
+    pipeline.kill_group(service)
+
+
+def _batch_file(pipeline: Pipeline, lines: int, max_tokens: int, step: int = 0) -> str:
+    """An uploaded batch file of ``lines`` chat lines; line n asks for ``max_tokens + n * step`` tokens."""
+    body = "".join(
+        json.dumps(
+            {
+                "custom_id": f"line-{n}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": pipeline.model,
+                    "messages": [{"role": "user", "content": f"batch line {n}"}],
+                    "max_tokens": max_tokens + n * step,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        + "\n"
+        for n in range(lines)
+    )
+    return pipeline.openai().files.create(file=("in.jsonl", body.encode()), purpose="batch").id
+
+
+def test_batch_line_is_traced_from_create_to_collection(
+    pipeline: Pipeline, receiver: Receiver, traced_batch_worker: Service
+) -> None:
+    file_id = _batch_file(pipeline, 1, 4)
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    response = httpx.post(
+        f"{pipeline.ingress_url}/v1/batches",
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        headers={**pipeline.headers(), "traceparent": f"00-{trace_id}-{client_span}-01"},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    spans = receiver.wait_for(
+        trace_id,
+        {
+            ("sluicegate-ingress", "POST /v1/batches"),
+            ("sluicegate-worker", "chat tiny-e2e"),
+            ("sluicegate-batch-worker", "collect batch line"),
+        },
+        timeout_s=120,
+    )
+    by_id = {s.span_id: s for s in spans}
+    created = _one(spans, "sluicegate-ingress", "POST /v1/batches")
+    assert created.parent_id == client_span
+    # create -> the Celery task ingress sends (run by the batch worker, unless the beat got there first)
+    sent = _one(spans, "sluicegate-ingress", "apply_async/sluicegate.batch.advance")
+    assert sent.parent_id == created.span_id
+    ran = [s for s in spans if s.name == "run/sluicegate.batch.advance"]
+    assert all(s.service == "sluicegate-batch-worker" and s.parent_id == sent.span_id for s in ran), ran
+    # -> the line's Kafka record (published by whichever task stepped the batch, in the batch's trace) -> the
+    # worker's request span -> its result record -> the collector storing the line's outcome.
+    published = next(s for s in spans if s.service == "sluicegate-batch-worker" and s.name.endswith(".batch send"))
+    assert published.parent_id == created.span_id and published.kind == 4  # PRODUCER
+    served = _one(spans, "sluicegate-worker", "chat tiny-e2e")
+    assert served.parent_id == published.span_id
+    collected = _one(spans, "sluicegate-batch-worker", "collect batch line")
+    result_record = by_id[collected.parent_id]
+    assert result_record.service == "sluicegate-worker" and result_record.name.endswith("llm.results send")
+    assert result_record.parent_id == served.span_id
+    batch_id = response.json()["id"]
+    assert collected.attributes == {"sluicegate.batch_id": batch_id, "sluicegate.batch_line": 1}
+
+
+def test_batch_worker_metrics_and_a_falling_eta(pipeline: Pipeline, traced_batch_worker: Service) -> None:
+    url = f"http://127.0.0.1:{BATCH_METRICS_PORT}/metrics"
+    before = _scrape(url)["families"]
+    lines = 60
+    client = pipeline.openai()
+    batch = client.batches.create(
+        # Lengths spread out so lines finish over many ticks rather than all in one engine step.
+        input_file_id=_batch_file(pipeline, lines, 8, step=4),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    etas: list[float] = []
+    deadline = time.monotonic() + 180
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch.model_dump_json()
+        eta = (batch.model_extra or {}).get("eta_seconds")
+        if batch.status == "in_progress" and eta is not None:
+            etas.append(float(eta))
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch.model_dump_json()
+    # The ETA is there while the batch runs, and it falls as lines finish.
+    assert len(etas) >= 2, etas
+    assert etas[-1] < etas[0], etas
+
+    after = _scrape(url)["families"]
+
+    def grew(name: str, sample: str, **labels: str) -> float:
+        return _total(after, name, sample, **labels) - (_total(before, name, sample, **labels) if name in before else 0)
+
+    assert grew("sluicegate_batch_lines_enqueued", "sluicegate_batch_lines_enqueued_total") == lines
+    finished = "sluicegate_batch_lines_finished_total"
+    assert grew("sluicegate_batch_lines_finished", finished, outcome="completed") == lines
+    assert _total(after, "sluicegate_batch_lines_in_flight", "sluicegate_batch_lines_in_flight") >= 0
+    assert "sluicegate_batch_collector_lag_records" in after and "sluicegate_batch_active" in after
+    # Scored against the real finish: the ETA given once a tenth of the lines were done.
+    eta_error = "sluicegate_batch_eta_error_ratio"
+    assert grew(eta_error, eta_error + "_count") == 1

@@ -264,8 +264,8 @@ async def test_a_result_seen_twice_is_stored_and_counted_once(settings: Settings
         tenant="acme", endpoint="/v1/chat/completions", input_file_id="file-x", metadata=None, limits=Limits()
     )
     outcome = LineOutcome(code="invalid_request", message="no", status_code=400)
-    assert await store.resolve([(batch.id, 1, outcome)], {0: 5}) == 1
-    assert await store.resolve([(batch.id, 1, outcome), (batch.id, 2, outcome)], {0: 7, 1: 3}) == 1
+    assert (await store.resolve([(batch.id, 1, outcome)], {0: 5})).total == 1
+    assert (await store.resolve([(batch.id, 1, outcome), (batch.id, 2, outcome)], {0: 7, 1: 3})).total == 1
     state = await store.state(batch.id)
     assert state is not None and state["failed"] == "2"
     assert await redis.hgetall(names.batch_collector_offsets_key) == {b"0": b"7", b"1": b"3"}
