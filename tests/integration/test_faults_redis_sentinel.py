@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from needs import require
 from redis.exceptions import RedisError
 from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
     PROMPT,
@@ -97,8 +98,7 @@ async def running_worker(kafka_bootstrap: str, redis_url: str, model_path: Path,
 
 @pytest.fixture
 def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
-    if not have_binaries():
-        pytest.skip("redis-server and redis-sentinel are needed (apt-get install redis-sentinel)")
+    require(have_binaries(), "redis-server and redis-sentinel", "apt-get install redis-sentinel")
     group = SentinelSet(tmp_path)
     try:
         group.start()

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from needs import require_tool
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -187,9 +187,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            pytest.skip("redis-server is not installed")
+        server = require_tool("redis-server", "apt-get install redis-server")
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.data_dir)]
         self.process = subprocess.Popen(
