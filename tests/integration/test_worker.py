@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fault_report import count_events, fault_report
 from needs import require_tool
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -552,22 +553,25 @@ async def test_worker_rides_out_redis_restarts(
             await asyncio.sleep(1.5)
             server.start()
             restarted, outage = time.time(), time.monotonic() - killed
-            for request in requests:
-                assert_exactly_once(await wait_terminal(redis, names, request.request_id), ref)
+            streams = {r.request_id: await wait_terminal(redis, names, r.request_id) for r in requests}
+            for events in streams.values():
+                assert_exactly_once(events, ref)
             # Redis was killed mid-generation: every request had streamed some, not all, of its tokens.
             assert all(0 < n < max_tokens for n in before_kill.values()), before_kill
             await wait_heartbeat_after(redis, names, restarted)
             retries = sum("redis append failed" in r.getMessage() for r in caplog.records)
             assert retries > 0
-            report(
+            fault_report(
                 "redis_restart_appendonly",
+                count_events(
+                    {rid: [e.seq for e in events] for rid, events in streams.items()},
+                    {rid: events[-1].seq for rid, events in streams.items()},
+                ),
                 requests=len(requests),
                 tokens_each=max_tokens,
                 events_before_kill=sorted(before_kill.values()),
                 outage_s=round(outage, 2),
                 append_retries=retries,
-                losses=0,
-                duplicates=0,
             )
     finally:
         with contextlib.suppress(Exception):
