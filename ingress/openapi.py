@@ -154,7 +154,11 @@ class SubmitResponse(_Doc):
     model: str
     priority: Tier
     stream_url: str
-    stream_token: str = Field(description="Pass as ?token= to the result service; opens only this request.")
+    stream_token: str = Field(
+        description="Pass as ?token= to the result service; opens only this request, until it expires (the "
+        "request's longest life, SLUICEGATE_REQUEST_RECORD_TTL_S, plus the stream's retention, "
+        "SLUICEGATE_STREAM_TTL_S); an expired one is refused (WebSocket 1008, HTTP 401) saying so."
+    )
 
 
 class CancelResponse(_Doc):

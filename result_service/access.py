@@ -1,7 +1,7 @@
 """Who may read a stream, from where, and whether there is anything left to read.
 
 Shared by the WebSocket and SSE endpoints: both check the request id, the stream token (an HMAC
-bound to request id and tenant) and the resume point, then probe Redis once so that a client
+bound to request id, tenant and the token's expiry) and the resume point, then probe Redis once so that a client
 resuming after the end, or asking for an expired stream, gets an answer instead of waiting forever.
 """
 
@@ -17,7 +17,7 @@ from schemas import Names, RequestRecord, TraceContext
 from schemas.common import RequestId
 from sluicegate.stream_entries import parse_entry
 from sluicegate.stream_follower import START_SEQ
-from sluicegate.stream_tokens import verify_stream_token
+from sluicegate.stream_tokens import InvalidStreamToken, verify_stream_token
 
 from .hub import StreamHub
 from .wire import BadLastId, parse_last_id
@@ -29,7 +29,7 @@ _ENDED_STATUSES = frozenset({"finished", "cancelled", "failed"})
 
 
 class AccessDenied(Exception):
-    """No valid stream token for this request (WebSocket 1008, HTTP 401)."""
+    """No valid stream token for this request, or an expired one (WebSocket 1008, HTTP 401)."""
 
 
 class BadStreamRequest(ValueError):
@@ -46,8 +46,11 @@ class StreamGrant:
     after_seq: int
 
 
-def authorise(secret: str, request_id: str, token: str | None, *last_ids: str | None) -> StreamGrant:
-    """Check the request id, the token and every resume point given; the latest resume point wins.
+def authorise(
+    secret: str, request_id: str, token: str | None, *last_ids: str | None, now: float | None = None
+) -> StreamGrant:
+    """Check the request id, the token (and its expiry, against ``now``: the clock by default) and every resume
+    point given; the latest resume point wins.
 
     Raises :class:`BadStreamRequest` or :class:`AccessDenied` with a message fit for the client.
     """
@@ -57,9 +60,10 @@ def authorise(secret: str, request_id: str, token: str | None, *last_ids: str | 
         raise BadStreamRequest("request id must be 1-128 characters of letters, digits and . _ : -") from None
     if not token:
         raise AccessDenied("missing stream token: pass the stream_token from the submit response as ?token=")
-    tenant = verify_stream_token(secret, request_id, token)
-    if tenant is None:
-        raise AccessDenied("invalid stream token for this request")
+    try:
+        tenant = verify_stream_token(secret, request_id, token, now=now)
+    except InvalidStreamToken as exc:  # expired ones included: the message says which
+        raise AccessDenied(str(exc)) from None
     try:
         after = max((parse_last_id(last_id) for last_id in last_ids), default=START_SEQ)
     except BadLastId as exc:

@@ -373,6 +373,12 @@ class Settings(BaseSettings):
         "", description="API key `sluicegate batch` sends when neither --api-key nor OPENAI_API_KEY is given."
     )
 
+    @property
+    def stream_token_lifetime_s(self) -> int:
+        """Seconds a stream token stays valid after issue: the request's longest life (its status record and cancel
+        marker are kept ``request_record_ttl_s``) plus the finished stream's retention (``stream_ttl_s``)."""
+        return self.request_record_ttl_s + self.stream_ttl_s
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -30,6 +30,9 @@ from sluicegate.settings import Settings
 
 log = logging.getLogger("tests.backbone")
 
+# tests/needs.py: what a test needs is a skip on a developer's machine and a failure under CI=true.
+pytest_plugins = ("needs",)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Not the defaults (9092/6379): a developer's own `sluicegate dev up` stack stays untouched.
 TEST_KAFKA_PORT = 19092

@@ -41,17 +41,17 @@ fi
 # Broker jars into .sluicegate/kafka/libs, fetched once.
 "$PY" -m sluicegate.stack.devstack fetch >/dev/null
 # helm for the chart tests, at the version pinned in infra/helm/HELM_VERSION, built once from source
-# with the Go toolchain into .sluicegate/bin (without Go the chart tests skip and say why).
+# with the Go toolchain into .sluicegate/bin (without Go the chart tests skip and say why; under CI=true they fail).
 if [[ "$action" == test ]]; then
     # Headless Chromium and its driver for the chat page's browser test (tests/e2e/test_chat_page_browser.py),
-    # from Debian's packages; without root the test skips and says why.
+    # from Debian's packages; without root the test skips and says why (under CI=true it fails: tests/needs.py).
     if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
         if [[ "$(id -u)" -eq 0 ]]; then
             echo "setup: installing chromium chromium-driver"
             DEBIAN_FRONTEND=noninteractive apt-get update -q
             DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium chromium-driver
         else
-            echo "setup: chromium/chromedriver missing and not root: the browser test will skip" >&2
+            echo "setup: chromium/chromedriver missing and not root: the browser test will skip (fail under CI=true)" >&2
         fi
     fi
     go_bin=$(command -v go || true)

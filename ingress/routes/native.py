@@ -46,7 +46,9 @@ async def submit(request: Request) -> JSONResponse:
         "model": inference.model,
         "priority": inference.priority,
         "stream_url": f"{settings.public_stream_url.rstrip('/')}/v1/streams/{rid}",
-        "stream_token": issue_stream_token(settings.stream_token_secret, rid, inference.tenant),
+        "stream_token": issue_stream_token(
+            settings.stream_token_secret, rid, inference.tenant, lifetime_s=settings.stream_token_lifetime_s
+        ),
     }
     return JSONResponse(payload, status_code=202, headers={"x-request-id": rid})
 

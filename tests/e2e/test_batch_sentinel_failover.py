@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from needs import needs
 
 from benchmarks.redis_failover import SentinelSet, have_binaries
 
@@ -26,7 +27,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(not have_binaries(), reason="redis-server and redis-sentinel are needed"),
+    needs(have_binaries(), "redis-server and redis-sentinel", "apt-get install redis-sentinel"),
 ]
 
 LINES = 200

@@ -5,12 +5,13 @@ tokens/s under it, Stop ends the request as cancelled by the worker, a WebSocket
 resumes from ``last_id`` with exactly the text the Redis stream holds, and refused requests (a bad key,
 an unknown model, a rate limit's 429) and a stream that ends in an ``error`` event are explained to the
 person. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test``
-installs them); without them the module skips and says so. ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
+installs them); without them the module skips and says so (fails under ``CI``). ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
 writes the screenshots into ``docs/screenshots/`` (they always go to the test's tmp dir).
 """
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports below follow require_import (tests/needs.py), a CI-aware importorskip
 import json
 import os
 import re
@@ -21,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from needs import needs, require_import
 
 from schemas import DoneEvent, TokenEvent, seq_from_entry_id
 
 from .conftest import Pipeline
 
-pytest.importorskip("selenium", reason="selenium is not installed (pip install -e '.[dev]')")
+require_import("selenium", "pip install -e '.[dev]'")
 
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service as ChromeService
@@ -45,10 +47,10 @@ THROTTLED_KEY = "sk-throttled-page-test-key"
 TTFT_AND_RATE = re.compile(r"^TTFT \d+(?: ms|\.\d\d s) · \d+\.\d tok/s · \d+ tokens$")
 
 pytestmark = [
-    pytest.mark.skipif(
-        not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
-        reason="headless Chromium not installed: apt-get install -y chromium chromium-driver "
-        "(bash infra/local/run.sh test does it)",
+    needs(
+        os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK),
+        "headless Chromium (chromium, chromedriver)",
+        "apt-get install -y chromium chromium-driver; bash infra/local/run.sh test does it",
     ),
     pytest.mark.timeout(600),
 ]

@@ -249,7 +249,7 @@ async def test_kafka_native_request_is_routed_and_streamed(pipeline: Pipeline) -
     await produce_inbound(pipeline, [body])
 
     secret = pipeline.env["SLUICEGATE_STREAM_TOKEN_SECRET"]
-    url = f"{ws_base(pipeline)}/v1/streams/{rid}?token={issue_stream_token(secret, rid, tenant)}"
+    url = f"{ws_base(pipeline)}/v1/streams/{rid}?token={issue_stream_token(secret, rid, tenant, lifetime_s=3600)}"
     events, code = await read_ws(url)
     assert_complete_stream(events, rid)
     assert code == CLOSE_NORMAL

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from fault_report import count_events, count_text, fault_report
 from websockets.asyncio.client import connect
 
 from gpu_workers.engine import LLM, IncrementalDetokenizer, SamplingParams
@@ -35,10 +36,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300
 PROMPT = "Once upon a time in a land far away"
 MAX_TOKENS = 300
 WORKERS = ("worker-a", "worker-b")
-
-
-def report(name: str, **figures: Any) -> None:
-    print(f"\nFAULT-REPORT {json.dumps({'test': name, **figures})}")
 
 
 @pytest.fixture(scope="module")
@@ -212,15 +209,18 @@ async def test_killed_worker_is_a_pause_for_websocket_and_openai_streaming_clien
     # Another worker finished both.
     assert pipeline.record(rid).worker_id != owner
     assert pipeline.record(sse.request_id).worker_id != owner
-    report(
+    fault_report(
         "kill9_mid_generation",
+        {
+            # The WebSocket client's events against its stream (seq 0..done); the SSE client's text (characters).
+            "websocket": count_events({rid: [e["seq"] for e in events]}, {rid: pipeline.stream_events(rid)[-1].seq}),
+            "openai_sse": count_text("".join(sse.pieces), reference),
+        },
         requests=2,
         tokens_each=MAX_TOKENS,
         killed_after_events={"websocket": ws_delivered, "openai_sse": sse_delivered},
         pause_s={"websocket": round(max_gap(times), 2), "openai_sse": round(max_gap(sse.times), 2)},
-        losses=0,
-        duplicates=0,
-        restarts=0,
+        restarts=sum(e["type"] == "restart" for e in events),
     )
 
 
@@ -323,8 +323,9 @@ def test_soak_kill_and_restart_workers_under_load(pipeline: Pipeline, llm: LLM) 
     drained_s = time.monotonic() - started - load_s
 
     tokens_total = 0
+    streams = {rid: pipeline.stream_events(rid) for rid in accepted}
     for rid, (prompt, max_tokens) in accepted.items():
-        events = pipeline.stream_events(rid)
+        events = streams[rid]
         assert [e.seq for e in events] == list(range(len(events))), f"{rid}: gap or duplicate"
         assert [e.type for e in events].count("done") == 1 and events[-1].type == "done", f"{rid}: {events[-1]}"
         assert not any(isinstance(e, RestartEvent) for e in events)
@@ -341,8 +342,12 @@ def test_soak_kill_and_restart_workers_under_load(pipeline: Pipeline, llm: LLM) 
     assert not missing, f"{len(missing)} requests without a final result on llm.results"
     for rid, copies in results.items():
         assert len({(r.text, tuple(r.token_ids)) for r in copies}) == 1, f"{rid}: conflicting final results"
-    report(
+    fault_report(
         "soak_kill9_restart",
+        count_events(
+            {rid: [e.seq for e in events] for rid, events in streams.items()},
+            {rid: events[-1].seq for rid, events in streams.items()},
+        ),
         load_s=round(load_s, 1),
         drain_s=round(drained_s, 1),
         kills=kills,
@@ -350,8 +355,6 @@ def test_soak_kill_and_restart_workers_under_load(pipeline: Pipeline, llm: LLM) 
         refused_submits=dict(collections.Counter(errors)),
         finished=len(accepted),
         tokens=tokens_total,
-        losses=0,
-        duplicates=0,
         duplicate_final_results=sum(len(c) - 1 for c in results.values()),
         resumed_mid_stream=count_in_worker_logs(pipeline, "worker.resuming") - resumed_before,
     )

@@ -29,6 +29,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from ingress_support import KEY, MODEL, running_ingress
+from needs import require
 
 from benchmarks.common import free_port_run
 from schemas import InferenceRequest, Names
@@ -64,7 +65,8 @@ def cluster() -> Iterator[tuple[Settings, devstack.StackInfo]]:
     try:
         info = devstack.up(config)
     except devstack.DevStackError as exc:
-        pytest.skip(f"cannot start a private 3-broker Kafka: {exc}")
+        require(False, "a private 3-broker Kafka (the Kafka jars)", str(exc))
+        raise
     try:
         yield config, info
     finally:

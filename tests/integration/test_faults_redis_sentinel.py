@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fault_report import count_events, fault_report
+from needs import require
 from redis.exceptions import RedisError
 from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
     PROMPT,
@@ -31,7 +33,6 @@ from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
     model_dir,
     publish,
     reference_run,
-    report,
     request_for,
 )
 
@@ -97,8 +98,7 @@ async def running_worker(kafka_bootstrap: str, redis_url: str, model_path: Path,
 
 @pytest.fixture
 def sentinels(tmp_path: Path) -> Iterator[SentinelSet]:
-    if not have_binaries():
-        pytest.skip("redis-server and redis-sentinel are needed (apt-get install redis-sentinel)")
+    require(have_binaries(), "redis-server and redis-sentinel", "apt-get install redis-sentinel")
     group = SentinelSet(tmp_path)
     try:
         group.start()
@@ -195,6 +195,16 @@ async def assert_streams_complete(url: str, names: Names, seen: dict[str, list[i
     return bytes(role[0])
 
 
+async def final_seqs(url: str, names: Names, request_ids: list[str]) -> dict[str, int]:
+    """Each stream's last seq on the current primary (its ``done``, checked by :func:`assert_streams_complete`)."""
+    client = create_redis(url=url, socket_timeout=5)
+    try:
+        last = {rid: await client.xrevrange(names.stream_key(rid), count=1) for rid in request_ids}
+    finally:
+        await client.aclose()
+    return {rid: parse_stream_event(entries[0][1][STREAM_FIELD.encode()]).seq for rid, entries in last.items()}
+
+
 async def test_primary_killed_mid_stream_every_stream_ends_once(
     kafka_bootstrap: str,
     model_dir: Path,  # noqa: F811
@@ -214,16 +224,15 @@ async def test_primary_killed_mid_stream_every_stream_ends_once(
         role = await assert_streams_complete(sentinels.url, live.worker.names, seen, tokens)
     assert role == b"master"
     assert all(0 < n < max_tokens for n in at_kill.values()), at_kill
-    report(
+    fault_report(
         "redis_sentinel_failover",
+        count_events(seen, await final_seqs(sentinels.url, live.worker.names, list(seen))),
         requests=len(seen),
         tokens_each=max_tokens,
         events_seen_at_kill=sorted(at_kill.values()),
         kill_to_all_done_s=round(finished_s, 2),
         longest_pause_s=round(max(b - a for a, b in itertools.pairwise(arrivals)), 2),
         promoted=role.decode(),
-        losses=0,
-        duplicates=0,
     )
 
 
@@ -257,8 +266,9 @@ async def test_appends_the_replica_never_received_are_restored_after_failover(
     publisher = live.worker.task.result().outputs.publisher  # type: ignore[attr-defined]
     assert role == b"master"
     assert all(at_cut[rid] < at_kill[rid] < max_tokens for rid in seen), (at_cut, at_kill)
-    report(
+    fault_report(
         "redis_failover_unreplicated_appends",
+        count_events(seen, await final_seqs(sentinels.url, live.worker.names, list(seen))),
         requests=len(seen),
         tokens_each=max_tokens,
         events_seen_at_cut=sorted(at_cut.values()),
@@ -266,8 +276,6 @@ async def test_appends_the_replica_never_received_are_restored_after_failover(
         reappended=publisher.reappended,
         kill_to_next_event_s=round(min(t for t in arrivals if t > killed) - killed, 2),
         kill_to_all_done_s=round(finished_s, 2),
-        losses=0,
-        duplicates=0,
     )
 
 

@@ -110,6 +110,9 @@ async def test_native_submit_publishes_routed_request_with_headers(
     assert submitted["stream_url"] == f"ws://results.example:8001/v1/streams/{rid}"
     tenant = f"key-{hash_key(KEY)[:8]}"
     assert verify_stream_token("integration-secret", rid, submitted["stream_token"]) == tenant
+    # Valid for the request's longest life plus the stream's retention, from the submit.
+    expires_at = int(submitted["stream_token"].split(".")[-2])
+    assert abs(expires_at - (time.time() + settings.stream_token_lifetime_s)) < 60
 
     async with reader(settings, names.request_topic(MODEL, "interactive"), partitions=3) as consumer:
         (record,) = await consume(consumer, 1)

@@ -33,6 +33,7 @@ import httpx
 import pytest
 from aiokafka import TopicPartition
 from ingress_support import KEY, MODEL, running_ingress
+from needs import require
 from redis.asyncio import Redis
 
 from schemas import CancelRequest, InferenceRequest, Names
@@ -98,7 +99,8 @@ def stack() -> Iterator[PrivateStack]:
     try:
         info = devstack.up(config)
     except devstack.DevStackError as exc:
-        pytest.skip(f"cannot start a private Kafka/Redis: {exc}")
+        require(False, "a private Kafka/Redis (the Kafka jars, redis-server)", str(exc))
+        raise
     private = PrivateStack(config, info)
     try:
         yield private

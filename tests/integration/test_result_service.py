@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -86,7 +87,7 @@ class Running:
     ws_url: str
 
     def stream_url(self, request_id: str, token: str | None = None, **params: str) -> str:
-        token = issue_stream_token(SECRET, request_id, TENANT) if token is None else token
+        token = issue_stream_token(SECRET, request_id, TENANT, lifetime_s=3600) if token is None else token
         query = httpx.QueryParams({"token": token, **params})
         return f"{self.ws_url}/v1/streams/{request_id}?{query}"
 
@@ -308,7 +309,7 @@ async def test_expired_stream_of_a_finished_request_is_reported(service: Running
         ("", "missing stream token"),
         ("acme.0000", "invalid stream token"),
         ("no-dot-here", "invalid stream token"),
-        (issue_stream_token("another-secret", "x", TENANT), "invalid stream token"),
+        (issue_stream_token("another-secret", "x", TENANT, lifetime_s=3600), "invalid stream token"),
     ],
 )
 async def test_bad_tokens_are_refused_with_1008(service: Running, redis: Redis, token: str, reason: str) -> None:
@@ -320,10 +321,24 @@ async def test_bad_tokens_are_refused_with_1008(service: Running, redis: Redis, 
     assert got.events == []
 
 
+async def test_an_expired_token_is_refused_saying_so_over_websocket_and_sse(service: Running, redis: Redis) -> None:
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, [*token_events(rid, 0, 2), done_event(rid, 2)])
+    expired = issue_stream_token(SECRET, rid, TENANT, lifetime_s=60, now=time.time() - 61)
+    got = await read_stream(service.stream_url(rid, token=expired))
+    assert got.code == 1008
+    assert "stream token expired at" in got.reason
+    assert got.events == []
+    async with httpx.AsyncClient(base_url=service.http_url, timeout=10) as client:
+        refused = await client.get(f"/v1/streams/{rid}/sse", params={"token": expired})
+    assert refused.status_code == 401
+    assert "stream token expired at" in refused.json()["detail"]
+
+
 async def test_token_for_another_request_is_refused(service: Running, redis: Redis) -> None:
     rid, other = f"req-{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
     await append(redis, service.names, [*token_events(rid, 0, 2), done_event(rid, 2)])
-    got = await read_stream(service.stream_url(rid, token=issue_stream_token(SECRET, other, TENANT)))
+    got = await read_stream(service.stream_url(rid, token=issue_stream_token(SECRET, other, TENANT, lifetime_s=3600)))
     assert got.code == 1008
     assert "invalid stream token" in got.reason
     assert got.events == []
@@ -334,7 +349,9 @@ async def test_malformed_last_id_and_request_id_are_refused(service: Running) ->
     assert got.code == 1008
     assert "last_id" in got.reason
     bad_id = "bad!id"
-    url = service.stream_url(bad_id, token=issue_stream_token(SECRET, bad_id, TENANT)).replace("!", "%21")
+    url = service.stream_url(bad_id, token=issue_stream_token(SECRET, bad_id, TENANT, lifetime_s=3600)).replace(
+        "!", "%21"
+    )
     got = await read_stream(url)
     assert got.code == 1008
     assert "request id" in got.reason
@@ -641,7 +658,7 @@ def parse_sse(body: str) -> list[tuple[str | None, dict[str, Any]]]:
 
 async def test_sse_relays_and_honours_last_event_id(service: Running, redis: Redis) -> None:
     rid = f"req-{uuid.uuid4().hex[:8]}"
-    token = issue_stream_token(SECRET, rid, TENANT)
+    token = issue_stream_token(SECRET, rid, TENANT, lifetime_s=3600)
     await append(redis, service.names, [*token_events(rid, 0, 6), done_event(rid, 6)])
     async with httpx.AsyncClient(base_url=service.http_url, timeout=10) as client:
         response = await client.get(
@@ -673,7 +690,7 @@ async def test_sse_relays_and_honours_last_event_id(service: Running, redis: Red
 
 async def test_sse_live_tail(service: Running, redis: Redis) -> None:
     rid = f"req-{uuid.uuid4().hex[:8]}"
-    token = issue_stream_token(SECRET, rid, TENANT)
+    token = issue_stream_token(SECRET, rid, TENANT, lifetime_s=3600)
 
     async def produce() -> None:
         await asyncio.sleep(0.2)

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+from needs import needs
 from redis.asyncio import Redis
 
 from benchmarks.redis_failover import redis_pair
@@ -85,7 +86,7 @@ async def test_events_kept_for_a_replica_are_bounded(redis_url: str, unique_pref
         await client.aclose()
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is needed")
+@needs(shutil.which("redis-server") is not None, "redis-server", "apt-get install redis-server")
 async def test_a_replica_acknowledgement_releases_kept_events() -> None:
     with redis_pair() as pair:
         await pair.synced()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from needs import require_import
 
 from sluicegate import event_loop
 
 
 def test_run_returns_the_result_on_a_uvloop_loop() -> None:
-    pytest.importorskip("uvloop")
+    require_import("uvloop")
 
     async def main() -> str:
         await asyncio.sleep(0)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from needs import needs
 from safetensors.torch import save_file
 
 from gpu_workers.engine import LLM, EngineConfig, SamplingParams
@@ -35,12 +36,26 @@ def _prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
     return [rng.randrange(3, 512) for _ in range(n)]
 
 
-def _triton_available() -> bool:
+def _triton_importable() -> bool:
     try:
-        from gpu_workers.engine.attention.triton_kernels import INTERPRETED
+        import gpu_workers.engine.attention.triton_kernels  # noqa: F401
     except ImportError:
         return False
+    return True
+
+
+def _triton_mode() -> bool:
+    """Whether the kernels can run here: compiled on CUDA, or interpreted (TRITON_INTERPRET=1 before import)."""
+    from gpu_workers.engine.attention.triton_kernels import INTERPRETED
+
     return INTERPRETED or torch.cuda.is_available()
+
+
+# A missing triton is a missing dependency (a failure under CI); the wrong mode is the machine's.
+NEEDS_TRITON = [
+    needs(_triton_importable(), "triton", "a dependency of torch; pip install -e '.[dev]'"),
+    pytest.mark.skipif(_triton_importable() and not _triton_mode(), reason="needs CUDA or TRITON_INTERPRET=1"),
+]
 
 
 def teacher_forced_logits(llm: LLM, tokens: list[int], prompt_len: int) -> torch.Tensor:
@@ -111,7 +126,7 @@ def test_blocks_per_gib_double_against_a_16_bit_cache(
         pytest.param(
             "llama3_tied",
             "triton",
-            marks=pytest.mark.skipif(not _triton_available(), reason="needs CUDA or TRITON_INTERPRET=1"),
+            marks=NEEDS_TRITON,
         ),
     ],
 )
@@ -217,7 +232,8 @@ def test_preempted_sequence_recomputes_into_the_fp8_cache(
         assert finals[(True, request_id)].token_ids == finals[(False, request_id)].token_ids
 
 
-@pytest.mark.skipif(not _triton_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+@NEEDS_TRITON[0]
+@NEEDS_TRITON[1]
 def test_padded_decode_path_calibrates_eagerly_then_matches_eager(
     model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]
 ) -> None:
@@ -241,7 +257,8 @@ def test_padded_decode_path_calibrates_eagerly_then_matches_eager(
     assert results[0] == results[1]
 
 
-@pytest.mark.skipif(not _triton_available(), reason="needs CUDA or TRITON_INTERPRET=1")
+@NEEDS_TRITON[0]
+@NEEDS_TRITON[1]
 def test_cascade_over_a_shared_fp8_prefix_matches_plain_attention(
     model_dir: Callable[[str], Path], make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import require_import
 
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.core.sequence import Sequence
@@ -278,7 +279,7 @@ def test_triton_backend_verifies_drafts_like_plain_decoding(
 ) -> None:
     """The verification pass (a multi-token query per sequence over its cached prefix) through the Triton kernels
     (interpreted on CPU: short prompts, few tokens)."""
-    pytest.importorskip("triton")
+    require_import("triton")
     from gpu_workers.engine.attention.triton_kernels import INTERPRETED
 
     if not torch.cuda.is_available() and not INTERPRETED:

@@ -8,6 +8,7 @@ TRITON_INTERPRET=1 before anything imports triton), which is slow: prompts stay 
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports below follow require_import (tests/needs.py), a CI-aware importorskip
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from needs import require_import
 
-pytest.importorskip("triton")
+require_import("triton", "a dependency of torch; pip install -e '.[dev]'")
 
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.attention import triton_backend

@@ -9,13 +9,15 @@ the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERP
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports below follow require_import (tests/needs.py), a CI-aware importorskip
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from needs import require_import
 
-pytest.importorskip("triton")
+require_import("triton", "a dependency of torch; pip install -e '.[dev]'")
 
 from test_triton_kernels import DEVICES, MIXED_SEQS, TOLERANCE, Batch, dense_attention, make_batch
 

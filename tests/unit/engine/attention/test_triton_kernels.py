@@ -9,6 +9,7 @@ dense tensors, so a kernel that reads a wrong slot, an unwritten slot or a futur
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the imports below follow require_import (tests/needs.py), a CI-aware importorskip
 import math
 import os
 import subprocess
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from needs import require_import
 
-pytest.importorskip("triton")
+require_import("triton", "a dependency of torch; pip install -e '.[dev]'")
 
 from gpu_workers.engine.attention import triton_kernels as tk
 from gpu_workers.engine.attention.metadata import AttentionMetadata

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from needs import needs
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -28,7 +29,7 @@ try:
 except ImportError:  # the GPU image has none unless a wheel is carried: fp8 is still tested there
     bnb = None
 
-needs_bnb = pytest.mark.skipif(bnb is None, reason="bitsandbytes is not installed")
+needs_bnb = needs(bnb is not None, "bitsandbytes", "pip install -e '.[dev]'")
 # Every method, the bnb ones skipped (not the whole module) where bitsandbytes is missing.
 METHODS = [pytest.param(m, marks=needs_bnb) if m.startswith("bnb") else m for m in SUPPORTED_QUANTIZATIONS]
 
