@@ -11,6 +11,8 @@ rate the whole run; their TTFT is the time from sending the request to the first
 3. ``without batch (after)``: interactive load alone again, so a drift of the machine shows.
 
 The ratio is the with-batch TTFT p99 over the p99 of both no-batch phases pooled (target: within 1.25x).
+The batch's ``eta_seconds``, as the client sees it the first time a tenth of the lines are done, is scored
+against the finish the client then sees: |predicted - real| / the time that was really left (target: 25 %).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 TARGET_RATIO = 1.25
+#: The batch's ETA is scored when a tenth of its lines are done (issue 35: within 25 % of the real finish).
+ETA_CHECK_AT = 0.10
+ETA_TARGET = 0.25
 
 
 @dataclass
@@ -74,6 +79,17 @@ class BatchRun:
     #: When the client first saw the batch ``in_progress``, and first saw it past that (monotonic clock).
     in_progress_from: float | None = None
     in_progress_to: float | None = None
+    #: The first ``eta_seconds`` seen once a tenth of the lines were done: (seen at, predicted finish), monotonic.
+    eta_check: tuple[float, float] | None = None
+    finished_at: float | None = None
+
+    @property
+    def eta_error(self) -> float:
+        """|predicted finish - real finish| / real time left, for the ETA seen at a tenth done (NaN: none seen)."""
+        if self.eta_check is None or self.finished_at is None or self.finished_at <= self.eta_check[0]:
+            return float("nan")
+        seen, predicted = self.eta_check
+        return abs(predicted - self.finished_at) / (self.finished_at - seen)
 
     @property
     def lines_per_s(self) -> float:
@@ -169,6 +185,12 @@ async def with_batch(client: AsyncOpenAI, args: argparse.Namespace, workdir: Pat
             if batch.status != "in_progress" and run.in_progress_from is not None and run.in_progress_to is None:
                 run.in_progress_to = now
             counts = batch.request_counts
+            eta = (batch.model_extra or {}).get("eta_seconds")
+            done = counts.completed + counts.failed if counts is not None else 0
+            if run.eta_check is None and eta is not None and counts and done >= ETA_CHECK_AT * counts.total:
+                run.eta_check = (now, now + float(eta))
+            if batch.status in TERMINAL and run.finished_at is None:
+                run.finished_at = now
             if counts is not None and now - last_report > 5:
                 last_report = now
                 progress(f"  batch {batch.status}: {counts.completed + counts.failed}/{counts.total}")
@@ -247,6 +269,8 @@ def report(phases: list[Phase], run: BatchRun, args: argparse.Namespace) -> str:
         "engine -> first token, recorded worker-side)",
         "",
         f"TTFT p99 with batch / without: {fmt(ratio, 2)}x (target <= {TARGET_RATIO}x)",
+        f"ETA error (eta_seconds seen once {ETA_CHECK_AT:.0%} of the lines were done, against the real finish): "
+        f"{fmt(100 * run.eta_error, 1)} % of the time that was really left (target <= {ETA_TARGET:.0%})",
     ]
     return "\n".join(lines)
 

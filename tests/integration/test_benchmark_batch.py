@@ -38,3 +38,4 @@ def test_batch_benchmark_smoke(kafka_bootstrap: str, redis_url: str) -> None:
     assert cells[2] == "0" and "n/a" not in cells[3:], before  # no errors; client and engine TTFTs measured
     assert "| with batch |" in out, out
     assert "TTFT p99 with batch / without:" in out, out
+    assert "ETA error (eta_seconds seen once 10% of the lines were done" in out, out
