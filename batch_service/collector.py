@@ -8,6 +8,7 @@ It also measures the rate batch lines finish at, which every batch's ETA divides
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 #: Records stored per atomic Redis step.
 _GROUP = 500
-#: Weight of the newest pass in the completion-rate average.
-_RATE_ALPHA = 0.3
+#: Seconds over which the completion rate forgets: finishes older than a few of these barely count.
+RATE_TIME_CONSTANT_S = 60.0
 
 
 class Collector:
@@ -121,16 +122,21 @@ class Collector:
         self.runtime.metrics.collector_lag.set(lag)
 
     async def _measure(self, new: int, elapsed_s: float) -> None:
-        """Fold this pass into the completion rate: lines per second since the previous pass."""
+        """Fold this pass into the completion rate: lines finished per second of time with batches active, each
+        second weighted by exp(-age / RATE_TIME_CONSTANT_S). A decayed sum of lines over a decayed sum of
+        seconds has no start-up bias (an average of per-pass rates had: a burst in the first pass after a quiet
+        spell set the ETA of a whole batch), and time with no active batch does not dilute it."""
         key = self.runtime.names.batch_rate_key
         now = time.time()
         raw = {k.decode(): float(v) for k, v in (await self.runtime.redis.hgetall(key)).items()}
         last_at = raw.get("at")
-        rate = raw.get("rate", 0.0)
-        if last_at is not None and now - last_at > 0:
-            sample = new / (now - last_at)
-            rate = sample if rate == 0.0 else (1 - _RATE_ALPHA) * rate + _RATE_ALPHA * sample
-        await self.runtime.redis.hset(key, mapping={"at": now, "rate": rate})
+        lines, seconds = raw.get("lines", 0.0), raw.get("seconds", 0.0)
+        active = await self.runtime.redis.zcard(self.runtime.names.batches_active_key)
+        if last_at is not None and now > last_at and (active or new):
+            decay = math.exp(-(now - last_at) / RATE_TIME_CONSTANT_S)
+            lines, seconds = lines * decay + new, seconds * decay + (now - last_at)
+        rate = lines / seconds if seconds > 0 else 0.0
+        await self.runtime.redis.hset(key, mapping={"at": now, "lines": lines, "seconds": seconds, "rate": rate})
 
 
 def _trace_collected(headers: list[tuple[str, bytes]] | None, batch_id: str, line: int) -> None:
