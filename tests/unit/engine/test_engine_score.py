@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 from gpu_workers.engine import LLM
 
 
-
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
