@@ -246,12 +246,14 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
-    def score(self, prompt: PromptInput, prefill_len: int | None = None) -> torch.Tensor:
+    def score(self, prompt: PromptInput, prefill_len: int | None = None, step_len: int = 1) -> torch.Tensor:
         """Float32 logits ``[num_tokens, vocab]`` of every position of ``prompt`` (row ``i`` predicts token
         ``i + 1``): teacher forcing through the engine's own model, attention backend and KV cache dtype.
 
-        The first ``prefill_len`` tokens (default: all) run as one prefill step, each later token as a decode
-        step that reads the earlier tokens' K/V back from the cache, as generated tokens do. Needs an idle
+        The first ``prefill_len`` tokens (default: all) run as one prefill step, the rest ``step_len`` tokens a
+        step (1: decode steps; more: chunked prefill, far faster on a CPU), each reading its whole context back
+        from the cache, as generated tokens do: with an FP8 cache every position past the prefill attends
+        quantized K/V. At most ``max_model_len - 1`` tokens. Needs an idle
         engine (no unfinished requests); the blocks it borrows are returned before it does, unregistered in
         the prefix cache. Not for tensor-parallel engines or speculative drafts (the draft model is unused).
         """
@@ -265,7 +267,7 @@ class LLMEngine:
         if not self.block_manager.allocate(seq, [], n):
             raise RuntimeError(f"the KV cache has no room for {n} tokens")
         try:
-            return self.runner.score(seq.token_ids, seq.block_ids, n if prefill_len is None else prefill_len)
+            return self.runner.score(seq.token_ids, seq.block_ids, n if prefill_len is None else prefill_len, step_len)
         finally:
             self.block_manager.free(seq)
 

@@ -1,5 +1,6 @@
 """``LLM.score``: teacher-forced logits of every position through the engine's own model and KV cache equal
-transformers' full forward (fp32), whether the sequence runs as one prefill or as a prompt then decode steps; an
+transformers' full forward (fp32), whether the sequence runs as one prefill or as a prompt then decode steps or
+chunks; an
 FP8 cache reads earlier tokens back quantized (close, not equal); the borrowed blocks all come back."""
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def test_score_equals_the_transformers_forward(model_dir: Callable[[str], Path],
     torch.testing.assert_close(whole, expected, atol=2e-4, rtol=1e-4)
     stepped = llm.score(ids, prefill_len=17)  # a prompt off a block boundary, then 83 decode steps
     torch.testing.assert_close(stepped, expected, atol=2e-4, rtol=1e-4)
+    chunked = llm.score(ids, prefill_len=17, step_len=16)  # then chunks of 16 and a last one of 3
+    torch.testing.assert_close(chunked, expected, atol=2e-4, rtol=1e-4)
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
     # Nothing of it lands in the prefix cache: the next request computes its whole prompt.
     assert llm.engine.block_manager.num_cached_blocks == 0
@@ -52,6 +55,8 @@ def test_fp8_cache_reads_earlier_tokens_back_quantized(
     torch.testing.assert_close(decoded[:8], exact[:8], atol=2e-4, rtol=1e-4)
     assert not torch.allclose(decoded[8:], exact[8:], atol=1e-4)
     assert (decoded[8:].argmax(-1) == exact[8:].argmax(-1)).float().mean() > 0.9
+    # Chunks read their own tokens back from the cache too: the same quantized K/V as decode steps.
+    torch.testing.assert_close(fp8.score(ids, prefill_len=8, step_len=32), decoded, atol=2e-4, rtol=1e-4)
 
 
 def test_score_refuses_a_busy_engine_and_bad_lengths(
@@ -62,6 +67,8 @@ def test_score_refuses_a_busy_engine_and_bad_lengths(
         llm.score([5, 6, 7], prefill_len=4)
     with pytest.raises(ValueError, match="prefill_len"):
         llm.score([5, 6, 7], prefill_len=0)
+    with pytest.raises(ValueError, match="step_len"):
+        llm.score([5, 6, 7], prefill_len=1, step_len=0)
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
     llm.engine.add_request([5, 6, 7])
     with pytest.raises(RuntimeError, match="idle"):
