@@ -38,6 +38,7 @@ BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
 # Targets of issue 28 (see docs/quality.md).
 FP8_KV_MIN_AGREEMENT = 0.98
 FP8_KV_MAX_PPL_CHANGE = 0.02
+ENGINE_FP8_KV = qm.ENGINE_VARIANTS["FP8 KV cache"]
 
 
 def run_greedy(gguf: Path, ref: qm.Reference, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
@@ -73,7 +74,18 @@ def run_teacher_forcing(gguf: Path, ref: qm.Reference, ids: list[int], args: arg
     for method in args.per_kind:
         per_kind[method] = {k: a.row() for k, a in qm.measure_per_kind(gguf, ref, ids, method).items()}
         print(method, "per kind", json.dumps(per_kind[method]), flush=True)
-    return {"engine": engine, "transformers": peers, "per_kind": per_kind}
+    diagnostics: dict[str, dict] = {}
+    if args.per_kind:
+        diagnostics["FP8 weights, activations left fp32 (weight-only)"] = qm.measure_fp8_weight_only(
+            gguf, ref, ids
+        ).row()
+        for name, a in qm.measure_fp8_kv_parts(gguf, ref, ids).items():
+            diagnostics[f"FP8 KV rounding emulated: {name}"] = a.row()
+        for name, kwargs in (("FP8 KV cache", ENGINE_FP8_KV), ("bf16", {"dtype": "bfloat16"})):
+            logits = qm.engine_logits(qm.make_llm(gguf, **kwargs), ids)
+            diagnostics[f"{name}: exact model's top-1 margin"] = qm.flip_margins(logits, ref.logits(ids))
+        print("diagnostics", json.dumps(diagnostics), flush=True)
+    return {"engine": engine, "transformers": peers, "per_kind": per_kind, "diagnostics": diagnostics}
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
@@ -142,6 +154,10 @@ def render(results: dict[str, Any]) -> str:
                 [[k, r["top1_agreement"], f"{r['perplexity_change_pct']:+.2f}%"] for k, r in kinds.items()],
             )
         )
+    diag = tf.get("diagnostics", {})
+    if diag:
+        out += ["", "Diagnostics (each against the exact model):", ""]
+        out += [f"- {name}: `{json.dumps(row)}`" for name, row in diag.items()]
     spec = results["speculation"]
     out += [
         "",
