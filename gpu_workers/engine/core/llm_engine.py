@@ -246,6 +246,31 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
+    def score(self, prompt: PromptInput, prefill_len: int | None = None, step_len: int = 1) -> torch.Tensor:
+        """Float32 logits ``[num_tokens, vocab]`` of every position of ``prompt`` (row ``i`` predicts token
+        ``i + 1``): teacher forcing through the engine's own model, attention backend and KV cache dtype.
+
+        The first ``prefill_len`` tokens (default: all) run as one prefill step, the rest ``step_len`` tokens a
+        step (1: decode steps; more: chunked prefill, far faster on a CPU), each reading its whole context back
+        from the cache, as generated tokens do: with an FP8 cache every position past the prefill attends
+        quantized K/V. At most ``max_model_len - 1`` tokens. Needs an idle
+        engine (no unfinished requests); the blocks it borrows are returned before it does, unregistered in
+        the prefix cache. Not for tensor-parallel engines or speculative drafts (the draft model is unused).
+        """
+        if self.has_unfinished():
+            raise RuntimeError("score needs an idle engine: requests are still running")
+        if self.tp_ranks is not None:
+            raise RuntimeError("score does not run on a tensor-parallel engine")
+        request = self.admit(EngineRequest.build(prompt, SamplingParams(max_tokens=1)))
+        seq = self._make_sequence(request)
+        n = seq.num_tokens
+        if not self.block_manager.allocate(seq, [], n):
+            raise RuntimeError(f"the KV cache has no room for {n} tokens")
+        try:
+            return self.runner.score(seq.token_ids, seq.block_ids, n if prefill_len is None else prefill_len, step_len)
+        finally:
+            self.block_manager.free(seq)
+
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestDelta]:
         """Run one engine iteration; returns a delta for every request that produced a token."""

@@ -86,6 +86,11 @@ class LLM:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def score(self, prompt: PromptInput, prefill_len: int | None = None, step_len: int = 1) -> torch.Tensor:
+        """Float32 logits ``[num_tokens, vocab]`` of every position of one prompt (row ``i`` predicts token
+        ``i + 1``), for teacher-forced quality measures; see ``LLMEngine.score``."""
+        return self.engine.score(prompt, prefill_len, step_len)
+
     def generate(
         self,
         prompts: PromptInput | SequenceABC[PromptInput],

@@ -352,6 +352,52 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[prepared.logits_indices])
         return prepared.sample_seqs, logits.float()
 
+    def score(self, token_ids: list[int], block_ids: list[int], prefill_len: int, step_len: int = 1) -> torch.Tensor:
+        """Float32 logits ``[len(token_ids), vocab]`` of every position (row ``i`` predicts token ``i + 1``),
+        computed as the engine computes a request: the first ``prefill_len`` tokens as one prefill step, then
+        the rest ``step_len`` tokens a step (1: decode steps; more: chunked prefill), each step reading all K/V
+        of its context, its own tokens' included, back from the cache (an FP8 cache has quantized them, so
+        every position past the prefill sees what a generated token sees). ``block_ids`` must hold
+        ``len(token_ids)`` slots and belong to no other sequence. Eager only (no CUDA graphs); an FP8 cache
+        without fixed scales calibrates them on the prefill."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not allocated")
+        n = len(token_ids)
+        if not 1 <= prefill_len <= n:
+            raise ValueError(f"prefill_len must be in [1, {n}], got {prefill_len}")
+        if step_len < 1:
+            raise ValueError(f"step_len must be at least 1, got {step_len}")
+        if len(block_ids) * self.block_size < n:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {n} tokens")
+        bs = self.block_size
+        rows: list[torch.Tensor] = []
+        ends = [prefill_len, *range(prefill_len + step_len, n, step_len)]
+        if ends[-1] != n:
+            ends.append(n)
+        start = 0
+        with torch.inference_mode():
+            for end in ends:
+                positions = list(range(start, end))
+                prepared = self._build(
+                    token_ids[start:end],
+                    positions,
+                    [block_ids[p // bs] * bs + p % bs for p in positions],
+                    [0, end - start],
+                    [end],
+                    [block_ids],
+                    list(range(end - start)),
+                    [],
+                    end - start,
+                )
+                calibrate = self.kv_scales is not None and not self.kv_scales.fixed
+                prepared.meta.calibrate_kv_scales = calibrate
+                hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
+                if calibrate and self.kv_scales is not None:
+                    self.kv_scales.fixed = True
+                rows.append(self.model.compute_logits(hidden).float())
+                start = end
+        return torch.cat(rows)
+
     def _execute_decode_graph(
         self, graphs: DecodeGraphRunner, seqs: list[Sequence]
     ) -> tuple[list[Sequence], torch.Tensor | None]:

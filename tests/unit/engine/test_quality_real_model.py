@@ -1,0 +1,85 @@
+"""Quality on the real SmolLM2-135M-Instruct (slow): greedy tokens equal transformers' on chat prompts under prefix
+caching, chunked prefill and preemption (torch backend; Triton interpreted, very few tokens), and teacher-forced
+thresholds on ``tests/data/quality_text.txt`` for the FP8 KV cache, bf16 and bitsandbytes int8 against its
+transformers peer. The measures live in ``benchmarks/quality_measures.py``; the figures are in docs/quality.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from benchmarks import quality_measures as qm
+
+pytestmark = pytest.mark.slow
+
+GREEDY_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    path = qm.model_path()
+    qm.make_llm(path, dtype="float32")  # converts the GGUF into its cached .hf folder on the first run
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(gguf: Path) -> qm.Reference:
+    return qm.Reference(qm.hf_folder(gguf))
+
+
+@pytest.fixture(scope="module")
+def text(reference: qm.Reference) -> list[int]:
+    ids = qm.text_ids(AutoTokenizer.from_pretrained(str(reference.folder)))
+    assert 500 <= len(ids) <= 700
+    return ids
+
+
+@pytest.fixture(scope="module")
+def prompts(reference: qm.Reference) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(str(reference.folder))
+    return [qm.chat_ids(tokenizer, q) for q in qm.CHAT_QUESTIONS[:3]]
+
+
+@pytest.mark.parametrize("setup", list(qm.GREEDY_SETUPS))
+def test_greedy_equals_transformers(setup: str, gguf: Path, reference: qm.Reference, prompts: list[list[int]]) -> None:
+    check = qm.check_greedy(gguf, reference, prompts, GREEDY_TOKENS, setup, **qm.GREEDY_SETUPS[setup])
+    assert check.equal == len(prompts), check
+    if "prefix" in setup:
+        assert check.prefix_hit_tokens >= 2 * 32  # the later prompts reuse the system prompt's full blocks
+    if "preemption" in setup:
+        assert check.preemptions > 0
+
+
+def test_greedy_equals_transformers_on_triton(gguf: Path, reference: qm.Reference, prompts: list[list[int]]) -> None:
+    pytest.importorskip("triton")
+    from gpu_workers.engine.attention.triton_kernels import INTERPRETED
+
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton's first import")
+    check = qm.check_greedy(gguf, reference, prompts[:2], 2, "triton", staggered=True, attention_backend="triton")
+    assert check.equal == 2 and check.prefix_hit_tokens > 0, check
+
+
+def test_fp8_kv_cache_stays_close(gguf: Path, reference: qm.Reference, text: list[int]) -> None:
+    # Target 0.98 agreement is missed on this model (measured 0.949; docs/quality.md says why): this guards it.
+    result = qm.measure_engine(gguf, reference, text, dtype="float32", kv_cache_dtype="fp8")
+    assert result.top1_agreement >= 0.93, result
+    assert abs(result.perplexity_change) <= 0.02, result
+
+
+def test_bf16_stays_close(gguf: Path, reference: qm.Reference, text: list[int]) -> None:
+    result = qm.measure_engine(gguf, reference, text, dtype="bfloat16")
+    assert result.top1_agreement >= 0.95, result
+    assert abs(result.perplexity_change) <= 0.01, result
+
+
+def test_int8_at_least_as_good_as_transformers(gguf: Path, reference: qm.Reference, text: list[int]) -> None:
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")  # transformers' bitsandbytes loading needs it
+    engine = qm.measure_engine(gguf, reference, text, dtype="float32", quantization="bnb-int8")
+    peer = qm.measure_hf(reference, "bnb-int8", text)
+    assert engine.top1_agreement >= peer.top1_agreement, (engine, peer)
+    assert abs(engine.perplexity_change) <= 0.01, engine
