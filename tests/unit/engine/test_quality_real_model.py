@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import require_import
 from transformers import AutoTokenizer
 
 from benchmarks import quality_measures as qm
@@ -54,7 +55,7 @@ def test_greedy_equals_transformers(setup: str, gguf: Path, reference: qm.Refere
 
 
 def test_greedy_equals_transformers_on_triton(gguf: Path, reference: qm.Reference, prompts: list[list[int]]) -> None:
-    pytest.importorskip("triton")
+    require_import("triton")
     from gpu_workers.engine.attention.triton_kernels import INTERPRETED
 
     if not torch.cuda.is_available() and not INTERPRETED:
@@ -77,8 +78,8 @@ def test_bf16_stays_close(gguf: Path, reference: qm.Reference, text: list[int]) 
 
 
 def test_int8_at_least_as_good_as_transformers(gguf: Path, reference: qm.Reference, text: list[int]) -> None:
-    pytest.importorskip("bitsandbytes")
-    pytest.importorskip("accelerate")  # transformers' bitsandbytes loading needs it
+    require_import("bitsandbytes")
+    require_import("accelerate")  # transformers' bitsandbytes loading needs it
     engine = qm.measure_engine(gguf, reference, text, dtype="float32", quantization="bnb-int8")
     peer = qm.measure_hf(reference, "bnb-int8", text)
     assert engine.top1_agreement >= peer.top1_agreement, (engine, peer)
