@@ -4,10 +4,12 @@ grammar), and the engine's per-token logprobs back into the contract's shape."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gpu_workers.engine import GuidedDecoding, SamplingParams
 from gpu_workers.engine import TokenLogprob as EngineLogprob
+from gpu_workers.engine.token_bytes import TokenBytes
 from schemas import ChatMessage, InferenceRequest, TokenLogprob, ToolCallFormat, TopLogprob
 
 
@@ -124,11 +126,19 @@ def sampling_params(
 
 
 class LogprobText:
-    """Token strings for logprobs (each id decoded on its own, as vLLM does), cached per token id."""
+    """Token strings for logprobs (each id decoded on its own, as vLLM does), cached per token id, and each
+    token's raw bytes."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, token_bytes: Callable[[int], bytes] | None = None) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes = token_bytes  # built from the tokenizer on first use unless given
+
+    def raw(self, token_id: int) -> list[int]:
+        """The token's own bytes (a partial UTF-8 character stays itself, not U+FFFD's)."""
+        if self._bytes is None:
+            self._bytes = TokenBytes(self._tokenizer)
+        return list(self._bytes(token_id))
 
     def token(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -146,7 +156,11 @@ class LogprobText:
                 token_id=lp.token_id,
                 token=self.token(lp.token_id),
                 logprob=_finite(lp.logprob),
-                top=[TopLogprob(token_id=t, token=self.token(t), logprob=_finite(v)) for t, v in lp.top],
+                bytes=self.raw(lp.token_id),
+                top=[
+                    TopLogprob(token_id=t, token=self.token(t), logprob=_finite(v), bytes=self.raw(t))
+                    for t, v in lp.top
+                ],
             )
             for lp in logprobs
         ]
