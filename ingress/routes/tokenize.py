@@ -1,0 +1,103 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt or chat messages to token ids (with the count
+and the model's context length), and token ids back to text, with the tokenizer the model's workers publish."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas import ChatMessage, ToolSpec
+from sluicegate.api.errors import ApiError
+
+from ..accept import model_context
+from ..app_state import service_of
+from ..auth import authenticate
+from ..body_parsing import parse_body
+from ..openapi import errors, json_body, ok
+from ..prompt_tokens import ModelTokenizerView
+
+router = APIRouter(tags=["tokenize"])
+
+
+class TokenizeBody(BaseModel):
+    """``prompt`` (text) or ``messages`` (rendered through the chat template), as vLLM takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolSpec] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+async def _tokenizer(request: Request, model: str) -> tuple[ModelTokenizerView, int | None]:
+    service = service_of(request)
+    heartbeats = await service.model_heartbeats(model)  # 404 for a model nobody serves
+    view = await service.tokenizers.get(model)
+    if view is None:
+        raise ApiError(
+            503, f"No worker of model {model!r} has published its tokenizer yet.", code="tokenizer_unavailable"
+        )
+    return view, model_context(heartbeats) or view.published.max_model_len
+
+
+@router.post(
+    "/tokenize",
+    openapi_extra=json_body(TokenizeBody),
+    responses=ok(TokenizeResponse) | errors(400, 401, 404, 422, 503),
+)
+async def tokenize(request: Request) -> dict[str, Any]:
+    await authenticate(request)
+    body = await parse_body(request, TokenizeBody, root_field="prompt")
+    view, context = await _tokenizer(request, body.model)
+    try:
+        if body.messages is not None:
+            tokens = view.encode_messages(body.messages, body.tools, body.add_generation_prompt)
+        else:
+            tokens = view.encode_text(body.prompt or "", body.add_special_tokens)
+    except Exception as exc:  # the template's own refusal, or no template
+        raise ApiError(400, f"Cannot render these messages: {exc}", param="messages") from exc
+    return {"count": len(tokens), "max_model_len": context, "tokens": tokens}
+
+
+@router.post(
+    "/detokenize",
+    openapi_extra=json_body(DetokenizeBody),
+    responses=ok(DetokenizeResponse) | errors(400, 401, 404, 422, 503),
+)
+async def detokenize(request: Request) -> dict[str, Any]:
+    await authenticate(request)
+    body = await parse_body(request, DetokenizeBody, root_field="tokens")
+    view, _ = await _tokenizer(request, body.model)
+    size = view.tokenizer.get_vocab_size(with_added_tokens=True)
+    bad = [t for t in body.tokens if not 0 <= t < size]
+    if bad:
+        raise ApiError(400, f"Token id {bad[0]} is outside the vocabulary (size {size}).", param="tokens")
+    return {"prompt": view.decode(body.tokens)}
