@@ -25,6 +25,7 @@ from sluicegate.telemetry import child_traceparent, genai_operation, genai_reque
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
+from .prompt_tokens import ModelTokenizers, check_prompt_fits
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
 SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
@@ -69,6 +70,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             raise invalid(exc) from exc
         except ValueError as exc:  # the only other refusal: a deadline already past
             raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
+        inference = await _fit_context(service.tokenizers, inference, body, heartbeats)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))
@@ -123,6 +125,29 @@ def check_context(body: AnyBody, max_tokens: int, heartbeats: list[WorkerHeartbe
         code="context_length_exceeded",
         param=field,
     )
+
+
+async def _fit_context(
+    tokenizers: ModelTokenizers, inference: InferenceRequest, body: AnyBody, heartbeats: list[WorkerHeartbeat]
+) -> InferenceRequest:
+    """The prompt counted with the tokenizer the workers published: prompt + ``max_tokens`` over the context is a
+    400 now (not an error after a Kafka round trip); a default ``max_tokens`` shrinks to the room left. Without
+    a published tokenizer, or for a prompt the template cannot render, the worker decides as before."""
+    context = model_context(heartbeats)
+    view = await tokenizers.get(inference.model) if context is not None else None
+    if view is None:
+        return inference
+    try:
+        prompt_tokens = len(view.encode_request(inference))
+    except Exception:  # a template's own refusal: the worker reports it with its own message
+        return inference
+    wanted = inference.sampling.max_tokens
+    explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    param = "messages" if inference.messages is not None else "prompt"
+    fitted = check_prompt_fits(prompt_tokens, wanted, context, explicit=explicit, param=param)
+    if fitted == wanted:
+        return inference
+    return inference.model_copy(update={"sampling": inference.sampling.model_copy(update={"max_tokens": fitted})})
 
 
 def tool_call_format(request: Request) -> ToolCallFormat | None:

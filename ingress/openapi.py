@@ -18,6 +18,8 @@ from pydantic.json_schema import models_json_schema
 from schemas import Tier
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
 
+from .tokenize_bodies import DetokenizeBody, TokenizeBody
+
 _REF = "#/components/schemas/{model}"
 
 
@@ -238,7 +240,13 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-BODY_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionBody, CompletionBody, NativeRequestBody)
+BODY_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionBody,
+    CompletionBody,
+    NativeRequestBody,
+    TokenizeBody,
+    DetokenizeBody,
+)
 
 _SECURITY_SCHEMES = {
     "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <API key>"},

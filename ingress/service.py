@@ -39,6 +39,7 @@ from sluicegate.telemetry import untraced
 from .backlog import BacklogMonitor
 from .errors import unavailable
 from .model_routes import ModelRoutes
+from .prompt_tokens import ModelTokenizers
 from .ratelimit import RateLimiter
 from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
@@ -144,6 +145,7 @@ class IngressService:
             timeout_s=settings.kafka_timeout_s,
         )
         self.heartbeats = HeartbeatCache(self.redis, self.names, max_age_s=3 * settings.heartbeat_interval_s)
+        self.tokenizers = ModelTokenizers(self.redis, self.names)  # the workers' tokenizers: exact prompt counts
         self.producers = ProducerPool(settings)
         self.backlog = BacklogMonitor(settings, self.names, metrics)
         self.rate_limiter = RateLimiter(self.redis, self.names)

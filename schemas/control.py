@@ -48,6 +48,20 @@ class WorkerHeartbeat(Message):
     tool_call_format: ToolCallFormat | None = Field(None, description="How the model writes tool calls.")
 
 
+class ModelTokenizer(Message):
+    """A model's tokenizer as its workers publish it to Redis at start: enough for ingress, which has no model
+    files, to count a prompt's tokens exactly as the worker will (the ``tokenizers`` library's JSON and the chat
+    template with the tokens it names)."""
+
+    model: str = Field(min_length=1)
+    digest: str = Field(min_length=1, description="sha256 of tokenizer_json and chat_template: changes on a new one.")
+    tokenizer_json: str = Field(min_length=2, description="The Hugging Face tokenizers library's tokenizer.json.")
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    max_model_len: int | None = Field(None, ge=1)
+
+
 class ChoiceResult(Message):
     """One choice of a finished request (``n`` > 1, or logprobs asked for)."""
 

@@ -83,12 +83,20 @@ class ToolCall(Message):
 ToolCallFormat = Literal["hermes", "llama3_json"]
 
 
+#: A token's raw bytes (part of a multi-byte character, when the token holds one), which its ``token`` text cannot
+#: carry; None from a producer that does not send them (then the text's UTF-8 stands in).
+RawTokenBytes = Annotated[
+    list[Annotated[int, Field(ge=0, le=255)]] | None, Field(description="The token's raw bytes.", max_length=1024)
+]
+
+
 class TopLogprob(Message):
     """One alternative for a sampled position."""
 
     token_id: int = Field(ge=0)
     token: str
     logprob: float
+    bytes: RawTokenBytes = None
 
 
 class TokenLogprob(Message):
@@ -97,4 +105,5 @@ class TokenLogprob(Message):
     token_id: int = Field(ge=0)
     token: str
     logprob: float
+    bytes: RawTokenBytes = None
     top: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)

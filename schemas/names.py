@@ -99,6 +99,10 @@ class Names:
         """The Redis stream of one request's events."""
         return f"{self.prefix}llm:stream:{request_id}"
 
+    def tokenizer_key(self, model: str) -> str:
+        """String with the ``ModelTokenizer`` JSON the model's workers publish (ingress counts prompts with it)."""
+        return f"{self.prefix}llm:tokenizer:{model_token(model)}"
+
     def request_key(self, request_id: str) -> str:
         """Hash with a request's status, owner and final result."""
         return f"{self.prefix}llm:request:{request_id}"

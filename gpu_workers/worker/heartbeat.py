@@ -1,19 +1,22 @@
 """The worker's heartbeat: what it reports (partitions, engine load, draining), sent every interval to the
-Redis hash that ingress and the router read and to ``llm.heartbeats``, and removed on shutdown."""
+Redis hash that ingress and the router read and to ``llm.heartbeats``, and removed on shutdown. The first
+successful beat also publishes the model's tokenizer (``model_tokenizer``), with which ingress counts prompts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from gpu_workers.engine import EngineFront
-from schemas import Names, PartitionRef, WorkerHeartbeat
+from schemas import ModelTokenizer, Names, PartitionRef, WorkerHeartbeat
 
 from .config import WorkerConfig
 from .prompts import tool_call_format
@@ -47,6 +50,7 @@ class Heartbeats:
         self.last_written: float | None = None
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
         self._tool_call_format = tool_call_format(engine.tokenizer)
+        self._tokenizer_json: str | None = None  # "published" once the tokenizer is in Redis
 
     def beat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
@@ -76,7 +80,14 @@ class Heartbeats:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.hset(self.names.workers_key(self.config.model_name), self.config.worker_id, payload)
                 pipe.sadd(self.names.models_key, self.config.model_name)
+                if self._tokenizer_json is None:
+                    published = model_tokenizer(
+                        self.config.model_name, self.engine.tokenizer, self.engine.max_model_len
+                    )
+                    if published is not None:
+                        pipe.set(self.names.tokenizer_key(self.config.model_name), published)
                 await pipe.execute()
+                self._tokenizer_json = self._tokenizer_json or "published"
                 self.last_written = time.monotonic()
                 if self.telemetry is not None:
                     self.telemetry.heartbeat_written()
@@ -98,6 +109,27 @@ class Heartbeats:
         """Stop advertising this worker (best effort)."""
         with contextlib.suppress(Exception):
             await self.redis.hdel(self.names.workers_key(self.config.model_name), self.config.worker_id)
+
+
+def model_tokenizer(model: str, tokenizer: Any, max_model_len: int | None) -> str | None:
+    """The ``ModelTokenizer`` JSON for a fast (``tokenizers``-backed) tokenizer; None for another kind (then
+    ingress cannot count exactly and leaves the check to the worker)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    tokenizer_json = backend.to_str()
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    digest = hashlib.sha256(f"{tokenizer_json}\0{template or ''}".encode()).hexdigest()
+    return ModelTokenizer(
+        model=model,
+        digest=digest,
+        tokenizer_json=tokenizer_json,
+        chat_template=template,
+        bos_token=getattr(tokenizer, "bos_token", None),
+        eos_token=getattr(tokenizer, "eos_token", None),
+        max_model_len=max_model_len,
+    ).model_dump_json()
 
 
 def _log_send_failure(future: asyncio.Future) -> None:

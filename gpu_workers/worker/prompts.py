@@ -3,42 +3,18 @@ grammar), and the engine's per-token logprobs back into the contract's shape."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
 from gpu_workers.engine import GuidedDecoding, SamplingParams
 from gpu_workers.engine import TokenLogprob as EngineLogprob
-from schemas import ChatMessage, InferenceRequest, TokenLogprob, ToolCallFormat, TopLogprob
+from gpu_workers.engine.token_bytes import TokenBytes
+from schemas import InferenceRequest, TokenLogprob, ToolCallFormat, TopLogprob
+from sluicegate.chat_template import template_message
 
 
 class PromptError(ValueError):
     """The request cannot be turned into a prompt for this model (reported as an ``error`` event)."""
-
-
-def _arguments(raw: str) -> Any:
-    # Chat templates render a call's arguments with ``tojson``: they expect the object, not its text.
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
-        rendered["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        rendered["name"] = message.name
-    return rendered
 
 
 def prompt_token_ids(request: InferenceRequest, tokenizer: Any) -> list[int]:
@@ -47,7 +23,7 @@ def prompt_token_ids(request: InferenceRequest, tokenizer: Any) -> list[int]:
     if request.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"model {request.model!r} has no chat template; send 'prompt' instead")
-        conversation = [_template_message(m) for m in request.messages]
+        conversation = [template_message(m) for m in request.messages]
         tools = [t.model_dump(mode="json", exclude_none=True) for t in request.tools] if request.tools else None
         try:
             ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
@@ -124,11 +100,19 @@ def sampling_params(
 
 
 class LogprobText:
-    """Token strings for logprobs (each id decoded on its own, as vLLM does), cached per token id."""
+    """Token strings for logprobs (each id decoded on its own, as vLLM does), cached per token id, and each
+    token's raw bytes."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, token_bytes: Callable[[int], bytes] | None = None) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes = token_bytes  # built from the tokenizer on first use unless given
+
+    def raw(self, token_id: int) -> list[int]:
+        """The token's own bytes (a partial UTF-8 character stays itself, not U+FFFD's)."""
+        if self._bytes is None:
+            self._bytes = TokenBytes(self._tokenizer)
+        return list(self._bytes(token_id))
 
     def token(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -146,7 +130,11 @@ class LogprobText:
                 token_id=lp.token_id,
                 token=self.token(lp.token_id),
                 logprob=_finite(lp.logprob),
-                top=[TopLogprob(token_id=t, token=self.token(t), logprob=_finite(v)) for t, v in lp.top],
+                bytes=self.raw(lp.token_id),
+                top=[
+                    TopLogprob(token_id=t, token=self.token(t), logprob=_finite(v), bytes=self.raw(t))
+                    for t, v in lp.top
+                ],
             )
             for lp in logprobs
         ]

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from schemas import TokenLogprob, Usage
+from schemas import TokenLogprob, TopLogprob, Usage
 
 Kind = Literal["chat", "completion"]
 
@@ -32,8 +32,9 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
+def _bytes(lp: TokenLogprob | TopLogprob) -> list[int]:
+    """The token's raw bytes as the worker sent them (a partial UTF-8 character included); else its text's."""
+    return lp.bytes if lp.bytes is not None else list(lp.token.encode("utf-8", errors="replace"))
 
 
 def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
@@ -42,8 +43,8 @@ def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
         {
             "token": lp.token,
             "logprob": lp.logprob,
-            "bytes": _bytes(lp.token),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token)} for t in lp.top],
+            "bytes": _bytes(lp),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t)} for t in lp.top],
         }
         for lp in logprobs
     ]

@@ -33,6 +33,7 @@ from .sequence import RequestStatus, Sequence
 if TYPE_CHECKING:
     from ..guided.compiler import GrammarCompiler
     from ..guided.matcher import GuidedState
+    from ..guided.utf8_mask import Utf8Table
 
 
 class LLMEngine:
@@ -87,6 +88,7 @@ class LLMEngine:
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         # Built on the first guided request (it indexes the whole vocabulary once).
         self._grammar_compiler: GrammarCompiler | None = None
+        self._utf8_table: Utf8Table | None = None  # built with the compiler (per tokenizer)
         # Each request's unfinished sequences: one per choice still generating (n > 1 forks siblings).
         self._requests: dict[str, list[Sequence]] = {}
         self._arrivals = itertools.count()
@@ -192,10 +194,15 @@ class LLMEngine:
         delivered before a crash; ``ValueError`` for a bad constraint or a replay the grammar refuses."""
         from ..guided.compiler import GrammarCompiler
         from ..guided.matcher import GuidedState
+        from ..guided.utf8_mask import Utf8Table
+        from ..token_bytes import vocab_bytes
 
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return GuidedState(self._grammar_compiler.compile(guided), guided)
+            skipped = set(self.tokenizer.all_special_ids) - set(self.eos_token_ids)
+            self._utf8_table = Utf8Table(vocab_bytes(self.tokenizer, self.vocab_size), refused=skipped)
+        assert self._utf8_table is not None
+        return GuidedState(self._grammar_compiler.compile(guided), guided, self._utf8_table)
 
     def abort(self, request_id: str) -> list[RequestDelta]:
         """Stop a waiting or running request (every unfinished choice) and free its blocks; returns one final

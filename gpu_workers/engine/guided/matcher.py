@@ -1,4 +1,5 @@
-"""One guided request's grammar state, and the batch's allowed-token mask built from every guided row."""
+"""One guided request's grammar state (with its place in the output's UTF-8, ``utf8_mask``), and the batch's
+allowed-token mask built from every guided row."""
 
 from __future__ import annotations
 
@@ -6,29 +7,36 @@ import torch
 import xgrammar as xgr
 
 from .params import GuidedDecoding
+from .utf8_mask import ACCEPT, Utf8Cursor, Utf8Table
 
 
 class GuidedState:
-    """A request's grammar matcher: replays delivered tokens, fills its row of the mask, accepts tokens."""
+    """A request's grammar matcher and UTF-8 cursor: replays delivered tokens, fills its row of the mask,
+    accepts tokens."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, guided: GuidedDecoding) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, guided: GuidedDecoding, utf8: Utf8Table) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.utf8 = Utf8Cursor(utf8)
         for i, token in enumerate(guided.replay_token_ids):
             if not self.matcher.accept_token(token):
                 raise ValueError(
                     f"replay_token_ids[{i}] = {token} does not continue the grammar: the delivered tokens "
                     "cannot have come from this constraint"
                 )
+            if not self.utf8.accept(token):
+                # Delivered before this check existed: the bad bytes are out already; go on from a boundary.
+                self.utf8.state = ACCEPT
 
     def fork(self) -> GuidedState:
         """An independent copy at the same point (a sibling choice of an ``n > 1`` request)."""
         twin = object.__new__(GuidedState)
         twin.matcher = self.matcher.fork()
+        twin.utf8 = self.utf8.fork()
         return twin
 
     def accept(self, token: int) -> bool:
-        """Advance by the sampled token; False if the grammar refuses it (nothing was allowed)."""
-        return self.matcher.accept_token(token)
+        """Advance by the sampled token; False if the grammar or UTF-8 refuses it (nothing was allowed)."""
+        return self.matcher.accept_token(token) and self.utf8.accept(token)
 
     @property
     def is_terminated(self) -> bool:
@@ -49,6 +57,7 @@ class TokenBitmask:
             state = states[i]
             assert state is not None
             state.matcher.fill_next_token_bitmask(self.bitmask, i)
+            state.utf8.restrict(self.bitmask, i)
 
     def apply(self, logits: torch.Tensor) -> None:
         bitmask = self.bitmask if logits.device.type == "cpu" else self.bitmask.to(logits.device, non_blocking=True)

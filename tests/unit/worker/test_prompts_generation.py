@@ -100,8 +100,28 @@ def test_logprob_text_decodes_each_token_once() -> None:
         calls.append(ids)
         return f"<{ids[0]}>"
 
-    text = LogprobText(SimpleNamespace(decode=decode))
+    text = LogprobText(SimpleNamespace(decode=decode), token_bytes=lambda t: bytes([t]))
     out = text.convert([EngineLogprob(4, -0.1, [(4, -0.1), (9, float("-inf"))]), EngineLogprob(4, -0.2, [])])
     assert out is not None and [o.token for o in out] == ["<4>", "<4>"]
     assert [(t.token, t.logprob) for t in out[0].top] == [("<4>", -0.1), ("<9>", -9999.0)]
     assert calls == [[4], [9]]
+    assert out[0].bytes == [4] and [t.bytes for t in out[0].top] == [[4], [9]]
+
+
+def test_logprob_bytes_of_a_partial_utf8_character_are_the_tokens_own(tmp_path) -> None:
+    from gpu_workers.engine.models.random_checkpoint import build_tokenizer
+    from gpu_workers.engine.token_bytes import gpt2_byte_decoder
+    from sluicegate.api.openai_format import chat_logprobs
+
+    tokenizer = build_tokenizer(400)
+    char_of = {b: c for c, b in gpt2_byte_decoder().items()}
+    lead = tokenizer.convert_tokens_to_ids(char_of[0xE2])  # the first byte of "€" (E2 82 AC)
+    ascii_token = tokenizer.encode(" the", add_special_tokens=False)[0]
+    text = LogprobText(tokenizer)
+    out = text.convert([EngineLogprob(lead, -0.5, [(lead, -0.5), (ascii_token, -1.0)])])
+    assert tokenizer.decode([ascii_token]) == " the"
+    assert out is not None and out[0].token == "\ufffd"  # the text alone cannot carry a partial character
+    assert out[0].bytes == [0xE2] and out[0].top[1].bytes == list(b" the")
+    content = chat_logprobs(out)["content"][0]
+    assert content["bytes"] == [0xE2]
+    assert [t["bytes"] for t in content["top_logprobs"]] == [[0xE2], list(b" the")]
