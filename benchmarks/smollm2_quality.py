@@ -5,7 +5,7 @@ Prints per prompt the city the model named, whether it is a real city and whethe
 the totals; exits 1 unless most answers (more than half) name a real city. ``tests/e2e/test_real_model.py`` runs
 the first few of the same prompts in CI.
 
-    python benchmarks/smollm2_quality.py --base-url http://127.0.0.1:8000/v1 --api-key <key printed by up>
+    python -m benchmarks.smollm2_quality --base-url http://127.0.0.1:8000/v1 --api-key <key printed by up>
 """
 
 from __future__ import annotations

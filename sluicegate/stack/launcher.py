@@ -73,11 +73,13 @@ class Child:
 
 
 def default_model_dtype(cpu_flags: str | None = None) -> str:
-    """The dtype SmolLM2 decodes fastest in on this machine's CPU.
+    """The dtype SmolLM2 decodes fastest in on this machine's CPU: bfloat16 where the CPU has bf16 instructions
+    (``avx512_bf16`` or ``amx_bf16``), float32 elsewhere (without them bf16 matmuls convert and lose).
 
-    Measured (benchmarks/smollm2_cpu.py, batch 1, 64 tokens, 2 cores of an AMD EPYC with AVX512_BF16): float32
-    4.7 tok/s, bfloat16 9.4 tok/s. Decode is bound by reading the weights, and bf16 halves them; a CPU without
-    bf16 instructions (no ``avx512_bf16``/``amx_bf16`` flag) converts instead, where float32 is the safe choice.
+    Measured with benchmarks/smollm2_dtype_cpu.py (batch 1, 64 new tokens, best of 3-5 interleaved runs) on the
+    2-core AMD EPYC development VM, which has AVX512_BF16, while other jobs shared it: float32 never passed
+    4.7 tok/s (4.7, 4.2, 3.9), bfloat16 reached 9.4 and 22.2 (one busier run: 3.6 against 4.2). Decode is bound
+    by reading the weights, and bf16 halves them.
     """
     if cpu_flags is None:
         try:
