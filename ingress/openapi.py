@@ -141,6 +141,7 @@ class ModelCard(_Doc):
     created: int
     owned_by: str
     workers: int = Field(ge=0)
+    description: str | None = Field(None, description="What the model's workers say of it, e.g. random weights.")
 
 
 class ModelList(_Doc):

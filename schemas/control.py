@@ -46,6 +46,7 @@ class WorkerHeartbeat(Message):
     sent_at: AwareDatetime = Field(default_factory=utcnow)
     max_model_len: int | None = Field(None, ge=1, description="The engine's context length (prompt + output).")
     tool_call_format: ToolCallFormat | None = Field(None, description="How the model writes tool calls.")
+    description: str | None = Field(None, description="What the worker says of its model (e.g. random weights).")
 
 
 class ModelTokenizer(Message):

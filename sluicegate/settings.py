@@ -70,7 +70,12 @@ class Settings(BaseSettings):
 
     # --- worker -----------------------------------------------------------------------------------
     model: str = Field("", description="Model folder (or hub id) the worker serves.")
-    model_name: str = Field("", description="Public model name (defaults to the folder name).")
+    model_name: str = Field(
+        "", description="Public model name (defaults to the folder name, or a GGUF file's stem in lower case)."
+    )
+    model_description: str = Field(
+        "", description="Said of the model in `/v1/models` (`description`), e.g. that its weights are random."
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device the worker's engine runs on.")
     worker_id: str = Field("", description="Worker identity in heartbeats (defaults to host-pid).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences the worker's engine runs at once.")

@@ -67,6 +67,7 @@ class Heartbeats:
             draining=self.stopping.is_set(),
             max_model_len=self.engine.max_model_len,
             tool_call_format=self._tool_call_format,
+            description=self.config.model_description or None,
         )
 
     async def run(self) -> None:

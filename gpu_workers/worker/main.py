@@ -12,7 +12,6 @@ import signal
 import socket
 import sys
 from functools import partial
-from pathlib import Path
 from typing import NoReturn
 
 from prometheus_client import CollectorRegistry
@@ -24,6 +23,7 @@ from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.logs import configure_logging
 from sluicegate.metrics_http import MetricsServer
+from sluicegate.models.naming import default_public_name
 from sluicegate.redis_client import create_redis, is_sentinel_url
 from sluicegate.settings import Settings
 from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
@@ -41,8 +41,8 @@ LOOKAHEAD_SEATS = 4
 
 
 def model_name_for(settings: Settings) -> str:
-    """The public model name: configured, else the model folder's name."""
-    return settings.model_name or Path(settings.model.rstrip("/")).name
+    """The public model name: configured, else the model folder's name (a GGUF file's stem, lower-cased)."""
+    return settings.model_name or default_public_name(settings.model)
 
 
 def engine_arguments(settings: Settings) -> dict[str, object]:
@@ -206,6 +206,7 @@ async def _run_started(
         freeze_startup_heap("worker")
     config = WorkerConfig(
         model_name=model_name,
+        model_description=settings.model_description,
         worker_id=worker_id,
         max_in_flight=settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
         lower_tier_in_flight_while_busy=settings.worker_lower_tier_lookahead_busy if settings.device == "cpu" else 0,

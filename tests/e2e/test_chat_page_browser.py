@@ -4,8 +4,9 @@ Settings are typed into the page, a message is sent with Enter, the reply stream
 tokens/s under it, Stop ends the request as cancelled by the worker, a WebSocket the page drops
 resumes from ``last_id`` with exactly the text the Redis stream holds, and refused requests (a bad key,
 an unknown model, a rate limit's 429) and a stream that ends in an ``error`` event are explained to the
-person. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test``
-installs them); without them the module skips and says so (fails under ``CI``). ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
+person; and on the real default model (SmolLM2-135M-Instruct, greedy) the page gets a right answer. Needs
+Debian's ``chromium`` and ``chromium-driver`` (``run.sh test`` installs them); without them the module skips and
+says so (fails under ``CI``). ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
 writes the screenshots into ``docs/screenshots/`` (they always go to the test's tmp dir).
 """
 
@@ -83,15 +84,20 @@ def browser() -> Iterator[webdriver.Chrome]:
         driver.quit()
 
 
-@pytest.fixture
-def page(browser: webdriver.Chrome, pipeline: Pipeline) -> webdriver.Chrome:
-    """The chat page, freshly loaded with no saved settings."""
+def open_page(browser: webdriver.Chrome, pipeline: Pipeline) -> webdriver.Chrome:
+    """The pipeline's chat page, freshly loaded with no saved settings."""
     browser.get(f"{pipeline.result_url}/")
     browser.execute_script("localStorage.clear()")
     browser.get(f"{pipeline.result_url}/")
     # /config.json filled the ingress URL and (listing ingress's models) the model.
     wait_for(lambda: field(browser, "model").get_attribute("value") == pipeline.model, "model from /config.json")
     return browser
+
+
+@pytest.fixture
+def page(browser: webdriver.Chrome, pipeline: Pipeline) -> webdriver.Chrome:
+    """The chat page of the paced random model, freshly loaded with no saved settings."""
+    return open_page(browser, pipeline)
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60) -> Any:
@@ -279,3 +285,18 @@ def test_a_stream_that_ends_in_an_error_event_is_explained(
     assert note == f"Generation failed ({error.code}): {error.message}", note
     assert page.find_element(By.ID, "send").is_enabled()
     screenshot(page, tmp_path, "error-in-stream.png")
+
+
+@pytest.mark.slow
+def test_the_real_model_answers_a_question_on_the_page(
+    browser: webdriver.Chrome, real_pipeline: Pipeline, tmp_path: Path
+) -> None:
+    """The default model of ``sluicegate up``, greedy (temperature 0 in Settings), knows the capital of France."""
+    page = open_page(browser, real_pipeline)
+    configure(page, apiKey=real_pipeline.api_key, maxTokens="48", temperature="0")
+    message = send(page, "What is the capital of France?")
+    assert wait_ended(message, timeout_s=180) == "done", message.text
+    reply = reply_text(page, message)
+    assert "Paris" in reply, reply
+    assert TTFT_AND_RATE.match(message.find_element(By.CLASS_NAME, "metrics").text)
+    screenshot(page, tmp_path, "real-model-reply.png")

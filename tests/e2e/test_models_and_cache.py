@@ -87,7 +87,12 @@ def wait_model(pipeline: Pipeline, name: str, timeout_s: float = 120) -> None:
 @pytest.fixture(scope="module")
 def two_models(pipeline: Pipeline, big_model_dir: Path) -> Pipeline:
     """The module's pipeline plus a second worker group serving the bigger model."""
-    pipeline.start_worker("worker-big", SLUICEGATE_MODEL=str(big_model_dir), SLUICEGATE_MODEL_NAME=BIG_MODEL)
+    pipeline.start_worker(
+        "worker-big",
+        SLUICEGATE_MODEL=str(big_model_dir),
+        SLUICEGATE_MODEL_NAME=BIG_MODEL,
+        SLUICEGATE_MODEL_DESCRIPTION="random weights",  # as sluicegate up says of its fallback model
+    )
     wait_model(pipeline, BIG_MODEL)
     return pipeline
 
@@ -95,7 +100,11 @@ def two_models(pipeline: Pipeline, big_model_dir: Path) -> Pipeline:
 def test_models_lists_each_model_and_an_unknown_one_is_a_404(two_models: Pipeline) -> None:
     client = two_models.openai()
     # The two versions, and the routed public names that have a live version.
-    assert {MODEL_NAME, BIG_MODEL, "ab", "fast", "canary"} <= {m.id for m in client.models.list()}
+    cards = {m.id: m for m in client.models.list()}
+    assert {MODEL_NAME, BIG_MODEL, "ab", "fast", "canary"} <= set(cards)
+    # What a worker says of its model comes through its heartbeats.
+    assert getattr(cards[BIG_MODEL], "description", None) == "random weights"
+    assert getattr(cards[MODEL_NAME], "description", None) is None
     assert client.models.retrieve("ab").id == "ab"
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])

@@ -76,6 +76,7 @@ async def heartbeat(
     worker: str = "w1",
     running: int = 0,
     waiting: int = 0,
+    description: str | None = None,
 ) -> None:
     """What a live worker writes to Redis every heartbeat interval."""
     beat = WorkerHeartbeat(
@@ -88,6 +89,7 @@ async def heartbeat(
         total_kv_blocks=100,
         prefix_cache_hit_rate=0.0,
         sent_at=utcnow() - timedelta(seconds=age_s),
+        description=description,
     )
     await redis.hset(names.workers_key(model), worker, beat.model_dump_json())
     await redis.sadd(names.models_key, model)

@@ -347,12 +347,14 @@ async def test_models_list_follows_heartbeats(ingress: str, settings: Settings, 
     assert [m.id async for m in client.models.list()] == []
     await heartbeat(redis, names, "alpha")
     await heartbeat(redis, names, "beta", worker="w1")
-    await heartbeat(redis, names, "beta", worker="w2")
+    await heartbeat(redis, names, "beta", worker="w2", description="random weights")
     await heartbeat(redis, names, "stale", age_s=10)
     models = [m async for m in client.models.list()]
     assert sorted(m.id for m in models) == ["alpha", "beta"]
     assert {m.object for m in models} == {"model"}
-    assert (await client.models.retrieve("beta")).id == "beta"
+    # What a worker says of its model (sluicegate up's random fallback) reaches the SDK as an extra field.
+    assert {m.id: getattr(m, "description", None) for m in models} == {"alpha": None, "beta": "random weights"}
+    assert getattr(await client.models.retrieve("beta"), "description", None) == "random weights"
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("stale")
     await client.close()

