@@ -72,3 +72,23 @@ def run_batch(args: argparse.Namespace, base_url: str, key: str, prompts: list[P
         result |= {"eta_predicted_s": predicted - seen, "eta_actual_s": finished - seen}
         result["eta_error_pct"] = 100 * abs(predicted - finished) / (finished - seen)
     return result
+
+
+def batch_table(batch: dict[str, Any]) -> Any:
+    """The batch's figures as a ``rich`` table."""
+    from rich.table import Table
+
+    table = Table(title="sluicegate bench (batch)")
+    for column in ("batch", "status", "completed/failed of lines", "wall s", "lines/s", "ETA error"):
+        table.add_column(column, justify="left" if column in ("batch", "status") else "right")
+    eta = "n/a" if batch["eta_error_pct"] is None else f"{batch['eta_error_pct']:.1f} %"
+    table.add_row(
+        batch["batch_id"],
+        batch["status"],
+        f"{batch['completed']}/{batch['failed']} of {batch['lines']}",
+        f"{batch['wall_s']:,.1f}",
+        f"{batch['lines_per_s']:,.2f}",
+        eta,
+    )
+    table.caption = f"ETA error: eta_seconds seen once {ETA_CHECK_AT:.0%} of the lines were done vs the real finish"
+    return table

@@ -42,7 +42,7 @@ from sluicegate.stack.bench import (
     request_body,
     summarize,
 )
-from sluicegate.stack.bench_batch import ETA_CHECK_AT, run_batch
+from sluicegate.stack.bench_batch import batch_table, run_batch
 from sluicegate.stack.bench_kafka import KafkaTarget, unreachable
 
 
@@ -241,7 +241,7 @@ def run_bench(args: argparse.Namespace) -> int:
     """``sluicegate bench``: the sweep (or the batch), the table on stdout and ``--json``."""
     from rich.console import Console
 
-    for name in ("httpx", "openai", "aiokafka"):
+    for name in ("httpx", "httpx2", "openai", "aiokafka"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
     _check_flags(args)
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
@@ -265,12 +265,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.model = asyncio.run(_model_of(args))
         batch = run_batch(args, _base_url(args), _api_key(args), prompts)
         report |= {"base_url": _base_url(args), "model": args.model, "batch": batch}
-        eta = "n/a" if batch["eta_error_pct"] is None else f"{batch['eta_error_pct']:.1f} %"
-        console.print(
-            f"batch {batch['batch_id']}: {batch['status']}, {batch['completed']} completed, {batch['failed']} failed "
-            f"of {batch['lines']} in {batch['wall_s']:.1f} s = {batch['lines_per_s']:.2f} lines/s; "
-            f"ETA error at {ETA_CHECK_AT:.0%} done: {eta}"
-        )
+        console.print(batch_table(batch))
     else:
         runs = asyncio.run(_sweep(args, prompts, slo))
         report |= {"base_url": _base_url(args) if args.target == "openai" else None, "model": args.model, "runs": runs}
