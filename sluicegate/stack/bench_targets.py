@@ -260,7 +260,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "slo": slo.as_dict(),
     }
-    console = Console()
+    console = Console(width=max(160, Console().width))
     if args.target == "batch":
         args.model = asyncio.run(_model_of(args))
         batch = run_batch(args, _base_url(args), _api_key(args), prompts)
