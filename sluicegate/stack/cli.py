@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_commands(sub)
 
+    from sluicegate.stack.bench import add_bench_command
+
+    add_bench_command(sub)
+
     routes = sub.add_parser("routes", help="model routes (SLUICEGATE_ROUTES_FILE)").add_subparsers(
         dest="action", required=True
     )

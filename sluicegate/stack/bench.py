@@ -1,0 +1,380 @@
+"""``sluicegate bench``: a load generator for any OpenAI-compatible endpoint, and for Sluicegate's own two paths
+that no other tool drives (Kafka-native producers on ``llm.inbound``, and a Batch API job).
+
+The workload is the prompts of a JSONL dataset (``--dataset``; by default ``data/bench_prompts.jsonl`` shipped
+beside this module, ~100 varied prompts) or synthetic prompts of ``--input-len`` words. Each run of a sweep sends
+``--num-prompts`` requests either at a fixed concurrency (``--concurrency 1,8,32``: one run per level) or at a
+Poisson arrival rate (``--rate 2,8``, requests per second; ``inf`` sends all at once), and reports TTFT, ITL,
+TPOT and E2E latency percentiles, request and output-token throughput, and goodput: the requests per second that
+met every SLO given (``--slo-ttft-ms``, ``--slo-itl-ms`` on the request's mean inter-token time as vLLM's goodput
+does, ``--slo-e2e-ms``). The figures are printed as a table and written as JSON with ``--json FILE``.
+
+The targets themselves live in :mod:`sluicegate.stack.bench_targets`. Exit codes: 0 done; 1 a run in which no
+request succeeded; 2 bad input (flags, dataset, unknown model); 3 the server, broker or Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+DEFAULT_DATASET = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
+EXIT_NO_SUCCESS = 1
+EXIT_BAD_INPUT = 2
+EXIT_UNREACHABLE = 3
+QUANTILES = (0.5, 0.9, 0.95, 0.99)
+#: Words of synthetic prompts: common, short English words (most are one token in any BPE vocabulary).
+_WORDS = (
+    "the of and to in is was for on are with as his they be at one have this from or had by word but what some "
+    "we can out other were all there when up use your how said an each she which do their time if will way about "
+    "many then them write would like so these her long make thing see him two has look more day could go come"
+).split()
+
+
+class BenchError(Exception):
+    """An error reported as one line on stderr; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_BAD_INPUT) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- workload ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request's input text and the number of tokens to ask for."""
+
+    text: str
+    max_tokens: int
+
+
+def load_prompts(
+    count: int, *, dataset: Path | None, input_len: int | None, output_len: int, seed: int = 0
+) -> list[Prompt]:
+    """``count`` prompts: synthetic ones of ``input_len`` words, else the dataset's lines cycled in a seeded
+    shuffle. A dataset line is ``{"prompt": "..."}`` (``"max_tokens"`` optional, else ``output_len``)."""
+    rng = random.Random(seed)
+    if input_len is not None:
+        return [Prompt(" ".join(rng.choice(_WORDS) for _ in range(input_len)), output_len) for _ in range(count)]
+    path = dataset or DEFAULT_DATASET
+    try:
+        raw = path.read_text().splitlines()
+    except OSError as exc:
+        raise BenchError(f"dataset {path}: {exc.strerror or exc}") from exc
+    pool: list[Prompt] = []
+    for number, line in enumerate(raw, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            pool.append(Prompt(str(row["prompt"]), int(row.get("max_tokens", output_len))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BenchError(f'dataset {path} line {number}: expected {{"prompt": ...}} ({exc})') from exc
+    if not pool:
+        raise BenchError(f"dataset {path} has no prompts")
+    rng.shuffle(pool)
+    return [pool[i % len(pool)] for i in range(count)]
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: Prompt, *, stream: bool) -> tuple[str, dict[str, Any]]:
+    """The OpenAI request for ``prompt``: its path under the base URL (``chat/completions`` or ``completions``)
+    and body; a stream asks for the usage chunk (``stream_options.include_usage``) so token counts are the
+    server's."""
+    body: dict[str, Any] = {"model": model, "max_tokens": prompt.max_tokens, "temperature": args.temperature}
+    if args.endpoint == "chat":
+        path, body["messages"] = "chat/completions", [{"role": "user", "content": prompt.text}]
+    else:
+        path, body["prompt"] = "completions", prompt.text
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+# --- what one request measured --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it (seconds on the monotonic clock; ``ttft`` None when not streamed)."""
+
+    sent: float = 0.0
+    ttft: float | None = None
+    #: Gaps between successive content chunks (or stream entries) after the first.
+    itls: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.e2e is not None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives in milliseconds (None: not checked). A request is good when it meets every one."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def met(self, sample: Sample) -> bool:
+        """Whether ``sample`` succeeded within every objective (a one-token reply has no inter-token time: it
+        meets an ITL objective, as in vLLM; without streaming there is no TTFT, so a TTFT objective fails)."""
+        if not sample.ok or sample.e2e is None:
+            return False
+        if self.ttft_ms is not None and (sample.ttft is None or 1000 * sample.ttft > self.ttft_ms):
+            return False
+        tpot = sample.tpot
+        if self.itl_ms is not None and sample.output_tokens >= 2 and (tpot is None or 1000 * tpot > self.itl_ms):
+            return False
+        return self.e2e_ms is None or 1000 * sample.e2e <= self.e2e_ms
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms, "e2e_ms": self.e2e_ms}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile with linear interpolation between ranks (numpy's default, as vLLM reports); NaN if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """Mean and percentiles in milliseconds (None where there is no value, so the JSON stays valid)."""
+    values = [1000 * v for v in values_s]
+    out: dict[str, float | None] = {"mean": sum(values) / len(values) if values else None}
+    for q in QUANTILES:
+        out[f"p{round(q * 100)}"] = quantile(values, q) if values else None
+    return out
+
+
+def summarize(samples: Sequence[Sample], duration_s: float, slo: Slo, **labels: Any) -> dict[str, Any]:
+    """One run's figures, as the table and ``--json`` show them."""
+    ok = [s for s in samples if s.ok]
+    output_tokens = sum(s.output_tokens for s in ok)
+    input_tokens = sum(s.prompt_tokens for s in ok)
+    good = sum(1 for s in ok if slo.met(s))
+    per_s = 1 / duration_s if duration_s > 0 else 0.0
+    return {
+        **labels,
+        "requests": len(samples),
+        "completed": len(ok),
+        "failed": len(samples) - len(ok),
+        "duration_s": duration_s,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "request_throughput": len(ok) * per_s,
+        "output_throughput": output_tokens * per_s,
+        "total_token_throughput": (input_tokens + output_tokens) * per_s,
+        "ttft_ms": distribution_ms([s.ttft for s in ok if s.ttft is not None]),
+        "itl_ms": distribution_ms([gap for s in ok for gap in s.itls]),
+        "tpot_ms": distribution_ms([t for s in ok if (t := s.tpot) is not None]),
+        "e2e_ms": distribution_ms([s.e2e for s in ok if s.e2e is not None]),
+        "good_requests": good,
+        "goodput": good * per_s,
+        "errors": dict(Counter(s.error for s in samples if s.error).most_common(5)),
+    }
+
+
+# --- driving the load -----------------------------------------------------------------------------------------------
+
+Send = Callable[[Prompt, Sample], Awaitable[None]]
+
+
+async def drive(
+    prompts: Sequence[Prompt],
+    send: Send,
+    *,
+    concurrency: int | None,
+    rate: float | None,
+    seed: int = 0,
+    on_done: Callable[[Sample], None] | None = None,
+) -> tuple[list[Sample], float]:
+    """Send every prompt through ``send`` with at most ``concurrency`` in flight and, with ``rate``, Poisson
+    arrivals at that many a second; the samples and the run's wall time (first send to last answer)."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    samples = [Sample() for _ in prompts]
+    start = time.monotonic()
+    offsets, at = [], 0.0
+    for _ in prompts:
+        offsets.append(at)
+        if rate and math.isfinite(rate):
+            at += rng.expovariate(rate)
+
+    async def one(prompt: Prompt, sample: Sample, offset: float) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
+        if gate is not None:
+            await gate.acquire()
+        try:
+            sample.sent = time.monotonic()
+            try:
+                await send(prompt, sample)
+            except BenchError:
+                raise
+            except Exception as exc:  # one failed request is a figure of the run, not the end of it
+                sample.error = sample.error or f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            if gate is not None:
+                gate.release()
+            if on_done is not None:
+                on_done(sample)
+
+    await asyncio.gather(*(one(p, s, o) for p, s, o in zip(prompts, samples, offsets, strict=True)))
+    return samples, time.monotonic() - start
+
+
+def progress_bar() -> Any:
+    """A ``rich`` progress bar on stderr: finished of total, failures, requests/s and elapsed time."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=20),
+        MofNCompleteColumn(),
+        TextColumn("[red]{task.fields[failed]}[/] failed"),
+        TextColumn("[cyan]{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+
+
+# --- reporting --------------------------------------------------------------------------------------------------
+
+
+def _ms(dist: dict[str, float | None], key: str) -> str:
+    value = dist.get(key)
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def render_table(runs: Sequence[dict[str, Any]], slo: Slo) -> Any:
+    """The sweep as a ``rich`` table, one row per run."""
+    from rich.table import Table
+
+    table = Table(title="sluicegate bench")
+    for column in (
+        "run", "ok/fail", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50",
+        "E2E p50", "E2E p99", "goodput req/s",
+    ):  # fmt: skip
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for run in runs:
+        table.add_row(
+            run["label"],
+            f"{run['completed']}/{run['failed']}",
+            f"{run['request_throughput']:,.2f}",
+            f"{run['output_throughput']:,.1f}",
+            _ms(run["ttft_ms"], "p50"),
+            _ms(run["ttft_ms"], "p99"),
+            _ms(run["itl_ms"], "p50"),
+            _ms(run["itl_ms"], "p99"),
+            _ms(run["tpot_ms"], "p50"),
+            _ms(run["e2e_ms"], "p50"),
+            _ms(run["e2e_ms"], "p99"),
+            f"{run['goodput']:,.2f} ({run['good_requests']})",
+        )
+    slos = ", ".join(f"{k} <= {v:g}" for k, v in slo.as_dict().items() if v is not None)
+    table.caption = f"latencies in ms; goodput: requests meeting {slos}" if slos else "latencies in ms; no SLO given"
+    return table
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+
+def parse_levels(text: str | None, flag: str, *, integer: bool) -> list[float]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``; every level positive (``inf`` allowed for ``--rate``)."""
+    if text is None:
+        return []
+    levels = []
+    for part in text.split(","):
+        try:
+            value = int(part) if integer else float(part)
+        except ValueError:
+            raise BenchError(f"{flag} takes a comma-separated list of positive numbers, got {text!r}") from None
+        if not value > 0:
+            raise BenchError(f"{flag} levels must be positive, got {part!r}")
+        levels.append(value)
+    return levels
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    print(f"sluicegate bench: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        from sluicegate.stack.bench_targets import run_bench
+
+        return run_bench(args)
+    except BenchError as exc:
+        _fail(str(exc), exc.code)
+
+
+def add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``sluicegate bench`` on the top-level subparsers."""
+    bench = sub.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible endpoint, Kafka-native producers or a Batch API job",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("--target", choices=["openai", "kafka", "batch"], default="openai", help="default openai")
+    bench.add_argument("--base-url", help="OpenAI base URL (default: SLUICEGATE_API_BASE_URL or the local ingress)")
+    bench.add_argument("--api-key", help="API key (default: OPENAI_API_KEY, then SLUICEGATE_API_KEY)")
+    bench.add_argument("--model", help="model name (default: the server's first model, or SLUICEGATE_MODEL_NAME)")
+    bench.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="default chat")
+    bench.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream (default on)")
+    load = bench.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", help="requests in flight, one run per level: 1,8,32 (default 1)")
+    load.add_argument("--rate", help="Poisson arrivals, requests/s, one run per level: 2,8 or inf")
+    bench.add_argument("--max-concurrency", type=int, help="cap on requests in flight with --rate")
+    bench.add_argument("--num-prompts", type=int, default=50, help="requests per run (default 50)")
+    bench.add_argument("--dataset", type=Path, help="JSONL of {prompt[, max_tokens]} (default: the shipped prompts)")
+    bench.add_argument("--input-len", type=int, help="synthetic prompts of this many words instead of a dataset")
+    bench.add_argument("--output-len", type=int, default=128, help="max_tokens per request (default 128)")
+    bench.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens (vLLM extra)")
+    bench.add_argument("--temperature", type=float, default=0.0, help="default 0")
+    bench.add_argument("--seed", type=int, default=0, help="prompt order and arrival times (default 0)")
+    bench.add_argument("--slo-ttft-ms", type=float, help="goodput: time to first token at most this")
+    bench.add_argument("--slo-itl-ms", type=float, help="goodput: mean inter-token time (TPOT) at most this")
+    bench.add_argument("--slo-e2e-ms", type=float, help="goodput: end-to-end latency at most this")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
+    bench.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    native = bench.add_argument_group("--target kafka")
+    native.add_argument("--kafka-bootstrap", help="default: SLUICEGATE_KAFKA_BOOTSTRAP")
+    native.add_argument("--redis-url", help="where the token streams are read (default: SLUICEGATE_REDIS_URL)")
+    native.add_argument("--topic-prefix", help="default: SLUICEGATE_TOPIC_PREFIX")
+    native.add_argument("--priority", choices=["interactive", "standard", "batch"], default="interactive")
+    batch = bench.add_argument_group("--target batch")
+    batch.add_argument("--poll-interval", type=float, default=1.0, help="seconds between batch polls (default 1)")
+    bench.set_defaults(handler=_bench)

@@ -1,0 +1,275 @@
+"""``sluicegate bench``'s sweep: the OpenAI-compatible target, the runs of a sweep and the report (the workload,
+statistics and the parser are in :mod:`sluicegate.stack.bench`, the Kafka-native and batch targets in
+``bench_kafka`` and ``bench_batch``).
+
+* ``openai``: ``POST {base}/chat/completions`` (or ``/completions``) over ``httpx``, streamed with
+  ``stream_options.include_usage`` so the token counts are the server's own; TTFT is the first content chunk,
+  ITL the gaps between content chunks. Any OpenAI-compatible server works.
+* ``kafka``: an :class:`~schemas.InferenceRequest` per prompt produced to ``llm.inbound`` (acknowledged, as a
+  Kafka-native producer does), then the request's Redis stream (``llm:stream:<id>``) read with ``XREAD BLOCK``
+  until its ``done``/``error`` event; TTFT is produce-sent to the first token entry, counts from ``done``'s usage.
+* ``batch``: the prompts as one Batch API job (upload, create, poll); lines/s and how far the batch's
+  ``eta_seconds``, seen when a tenth of the lines are done, was from the finish the client then saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+from contextlib import nullcontext
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sluicegate.settings import get_settings
+from sluicegate.stack.bench import (
+    EXIT_NO_SUCCESS,
+    BenchError,
+    Prompt,
+    Sample,
+    Slo,
+    drive,
+    load_prompts,
+    parse_levels,
+    progress_bar,
+    render_table,
+    request_body,
+    summarize,
+)
+from sluicegate.stack.bench_batch import batch_table, run_batch
+from sluicegate.stack.bench_kafka import KafkaTarget, unreachable
+
+
+def _api_error(response: httpx.Response) -> str:
+    """The server's one-line message for a non-2xx answer (OpenAI's error shape, else the body's start)."""
+    try:
+        body = response.json()
+        error = body.get("error", body) if isinstance(body, dict) else {}
+        message = error.get("message") if isinstance(error, dict) else None
+    except ValueError:
+        message = None
+    return f"{response.status_code} {message or response.text[:200].strip() or response.reason_phrase}"
+
+
+# --- the OpenAI-compatible path ------------------------------------------------------------------------------
+
+
+class OpenAITarget:
+    """Streams (or not) chat or text completions from one OpenAI-compatible server."""
+
+    def __init__(self, args: argparse.Namespace, client: httpx.AsyncClient) -> None:
+        self.args = args
+        self.client = client
+        self.model: str = args.model or ""
+
+    async def preflight(self) -> None:
+        """``GET /models``: the server answers, the key is taken, the model exists (the first one by default)."""
+        try:
+            response = await self.client.get("models")
+        except httpx.HTTPError as exc:
+            raise unreachable(str(self.client.base_url), exc) from exc
+        if response.status_code in (401, 403):
+            raise BenchError(f"{self.client.base_url}models: {_api_error(response)} (check --api-key)")
+        if response.status_code != 200:
+            return  # some servers have no model listing: the first request will say what is wrong
+        served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
+        if not self.model:
+            if not served:
+                raise BenchError(f"{self.client.base_url}models lists no model: pass --model")
+            self.model = served[0]
+        elif served and self.model not in served:
+            raise BenchError(f"unknown model {self.model!r}: {self.client.base_url} serves {', '.join(served)}")
+
+    async def send(self, prompt: Prompt, sample: Sample) -> None:
+        path, body = request_body(self.args, self.model, prompt, stream=self.args.stream)
+        if not self.args.stream:
+            response = await self.client.post(path, json=body)
+            sample.e2e = time.monotonic() - sample.sent
+            if response.status_code != 200:
+                sample.error = _api_error(response)
+                return
+            self._usage(sample, response.json().get("usage"))
+            return
+        chunks = 0
+        last = sample.sent
+        async with self.client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                sample.error = _api_error(response)
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    sample.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"[:200]
+                    return
+                self._usage(sample, chunk.get("usage"))
+                if any(self._content(choice) for choice in chunk.get("choices") or ()):
+                    now = time.monotonic()
+                    if sample.ttft is None:
+                        sample.ttft = now - sample.sent
+                    else:
+                        sample.itls.append(now - last)
+                    last = now
+                    chunks += 1
+        sample.e2e = time.monotonic() - sample.sent
+        if not sample.output_tokens:
+            sample.output_tokens = chunks  # no usage chunk: a content chunk per token, as most servers send
+
+    @staticmethod
+    def _content(choice: dict[str, Any]) -> bool:
+        delta = choice.get("delta") or {}
+        return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content"))
+
+    @staticmethod
+    def _usage(sample: Sample, usage: dict[str, Any] | None) -> None:
+        if usage:
+            sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            sample.output_tokens = int(usage.get("completion_tokens") or 0)
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+
+def _base_url(args: argparse.Namespace) -> str:
+    settings = get_settings()
+    url = args.base_url or settings.api_base_url or f"http://127.0.0.1:{settings.ingress_port}/v1"
+    return url.rstrip("/") + "/"
+
+
+def _api_key(args: argparse.Namespace) -> str:
+    return args.api_key or os.environ.get("OPENAI_API_KEY") or get_settings().api_key or "EMPTY"
+
+
+def _client(args: argparse.Namespace, connections: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=_base_url(args),
+        headers={"Authorization": f"Bearer {_api_key(args)}"},
+        timeout=httpx.Timeout(args.timeout, connect=10),
+        limits=httpx.Limits(max_connections=connections),
+    )
+
+
+async def _model_of(args: argparse.Namespace) -> str:
+    """The model a batch runs on: ``--model`` checked against ``GET /models``, else the server's first."""
+    async with _client(args, 1) as http:
+        target = OpenAITarget(args, http)
+        await target.preflight()
+    return target.model
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag in ("num_prompts", "output_len", "input_len", "max_concurrency"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise BenchError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if not args.stream and args.slo_ttft_ms is not None:
+        raise BenchError("--slo-ttft-ms needs streaming (TTFT is not seen with --no-stream)")
+    if args.target == "batch" and (args.rate or args.concurrency):
+        raise BenchError("--target batch sends one batch: --rate and --concurrency do not apply")
+
+
+async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo) -> list[dict[str, Any]]:
+    rates = parse_levels(args.rate, "--rate", integer=False)
+    levels: list[tuple[int | None, float | None]] = (
+        [(args.max_concurrency, r) for r in rates]
+        if rates
+        else [(int(c), None) for c in parse_levels(args.concurrency or "1", "--concurrency", integer=True)]
+    )
+    async with _client(args, max((c or len(prompts)) for c, _ in levels)) as http:
+        target: OpenAITarget | KafkaTarget
+        if args.target == "kafka":
+            target = KafkaTarget(args)
+            await target.start()
+        else:
+            target = OpenAITarget(args, http)
+            await target.preflight()
+        args.model = target.model
+        runs = []
+        try:
+            for concurrency, rate in levels:
+                label = f"rate {rate:g}/s" if rate else f"concurrency {concurrency}"
+                runs.append(await _one_run(args, target, prompts, slo, label, concurrency, rate))
+        finally:
+            if isinstance(target, KafkaTarget):
+                await target.close()
+    return runs
+
+
+async def _one_run(
+    args: argparse.Namespace,
+    target: OpenAITarget | KafkaTarget,
+    prompts: list[Prompt],
+    slo: Slo,
+    label: str,
+    concurrency: int | None,
+    rate: float | None,
+) -> dict[str, Any]:
+    bar = progress_bar() if not args.no_progress else None
+    with bar or nullcontext():
+        task = bar.add_task(label, total=len(prompts), failed=0, rate="") if bar else None
+        started, tally = time.monotonic(), {"done": 0, "failed": 0}
+
+        def done(sample: Sample) -> None:
+            tally["done"] += 1
+            tally["failed"] += not sample.ok
+            if bar is not None and task is not None:
+                rate = f"{tally['done'] / (time.monotonic() - started):.2f} req/s"
+                bar.update(task, advance=1, failed=tally["failed"], rate=rate)
+
+        samples, duration = await drive(
+            prompts, target.send, concurrency=concurrency, rate=rate, seed=args.seed, on_done=done
+        )
+    run = summarize(samples, duration, slo, label=label, concurrency=concurrency, rate=rate)
+    if not run["completed"]:
+        first = next(iter(run["errors"]), "no answer")
+        raise BenchError(f"{label}: all {len(samples)} requests failed, e.g. {first}", EXIT_NO_SUCCESS)
+    return run
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``sluicegate bench``: the sweep (or the batch), the table on stdout and ``--json``."""
+    from rich.console import Console
+
+    for name in ("httpx", "httpx2", "openai", "aiokafka"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
+    _check_flags(args)
+    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
+    prompts = load_prompts(
+        args.num_prompts, dataset=args.dataset, input_len=args.input_len, output_len=args.output_len, seed=args.seed
+    )
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    report: dict[str, Any] = {
+        "tool": "sluicegate bench",
+        "started_at": started_at,
+        "target": args.target,
+        "endpoint": args.endpoint,
+        "stream": args.stream,
+        "dataset": f"synthetic {args.input_len} words" if args.input_len else str(args.dataset or "shipped prompts"),
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "slo": slo.as_dict(),
+    }
+    console = Console(width=max(160, Console().width))
+    if args.target == "batch":
+        args.model = asyncio.run(_model_of(args))
+        batch = run_batch(args, _base_url(args), _api_key(args), prompts)
+        report |= {"base_url": _base_url(args), "model": args.model, "batch": batch}
+        console.print(batch_table(batch))
+    else:
+        runs = asyncio.run(_sweep(args, prompts, slo))
+        report |= {"base_url": _base_url(args) if args.target == "openai" else None, "model": args.model, "runs": runs}
+        console.print(render_table(runs, slo))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

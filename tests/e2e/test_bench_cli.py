@@ -1,0 +1,136 @@
+"""``sluicegate bench`` against the running stack (tiny model), as a user runs it: the OpenAI path at a fixed
+concurrency and at a Poisson rate, its JSON consistent with itself, goodput 0 under an impossible SLO; the
+Kafka-native path (``llm.inbound`` in, Redis stream out); a Batch API job; and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import Pipeline, Service
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def bench(pipeline: Pipeline, *args: str, timeout_s: float = 200) -> subprocess.CompletedProcess[str]:
+    """Run ``sluicegate bench ARGS`` with the key from ``OPENAI_API_KEY``; no progress bar (not a terminal)."""
+    env = {k: v for k, v in pipeline.env.items() if k not in ("SLUICEGATE_API_KEY", "OPENAI_API_KEY")}
+    env["OPENAI_API_KEY"] = pipeline.api_key
+    return subprocess.run(
+        [sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", f"{pipeline.ingress_url}/v1", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def report(pipeline: Pipeline, tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "bench.json"
+    result = bench(pipeline, *args, "--json", str(out))
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "sluicegate bench" in result.stdout, result.stdout  # the table's title
+    assert "HTTP/1.1" not in result.stderr, result.stderr  # no log line per call
+    return json.loads(out.read_text())
+
+
+def assert_consistent(run: dict[str, Any], requests: int, *, streamed: bool = True) -> None:
+    """Every request completed, throughputs positive, each distribution's percentiles in order."""
+    assert run["requests"] == run["completed"] == requests and run["failed"] == 0, run
+    assert run["output_tokens"] > 0 and run["output_throughput"] > 0 and run["request_throughput"] > 0
+    assert run["input_tokens"] > 0
+    names = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms") if streamed else ("e2e_ms",)
+    for name in names:
+        dist = run[name]
+        assert 0 <= dist["p50"] <= dist["p90"] <= dist["p95"] <= dist["p99"], (name, dist)
+    if streamed:
+        assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"]
+
+
+def test_openai_concurrency_sweep_json(pipeline: Pipeline, tmp_path: Path) -> None:
+    got = report(
+        pipeline, tmp_path, "--concurrency", "1,2", "--num-prompts", "6", "--output-len", "8", "--ignore-eos",
+        "--slo-ttft-ms", "60000", "--slo-e2e-ms", "60000",
+    )  # fmt: skip
+    assert got["model"] == pipeline.model  # taken from GET /models
+    assert [r["concurrency"] for r in got["runs"]] == [1, 2]
+    for run in got["runs"]:
+        assert_consistent(run, 6)
+        assert run["output_tokens"] == 6 * 8  # ignore_eos: exactly max_tokens each, counted from usage
+        assert run["good_requests"] == 6 and run["goodput"] == pytest.approx(run["request_throughput"])
+
+
+def test_openai_rate_and_impossible_slo(pipeline: Pipeline, tmp_path: Path) -> None:
+    got = report(
+        pipeline, tmp_path, "--rate", "20", "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
+        "--slo-ttft-ms", "0.001",
+    )  # fmt: skip
+    (run,) = got["runs"]
+    assert run["rate"] == 20 and run["concurrency"] is None
+    assert_consistent(run, 6)
+    assert run["good_requests"] == 0 and run["goodput"] == 0
+    assert got["slo"]["ttft_ms"] == 0.001 and got["dataset"] == "synthetic 16 words"
+
+
+def test_openai_without_streaming(pipeline: Pipeline, tmp_path: Path) -> None:
+    got = report(
+        pipeline, tmp_path, "--no-stream", "--endpoint", "completions", "--num-prompts", "3", "--output-len", "4"
+    )
+    (run,) = got["runs"]
+    assert_consistent(run, 3, streamed=False)
+    assert run["ttft_ms"]["p50"] is None  # not seen without a stream
+
+
+def test_kafka_native_path(pipeline: Pipeline, tmp_path: Path) -> None:
+    got = report(
+        pipeline, tmp_path, "--target", "kafka", "--model", pipeline.model, "--concurrency", "2", "--num-prompts", "4",
+        "--output-len", "6", "--ignore-eos", "--kafka-bootstrap", pipeline.kafka_bootstrap,
+        "--redis-url", pipeline.redis_url, "--topic-prefix", pipeline.prefix,
+    )  # fmt: skip
+    (run,) = got["runs"]
+    assert_consistent(run, 4)
+    assert run["output_tokens"] == 4 * 6
+
+
+def test_batch_path(pipeline: Pipeline, batch_worker: Service, tmp_path: Path) -> None:
+    got = report(
+        pipeline, tmp_path, "--target", "batch", "--num-prompts", "12", "--output-len", "4", "--poll-interval", "0.3"
+    )
+    batch = got["batch"]
+    assert batch["status"] == "completed" and batch["lines"] == batch["completed"] == 12, batch
+    assert batch["lines_per_s"] > 0 and batch["wall_s"] > 0
+
+
+def test_bad_input_is_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
+    cases = [
+        (("--model", "no-such-model", "--num-prompts", "1"), 2, "unknown model 'no-such-model'"),
+        (
+            (
+                "--concurrency",
+                "0",
+            ),
+            2,
+            "--concurrency levels must be positive",
+        ),
+        (("--dataset", str(tmp_path / "missing.jsonl")), 2, "missing.jsonl"),
+        (
+            ("--target", "kafka", "--model", "no-such-model", "--redis-url", pipeline.redis_url),
+            2,
+            "no worker heartbeats",
+        ),
+    ]
+    for args, code, text in cases:
+        result = bench(pipeline, *args)
+        assert result.returncode == code, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("sluicegate bench: error: ") and text in lines[0], result.stderr
+    gone = subprocess.run(
+        [sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", "http://127.0.0.1:9/v1"],
+        capture_output=True, text=True, timeout=60, env=pipeline.env,
+    )  # fmt: skip
+    assert gone.returncode == 3 and "cannot reach http://127.0.0.1:9/v1/" in gone.stderr, gone.stderr
