@@ -70,7 +70,8 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             raise invalid(exc) from exc
         except ValueError as exc:  # the only other refusal: a deadline already past
             raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
-        inference = await _fit_context(service.tokenizers, inference, body, heartbeats)
+        if service.settings.ingress_count_prompt_tokens:
+            inference = await _fit_context(service.tokenizers, inference, body, heartbeats)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))

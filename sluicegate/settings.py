@@ -205,6 +205,11 @@ class Settings(BaseSettings):
 
     # --- ingress and router ---------------------------------------------------------------------------
     ingress_host: str = Field("0.0.0.0", description="Address the ingress API binds to.")
+    ingress_count_prompt_tokens: bool = Field(
+        True,
+        description="Count each prompt with the tokenizer its workers publish and refuse prompt + max_tokens over "
+        "the context at once (400); false leaves that check to the worker (an error event in the stream).",
+    )
     served_models: str = Field(
         "", description="Comma-separated models ingress accepts even with no live worker (queued in Kafka)."
     )

@@ -65,10 +65,12 @@ def tiny_model_dir(paced_model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pipeline_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A second key, limited to one request a minute, so the page meets a real 429."""
+    """A second key, limited to one request a minute, so the page meets a real 429; and ingress's exact prompt count
+    off, so a prompt + max_tokens over the context reaches the worker, whose refusal is an error event in the
+    stream (the one error the page can meet after its request was accepted)."""
     keys = tmp_path_factory.mktemp("keys") / "keys.jsonl"
     keys.write_text(json.dumps({"key": THROTTLED_KEY, "tenant": "throttled", "rpm": 1}) + "\n")
-    return {"SLUICEGATE_API_KEYS_FILE": str(keys)}
+    return {"SLUICEGATE_API_KEYS_FILE": str(keys), "SLUICEGATE_INGRESS_COUNT_PROMPT_TOKENS": "false"}
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +273,9 @@ def test_a_rate_limit_is_explained_with_when_to_try_again(
 def test_a_stream_that_ends_in_an_error_event_is_explained(
     page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
 ) -> None:
-    """The worker refuses a request whose prompt + max_tokens pass the model's context (ingress checks
-    max_tokens alone): the request was accepted and its stream ends with ``error``, which the page shows."""
+    """The worker refuses a request whose prompt + max_tokens pass the model's context (ingress, with its exact
+    count off here, checks max_tokens alone): the request was accepted and its stream ends with ``error``, which the
+    page shows. (With the count on, the default, ingress refuses it at once: test_context_and_tokenize.py.)"""
     context = max(b.max_model_len or 0 for b in pipeline.heartbeats().values())
     assert context > 0, "the worker reports its context length"
     configure(page, apiKey=pipeline.api_key, maxTokens=str(context - 2), temperature="0")
