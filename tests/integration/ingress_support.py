@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
@@ -19,6 +20,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 from redis.asyncio import Redis
 
+from gpu_workers.worker.heartbeat import model_tokenizer
 from ingress.app import create_app
 from schemas import (
     STREAM_FIELD,
@@ -105,6 +107,16 @@ def reply_for(request: InferenceRequest) -> list[str]:
     return [words[0]] + [f" {w}" for w in words[1:]]
 
 
+@functools.cache
+def _fake_tokenizer() -> Any:
+    """A small trained byte-level tokenizer with the tiny models' chat template (built once per process)."""
+    from gpu_workers.engine.models.random_checkpoint import CHAT_TEMPLATE, build_tokenizer
+
+    tokenizer = build_tokenizer(512)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 class FakeWorker:
     """Reads the model's request topics (all partitions, no group) and answers each request with token
     events and a ``done`` on its Redis stream. ``mode="restart"`` emits a restart and regenerates;
@@ -121,6 +133,10 @@ class FakeWorker:
         self._answers: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> FakeWorker:
+        # As a worker does at start: its tokenizer and chat template, for ingress's exact counts and /tokenize.
+        published = model_tokenizer(MODEL, _fake_tokenizer(), max_model_len=None)
+        assert published is not None
+        await self.redis.set(self.names.tokenizer_key(MODEL), published)
         topics = self.names.request_topics(MODEL)
         await ensure_topics(self.settings.kafka_bootstrap, dict.fromkeys(topics, self.settings.topic_partitions), 1)
         self._consumer = create_consumer(group_id=None, settings=self.settings)
