@@ -89,6 +89,7 @@ class RouteTable:
         self._path = path
         self._check_every_s = check_every_s
         self._next_check = 0.0
+        self._empty_stamp: tuple[int, int, int] | None = None  # the empty file last warned about
         self._redis = redis
         self._names = names or Names()
         # Loaded at start-up, so a bad file stops the process with the reason instead of routing without it.
@@ -155,7 +156,13 @@ class RouteTable:
         refused: str | None = None
         if self._path is not None:
             stamp = await asyncio.to_thread(file_stamp, self._path)
-            if stamp is not None and stamp != self._table.stamp:
+            if stamp is not None and stamp != self._table.stamp and stamp[1] == 0:
+                # Empty: most likely caught between a writer's truncate and its write (a read then swapped in no
+                # routes at all). Kept out of force and read again at the next check; `routes: {}` removes all.
+                if stamp != self._empty_stamp:
+                    self._empty_stamp = stamp
+                    log.warning("routes.file_empty path=%s; the previous routes stay in force", self._path)
+            elif stamp is not None and stamp != self._table.stamp:
                 try:
                     changed = self.swap(await asyncio.to_thread(load_table, self._path))
                 except RoutesError as exc:

@@ -69,6 +69,23 @@ async def test_refresh_picks_up_edits_and_keeps_last_good(tmp_path: Path) -> Non
     assert table.resolve(_request("chat", "t")).version == "tiny-b"  # type: ignore[union-attr]
 
 
+async def test_an_empty_file_caught_mid_write_does_not_drop_the_routes(tmp_path: Path) -> None:
+    """A reload that reads the file between a writer's truncate and its write sees it empty: the routes in
+    force stay, and the finished write is read at the next check (CI once caught the old swap-in of no routes)."""
+    path = tmp_path / "routes.yaml"
+    _write(path, _SPLIT)
+    table = RouteTable(path)
+    _write(path, "", bump_ns=10**9)
+    found = await table.refresh()
+    assert found.changed is None and found.refused is None
+    assert table.resolve(_request("chat", "t")) is not None
+    _write(path, _ONLY_B, bump_ns=2 * 10**9)
+    assert (await table.refresh()).changed == {"chat"}
+    assert table.resolve(_request("chat", "t")).version == "tiny-b"  # type: ignore[union-attr]
+    _write(path, "routes: {}\n", bump_ns=3 * 10**9)  # removing every route is said explicitly
+    assert (await table.refresh()).changed == set() and table.resolve(_request("chat", "t")) is None
+
+
 def test_a_route_sticky_per_user_keys_on_the_request_user(tmp_path: Path) -> None:
     path = tmp_path / "routes.yaml"
     _write(path, _SPLIT.replace("  chat:\n", "  chat:\n    sticky: user\n"))
