@@ -200,7 +200,7 @@ def smoke_setup(budget_s: float) -> Setup:
 
 # What --skip takes: parts of the bf16 engine's run, then the later phases (later_phases()).
 ENGINE_PHASES = ("sweep", "cascade_off", "prefix_off")
-LATER_PHASES = ("fp8", "bnb-int8", "awq", "gptq", "ngram", "draft_model", "tp", "peers", "kv_fp8")
+LATER_PHASES = ("fp8", "bnb-int8", "bnb-nf4", "awq", "gptq", "ngram", "draft_model", "tp", "peers", "kv_fp8")
 PHASES = ENGINE_PHASES + LATER_PHASES
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -835,7 +835,13 @@ def print_report(results: dict[str, Any]) -> None:
                 f"| {c} | {fmt(o)} | {fmt(g)} | {fmt(b)} | {fmt(o / g, 2)}x | {fmt(o / b, 2)}x | "
                 f"{fmt(ours['itl_p50_ms'], 2)} |"
             )
-    for key, label in (("fp8", "FP8"), ("bnb_int8", "bnb-int8"), ("awq", "AWQ INT4"), ("gptq", "GPTQ INT4")):
+    for key, label in (
+        ("fp8", "FP8"),
+        ("bnb_int8", "bnb-int8"),
+        ("bnb_nf4", "bnb-nf4"),
+        ("awq", "AWQ INT4"),
+        ("gptq", "GPTQ INT4"),
+    ):
         q = results.get(key, {})
         if "itl_p50_ms" in q:
             print(f"\n- {label} decode at concurrency 1: ITL p50 {q['itl_p50_ms']:.2f} ms.")
@@ -1081,7 +1087,7 @@ def later_phases(
 ) -> list[tuple[str, str, float, Callable[[], Any]]]:
     """(name for --skip, result key, seconds it needs, phase) of everything after the bf16 engine, in order."""
     phases: list[tuple[str, str, float, Callable[[], Any]]] = []
-    for method, key in (("fp8", "fp8"), ("bnb-int8", "bnb_int8")):
+    for method, key in (("fp8", "fp8"), ("bnb-int8", "bnb_int8"), ("bnb-nf4", "bnb_nf4")):
         try:
             check_quantization_supported(method, torch.device(setup.device))
         except (RuntimeError, ValueError) as exc:

@@ -18,7 +18,7 @@
 #   --smoke     rehearse every phase on the CPU with tiny models (tests then only collect and skip)
 #   --only      comma-separated subset of env,tests,parity,bench
 #   --budget-s  engine_gpu.py's wall-clock budget (default 240)
-#   --skip      passed to engine_gpu.py --skip (sweep, cascade_off, prefix_off, fp8, bnb-int8, awq, gptq,
+#   --skip      passed to engine_gpu.py --skip (sweep, cascade_off, prefix_off, fp8, bnb-int8, bnb-nf4, awq, gptq,
 #               ngram, draft_model, tp, peers, kv_fp8)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
