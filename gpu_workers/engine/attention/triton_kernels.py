@@ -54,22 +54,34 @@ _MERGE_BLOCK_H = 16
 
 
 @triton.jit
-def _round_to_e4m3(x):
-    """fp32 values already clamped to +-448 -> the nearest float8_e4m3fn value (ties to even), still
-    in fp32, so the cast that follows is exact. Rounding here rather than in the cast because
-    Triton's interpreter (the CPU tests) drops the carry into the exponent when it rounds a
-    downcast (7.96 -> 4.0 instead of 8.0); compiled code rounds the same as this."""
-    # Normal range (|x| >= 2^-6): keep 3 of fp32's 23 mantissa bits, ties to even; a carry out of
-    # the mantissa moves into the exponent, as rounding up should.
+def _e4m3_code(x):
+    """fp32 values already clamped to +-448 -> their float8_e4m3fn byte (round to nearest, ties to
+    even), by integer arithmetic on the fp32 bits alone.
+
+    Why integers: float rounding tricks and the compiled fp32 -> fp8 conversion differ between
+    Triton's interpreter (the CPU tests; it drops the carry into the exponent, 7.96 -> 4.0) and
+    compiled code on a GPU, where the earlier float-based rounding was still off torch's cast for
+    some values on an H100 (2026-11-26). Integer shifts and adds mean the same everywhere."""
     bits = x.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
-    # Subnormal range: fixed spacing 2^-9; adding 1.5 * 2^14 puts |x| where fp32's spacing is 2^-9,
-    # so the fp32 add itself rounds (ties to even), and subtracting it back is exact. The sign is
-    # put back from the bits so that small negatives round to -0.0, as the cast does.
-    magnitude = (tl.abs(x) + 24576.0) - 24576.0
-    subnormal = tl.where(bits < 0, -magnitude, magnitude)
-    return tl.where(tl.abs(x) >= 0.015625, normal, subnormal)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal range (|x| >= 2^-6, fp32 exponent field >= 121): keep 3 of the 23 mantissa bits, ties to
+    # even; a carry out of the mantissa moves into the exponent, as rounding up should. Then
+    # rebias the exponent from fp32's 127 to e4m3's 7: (127 - 7) << 3 = 960.
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - 960
+    # Subnormal range: the code is |x| / 2^-9 rounded to an integer (0..8; 8 is the smallest normal,
+    # whose code is also 8). |x| = significand * 2^(exponent - 150), so the code is the significand
+    # shifted right by 141 - exponent, at least 21 here; past 31 the result is 0 either way.
+    exponent = mag >> 23
+    significand = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - exponent, 31)
+    quotient = significand >> shift
+    rest = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    round_up = (rest > half) | ((rest == half) & ((quotient & 1) == 1))
+    subnormal = quotient + round_up.to(tl.int32)
+    return (tl.where(mag >= 0x3C800000, normal, subnormal) | sign).to(tl.uint8)
 
 
 @triton.jit
@@ -102,8 +114,9 @@ def _store_kvcache_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    # FP8: the cache is float8_e4m3fn; each row is divided by its KV head's scale, saturated at
-    # +-448 and rounded to nearest even (kv_quant.quantize_rows is the torch twin, bit for bit).
+    # FP8: the cache arrives as its uint8 view (store_kvcache); each row is divided by its KV head's
+    # scale, saturated at +-448 and encoded to e4m3 bytes with ties to even (kv_quant.quantize_rows
+    # is the torch twin, bit for bit).
     # The division is div_rn: compiled Triton's plain '/' on fp32 is the approximate div.full.f32
     # (up to 2 ulp off), which moved values across a rounding boundary on an H100 (2026-11-26 run).
     token = tl.program_id(0).to(tl.int64)
@@ -122,7 +135,7 @@ def _store_kvcache_kernel(
         k = tl.load(src_k, mask=mask)
         if FP8:
             k_scale = tl.load(k_scale_ptr + heads, mask=head_valid, other=1.0)
-            k = _round_to_e4m3(tl.clamp(tl.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0))
+            k = _e4m3_code(tl.clamp(tl.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0))
         tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
         src_v = v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
@@ -131,7 +144,7 @@ def _store_kvcache_kernel(
         v = tl.load(src_v, mask=mask)
         if FP8:
             v_scale = tl.load(v_scale_ptr + heads, mask=head_valid, other=1.0)
-            v = _round_to_e4m3(tl.clamp(tl.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0))
+            v = _e4m3_code(tl.clamp(tl.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0))
         tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -174,6 +187,8 @@ def store_kvcache(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    if fp8:  # the kernel writes e4m3 bytes it encoded itself (_e4m3_code)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _store_kvcache_kernel[(num_tokens,)](
         k,
         v,

@@ -99,6 +99,30 @@ def test_store_quantizes_bit_for_bit_like_torch(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_store_encodes_every_rounding_boundary_like_torch(device: str) -> None:
+    """Every finite e4m3 value, each midpoint between neighbours (a tie) and the fp32 values just
+    either side of it, both signs, scale 1: the kernel's bytes equal torch's saturating cast."""
+    grid = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8_KV_DTYPE).float()  # 0 .. 448
+    mids = (grid[:-1] + grid[1:]) / 2
+    probes = torch.cat([grid, mids, torch.nextafter(mids, grid[1:]), torch.nextafter(mids, grid[:-1])])
+    probes = torch.cat([probes, -probes, torch.tensor([448.5, 460.0, -1e9, 2.0**-12])])
+    dim = 16
+    rows = torch.nn.functional.pad(probes, (0, -probes.numel() % dim)).view(-1, 1, dim)
+    slots = torch.arange(rows.shape[0])
+    k_ref = torch.zeros(rows.shape[0], 1, 1, dim, dtype=FP8_KV_DTYPE)
+    v_ref = torch.zeros_like(k_ref)
+    one = torch.ones(1)
+    write_kv(rows, rows, k_ref, v_ref, slots, one, one)
+    k_cache, v_cache = torch.zeros_like(k_ref).to(device), torch.zeros_like(v_ref).to(device)
+    d = one.to(device)
+    tk.store_kvcache(rows.to(device), rows.to(device), k_cache, v_cache, slots.to(device), d, d)
+    got, want = k_cache.cpu().view(torch.uint8).flatten(), k_ref.view(torch.uint8).flatten()
+    wrong = (got != want).nonzero().flatten()[:8]
+    detail = [(rows.flatten()[i].item(), int(got[i]), int(want[i])) for i in wrong]
+    assert wrong.numel() == 0, f"(value, kernel byte, torch byte): {detail}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "num_splits"),
     [
