@@ -1,16 +1,18 @@
 """Pure-torch reference attention over the paged KV cache (the CPU backend).
 
-Each sequence's context is read straight out of the cache: its block table is split into runs of
-consecutive blocks (the block manager keeps a sequence's blocks consecutive when it can), and a
-run is a plain view of the flat ``[slots, kv_heads, head_dim]`` cache, so a well-placed sequence
-costs no copy at all; only a fragmented one concatenates its runs. On a CPU, where memory
-bandwidth is the bottleneck, this beats gathering every sequence into one padded tensor by an
-order of magnitude even though it loops over sequences. The runs are worked out once per step
-and reused by every layer.
-
-Decode rows fold the query heads that share a KV head into the query-length axis (no causal mask
-is needed for a single query), so grouped-query attention needs no K/V copies; prefill chunks use
+Prefill chunks read each sequence's context straight out of the cache: its block table is split
+into runs of consecutive blocks (the block manager keeps a sequence's blocks consecutive when it
+can), and a run is a plain view of the flat ``[slots, kv_heads, head_dim]`` cache, so a
+well-placed sequence costs no copy at all; only a fragmented one concatenates its runs. They use
 ``scaled_dot_product_attention(enable_gqa=True)`` with a causal mask offset by the cached context.
+
+Decode rows (one query each) go through one attention call for the whole step: their contexts are
+gathered into a ``[rows, kv_heads, max_ctx, head_dim]`` batch with the padding masked. A call per
+row costs more in dispatch than the gather copies while contexts are short or alike (chat decode);
+where one long context would make the padding dominate (``_MAX_PADDING_RATIO``), the rows loop
+over views instead. Either way the query heads that share a KV head fold into the query-length
+axis (a single query needs no causal mask), so grouped-query attention needs no K/V copies. The
+runs and the decode batch are worked out once per step and reused by every layer.
 
 With an FP8 cache (``kv_quant.py``) new rows are quantized as they are written, and a sequence's
 context is widened as it is read (to fp32 on a CPU, with integer ops that vectorize where torch's
@@ -20,6 +22,8 @@ in one step uses its fresh K/V, as with any cache dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +43,16 @@ def write_kv(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    skips_slots: bool | None = None,
 ) -> None:
     """Store this step's K/V at their slots; slots of -1 are skipped. An FP8 cache needs the
-    layer's per-head scales and stores the rows quantized with them."""
+    layer's per-head scales and stores the rows quantized with them. ``skips_slots`` says whether
+    any slot is -1 when the caller knows (else it is checked, a host sync on a device)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if bool((slot_mapping < 0).any()):
+    if skips_slots if skips_slots is not None else bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     if is_fp8_cache(k_cache):
@@ -95,11 +102,18 @@ class TorchAttentionBackend:
         # per step and every layer receives the same one).
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[SlotRuns] = []
+        self._decode: DecodeBatch | None = None
+        self._skips_slots = False
 
-    def _runs_for(self, meta: AttentionMetadata, block_size: int, seq_lens: list[int]) -> list[SlotRuns]:
+    def _runs_for(
+        self, meta: AttentionMetadata, block_size: int, seq_lens: list[int], query_start: list[int]
+    ) -> list[SlotRuns]:
         if self._plan_meta is not meta:
             tables = meta.block_tables.tolist()
             self._plan = [context_runs(tables[i], n, block_size) for i, n in enumerate(seq_lens)]
+            self._decode = DecodeBatch.plan(self._plan, seq_lens, query_start, meta.slot_mapping.device)
+            # One host sync per step instead of one per layer in write_kv.
+            self._skips_slots = bool((meta.slot_mapping < 0).any())
             self._plan_meta = meta
         return self._plan
 
@@ -118,13 +132,13 @@ class TorchAttentionBackend:
         fp8 = is_fp8_cache(k_cache)
         if fp8 and meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
             calibrate_scales(k, v, k_scale, v_scale)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         query_start = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
-        runs = self._runs_for(meta, block_size, seq_lens)
+        runs = self._runs_for(meta, block_size, seq_lens, query_start)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, skips_slots=self._skips_slots)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
         # FP8: q @ (s_k K)^T = (s_k q) @ K^T and P @ (s_v V) = s_v (P @ V), per KV head, so the
@@ -139,10 +153,13 @@ class TorchAttentionBackend:
             k_heads = k_rows.repeat_interleave(group, dim=0)
             v_heads = v_rows.repeat_interleave(group, dim=0)
         out = torch.empty_like(q)
+        batched = self._decode
+        if batched is not None:
+            self._attend_decode_batch(batched, q, flat_k, flat_v, out, scale, group, work, k_rows, v_rows)
         for i, ctx_len in enumerate(seq_lens):
             start, end = query_start[i], query_start[i + 1]
             q_len = end - start
-            if q_len == 0:
+            if q_len == 0 or (q_len == 1 and batched is not None):
                 continue
             if q_len == 1:
                 keys = _read(flat_k, runs[i]).transpose(0, 1)  # [kv_heads, ctx, d]
@@ -179,3 +196,80 @@ class TorchAttentionBackend:
                 attn = attn * v_heads
             out[start:end] = attn.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _attend_decode_batch(
+        batch: DecodeBatch,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        group: int,
+        work: torch.dtype,
+        k_rows: torch.Tensor | None,
+        v_rows: torch.Tensor | None,
+    ) -> None:
+        """Every decode row of the step in one attention call over contexts gathered into
+        ``[rows, kv_heads, max_ctx, head_dim]`` (padding masked), instead of one call per row."""
+        rows, num_kv_heads, head_dim = batch.rows.numel(), flat_k.shape[1], flat_k.shape[2]
+        fp8 = k_rows is not None and v_rows is not None
+        if fp8:  # gather the codes as bytes (no float8 gather kernel on every device), widen after
+            flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
+        keys = flat_k.index_select(0, batch.slots).view(rows, batch.max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        values = flat_v.index_select(0, batch.slots).view(rows, batch.max_ctx, num_kv_heads, head_dim).transpose(1, 2)
+        query = (q if batch.all_rows else q.index_select(0, batch.rows)).view(rows, num_kv_heads, group, head_dim)
+        if fp8 and k_rows is not None:
+            query, keys, values = query.to(work) * k_rows, fp8_codes_as(keys, work), fp8_codes_as(values, work)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=batch.mask, scale=scale)
+        if fp8 and v_rows is not None:
+            attn = attn * v_rows
+        attn = attn.reshape(rows, -1, head_dim).to(out.dtype)
+        if batch.all_rows:
+            out.copy_(attn)
+        else:
+            out.index_copy_(0, batch.rows, attn)
+
+
+# The batched decode path pads every context to the longest; above this much padding per real
+# context token the per-sequence loop (views, no copies) reads less memory.
+_MAX_PADDING_RATIO = 2.0
+
+
+@dataclass
+class DecodeBatch:
+    """The decode rows of one step, planned once for every layer: which flat rows they are, the
+    cache slots of each one's context padded to the longest, and the mask that hides the padding."""
+
+    rows: torch.Tensor  # [n] token rows of q/out
+    all_rows: bool  # every token row of the step is one of them, in order
+    slots: torch.Tensor  # [n * max_ctx] flat cache slots (padding: the row's first slot)
+    mask: torch.Tensor  # [n, 1, 1, max_ctx] bool, True where a row may attend
+    max_ctx: int
+
+    @classmethod
+    def plan(
+        cls, runs: list[SlotRuns], seq_lens: list[int], query_start: list[int], device: torch.device
+    ) -> DecodeBatch | None:
+        decode = [i for i in range(len(seq_lens)) if query_start[i + 1] - query_start[i] == 1]
+        if len(decode) < 2:
+            return None
+        lens = [seq_lens[i] for i in decode]
+        max_ctx = max(lens)
+        if len(decode) * max_ctx > _MAX_PADDING_RATIO * sum(lens):
+            return None
+        slots = torch.empty(len(decode), max_ctx, dtype=torch.int64)
+        for row, i in enumerate(decode):
+            # Padding repeats the row's own first slot: a masked score of a finite key is exactly
+            # -inf, where a stray slot could hold NaN (free cache memory) and poison the softmax.
+            slots[row] = runs[i][0][0]
+            slots[row, : seq_lens[i]] = torch.cat([torch.arange(a, b) for a, b in runs[i]])
+        mask = torch.arange(max_ctx)[None, :] < torch.tensor(lens)[:, None]
+        token_rows = [query_start[i] for i in decode]
+        return cls(
+            rows=torch.tensor(token_rows, dtype=torch.int64, device=device),
+            all_rows=token_rows == list(range(query_start[-1])),
+            slots=slots.view(-1).to(device),
+            mask=mask[:, None, None, :].to(device),
+            max_ctx=max_ctx,
+        )

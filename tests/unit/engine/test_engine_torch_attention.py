@@ -26,16 +26,28 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
+# (context length, new tokens) per sequence.
+SHAPES = {
+    # decode rows (attended as one batch), a fresh prefill, and chunks over cached context
+    "mixed": [(9, 1), (13, 13), (1, 1), (20, 6), (7, 1), (16, 3)],
+    # a pure decode step: every row in the one batched call
+    "decode": [(9, 1), (5, 1), (12, 1), (3, 1), (10, 1)],
+    # one long context among short ones: padding all to it costs more than the per-row loop
+    "decode_uneven": [(40, 1), (2, 1), (3, 1), (1, 1)],
+}
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("fragmented", [False, True])
-def test_matches_dense_reference(num_heads: int, num_kv_heads: int, fragmented: bool) -> None:
+@pytest.mark.parametrize("shape_set", sorted(SHAPES))
+def test_matches_dense_reference(num_heads: int, num_kv_heads: int, fragmented: bool, shape_set: str) -> None:
     rng = random.Random(num_heads * 10 + fragmented)
     torch.manual_seed(0)
     head_dim, num_blocks, scale = 16, 64, 0.25
-    # (context length, new tokens): decode rows, a fresh prefill, and chunks over cached context.
-    shapes = [(9, 1), (13, 13), (1, 1), (20, 6), (7, 1), (16, 3)]
-    k_cache = torch.zeros(num_blocks, BS, num_kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
+    shapes = SHAPES[shape_set]
+    # Slots no sequence owns hold NaN, as free cache memory may: attention must never read them.
+    k_cache = torch.full((num_blocks, BS, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
     free = list(range(num_blocks))
     if fragmented:
         rng.shuffle(free)
@@ -69,7 +81,9 @@ def test_matches_dense_reference(num_heads: int, num_kv_heads: int, fragmented: 
         query_start_loc_cpu=starts,
         seq_lens_cpu=[c for c, _ in shapes],
     )
-    out = TorchAttentionBackend().forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
+    backend = TorchAttentionBackend()
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
+    assert (backend._decode is None) == (shape_set == "decode_uneven")  # the path under test was taken
     for i, (ctx, new) in enumerate(shapes):
         expected = _reference(qs[i], dense_k[i], dense_v[i], ctx - new, scale)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
