@@ -1170,7 +1170,7 @@ def run(setup: Setup, model_dir: Path | None) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="same code path on CPU with a tiny model (< 1 minute)")
-    parser.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 510, smoke 45)")
+    parser.add_argument("--budget-s", type=float, default=None, help="wall-clock budget (default 510, smoke 120)")
     parser.add_argument("--model-dir", type=Path, default=None, help="keep/reuse the generated checkpoint here")
     parser.add_argument("--skip", default="", help=f"comma-separated phases to leave out: {', '.join(PHASES)}")
     args = parser.parse_args()
@@ -1179,7 +1179,7 @@ def main() -> None:
         parser.error(f"unknown phase(s) in --skip: {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
     if args.smoke:
         torch.set_num_threads(1)
-        setup = smoke_setup(args.budget_s or 45.0)
+        setup = smoke_setup(args.budget_s or 120.0)
     else:
         if not torch.cuda.is_available():
             parser.error("the full benchmark needs a CUDA GPU; use --smoke on a CPU")

@@ -53,16 +53,13 @@ def build_cos_sin_cache(config: PretrainedConfig, head_dim: int, max_len: int) -
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``[num_tokens, heads, head_dim]`` rows (queries and keys side by side) by per-token
+    ``[num_tokens, 1, head_dim]`` tables; ``signed_sin`` holds sin with its first half negated, so
+    rotate-half is one swap of the halves (the same products as negating them, exactly)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``[num_tokens, heads, head_dim]`` queries and keys by per-token ``[num_tokens, 1, head_dim]`` tables."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(swapped * signed_sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -82,6 +79,8 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables on the module's device; the loader calls this after placing weights."""
         cos, sin = build_cos_sin_cache(self.config, self.head_dim, self.max_len)
         device = self.cos_cache.device
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # apply_rotary's signed sin
         self.cos_cache = cos.to(device=device, dtype=dtype)
         self.sin_cache = sin.to(device=device, dtype=dtype)
 
