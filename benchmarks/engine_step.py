@@ -266,10 +266,10 @@ def report(result: dict[str, Any]) -> str:
         f"dtype {result['dtype']}, quantization {result['quantization']}, {result['threads']} threads, "
         f"{result['prompt_tokens']}-token prompt; read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s; "
         f"weights read per step {result['weight_bytes_per_step'] / 1e6:.0f} MB -> floor {result['floor_ms']:.1f} ms",
-        "",
-        "| batch | step ms | tok/s | x floor | " + " | ".join(next(iter(result["batches"].values()))["phases_ms"]) + " |",
     ]
-    lines.append("|" + "---|" * (4 + len(next(iter(result["batches"].values()))["phases_ms"])))
+    phases = list(next(iter(result["batches"].values()))["phases_ms"])
+    lines += ["", "| batch | step ms | tok/s | x floor | " + " | ".join(phases) + " |"]
+    lines.append("|" + "---|" * (4 + len(phases)))
     for batch, row in result["batches"].items():
         cells = " | ".join(f"{v:.2f}" for v in row["phases_ms"].values())
         lines.append(f"| {batch} | {row['step_ms']:.1f} | {row['tok_s']:.1f} | {row['over_floor']:.2f}x | {cells} |")
