@@ -7,7 +7,8 @@ shape (the chat path's tool-call parsing reads the output).
 Fields Sluicegate does not implement are refused by name with a 400 (``reasoning``, ``include``, ``truncation``
 "auto", ``conversation``, ``prompt``, ``top_logprobs``, ``max_tool_calls``, built-in tools and their
 ``tool_choice``), unknown fields too; fields that change nothing (``user``, ``safety_identifier``,
-``prompt_cache_key``, ``service_tier``, ``metadata``...) are accepted and echoed.
+``prompt_cache_key``, ``service_tier``, ``metadata``...) are accepted and echoed. Sluicegate's extras (in the SDK's
+``extra_body``) are the chat path's: ``priority``, ``seed`` and ``ignore_eos``.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ class ResponseCreateBody(_Body):
     prompt_cache_key: str | None = Field(None, max_length=1024)
     service_tier: str | None = Field(None, max_length=32)
     priority: Tier | None = Field(None, description="Sluicegate's tier (extra_body).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed (extra_body, as on chat).")
+    ignore_eos: bool = Field(False, description="vLLM-style: generate to max_output_tokens (extra_body).")
     reasoning: Annotated[Any, _only(None, description="Reasoning is not supported.")] = None
     include: Annotated[list[str] | None, _only(None, description="Nothing can be included.")] = None
     truncation: Annotated[Literal["auto", "disabled"] | None, _only("disabled", None)] = None
@@ -268,6 +271,8 @@ def chat_body(body: ResponseCreateBody, messages: list[dict[str, Any]]) -> ChatC
         "response_format": _chat_format(body.text),
         "user": body.user,
         "priority": body.priority,
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos or None,
     }
     try:
         return ChatCompletionBody.model_validate({k: v for k, v in data.items() if v is not None})
