@@ -103,6 +103,21 @@ async def test_plain_response_is_stored_and_listed(ingress: str, settings: Setti
             ("message", "user", "hello there kafka")
         ]
 
+        several = await api.responses.create(
+            model=MODEL,
+            input=[
+                {"role": "system", "content": "Sys."},
+                {"role": "user", "content": "one"},
+                {"role": "user", "content": "two"},
+            ],
+        )
+        page = await api.responses.input_items.list(several.id, order="asc", limit=2)
+        assert [i.content[0].text for i in page.data] == ["Sys.", "one"] and page.has_more  # type: ignore[union-attr]
+        rest = await api.responses.input_items.list(several.id, order="asc", after=page.data[-1].id)
+        assert [i.content[0].text for i in rest.data] == ["two"] and not rest.has_more  # type: ignore[union-attr]
+        newest = await api.responses.input_items.list(several.id, limit=1)  # OpenAI's default order: newest first
+        assert newest.data[0].content[0].text == "two"  # type: ignore[union-attr]
+
         # store: false answers the same and keeps nothing.
         unstored = await api.responses.create(model=MODEL, input="not kept", store=False)
         assert unstored.output_text == "You said: not kept" and unstored.store is False
