@@ -27,7 +27,9 @@ from .body_limit import BodyLimitMiddleware
 from .errors import install_error_handlers
 from .lean_route import LeanRoute
 from .openapi import install_openapi
-from .routes import batches, files, native, openai, ops, tokenize
+from .responses.store import ResponseStore
+from .responses.sweeper import ResponseSweeper
+from .routes import batches, files, native, openai, ops, responses, tokenize
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware
 
@@ -60,6 +62,9 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         service.routes.start()  # watch the routing file for changes
         app.state.files = FileStore(settings, service.redis, service.names)
         app.state.batches = BatchStore(settings, service.redis, service.names)
+        app.state.responses = ResponseStore(settings, service.redis, service.names)
+        sweeper = ResponseSweeper(service, app.state.responses)  # saves stored responses nobody reads
+        sweeper.start()
         # Connect to Kafka in the background so the first request does not pay for it; a failure here is
         # retried by the first publish.
         warmup = asyncio.create_task(_warm_up(service))
@@ -71,6 +76,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
             warmup.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await warmup
+            await sweeper.close()
             await service.close()
 
     app = FastAPI(
@@ -100,7 +106,16 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     )
     if settings.metrics_enabled:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
-    _add_routes(app, (openai.router, native.router, ops.router, files.router, batches.router, tokenize.router))
+    routers = (
+        openai.router,
+        native.router,
+        ops.router,
+        files.router,
+        batches.router,
+        tokenize.router,
+        responses.router,
+    )
+    _add_routes(app, routers)
     install_openapi(app)
     instrument_app(app)  # outermost: the server span covers the middleware too
     return app

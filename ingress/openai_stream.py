@@ -8,11 +8,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from fastapi import Request
 
+from schemas import StreamEvent
 from sluicegate.api.assembler import StreamAssembler
 from sluicegate.api.errors import ApiError, error_body
 from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
@@ -39,12 +40,20 @@ async def collect_or_cancel(
 ) -> StreamAssembler | None:
     """Wait for the whole result; cancel the request when the client leaves (returns None) or the
     request timeout passes (504)."""
+    assembler = StreamAssembler()
+    return assembler if await follow_or_cancel(request, service, request_id, tenant, assembler.feed) else None
 
-    async def collect() -> StreamAssembler:
-        assembler = StreamAssembler()
+
+async def follow_or_cancel(
+    request: Request, service: IngressService, request_id: str, tenant: str, feed: Callable[[StreamEvent], object]
+) -> bool:
+    """Feed every event of the result to ``feed`` until it ends; cancel the request when the client leaves
+    (returns False) or the request timeout passes (504)."""
+
+    async def collect() -> bool:
         async for event in service.events(request_id, timeout_s=service.settings.request_timeout_s):
-            assembler.feed(event)
-        return assembler
+            feed(event)
+        return True
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -64,7 +73,7 @@ async def collect_or_cancel(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await result
         await service.cancel(request_id, tenant, reason="client_disconnected")
-        return None
+        return False
     try:
         return result.result()
     except TimeoutError as exc:

@@ -18,6 +18,7 @@ from pydantic.json_schema import models_json_schema
 from schemas import Tier
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
 
+from .responses.bodies import ResponseCreateBody
 from .tokenize_bodies import DetokenizeBody, TokenizeBody
 
 _REF = "#/components/schemas/{model}"
@@ -247,6 +248,7 @@ BODY_MODELS: tuple[type[BaseModel], ...] = (
     NativeRequestBody,
     TokenizeBody,
     DetokenizeBody,
+    ResponseCreateBody,
 )
 
 _SECURITY_SCHEMES = {

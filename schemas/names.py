@@ -132,6 +132,22 @@ class Names:
         """Counter for one API key's rate limit in one window."""
         return f"{self.prefix}llm:rate:{key_id}:{window}"
 
+    # --- Responses API ---------------------------------------------------------------------------
+    def response_key(self, tenant: str, response_id: str) -> str:
+        """Hash of one stored response of ``tenant``: its ``record`` (request, input items, conversation chain),
+        its ``final`` response object once it ended, and ``cancel`` once a cancel was asked for."""
+        return f"{self.prefix}llm:response:{tenant}:{response_id}"
+
+    @property
+    def responses_pending_key(self) -> str:
+        """Sorted set of stored responses not yet final (``<tenant> <response id>``), scored by creation time."""
+        return f"{self.prefix}llm:responses:pending"
+
+    @property
+    def responses_sweep_lock_key(self) -> str:
+        """Lock held by the one ingress sweeping the pending responses in an interval."""
+        return f"{self.prefix}llm:responses:sweep-lock"
+
     # --- Files and Batches API (Redis keys and the Celery queue) ----------------------------------
     def file_key(self, file_id: str) -> str:
         """JSON of one stored file's metadata (owner, storage path, the ``FileObject``)."""

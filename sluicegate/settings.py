@@ -259,6 +259,21 @@ class Settings(BaseSettings):
         1_000_000, ge=1024, description="Largest reply (its stream events, JSON) the response cache keeps."
     )
 
+    # --- Responses API (issue 33) ---------------------------------------------------------------------------
+    responses_ttl_s: int = Field(
+        30 * 86400,
+        ge=60,
+        description="Seconds a stored response (store: true: its input, output and conversation, which "
+        "previous_response_id continues) is kept in Redis after it is created; the event stream it can be "
+        "replayed from is kept SLUICEGATE_STREAM_TTL_S after the response ends.",
+    )
+    responses_sweep_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often one ingress (a Redis lock elects it) saves the final object of stored responses "
+        "that ended with no client reading them (background ones), before their event stream expires.",
+    )
+
     routes_file: Path | None = Field(
         None,
         description="Routing file (YAML): public model names -> weighted, sticky versions, canaries with rollback, "

@@ -120,13 +120,24 @@ def _fake_tokenizer() -> Any:
 class FakeWorker:
     """Reads the model's request topics (all partitions, no group) and answers each request with token
     events and a ``done`` on its Redis stream. ``mode="restart"`` emits a restart and regenerates;
-    ``mode="hang"`` sends one token then waits for the cancel marker and ends with ``abort``."""
+    ``mode="hang"`` sends one token then waits for the cancel marker and ends with ``abort``. ``reply`` replaces
+    :func:`reply_for` (the text pieces to answer with); ``token_delay_s`` is the pause after each piece."""
 
-    def __init__(self, settings: Settings, redis: Redis, *, mode: str = "normal") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        redis: Redis,
+        *,
+        mode: str = "normal",
+        reply: Callable[[InferenceRequest], list[str]] | None = None,
+        token_delay_s: float = 0.005,
+    ) -> None:
         self.settings = settings
         self.names = Names(settings.topic_prefix)
         self.redis = redis
         self.mode = mode
+        self.reply = reply or reply_for
+        self.token_delay_s = token_delay_s
         self.seen: list[tuple[ConsumerRecord, InferenceRequest]] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
@@ -174,7 +185,7 @@ class FakeWorker:
 
     async def _answer(self, request: InferenceRequest) -> None:
         rid = request.request_id
-        pieces = reply_for(request)
+        pieces = whole = self.reply(request)
         reason = "stop"
         if len(pieces) > request.sampling.max_tokens:
             pieces, reason = pieces[: request.sampling.max_tokens], "length"
@@ -196,8 +207,8 @@ class FakeWorker:
         for text in pieces:
             await self._append(request, TokenEvent(request_id=rid, seq=seq, text=text, token_ids=[seq]))
             seq += 1
-            await asyncio.sleep(0.005)
-        completion = len(reply_for(request)) if reason == "stop" else request.sampling.max_tokens
+            await asyncio.sleep(self.token_delay_s)
+        completion = len(whole) if reason == "stop" else request.sampling.max_tokens
         usage = Usage(prompt_tokens=7, completion_tokens=completion, total_tokens=7 + completion, cached_tokens=2)
         await self._append(request, DoneEvent(request_id=rid, seq=seq, finish_reason=reason, usage=usage))
         await self.redis.expire(self.names.stream_key(rid), 60)
