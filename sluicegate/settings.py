@@ -326,6 +326,27 @@ class Settings(BaseSettings):
         description="Default queue-time budget: a request without a deadline gets now + this; 0 means no deadline.",
     )
 
+    # --- token quotas and the usage ledger (sluicegate.usage) -------------------------------------------------------
+    limit_tokens_per_day: int = Field(
+        0, ge=0, description="Default token quota per API key per UTC day (prompt + output); 0 means none."
+    )
+    limit_tokens_per_month: int = Field(0, ge=0, description="Default token quota per API key per UTC month; 0: none.")
+    tenant_tokens_per_day: int = Field(0, ge=0, description="Default token quota per tenant per UTC day; 0: none.")
+    tenant_tokens_per_month: int = Field(0, ge=0, description="Default token quota per tenant per UTC month; 0: none.")
+    tenant_quotas: dict[str, dict[Literal["tokens_per_day", "tokens_per_month"], int]] = Field(
+        {},
+        description='Per-tenant token quotas over the tenant_tokens_* defaults, as JSON (e.g. {"acme": '
+        '{"tokens_per_day": 100000, "tokens_per_month": 2000000}}; 0 means none).',
+    )
+    usage_rollup: bool = Field(
+        True, description="Run the usage rollup (llm.usage -> per-tenant aggregates in Redis) in the router process."
+    )
+    usage_group: str = Field("sluicegate-usage", description="Consumer group of the usage rollup.")
+    usage_dedup_ttl_s: int = Field(
+        7 * 86400, ge=60, description="Seconds the rollup remembers a counted request id (duplicates are skipped)."
+    )
+    usage_retention_days: int = Field(400, ge=1, description="Days the hourly per-tenant usage aggregates are kept.")
+
     # --- Files and Batches API, and the Celery batch workers -------------------------------------------
     files_url: str = Field(
         "",
