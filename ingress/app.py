@@ -27,7 +27,7 @@ from .body_limit import BodyLimitMiddleware
 from .errors import install_error_handlers
 from .lean_route import LeanRoute
 from .openapi import install_openapi
-from .routes import batches, files, native, openai, ops, tokenize
+from .routes import batches, files, native, openai, ops, tokenize, usage
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware
 
@@ -100,7 +100,8 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     )
     if settings.metrics_enabled:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
-    _add_routes(app, (openai.router, native.router, ops.router, files.router, batches.router, tokenize.router))
+    routers = (openai.router, native.router, ops.router, files.router, batches.router, tokenize.router, usage.router)
+    _add_routes(app, routers)
     install_openapi(app)
     instrument_app(app)  # outermost: the server span covers the middleware too
     return app
