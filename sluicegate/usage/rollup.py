@@ -16,6 +16,7 @@ hand; routers share the ledger's partitions through the consumer group, as they 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -176,6 +177,20 @@ class UsageRollup:
                     await asyncio.wait_for(stop.wait(), self.retry_backoff_s)
                 except TimeoutError:
                     pass
+
+
+async def keep_rolling_up(settings: Settings, redis: Redis, stop: asyncio.Event, *, backoff_s: float = 2.0) -> None:
+    """:func:`run_usage_rollup` until ``stop`` is set, started again after anything that ends it early (Kafka not
+    up yet at start, a lost group...), so the process it runs in never goes on without it."""
+    while not stop.is_set():
+        try:
+            await run_usage_rollup(settings, redis, stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("usage.rollup_failed; restarting in %.0f s", backoff_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff_s)
 
 
 async def run_usage_rollup(settings: Settings, redis: Redis, stop: asyncio.Event) -> UsageRollup:
