@@ -60,7 +60,9 @@ class Settings(BaseSettings):
     )
     api_keys: str = Field("", description="Comma-separated API keys accepted by ingress.")
     api_keys_file: Path | None = Field(
-        None, description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier)."
+        None,
+        description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier, the key's limits "
+        "and token quotas).",
     )
     stream_token_secret: str = Field(
         "", description="HMAC secret for stream tokens; generated per `sluicegate up` when empty."
