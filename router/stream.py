@@ -164,6 +164,9 @@ class RouterProcessor:
                 raise  # the backbone failed, not the record: the batch is retried
             except Exception as exc:
                 log.exception("router.route_failed offset=%s partition=%s", record.offset, record.partition)
+                if self.quotas is not None:  # it will not run: give its tokens back (a replay reserves anew)
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.quotas.release(outcome[0].request_id)
                 outcome = Rejection("routing_failed", repr(exc), outcome[0].request_id)
         value, headers = dead_letter(outcome, record)
         log.info(

@@ -13,8 +13,8 @@ Both steps are Lua scripts, so every ingress replica, router and batch worker ag
   naming the counters it charged): reserving the same request again (a batch chunk or a Kafka-native record
   re-published after a crash) charges nothing twice.
 * settle: the counters the hold names move by (actual - reserved) and the hold is marked settled, once; a
-  second settle (a duplicate ledger record) does nothing. Settling to 0 releases a request that was never
-  published.
+  second settle (a duplicate ledger record) does nothing. A release (a request that will not run: its publish
+  failed) settles to 0 and forgets the hold, so the same request id is charged again if it is admitted again.
 
 Counters live until their period ends plus a margin (a request reserved before midnight settles into the day it
 was charged to) and exist only while a quota is in force: adding a quota mid-period starts counting then.
@@ -67,7 +67,8 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return {1}
 """
 
-# KEYS[1]: the hold; KEYS[2..]: the counters it names. ARGV[1]: the tokens really used. Returns 1 when settled now.
+# KEYS[1]: the hold; KEYS[2..]: the counters it names. ARGV[1]: the tokens really used; ARGV[2]: '1' to forget the
+# hold (a release: the request id may be reserved anew), else it is kept, marked settled. Returns 1 when settled now.
 _SETTLE = """
 local cost = redis.call('HGET', KEYS[1], 'cost')
 if not cost or redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
@@ -75,7 +76,11 @@ local delta = tonumber(ARGV[1]) - tonumber(cost)
 for i = 2, #KEYS do
   if delta ~= 0 and redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], delta) end
 end
-redis.call('HSET', KEYS[1], 'settled', ARGV[1])
+if ARGV[2] == '1' then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('HSET', KEYS[1], 'settled', ARGV[1])
+end
 return 1
 """
 
@@ -230,10 +235,11 @@ class Quotas:
         return bool(await self.settle_many([(request_id, actual_tokens)]))
 
     async def release(self, request_id: str) -> bool:
-        """Give back a reservation whose request never ran (its publish failed)."""
-        return await self.settle(request_id, 0)
+        """Give back a reservation whose request will not run (its publish failed, it could not be routed) and
+        forget it, so the same request id (a dead letter replayed) is charged again when it is admitted again."""
+        return bool(await self.settle_many([(request_id, 0)], forget=True))
 
-    async def settle_many(self, items: Iterable[tuple[str, int]]) -> int:
+    async def settle_many(self, items: Iterable[tuple[str, int]], *, forget: bool = False) -> int:
         """Settle several requests in two round trips (the holds' counters, then the scripts); how many settled."""
         items = list(items)
         if not items:
@@ -249,7 +255,7 @@ class Quotas:
         for request_id, actual, raw in pending:
             counters = raw.decode() if isinstance(raw, bytes) else str(raw)
             keys = [self._names.quota_hold_key(request_id), *counters.split("\n")]
-            await self._settle(keys=keys, args=[actual], client=write)
+            await self._settle(keys=keys, args=[actual, "1" if forget else "0"], client=write)
         return sum(int(v) for v in await write.execute())
 
     async def used(self, limit: QuotaLimit, now: datetime | None = None) -> int:

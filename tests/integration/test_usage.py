@@ -150,6 +150,12 @@ async def test_rollup_counts_each_request_once_and_settles_its_reservation(
     assert (await report(redis, settings, "acme", "model")).totals == totals
     assert await quotas.used(month) == 45
 
+    # A request that will not run (its publish failed) gives its tokens back; admitted again, it is charged again.
+    assert await quotas.reserve(QuotaClaim("r5", 60, (month,))) is None
+    assert await quotas.release("r5") and await quotas.used(month) == 45
+    assert not await quotas.release("r5")
+    assert await quotas.reserve(QuotaClaim("r5", 60, (month,))) is None and await quotas.used(month) == 105
+
 
 async def _true(value: bool) -> bool:
     return value
