@@ -4,6 +4,10 @@ the next chunks on the batch tier, notice the end, write the files, finalize; ex
 Every step can be cut short by a crash and run again: requests have ids derived from batch id + line (a chunk
 republished after a crash is the same requests, which workers recognise), progress is recorded after each
 acknowledged chunk, outcomes are stored once (HSETNX), and files are rewritten under the same ids.
+
+Token quotas (:mod:`sluicegate.usage.quota`) are checked as each chunk is published, not at validation: a line
+reserves its tokens when it is about to run (a batch may span the day's reset), and a line over its key's or
+tenant's quota becomes an ``insufficient_quota`` error line while the rest of the batch runs.
 """
 
 from __future__ import annotations
@@ -18,12 +22,21 @@ import anyio.to_thread
 
 from router.heartbeats import read_heartbeats
 from router.publish import request_headers, send_routed
-from schemas import BATCH_TERMINAL, BatchError, BatchErrors, InferenceRequest, TraceContext, batch_request_id
+from schemas import (
+    BATCH_TERMINAL,
+    BatchError,
+    BatchErrors,
+    InferenceRequest,
+    TraceContext,
+    batch_request_id,
+    parse_batch_request_id,
+)
 from sluicegate.api.limits import Limits
 from sluicegate.batches.files import StoredFile
 from sluicegate.batches.lines import InputFileError
 from sluicegate.batches.store import LineOutcome
 from sluicegate.telemetry import attached, context_from_traceparent
+from sluicegate.usage.quota import claim_for
 
 from .locks import RedisLock
 from .metrics import eta_error
@@ -101,6 +114,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
                 known_models=known,
                 route=runtime.routes.routed,
                 trace=trace,
+                key_id=state.get("key_id"),
             )
         )
     except InputFileError as exc:
@@ -152,11 +166,12 @@ async def _run(runtime: BatchRuntime, batch_id: str, state: dict[str, str], lock
             break
         chunk = chunks[done_chunks]
         lines = await anyio.to_thread.run_sync(read_prepared, runtime.files, batch_id, chunk.start, chunk.end)
-        requests = [p.request for p in lines if p.request is not None]
+        chunk_requests = [p.request for p in lines if p.request is not None]
+        requests = await _within_quota(runtime, batch_id, state, chunk_requests)
         await _publish(runtime, requests)
         runtime.metrics.lines_enqueued.inc(len(requests))
         done_chunks += 1
-        enqueued_lines += len(requests)
+        enqueued_lines += len(chunk_requests)  # a line refused for its quota is resolved: in and out at once
         await runtime.batches.set_fields(batch_id, enqueued=done_chunks, enqueued_lines=enqueued_lines)
         await lock.extend()
         log.info("batch.enqueued batch_id=%s chunk=%d/%d lines=%d", batch_id, done_chunks, len(chunks), len(requests))
@@ -167,6 +182,42 @@ async def _run(runtime: BatchRuntime, batch_id: str, state: dict[str, str], lock
             await _finalize(runtime, batch_id, await runtime.batches.state(batch_id) or state)
         return
     await _sweep_if_stalled(runtime, batch_id, state, chunks[:done_chunks])
+
+
+async def _within_quota(
+    runtime: BatchRuntime, batch_id: str, state: dict[str, str], requests: list[InferenceRequest]
+) -> list[InferenceRequest]:
+    """The chunk's requests whose tokens fit their key's and tenant's quotas now (reserved here; a line re-published
+    after a crash is charged once); each of the others becomes an ``insufficient_quota`` error line at once. Lines
+    that already have an outcome are not published again."""
+    limits = Limits(**json.loads(state["limits"]))
+    claims = [claim_for(r, runtime.settings, key_id=r.key_id, key_limits=limits) for r in requests]
+    if all(claim is None for claim in claims):
+        return requests
+    lines = [batch_line(r.request_id) for r in requests]
+    known = await runtime.batches.outcomes(batch_id, lines)
+    admitted: list[InferenceRequest] = []
+    refused: list[tuple[str, int, LineOutcome]] = []
+    for request, claim, line, outcome in zip(requests, claims, lines, known, strict=True):
+        if outcome is not None:
+            continue
+        refusal = await runtime.quotas.reserve(claim) if claim is not None else None
+        if refusal is None:
+            admitted.append(request)
+        else:
+            over = LineOutcome(status_code=429, code="insufficient_quota", message=refusal.message())
+            refused.append((batch_id, line, over))
+    if refused:
+        await runtime.resolve(refused)
+        log.info("batch.over_quota batch_id=%s lines=%d", batch_id, len(refused))
+    return admitted
+
+
+def batch_line(request_id: str) -> int:
+    """The line number of a batch line's request id."""
+    parsed = parse_batch_request_id(request_id)
+    assert parsed is not None, request_id
+    return parsed[1]
 
 
 async def _publish(runtime: BatchRuntime, requests: list[InferenceRequest]) -> None:

@@ -42,9 +42,7 @@ def output_line(
         body = ids.choices_response(result_choices(kind, result, logprobs, tools), result.usage)
         response = BatchResponse(status_code=200, request_id=request_id, body=body)
     else:
-        body = error_body(
-            outcome.message or "", type_=_error_type(outcome.status_code), param=outcome.param, code=outcome.code
-        )
+        body = error_body(outcome.message or "", type_=_error_type(outcome), param=outcome.param, code=outcome.code)
         response = BatchResponse(status_code=outcome.status_code, request_id=request_id, body=body)
     return BatchOutputLine(id=line_id, custom_id=line.custom_id, response=response)
 
@@ -62,8 +60,10 @@ async def _tool_call_format(
     return known[model]
 
 
-def _error_type(status: int) -> str:
-    return "server_error" if status >= 500 else "invalid_request_error"
+def _error_type(outcome: LineOutcome) -> str:
+    if outcome.code == "insufficient_quota":  # OpenAI's type for it, as ingress answers it
+        return "insufficient_quota"
+    return "server_error" if outcome.status_code >= 500 else "invalid_request_error"
 
 
 def output_file_ids(batch_id: str) -> tuple[str, str]:

@@ -113,6 +113,7 @@ def build_line(
     known_models: set[str] | None,
     route: Route | None = None,
     trace: TraceContext | None = None,
+    key_id: str | None = None,
 ) -> BuiltLine | LineOutcome:
     """The pipeline request for one line's body (and its tool plan), or the error the online API would have
     answered."""
@@ -137,6 +138,7 @@ def build_line(
             max_tokens=max_tokens,
             # A line not started by the end of the window is not started at all.
             default_deadline=deadline,
+            key_id=key_id,
         )
     except ApiError as exc:
         return _refusal(exc)
@@ -174,6 +176,7 @@ def prepare(
     known_models: set[str] | None,
     route: Route | None = None,
     trace: TraceContext | None = None,
+    key_id: str | None = None,
 ) -> Prepared:
     """Validate the input file and write the prepared file. Blocking (run it in a thread). ``trace``: the
     context every line's request carries (the batch's validation, so a line's spans join the batch's trace).
@@ -215,6 +218,7 @@ def prepare(
                 known_models=known_models,
                 route=route,
                 trace=trace,
+                key_id=key_id,
             )
             if isinstance(built, LineOutcome):
                 result.errors.append((number, built))

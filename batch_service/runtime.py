@@ -24,6 +24,7 @@ from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.usage.quota import Quotas
 
 from .metrics import BatchMetrics
 
@@ -40,6 +41,7 @@ class BatchRuntime:
         self.redis: Redis = create_redis(settings, socket_timeout=10.0, client_name="batch-worker")
         self.files = FileStore(settings, self.redis, self.names)
         self.batches = BatchStore(settings, self.redis, self.names)
+        self.quotas = Quotas(self.redis, self.names)  # lines' token quotas, reserved as they are published
         self.router = Router.from_settings(settings)
         # Batch lines naming a route go where ingress would send them (same file, fast path, rollbacks).
         self.routes = RouteTable(

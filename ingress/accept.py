@@ -22,10 +22,12 @@ from sluicegate.api.build import advertised_tool_call_format, build_request
 from sluicegate.api.errors import ApiError, invalid
 from sluicegate.api.limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
+from sluicegate.usage.quota import claim_for
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
 from .prompt_tokens import ModelTokenizers, check_prompt_fits
+from .usage_ledger import cache_hit_record
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
 SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
@@ -65,13 +67,16 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
                 now=now,
                 max_tokens=max_tokens,
                 default_deadline=limits.default_deadline(now),
+                key_id=caller.key_id,
             )
         except ValidationError as exc:
             raise invalid(exc) from exc
         except ValueError as exc:  # the only other refusal: a deadline already past
             raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
+        counted: int | None = None  # the prompt's exact tokens, when counted with the model's tokenizer
         if service.settings.ingress_count_prompt_tokens:
-            inference = await _fit_context(service.tokenizers, inference, body, heartbeats)
+            inference, counted = await _fit_context(service.tokenizers, inference, body, heartbeats)
+        quota = claim_for(inference, service.settings, key_id=caller.key_id, key_limits=limits, prompt_tokens=counted)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))
@@ -82,7 +87,11 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             # Answered from the response cache: no GPU, but the key still pays for the call (first: a 429 leaves
             # nothing behind).
             await service.charge(caller.key_id, limits, prompt_tokens + max_tokens)
+            if quota is not None:
+                await service.reserve(quota)  # settled by the rollup, from the usage record sent below
             if await service.cache.replay(inference, cached):
+                if (record := cache_hit_record(inference, cached.events)) is not None:
+                    service.usage.send_later(record)
                 if span is not None:
                     span.set_attribute("sluicegate.route_reason", "response_cache")
                 return inference
@@ -95,6 +104,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             key_id=caller.key_id,
             limits=charge,
             tokens=prompt_tokens + max_tokens,
+            quota=quota,
         )
         if cache_key is not None:
             service.cache.fill_later(inference, cache_key)
@@ -130,25 +140,27 @@ def check_context(body: AnyBody, max_tokens: int, heartbeats: list[WorkerHeartbe
 
 async def _fit_context(
     tokenizers: ModelTokenizers, inference: InferenceRequest, body: AnyBody, heartbeats: list[WorkerHeartbeat]
-) -> InferenceRequest:
+) -> tuple[InferenceRequest, int | None]:
     """The prompt counted with the tokenizer the workers published: prompt + ``max_tokens`` over the context is a
     400 now (not an error after a Kafka round trip); a default ``max_tokens`` shrinks to the room left. Without
-    a published tokenizer, or for a prompt the template cannot render, the worker decides as before."""
+    a published tokenizer, or for a prompt the template cannot render, the worker decides as before. Returns the
+    request and its prompt's tokens (None when not counted)."""
     context = model_context(heartbeats)
     view = await tokenizers.get(inference.model) if context is not None else None
     if view is None:
-        return inference
+        return inference, None
     try:
         prompt_tokens = len(view.encode_request(inference))
     except Exception:  # a template's own refusal: the worker reports it with its own message
-        return inference
+        return inference, None
     wanted = inference.sampling.max_tokens
     explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
     param = "messages" if inference.messages is not None else "prompt"
     fitted = check_prompt_fits(prompt_tokens, wanted, context, explicit=explicit, param=param)
     if fitted == wanted:
-        return inference
-    return inference.model_copy(update={"sampling": inference.sampling.model_copy(update={"max_tokens": fitted})})
+        return inference, prompt_tokens
+    sampling = inference.sampling.model_copy(update={"max_tokens": fitted})
+    return inference.model_copy(update={"sampling": sampling}), prompt_tokens
 
 
 def tool_call_format(request: Request) -> ToolCallFormat | None:

@@ -29,7 +29,7 @@ from .lean_route import LeanRoute
 from .openapi import install_openapi
 from .responses.store import ResponseStore
 from .responses.sweeper import ResponseSweeper
-from .routes import batches, files, native, openai, ops, responses, tokenize
+from .routes import batches, files, native, openai, ops, responses, tokenize, usage
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware
 
@@ -114,6 +114,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         batches.router,
         tokenize.router,
         responses.router,
+        usage.router,
     )
     _add_routes(app, routers)
     install_openapi(app)

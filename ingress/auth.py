@@ -6,7 +6,8 @@ Keys file format, one entry per line (blank lines and ``#`` comments ignored): e
 JSON object ``{"key": ..., "tenant": ..., "default_tier": ..., "max_tier": ...}`` where ``key_hash``
 (hex SHA-256) may replace ``key`` so the file itself need not hold secrets. An object may also set the key's
 limits (:class:`sluicegate.api.limits.KeyLimits`): ``rps``, ``rpm``, ``tpm``, ``max_prompt_tokens``, ``max_tokens``,
-``max_body_bytes`` and ``default_queue_budget_s``.
+``max_body_bytes``, ``default_queue_budget_s`` and the key's token quotas ``tokens_per_day`` and ``tokens_per_month``
+(tenant quotas are settings: ``SLUICEGATE_TENANT_QUOTAS``, which every admitting process reads).
 """
 
 from __future__ import annotations

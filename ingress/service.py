@@ -35,6 +35,7 @@ from sluicegate.settings import Settings
 from sluicegate.stream_entries import StreamEntry, parse_entry
 from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, StreamFollower
 from sluicegate.telemetry import untraced
+from sluicegate.usage.quota import QuotaClaim, Quotas
 
 from .backlog import BacklogMonitor
 from .errors import unavailable
@@ -43,6 +44,7 @@ from .prompt_tokens import ModelTokenizers
 from .ratelimit import RateLimiter
 from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
+from .usage_ledger import UsageLedger
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,9 @@ class IngressService:
         self.producers = ProducerPool(settings)
         self.backlog = BacklogMonitor(settings, self.names, metrics)
         self.rate_limiter = RateLimiter(self.redis, self.names)
+        self.quotas = Quotas(self.redis, self.names)
+        self.usage = UsageLedger(self.names, self._usage_producer, timeout_s=settings.kafka_timeout_s)
+        self._usage_ready = False
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self._control_ready = False
         self.canceller = Canceller(
@@ -171,6 +176,7 @@ class IngressService:
         """Release Kafka and Redis connections."""
         try:
             await self.cache.close()
+            await self.usage.close()
             await self.routes.close()
             await self.follower.close()
             await self.backlog.close()
@@ -212,9 +218,11 @@ class IngressService:
         key_id: str | None = None,
         limits: Limits | None = None,
         tokens: int = 0,
+        quota: QuotaClaim | None = None,
     ) -> Route:
         """Admit the request (backlog bound, then the key's rate limits when ``key_id`` and ``limits`` are
-        given, charging ``tokens``), then record it as queued and publish it, both at once.
+        given, charging ``tokens``, then its token quotas' reservation, ``quota``), then record it as queued and
+        publish it, both at once.
 
         429 when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
         request the backlog turns away); 503 when Kafka or Redis fails, with no record left and a request
@@ -232,6 +240,8 @@ class IngressService:
         await self.backlog.admit(request.model, route.tier, heartbeats, partitions)
         if key_id is not None and limits is not None:
             await self.charge(key_id, limits, tokens)
+        if quota is not None:
+            await self.reserve(quota)
         record = RequestRecord(
             request_id=request.request_id,
             model=request.model,
@@ -318,9 +328,23 @@ class IngressService:
         except (RedisError, OSError) as exc:
             raise unavailable("Redis", exc) from exc
 
+    async def reserve(self, claim: QuotaClaim) -> None:
+        """Reserve the request's tokens under its quotas: 429 ``insufficient_quota`` over one, 503 without Redis.
+        Reserving a request again charges nothing (a cache hit that falls back to a worker)."""
+        try:
+            refusal = await self.quotas.reserve(claim)
+        except (RedisError, OSError) as exc:
+            raise unavailable("Redis", exc) from exc
+        if refusal is not None:
+            self.metrics.rejected.labels("insufficient_quota").inc()
+            raise refusal.error()
+
     async def _abandon(self, request: InferenceRequest) -> None:
         # A send that timed out may still reach Kafka from the producer's buffer: the cancel marker makes
-        # workers drop it, and the record goes because the client was told it failed.
+        # workers drop it, and the record goes because the client was told it failed. Its quota reservation is
+        # given back: the request does not run (a worker that still meets it aborts it before it starts).
+        with contextlib.suppress(RedisError, OSError):
+            await self.quotas.release(request.request_id)
         with contextlib.suppress(RedisError, OSError):
             drop = [self.names.request_key(request.request_id)]
             await self.canceller.mark(request.request_id, request.tenant, "publish_failed", drop=drop)
@@ -356,6 +380,16 @@ class IngressService:
         if not self._control_ready:
             await self.topics.ensure({self.names.control_topic: 1})
             self._control_ready = True
+        with self.producers.lease() as producer:
+            yield producer
+
+    @contextlib.asynccontextmanager
+    async def _usage_producer(self) -> AsyncIterator[AIOKafkaProducer]:
+        """A leased ingress producer for the usage ledger (``llm.usage`` created on first use)."""
+        await self.producers.start()
+        if not self._usage_ready:
+            await self.topics.ensure({self.names.usage_topic: self.settings.topic_partitions})
+            self._usage_ready = True
         with self.producers.lease() as producer:
             yield producer
 

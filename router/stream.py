@@ -1,6 +1,8 @@
 """The router stream processor: validates what Kafka-native producers put on ``llm.inbound``, routes each
 valid request for a served model to ``llm.<model>.<tier>`` and sends everything else to ``llm.dlq`` with a
-``reason`` header.
+``reason`` header. A request over its tenant's token quota is dead-lettered as ``insufficient_quota`` (its tokens
+are reserved here otherwise, :mod:`sluicegate.usage.quota`). The process also runs the usage rollup
+(:mod:`sluicegate.usage.rollup`) beside the routing loop.
 
 Offsets are committed only after every record of a batch has been acknowledged where it went, so a
 crash re-routes (at least once) rather than loses. A bad message never stops the loop.
@@ -29,6 +31,8 @@ from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 from sluicegate.telemetry import configure_tracing, context_from_headers, shutdown_tracing, tracer, tracing_enabled
+from sluicegate.usage.quota import QuotaClaim, Quotas, claim_for
+from sluicegate.usage.rollup import keep_rolling_up
 
 from .heartbeats import HeartbeatCache
 from .metrics import RouterMetrics
@@ -52,7 +56,9 @@ class RouterProcessor:
     """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
 
     Besides the reasons of :func:`sluicegate.dead_letters.validate_record` it dead-letters ``unknown_model``
-    (no live worker, not in ``served_models``) and ``routing_failed`` (an unexpected error routing one record).
+    (no live worker, not in ``served_models``), ``insufficient_quota`` (over its tenant's token quota; a record's
+    ``key_id`` is not checked: the keys file is ingress's) and ``routing_failed`` (an unexpected error routing one
+    record).
     """
 
     def __init__(
@@ -83,6 +89,7 @@ class RouterProcessor:
         # The routes, fast paths and canary rollbacks ingress applies, kept current by ``_watch_routes``.
         self.route_table = RouteTable(settings.routes_file, redis=redis, names=self.names)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
+        self.quotas = Quotas(redis, self.names) if redis is not None else None
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
         self.dead_lettered = 0
@@ -115,7 +122,21 @@ class RouterProcessor:
             return Rejection(
                 "unknown_model", f"model {outcome.model!r} has no live worker and is not served", outcome.request_id
             )
+        claim = claim_for(outcome, self.settings)
+        if claim is not None and (refused := await self._reserve(claim)) is not None:
+            return Rejection("insufficient_quota", refused, outcome.request_id)
         return outcome, beats or []
+
+    async def _reserve(self, claim: QuotaClaim) -> str | None:
+        """Reserve a request's tokens (again, for a re-read record: charged once); why not, when over a quota.
+        Without Redis the batch fails and is retried: a quota is never skipped."""
+        if self.quotas is None:
+            return None
+        try:
+            refusal = await self.quotas.reserve(claim)
+        except (RedisError, OSError) as exc:
+            raise ConnectionError(f"Redis did not answer the quota check: {exc!r}") from exc
+        return None if refusal is None else refusal.message()
 
     async def _dispatch(self, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
         if not tracing_enabled():
@@ -143,6 +164,9 @@ class RouterProcessor:
                 raise  # the backbone failed, not the record: the batch is retried
             except Exception as exc:
                 log.exception("router.route_failed offset=%s partition=%s", record.offset, record.partition)
+                if self.quotas is not None:  # it will not run: give its tokens back (a replay reserves anew)
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.quotas.release(outcome[0].request_id)
                 outcome = Rejection("routing_failed", repr(exc), outcome[0].request_id)
         value, headers = dead_letter(outcome, record)
         log.info(
@@ -249,6 +273,7 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
     )
     redis = create_redis(settings, socket_timeout=5.0, client_name="sluicegate-router")
     processor = RouterProcessor(settings, consumer, producer, redis)
+    rollup = asyncio.create_task(keep_rolling_up(settings, redis, stop)) if settings.usage_rollup else None
     server = await _start_metrics(settings, processor)
     await processor.topics.ensure(
         {names.inbound_topic: settings.topic_partitions, names.dlq_topic: settings.topic_partitions}
@@ -262,6 +287,10 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
         finally:
             await consumer.stop()
     finally:
+        if rollup is not None:
+            if not stop.is_set():  # the router failed: the rollup goes with it (its records are re-read later)
+                rollup.cancel()
+            await asyncio.gather(rollup, return_exceptions=True)
         await producer.stop()
         await redis.aclose()
         if server is not None:

@@ -58,6 +58,7 @@ from .generation import (
 )
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
 from .requests import ChatMessage, EndUser, InferenceRequest, SamplingOptions, TextPart, TraceContext
+from .usage import UsageOutcome, UsageRecord
 
 __all__ = [
     "BATCH_ENDPOINTS",
@@ -109,6 +110,8 @@ __all__ = [
     "TopLogprob",
     "TraceContext",
     "Usage",
+    "UsageOutcome",
+    "UsageRecord",
     "WorkerHeartbeat",
     "batch_request_id",
     "model_token",

@@ -11,6 +11,7 @@ from .batches import Batch, BatchInputLine, BatchOutputLine, FileObject
 from .control import CancelRequest, DeadLetter, FinalResult, RequestRecord, WorkerHeartbeat
 from .events import StreamEvent
 from .requests import InferenceRequest
+from .usage import UsageRecord
 
 #: File stem -> the contract it describes.
 EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
@@ -25,6 +26,7 @@ EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
     "BatchOutputLine": BatchOutputLine,
     "Batch": Batch,
     "FileObject": FileObject,
+    "UsageRecord": UsageRecord,
 }
 
 #: Where the checked-in copies live.

@@ -90,6 +90,11 @@ class Names:
         """Worker heartbeats (also mirrored to Redis for quick lookups)."""
         return f"{self.prefix}llm.heartbeats"
 
+    @property
+    def usage_topic(self) -> str:
+        """The usage ledger: one ``UsageRecord`` per ended request, keyed by request id (at least once)."""
+        return f"{self.prefix}llm.usage"
+
     def worker_group(self, model: str) -> str:
         """The consumer group of the workers serving ``model``."""
         return f"{self.prefix}sluicegate-workers.{model_token(model)}"
@@ -147,6 +152,27 @@ class Names:
     def responses_sweep_lock_key(self) -> str:
         """Lock held by the one ingress sweeping the pending responses in an interval."""
         return f"{self.prefix}llm:responses:sweep-lock"
+
+    # --- usage ledger rollup and token quotas -----------------------------------------------------------
+    def usage_seen_key(self, request_id: str) -> str:
+        """Marker that the rollup counted a request's usage record (the ledger's de-duplication, with a TTL)."""
+        return f"{self.prefix}llm:usage:seen:{request_id}"
+
+    def usage_bucket_key(self, tenant: str, hour: int) -> str:
+        """Hash of a tenant's usage in one hour (``hour`` = unix seconds // 3600): field = group, metric."""
+        return f"{self.prefix}llm:usage:{tenant}:h:{hour}"
+
+    def usage_hours_key(self, tenant: str) -> str:
+        """Sorted set of the hours a tenant has usage in (member and score: the hour)."""
+        return f"{self.prefix}llm:usage:{tenant}:hours"
+
+    def quota_counter_key(self, scope: str, owner: str, period: str) -> str:
+        """Tokens used or reserved by one key or tenant (``scope``) in one period (``d20250101``, ``m202501``)."""
+        return f"{self.prefix}llm:quota:{scope}:{owner}:{period}"
+
+    def quota_hold_key(self, request_id: str) -> str:
+        """Hash of a request's quota reservation: tokens reserved, the counters charged, and once settled."""
+        return f"{self.prefix}llm:quota:hold:{request_id}"
 
     # --- Files and Batches API (Redis keys and the Celery queue) ----------------------------------
     def file_key(self, file_id: str) -> str:

@@ -106,6 +106,8 @@ class InferenceRequest(Message):
     tools: list[ToolSpec] | None = Field(None, max_length=128, description="Tools the chat template renders.")
     priority: Tier = "standard"
     tenant: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")
+    # Optional, like ``user``: the API key's short id when ingress or a batch accepted the request (usage ledger).
+    key_id: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._:-]+$")
     # Optional, so producers that predate it are unaffected; a routed model sticky per user hashes it.
     user: EndUser | None = None
     deadline: AwareDatetime | None = Field(None, description="Absolute time after which not to start.")

@@ -60,7 +60,9 @@ class Settings(BaseSettings):
     )
     api_keys: str = Field("", description="Comma-separated API keys accepted by ingress.")
     api_keys_file: Path | None = Field(
-        None, description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier)."
+        None,
+        description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier, the key's limits "
+        "and token quotas).",
     )
     stream_token_secret: str = Field(
         "", description="HMAC secret for stream tokens; generated per `sluicegate up` when empty."
@@ -340,6 +342,27 @@ class Settings(BaseSettings):
         le=365 * 86400,
         description="Default queue-time budget: a request without a deadline gets now + this; 0 means no deadline.",
     )
+
+    # --- token quotas and the usage ledger (sluicegate.usage) -------------------------------------------------------
+    limit_tokens_per_day: int = Field(
+        0, ge=0, description="Default token quota per API key per UTC day (prompt + output); 0 means none."
+    )
+    limit_tokens_per_month: int = Field(0, ge=0, description="Default token quota per API key per UTC month; 0: none.")
+    tenant_tokens_per_day: int = Field(0, ge=0, description="Default token quota per tenant per UTC day; 0: none.")
+    tenant_tokens_per_month: int = Field(0, ge=0, description="Default token quota per tenant per UTC month; 0: none.")
+    tenant_quotas: dict[str, dict[Literal["tokens_per_day", "tokens_per_month"], int]] = Field(
+        {},
+        description='Per-tenant token quotas over the tenant_tokens_* defaults, as JSON (e.g. {"acme": '
+        '{"tokens_per_day": 100000, "tokens_per_month": 2000000}}; 0 means none).',
+    )
+    usage_rollup: bool = Field(
+        True, description="Run the usage rollup (llm.usage -> per-tenant aggregates in Redis) in the router process."
+    )
+    usage_group: str = Field("sluicegate-usage", description="Consumer group of the usage rollup.")
+    usage_dedup_ttl_s: int = Field(
+        7 * 86400, ge=60, description="Seconds the rollup remembers a counted request id (duplicates are skipped)."
+    )
+    usage_retention_days: int = Field(400, ge=1, description="Days the hourly per-tenant usage aggregates are kept.")
 
     # --- Files and Batches API, and the Celery batch workers -------------------------------------------
     files_url: str = Field(

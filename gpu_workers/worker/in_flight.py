@@ -40,6 +40,9 @@ class Active:
     # The engine's ids for it when not its request id: a resumed request with n > 1 runs one per choice.
     engine_ids: tuple[str, ...] = ()
     taken_at: float = field(default_factory=time.monotonic)
+    # Wall-clock (unix seconds) of the take and of its first output: the usage record's queue and TTFT times.
+    taken_wall: float = field(default_factory=time.time)
+    first_output_wall: float | None = None
     # Its first output reached the worker: it no longer waits for a first token (see ``tier_rooms``).
     produced: bool = False
 

@@ -228,6 +228,7 @@ async def _run_started(
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
     topics |= {
         names.results_topic: settings.topic_partitions,
+        names.usage_topic: settings.topic_partitions,
         names.dlq_topic: 1,
         names.control_topic: 1,
         names.heartbeats_topic: 1,

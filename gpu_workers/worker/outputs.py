@@ -1,5 +1,5 @@
-"""Everything a worker writes: stream events and status records to Redis, final results and dead letters to
-Kafka, each retried until it is taken.
+"""Everything a worker writes: stream events and status records to Redis, final results, usage records and dead
+letters to Kafka, each retried until it is taken.
 
 A request's offset waits for these writes, so retrying (never dropping) is what makes a crash or an outage
 cost a delay, not a lost or doubled outcome: stream appends carry explicit ids (:mod:`.streams`), results
@@ -18,9 +18,21 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas import ChoiceResult, DoneEvent, FinalResult, InferenceRequest, Names, RequestRecord, StreamEvent, utcnow
+from schemas import (
+    ChoiceResult,
+    DoneEvent,
+    FinalResult,
+    InferenceRequest,
+    Names,
+    RequestRecord,
+    StreamEvent,
+    Usage,
+    utcnow,
+)
+from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, dead_letter
 from sluicegate.telemetry import untraced
+from sluicegate.usage.ledger import usage_record
 
 from .config import WorkerConfig
 from .in_flight import Active
@@ -152,9 +164,11 @@ class Outputs:
         tokens: list[int],
         text: str,
         choices: list[ChoiceResult] | None = None,
+        entry: Active | None = None,
     ) -> None:
-        """The final result to ``llm.results``, then the status record; a record that says the request
-        ended therefore means its result went out."""
+        """The final result to ``llm.results`` and the usage record to ``llm.usage``, then the status record; a
+        record that says the request ended therefore means both went out. ``entry``: the request as this worker
+        held it, for the usage record's timings (none when a previous owner's ``done`` is published again)."""
         result = FinalResult(
             request_id=request.request_id,
             model=request.model,
@@ -168,8 +182,31 @@ class Outputs:
             created_at=request.created_at,
         )
         await self.send(self.names.results_topic, result.model_dump_json().encode(), request.request_id)
+        await self.publish_usage(request, entry, done.usage, done.finish_reason)
         status = "cancelled" if done.finish_reason == "abort" else "finished"
         await self.set_record(request, status, result)
+
+    async def publish_usage(
+        self,
+        request: InferenceRequest,
+        entry: Active | None,
+        usage: Usage | None,
+        finish_reason: FinishReason | None,
+        error_code: str | None = None,
+    ) -> None:
+        """The request's usage ledger record (``usage`` None: it failed), retried until Kafka takes it. Sent again
+        by a worker that takes the request over before its status record said it ended: the rollup counts it once
+        (:mod:`sluicegate.usage.ledger`)."""
+        record = usage_record(
+            request,
+            producer=self.config.worker_id,
+            usage=usage,
+            finish_reason=finish_reason,
+            error_code=error_code,
+            started_at=entry.taken_wall if entry is not None else None,
+            first_output_at=entry.first_output_wall if entry is not None else None,
+        )
+        await self.send(self.names.usage_topic, record.model_dump_json().encode(), request.request_id)
 
     async def dead_letter(self, record: Any, rejection: Rejection) -> None:
         """Put the record on ``llm.dlq`` with its reason; retried until Kafka takes it (the offset waits)."""

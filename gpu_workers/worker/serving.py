@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -104,7 +105,9 @@ class Serving:
                 return False
             log.exception("worker.request_failed", extra={"offset": record.offset})
             if entry.request_id != provisional:
-                await self._fail(entry, "internal_error", f"the worker failed to serve the request: {exc!r}")
+                message = f"the worker failed to serve the request: {exc!r}"
+                failed = parsed if isinstance(parsed, InferenceRequest) else None
+                await self._fail(entry, "internal_error", message, None, failed)
             rejection = Rejection("processing_failed", repr(exc), request_id_of(record.value, record.headers))
             await self.outputs.dead_letter(record, rejection)
             return True
@@ -168,6 +171,8 @@ class Serving:
                 # The previous owner died between ``done`` and its final result: publish that now
                 # (llm.results is at-least-once, keyed by request id).
                 await self.outputs.publish_result(request, state.done, state.token_ids, state.text)
+            elif state.error is not None and not ended_before:  # died between ``error`` and its status record
+                await self.outputs.publish_usage(request, None, None, None, state.error.code)
             return True
         if not state.exists and ended_before:
             return True  # it finished long ago and its stream expired
@@ -182,14 +187,16 @@ class Serving:
             # stream tells whether a re-delivered request already started (then it is continued).
             assert request.deadline is not None
             detail = f"deadline {request.deadline.isoformat()} passed before the request started"
-            if not await self._fail(entry, "deadline_exceeded", "the request's deadline passed before it started", seq):
+            if not await self._fail(
+                entry, "deadline_exceeded", "the request's deadline passed before it started", seq, request
+            ):
                 return False
             await self.outputs.dead_letter(record, Rejection("deadline_exceeded", detail, rid))
             return True
         try:
             prompt = entry.prompt if entry.prompt is not None else prompt_token_ids(request, self.engine.tokenizer)
         except PromptError as exc:
-            if not await self._fail(entry, "invalid_request", str(exc), seq):
+            if not await self._fail(entry, "invalid_request", str(exc), seq, request):
                 return False
             await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid))
             return True
@@ -280,6 +287,7 @@ class Serving:
             async with self._reading(deltas):
                 async for delta in deltas:
                     started = entry.produced = True
+                    entry.first_output_wall = entry.first_output_wall or time.time()
                     if delta.final is not None and entry.watch is not None:
                         entry.watch.engine_finished(delta.final.metrics)
                     if entry.handed_off:
@@ -324,7 +332,7 @@ class Serving:
                 raise
             # The engine refused the request outright (e.g. prompt + max_tokens over the context length).
             code = "context_length_exceeded" if "max_model_len" in str(exc) else "invalid_request"
-            if not await self._fail(entry, code, str(exc), seq):
+            if not await self._fail(entry, code, str(exc), seq, request):
                 return False
             await self.outputs.dead_letter(record, Rejection("rejected_by_engine", str(exc), rid))
             return True
@@ -363,12 +371,15 @@ class Serving:
             entry.watch.finished(reason, usage)
         # The stream must hold ``done`` before the offset can be committed.
         await self.outputs.flush()
-        await self.outputs.publish_result(request, done, tokens, text, choices)
+        await self.outputs.publish_result(request, done, tokens, text, choices, entry)
         self.served += 1
         return True
 
-    async def _fail(self, entry: Active, code: str, message: str, seq: int | None = None) -> bool:
-        """End the request's stream with an ``error`` event; False when it was handed off meanwhile."""
+    async def _fail(
+        self, entry: Active, code: str, message: str, seq: int | None = None, request: InferenceRequest | None = None
+    ) -> bool:
+        """End the request's stream with an ``error`` event (and, given the request, its usage record as failed);
+        False when it was handed off meanwhile."""
         request_id = entry.request_id
         if seq is None:
             state = await self.outputs.redis_call(lambda: read_stream_state(self.redis, self.names, request_id))
@@ -378,6 +389,8 @@ class Serving:
         if entry.watch is not None:
             entry.watch.failed(code)
         await self.outputs.flush()
+        if request is not None:
+            await self.outputs.publish_usage(request, entry, None, None, code)
         await self.outputs.mark_failed(request_id)
         return True
 

@@ -92,6 +92,7 @@ async def create_batch(request: Request, caller: Caller, body: CreateBatchBody) 
         input_file_id=body.input_file_id,
         metadata=body.metadata,
         limits=caller.limits.resolve(settings),
+        key_id=caller.key_id,
         trace=current_trace(),
     )
     log.info(

@@ -27,11 +27,13 @@ def build_request(
     now: datetime | None = None,
     max_tokens: int | None = None,
     default_deadline: datetime | None = None,
+    key_id: str | None = None,
 ) -> InferenceRequest:
     """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
 
     ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
-    when the body gives no deadline (the key's queue-time budget).
+    when the body gives no deadline (the key's queue-time budget); ``key_id`` names the caller's API key (the
+    usage ledger's).
     """
     now = now or utcnow()
     prompt: str | list[int] | None = None
@@ -63,6 +65,7 @@ def build_request(
         tools=tools or None,
         priority=tier,
         tenant=tenant,
+        key_id=key_id,
         user=getattr(body, "user", None),
         deadline=deadline,
         created_at=now,

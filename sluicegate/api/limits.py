@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas import InferenceRequest
 from sluicegate.settings import Settings
 
 from .bodies import MAX_DEADLINE_S, AnyBody, ChatCompletionBody, CompletionBody
@@ -40,6 +41,8 @@ class KeyLimits(BaseModel):
     default_queue_budget_s: float | None = Field(
         None, ge=0, le=MAX_DEADLINE_S, description="Queue-time budget: a request without a deadline starts within it."
     )
+    tokens_per_day: int | None = Field(None, ge=0, description="Token quota per UTC day (prompt + output).")
+    tokens_per_month: int | None = Field(None, ge=0, description="Token quota per UTC month (prompt + output).")
 
     def resolve(self, settings: Settings) -> Limits:
         """The limits in force for this key."""
@@ -55,6 +58,8 @@ class KeyLimits(BaseModel):
             max_tokens=int(pick(self.max_tokens, settings.limit_max_tokens)),
             max_body_bytes=int(pick(self.max_body_bytes, settings.max_body_bytes)),
             queue_budget_s=pick(self.default_queue_budget_s, settings.default_queue_budget_s),
+            tokens_per_day=int(pick(self.tokens_per_day, settings.limit_tokens_per_day)),
+            tokens_per_month=int(pick(self.tokens_per_month, settings.limit_tokens_per_month)),
         )
 
 
@@ -69,6 +74,8 @@ class Limits:
     max_tokens: int = 0
     max_body_bytes: int = 1_000_000
     queue_budget_s: float = 0.0
+    tokens_per_day: int = 0
+    tokens_per_month: int = 0
 
     def default_deadline(self, now: datetime) -> datetime | None:
         """``now`` plus the queue budget, or None without one."""
@@ -101,6 +108,21 @@ def estimate_prompt_tokens(body: AnyBody) -> int:
     tools = getattr(body, "tools", None)
     if tools:  # rendered into the prompt by the chat template
         total += _text_tokens("".join(t.model_dump_json() for t in tools))
+    return total
+
+
+def estimate_request_tokens(request: InferenceRequest) -> int:
+    """A pipeline request's prompt size, estimated as :func:`estimate_prompt_tokens` estimates a body's (for
+    Kafka-native records and batch lines, whose bodies are no longer at hand)."""
+    if request.messages is None:
+        prompt = request.prompt
+        return len(prompt) if isinstance(prompt, list) else _text_tokens(prompt or "")
+    total = 0
+    for message in request.messages:
+        calls = "".join(c.function.name + c.function.arguments for c in message.tool_calls or [])
+        total += TOKENS_PER_MESSAGE + _text_tokens(message.text() + calls)
+    if request.tools:
+        total += _text_tokens("".join(t.model_dump_json() for t in request.tools))
     return total
 
 

@@ -143,9 +143,11 @@ class BatchStore:
         metadata: dict[str, str] | None,
         limits: Limits,
         trace: TraceContext | None = None,
+        key_id: str | None = None,
     ) -> Batch:
         """A new batch in ``validating``, listed under its tenant and among the active batches. ``trace``: the
-        creating request's context, which every line's request carries (so the lines join that trace)."""
+        creating request's context, which every line's request carries (so the lines join that trace); ``key_id``:
+        the creating API key's, which every line's request carries too (its usage and token quotas)."""
         now = int(time.time())
         batch = Batch(
             id=new_batch_id(),
@@ -159,6 +161,8 @@ class BatchStore:
         fields = self._fields(batch) | {"tenant": tenant, "limits": json.dumps(asdict(limits)), "enqueued": "0"}
         if trace is not None:
             fields["trace"] = trace.model_dump_json(exclude_none=True)
+        if key_id is not None:
+            fields["key_id"] = key_id
         key = self.names.batch_key(batch.id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)

@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_commands(sub)
 
+    from sluicegate.stack.usage_cli import add_usage_command
+
+    add_usage_command(sub)
+
     from sluicegate.stack.bench import add_bench_command
 
     add_bench_command(sub)
