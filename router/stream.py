@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from schemas import InferenceRequest, Names, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.dead_letters import Rejection, dead_letter, header, validate_record
-from sluicegate.kafka import create_consumer, create_producer
+from sluicegate.kafka import create_consumer, create_producer, rewind_batch
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
@@ -242,12 +242,7 @@ class RouterProcessor:
             except (KafkaError, TimeoutError, OSError) as exc:
                 self.metrics.batch_failures.inc()
                 log.error("router.batch_failed records=%d error=%r; retrying", sum(map(len, batch.values())), exc)
-                assigned = self.consumer.assignment()
-                for tp, records in batch.items():
-                    # After a rebalance a partition may belong to another router, which resumes it from
-                    # the last commit instead.
-                    if records and tp in assigned:
-                        self.consumer.seek(tp, records[0].offset)
+                rewind_batch(self.consumer, batch)
                 try:
                     await asyncio.wait_for(stop.wait(), self.retry_backoff_s)
                 except TimeoutError:

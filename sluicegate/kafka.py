@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
@@ -91,6 +91,16 @@ def create_consumer(
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
+
+
+def rewind_batch(consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
+    """Seek each partition of a failed ``getmany`` batch back to its first record, so the batch is read
+    again. After a rebalance a partition may belong to another consumer, which resumes it from the
+    last commit instead: only partitions still assigned are rewound."""
+    assigned = consumer.assignment()
+    for tp, records in batch.items():
+        if records and tp in assigned:
+            consumer.seek(tp, records[0].offset)
 
 
 def create_admin(

@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas import Names, UsageRecord
-from sluicegate.kafka import create_consumer, ensure_topics
+from sluicegate.kafka import create_consumer, ensure_topics, rewind_batch
 from sluicegate.settings import Settings
 
 from .quota import Quotas
@@ -169,10 +169,7 @@ class UsageRollup:
                 await self.process(batch)
             except (RedisError, OSError, KafkaError, TimeoutError) as exc:
                 log.error("usage.batch_failed records=%d error=%r; retrying", sum(map(len, batch.values())), exc)
-                assigned = self.consumer.assignment()
-                for tp, records in batch.items():
-                    if records and tp in assigned:
-                        self.consumer.seek(tp, records[0].offset)
+                rewind_batch(self.consumer, batch)
                 try:
                     await asyncio.wait_for(stop.wait(), self.retry_backoff_s)
                 except TimeoutError:
