@@ -55,7 +55,7 @@ def test_waiting_requests_with_deadlines_start_earliest_first_before_those_witho
     assert [s.request_id for s in engine.scheduler.running] == ["holder"]
     now = time.time()
     with_deadline = [f"d{i}" for i in range(6)]
-    arrivals = with_deadline + ["plain-0", "plain-1", "plain-2"]
+    arrivals = [*with_deadline, "plain-0", "plain-1", "plain-2"]
     random.Random(7).shuffle(arrivals)
     prompts = {rid: _prompt(9 + n, n + 1) for n, rid in enumerate(arrivals)}
     for rid in arrivals:
