@@ -126,6 +126,9 @@ def build_line(
         return LineOutcome(
             status_code=400, code="unsupported_parameter", message="stream is not supported in a batch", param="stream"
         )
+    if parsed.deadline is not None:
+        message = "a batch line's deadline is the end of its batch's completion window"
+        return LineOutcome(status_code=400, code="unsupported_parameter", message=message, param="deadline")
     try:
         check_prompt_tokens(parsed, limits)
         max_tokens = checked_max_tokens(parsed, limits)

@@ -19,6 +19,7 @@ from schemas import InferenceRequest, ToolCallFormat, TraceContext, WorkerHeartb
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.bodies import AnyBody
 from sluicegate.api.build import advertised_tool_call_format, build_request
+from sluicegate.api.deadlines import DEADLINE_HEADER, parse_deadline
 from sluicegate.api.errors import ApiError, invalid
 from sluicegate.api.limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
@@ -37,6 +38,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     """Check the model, build the pipeline request and publish it under a span whose context travels
     in the Kafka headers."""
     service = service_of(request)
+    body = _with_header_deadline(body, request.headers.get(DEADLINE_HEADER))
     accepted_at = time.perf_counter()
     request_id = uuid.uuid4().hex
     version = service.routes.resolve(body, tenant=caller.tenant, request_key=request_id)
@@ -113,6 +115,18 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference
+
+
+def _with_header_deadline(body: AnyBody, header: str | None) -> AnyBody:
+    """The body with the ``X-Request-Deadline`` header's deadline when it gives none itself (the body's field
+    wins); a header that is no deadline is a 400 naming it."""
+    if header is None or body.deadline is not None:
+        return body
+    try:
+        deadline = parse_deadline(header)
+    except ValueError as exc:
+        raise ApiError(400, f"{DEADLINE_HEADER}: {exc}", code="invalid_value", param=DEADLINE_HEADER) from exc
+    return body.model_copy(update={"deadline": deadline})
 
 
 def model_context(heartbeats: list[WorkerHeartbeat]) -> int | None:

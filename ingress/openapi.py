@@ -188,7 +188,8 @@ _ERROR_DESCRIPTIONS = {
     409: "The request already finished, or was cancelled.",
     413: "Body larger than the key's limit.",
     422: "A field has an invalid value or is over a per-key limit (prompt tokens, max_tokens).",
-    429: "Over the key's rate limits, or the model's backlog is full; see Retry-After.",
+    429: "Over the key's rate limits, the model's backlog is full (see Retry-After), or the request's deadline "
+    "(X-Request-Deadline or the deadline field) cannot be met by the backlog (deadline_unmeetable).",
     500: "The worker failed the request.",
     503: "Kafka or Redis does not answer; see Retry-After.",
     504: "No result within the request timeout or the request's deadline.",

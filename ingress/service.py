@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.heartbeats import HeartbeatCache
+from router.policy import deadline_unmeetable
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
 from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
@@ -224,7 +225,8 @@ class IngressService:
         given, charging ``tokens``, then its token quotas' reservation, ``quota``), then record it as queued and
         publish it, both at once.
 
-        429 when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
+        429 when the request's deadline cannot be met by the backlog its workers report (``deadline_unmeetable``),
+        when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
         request the backlog turns away); 503 when Kafka or Redis fails, with no record left and a request
         that did reach Kafka cancelled (workers never start it).
         """
@@ -236,6 +238,11 @@ class IngressService:
             raise unavailable("Kafka", exc) from exc
         self.router.set_heartbeats(request.model, heartbeats)
         route = self.router.route(request, max_tier=max_tier)
+        if (unmeetable := deadline_unmeetable(request, route.tier, heartbeats)) is not None:
+            self.metrics.rejected.labels("deadline_unmeetable").inc()
+            # Retrying cannot bring the deadline back: the SDKs are told not to.
+            headers = {"x-should-retry": "false"}
+            raise ApiError(429, f"{unmeetable}; nothing was queued.", code="deadline_unmeetable", headers=headers)
         partitions = {topic: self.router.partitions(topic) for topic in self.names.request_topics(request.model)}
         await self.backlog.admit(request.model, route.tier, heartbeats, partitions)
         if key_id is not None and limits is not None:

@@ -175,3 +175,34 @@ def choose_partition(
     relief = min(candidates, key=load_score)
     choices = owned(relief)
     return PartitionChoice(choices[(murmur2(key) & 0x7FFFFFFF) % len(choices)], "overload")
+
+
+def expected_start_s(tier: Tier, heartbeats: Iterable[WorkerHeartbeat]) -> float | None:
+    """Seconds until a new request of ``tier`` is expected to start: the smallest backlog at or above its tier
+    that a live, not draining worker reports (the kindest reading: a request is refused only when not even the
+    least loaded worker would start it in time); None when no worker reports one."""
+    known = [
+        beat.backlog_seconds[tier]
+        for beat in heartbeats
+        if not beat.draining and beat.backlog_seconds is not None and tier in beat.backlog_seconds
+    ]
+    return min(known) if known else None
+
+
+def deadline_unmeetable(
+    request: InferenceRequest, tier: Tier, heartbeats: Iterable[WorkerHeartbeat], now: datetime | None = None
+) -> str | None:
+    """Why ``request``'s deadline cannot be met by the backlog its model's workers report, or None (no deadline,
+    no estimate, or time enough). A deadline is the time after which a request is not started."""
+    if request.deadline is None:
+        return None
+    wait_s = expected_start_s(tier, heartbeats)
+    if wait_s is None:
+        return None
+    left_s = (request.deadline - (now or utcnow())).total_seconds()
+    if wait_s <= left_s:
+        return None
+    return (
+        f"the deadline {request.deadline.isoformat()} is {left_s:.1f} s away, but model '{request.model}' has "
+        f"{wait_s:.1f} s of work queued at or above the '{tier}' tier: the request would not start in time"
+    )

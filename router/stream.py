@@ -1,8 +1,9 @@
 """The router stream processor: validates what Kafka-native producers put on ``llm.inbound``, routes each
 valid request for a served model to ``llm.<model>.<tier>`` and sends everything else to ``llm.dlq`` with a
 ``reason`` header. A request over its tenant's token quota is dead-lettered as ``insufficient_quota`` (its tokens
-are reserved here otherwise, :mod:`sluicegate.usage.quota`). The process also runs the usage rollup
-(:mod:`sluicegate.usage.rollup`) beside the routing loop.
+are reserved here otherwise, :mod:`sluicegate.usage.quota`); one whose deadline the backlog its model's workers
+report cannot meet, as ``deadline_unmeetable`` (:func:`router.policy.deadline_unmeetable`, as ingress's 429).
+The process also runs the usage rollup (:mod:`sluicegate.usage.rollup`) beside the routing loop.
 
 Offsets are committed only after every record of a batch has been acknowledged where it went, so a
 crash re-routes (at least once) rather than loses. A bad message never stops the loop.
@@ -36,6 +37,7 @@ from sluicegate.usage.rollup import keep_rolling_up
 
 from .heartbeats import HeartbeatCache
 from .metrics import RouterMetrics
+from .policy import deadline_unmeetable
 from .publish import TopicRegistry, request_headers, send_routed
 from .route_table import RouteTable
 from .router import Router
@@ -56,8 +58,9 @@ class RouterProcessor:
     """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
 
     Besides the reasons of :func:`sluicegate.dead_letters.validate_record` it dead-letters ``unknown_model``
-    (no live worker, not in ``served_models``), ``insufficient_quota`` (over its tenant's token quota; a record's
-    ``key_id`` is not checked: the keys file is ingress's) and ``routing_failed`` (an unexpected error routing one
+    (no live worker, not in ``served_models``), ``deadline_unmeetable`` (its deadline is sooner than the workers'
+    backlog), ``insufficient_quota`` (over its tenant's token quota; a record's ``key_id`` is not checked: the keys
+    file is ingress's) and ``routing_failed`` (an unexpected error routing one
     record).
     """
 
@@ -122,6 +125,8 @@ class RouterProcessor:
             return Rejection(
                 "unknown_model", f"model {outcome.model!r} has no live worker and is not served", outcome.request_id
             )
+        if (unmeetable := deadline_unmeetable(outcome, outcome.priority, beats or [])) is not None:
+            return Rejection("deadline_unmeetable", unmeetable, outcome.request_id)
         claim = claim_for(outcome, self.settings)
         if claim is not None and (refused := await self._reserve(claim)) is not None:
             return Rejection("insufficient_quota", refused, outcome.request_id)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, Field
 
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
 from .events import FinishReason, Usage
 from .generation import TokenLogprob, ToolCallFormat
+from .names import Tier
 from .requests import TraceContext
 
 
@@ -47,6 +48,12 @@ class WorkerHeartbeat(Message):
     max_model_len: int | None = Field(None, ge=1, description="The engine's context length (prompt + output).")
     tool_call_format: ToolCallFormat | None = Field(None, description="How the model writes tool calls.")
     description: str | None = Field(None, description="What the worker says of its model (e.g. random weights).")
+    backlog_seconds: dict[Tier, Annotated[float, Field(ge=0)]] | None = Field(
+        None,
+        description="Seconds of generation waiting in Kafka at or above each tier on this worker's partitions (the "
+        "sluicegate_worker_backlog_seconds gauge); a tier without a finite estimate is left out. Admission refuses a "
+        "deadline that not even the least loaded worker's figure meets.",
+    )
 
 
 class ModelTokenizer(Message):

@@ -132,3 +132,7 @@ class InferenceRequest(Message):
     def expired(self, now: datetime | None = None) -> bool:
         """True when the request carries a deadline that has passed."""
         return self.deadline is not None and (now or utcnow()) >= self.deadline
+
+    def deadline_epoch(self) -> float | None:
+        """The deadline as ``time.time()`` seconds (what the engine and the worker's intake order by), or None."""
+        return None if self.deadline is None else self.deadline.timestamp()

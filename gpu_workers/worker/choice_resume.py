@@ -129,6 +129,7 @@ class ChoiceResume:
             request_id=self.engine_id(index),
             priority=tier_rank(self.request.priority),
             tenant=self.request.tenant,
+            deadline=self.request.deadline_epoch(),
         )
 
     def _event(

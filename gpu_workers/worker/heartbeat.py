@@ -68,6 +68,7 @@ class Heartbeats:
             max_model_len=self.engine.max_model_len,
             tool_call_format=self._tool_call_format,
             description=self.config.model_description or None,
+            backlog_seconds=self.telemetry.backlog_seconds if self.telemetry is not None else None,
         )
 
     async def run(self) -> None:

@@ -3,7 +3,9 @@ hand-off on rebalance, and offset commits.
 
 A tier's partitions are paused once it has no room (:mod:`.tier_rooms`: ``max_in_flight`` requests of that tier
 or above, and the batch tier's yielding to interactive traffic), so the backlog stays in Kafka; an offset is
-committed only when every request at or below it reached an outcome (:mod:`.offsets`).
+committed only when every request at or below it reached an outcome (:mod:`.offsets`). What one fetch brings is
+admitted tier by tier and, inside a tier, earliest deadline first (records without one after, in fetch order), the
+order the engine's waiting queue keeps too.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -118,8 +121,8 @@ class Intake:
                     await asyncio.wait_for(self._room.wait(), self._wait_s(0.2))
                 continue
             self.consumer.resume(*open_tps)
-            for record in await self._fetch_by_tier(open_tps, rooms):
-                self._admit(record)
+            for record, parsed in self._by_deadline(await self._fetch_by_tier(open_tps, rooms)):
+                self._admit(record, parsed)
 
     def pause(self) -> None:
         """Fetch nothing more (the worker is draining)."""
@@ -157,11 +160,28 @@ class Intake:
                     return [r for records in batch.values() for r in records]
         most = min(rooms[t] for t in by_tier if by_tier[t])
         batch = await self.consumer.getmany(*open_tps, timeout_ms=round(1000 * self._wait_s(0.1)), max_records=most)
-        records = [r for records in batch.values() for r in records]
-        records.sort(key=lambda r: TIERS.index(self._tiers.get(r.topic, "batch")))
-        return records
+        return [r for records in batch.values() for r in records]  # put in tier order by ``_by_deadline``
 
-    def _admit(self, record: Any) -> None:
+    def _by_deadline(self, records: list[Any]) -> list[tuple[Any, InferenceRequest | Rejection | Exception]]:
+        """The fetched records, parsed, in admission order: by tier, then earliest deadline first (the sort is
+        stable, so records without a deadline, or that failed to parse, keep their fetch order after those)."""
+        parsed: list[tuple[Any, InferenceRequest | Rejection | Exception]] = []
+        for record in records:
+            try:
+                # No deadline check here: it is about starting, which only the request's stream can tell.
+                parsed.append((record, validate_record(record.value, record.headers, check_deadline=False)))
+            except Exception as exc:  # reported by the request's task, like any failure to serve it
+                parsed.append((record, exc))
+
+        def order(item: tuple[Any, InferenceRequest | Rejection | Exception]) -> tuple[int, float]:
+            record, request = item
+            deadline = request.deadline_epoch() if isinstance(request, InferenceRequest) else None
+            return TIERS.index(self._tiers.get(record.topic, "batch")), math.inf if deadline is None else deadline
+
+        parsed.sort(key=order)
+        return parsed
+
+    def _admit(self, record: Any, parsed: InferenceRequest | Rejection | Exception) -> None:
         if self._observer is not None:
             self._observer.record_taken(record)
         if self.telemetry is not None:
@@ -171,12 +191,6 @@ class Intake:
         tier = self._tier_of(tp)
         self.rooms.taken(tier)
         entry = self.in_flight.take(tp, record.offset, tier)
-        parsed: InferenceRequest | Rejection | Exception
-        try:
-            # No deadline check here: it is about starting, which only the request's stream can tell.
-            parsed = validate_record(record.value, record.headers, check_deadline=False)
-        except Exception as exc:  # reported by the request's task, like any failure to serve it
-            parsed = exc
         if isinstance(parsed, InferenceRequest) and self.in_flight.claim_at_once(entry, parsed.request_id):
             # The engine starts here rather than in the request's task: that task runs only after the fetch loop
             # and the consumer's next fetch have had the event loop.

@@ -146,6 +146,7 @@ class Serving:
                 request_id=rid,
                 priority=tier_rank(request.priority),
                 tenant=request.tenant,
+                deadline=request.deadline_epoch(),
             )
         except (PromptError, ValueError):
             return None  # the regular path reports it, after the pickup state is known
@@ -281,6 +282,7 @@ class Serving:
                     request_id=rid,
                     priority=tier_rank(request.priority),
                     tenant=request.tenant,
+                    deadline=request.deadline_epoch(),
                 )
             if entry.watch is not None:
                 entry.watch.generating()

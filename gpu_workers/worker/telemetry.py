@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -121,6 +122,8 @@ class WorkerTelemetry:
     ) -> None:
         self.model = model
         self.worker_id = worker_id
+        # The latest sample's finite backlog seconds per tier, which the heartbeat carries to admission.
+        self.backlog_seconds: dict[Tier, float] | None = None
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.registry.register(_EngineCollector(engine, model))
@@ -292,9 +295,13 @@ class WorkerTelemetry:
             for tp in assigned:
                 with contextlib.suppress(Exception):  # revoked meanwhile
                     lags[self._tier_of_topic.get(tp.topic, "batch")] += max(0, ends[tp] - await consumer.position(tp))
+        published: dict[Tier, float] = {}
         for tier, seconds in backlog_seconds(lags, self.tokens_per_request.as_mapping(), rate).items():
             self.lag.labels(self.model, tier).set(lags[tier])
             self.backlog.labels(self.model, tier).set(seconds)
+            if math.isfinite(seconds):
+                published[tier] = seconds
+        self.backlog_seconds = published
 
 
 class RequestWatch:

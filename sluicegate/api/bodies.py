@@ -10,11 +10,10 @@ accepted. vLLM-style extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ign
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Annotated, Any
 
 from pydantic import (
-    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
@@ -38,6 +37,7 @@ from schemas import (
 )
 
 from .chat_messages import ChatMessageIn
+from .deadlines import DeadlineField, absolute_deadline
 from .response_format import ResponseFormat, ToolChoice, guided_for
 
 #: ``max_tokens`` when a chat or native request gives none (OpenAI's own default is "until the context
@@ -45,8 +45,6 @@ from .response_format import ResponseFormat, ToolChoice, guided_for
 DEFAULT_MAX_TOKENS = 256
 #: OpenAI's (and vLLM's) default for ``/v1/completions``.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-#: Longest relative deadline (seconds from now) a request may give: a year, far past any queue wait.
-MAX_DEADLINE_S = 365 * 86400
 
 
 def _unsupported(message: str) -> PydanticCustomError:
@@ -115,6 +113,7 @@ class _SamplingBody(_Body):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = False
     priority: Tier | None = None
+    deadline: DeadlineField | None = None  # :mod:`.deadlines`; also the X-Request-Deadline header
     n: int | None = Field(None, ge=1, le=32, description="Choices; they share the prompt's KV cache.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -145,6 +144,10 @@ class _SamplingBody(_Body):
     def guided_spec(self) -> GuidedSpec | None:
         """The constraint on the output, if any."""
         return None
+
+    def absolute_deadline(self, now: datetime | None = None) -> datetime | None:
+        """The deadline as an aware datetime (relative seconds counted from ``now``)."""
+        return absolute_deadline(self.deadline, now or utcnow())
 
     def sampling(self, max_tokens: int) -> SamplingOptions:
         """The pipeline's sampling options."""
@@ -378,8 +381,7 @@ class CompletionBody(_OpenAIBody):
 
 
 class NativeRequestBody(_SamplingBody):
-    """``POST /v1/requests``: the completions fields plus ``ignore_eos``, ``priority`` and ``deadline``
-    (an ISO 8601 time with a zone, or seconds from now)."""
+    """``POST /v1/requests``: the completions fields plus ``guided`` and ``tools``."""
 
     prompt: Annotated[
         str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None,
@@ -390,7 +392,6 @@ class NativeRequestBody(_SamplingBody):
     ] = None
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)] | None = None
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000)
-    deadline: AwareDatetime | Annotated[float, Field(gt=0, le=MAX_DEADLINE_S)] | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="Top alternatives per token.")
     response_format: ResponseFormat | None = None
     guided: GuidedSpec | None = Field(
@@ -422,12 +423,6 @@ class NativeRequestBody(_SamplingBody):
     def guided_spec(self) -> GuidedSpec | None:
         """``guided`` as given, or from ``response_format``."""
         return self.guided or guided_for(None, None, self.response_format, None)
-
-    def absolute_deadline(self, now: datetime | None = None) -> datetime | None:
-        """The deadline as an aware datetime (relative seconds counted from ``now``)."""
-        if self.deadline is None or isinstance(self.deadline, datetime):
-            return self.deadline
-        return (now or utcnow()) + timedelta(seconds=self.deadline)
 
     def resolved_max_tokens(self) -> int:
         """``max_tokens``."""

@@ -38,7 +38,6 @@ def build_request(
     now = now or utcnow()
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
-    deadline: datetime | None = None
     tools = None
     if isinstance(body, ChatCompletionBody):
         messages = body.chat_messages()
@@ -50,9 +49,9 @@ def build_request(
         prompt = body.prompt
         tools = body.tools
         messages = [m.to_schema() for m in body.messages] if body.messages else None
-        deadline = body.absolute_deadline(now)
-        if deadline is not None and deadline <= now:
-            raise ValueError(f"deadline {deadline.isoformat()} has already passed")
+    deadline = body.absolute_deadline(now)
+    if deadline is not None and deadline <= now:
+        raise ValueError(f"deadline {deadline.isoformat()} has already passed")
     if deadline is None:
         deadline = default_deadline
     return InferenceRequest(

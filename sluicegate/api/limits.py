@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas import InferenceRequest
 from sluicegate.settings import Settings
 
-from .bodies import MAX_DEADLINE_S, AnyBody, ChatCompletionBody, CompletionBody
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody
+from .deadlines import MAX_DEADLINE_S
 from .errors import ApiError
 
 #: Bytes of UTF-8 text per estimated token.

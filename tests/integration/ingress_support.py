@@ -29,6 +29,7 @@ from schemas import (
     Names,
     PartitionRef,
     RestartEvent,
+    Tier,
     TokenEvent,
     Usage,
     WorkerHeartbeat,
@@ -79,6 +80,7 @@ async def heartbeat(
     running: int = 0,
     waiting: int = 0,
     description: str | None = None,
+    backlog_seconds: dict[Tier, float] | None = None,
 ) -> None:
     """What a live worker writes to Redis every heartbeat interval."""
     beat = WorkerHeartbeat(
@@ -92,6 +94,7 @@ async def heartbeat(
         prefix_cache_hit_rate=0.0,
         sent_at=utcnow() - timedelta(seconds=age_s),
         description=description,
+        backlog_seconds=backlog_seconds,
     )
     await redis.hset(names.workers_key(model), worker, beat.model_dump_json())
     await redis.sadd(names.models_key, model)

@@ -111,10 +111,14 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "default",
+        deadline: float | None = None,
     ) -> str:
         """Queue a request given as a front end's keyword arguments (for callers that drive ``step`` themselves);
-        returns its id. ``priority`` is the scheduling tier, lower runs first."""
-        return self.submit(EngineRequest.build(prompt, params, request_id=request_id, priority=priority, tenant=tenant))
+        returns its id. ``priority`` is the scheduling tier, lower runs first; ``deadline`` as on ``EngineRequest``."""
+        request = EngineRequest.build(
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant, deadline=deadline
+        )
+        return self.submit(request)
 
     def submit(self, request: EngineRequest) -> str:
         """Queue a request (admitting it first unless a front end already did); returns its id.
@@ -151,6 +155,7 @@ class LLMEngine:
             ),
             generator=self._generator(params, 0),
             tenant=request.tenant,
+            deadline=request.deadline,
             logprobs=[] if params.logprobs is not None else None,
             guided=self._guided_state(params.guided) if params.guided is not None else None,
         )
@@ -181,6 +186,7 @@ class LLMEngine:
             ),
             generator=self._generator(params, index),
             tenant=parent.tenant,
+            deadline=parent.deadline,
             token_ids=list(parent.token_ids),
             num_cached_tokens=parent.num_cached_tokens,
             first_scheduled_time=parent.first_scheduled_time,

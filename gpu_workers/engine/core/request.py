@@ -27,7 +27,9 @@ class EngineRequest:
     """One request: its prompt, how to decode it, and where it stands in the queue.
 
     ``priority`` is the scheduling tier, an int where lower runs first (vLLM's convention); ``tenant``
-    shares a tier fairly between callers. ``prompt_token_ids`` is None until admission tokenizes the prompt.
+    shares a tier fairly between callers; ``deadline`` (``time.time()`` seconds, optional) puts the request
+    ahead of those without one in its tier, earliest deadline first. ``prompt_token_ids`` is None until
+    admission tokenizes the prompt.
     """
 
     prompt: PromptInput
@@ -37,6 +39,7 @@ class EngineRequest:
     tenant: str = "default"
     arrival_time: float = field(default_factory=time.time)  # ``time.time()`` when the front end built it
     prompt_token_ids: list[int] | None = None
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -48,6 +51,9 @@ class EngineRequest:
             raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request id must be a non-empty string, got {self.request_id!r}")
+        deadline = self.deadline
+        if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
+            raise ValueError(f"deadline must be time.time() seconds or None, got {self.deadline!r}")
 
     @classmethod
     def build(
@@ -58,6 +64,7 @@ class EngineRequest:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "default",
+        deadline: float | None = None,
     ) -> EngineRequest:
         """The request for a front end's keyword arguments, where None means the default."""
         return cls(
@@ -66,6 +73,7 @@ class EngineRequest:
             request_id=new_request_id() if request_id is None else request_id,
             priority=priority,
             tenant=tenant,
+            deadline=deadline,
         )
 
     @property

@@ -4,9 +4,10 @@ A tier is one integer priority, lower numbers first; the tiers are those of the 
 Every step has a token budget (``max_num_batched_tokens``). Running sequences in decode go first,
 then prefill work tier by tier: a tier's running sequences with prefill left (chunked), then its
 waiting requests. Lower-tier chunked prefills therefore never take the budget a waiting higher-tier
-request needs. When the KV pool runs dry the least important running sequence (lowest tier, latest
-arrival) is preempted: its blocks are freed and it returns to the waiting queue to be recomputed
-later from prompt + generated tokens. A waiting request may preempt running ones of a lower tier.
+request needs. When the KV pool runs dry the least important running sequence (lowest tier; in it, one
+without a deadline before the latest deadline, then latest arrival) is preempted: its blocks are freed and it
+returns to the waiting queue to be recomputed later from prompt + generated tokens. A waiting request may
+preempt running ones of a lower tier.
 
 Inside a tier, waiting requests are admitted by tenant fair queuing: each tenant with unfinished
 requests has a virtual time, advanced by the tokens scheduled for it divided by its weight, and the
@@ -17,6 +18,10 @@ tier thus cannot hold back another tenant of that tier beyond the sequences alre
 While the most important tier has unfinished work (running or waiting), the less important tiers together
 compute at most ``lower_tier_max_batched_tokens`` tokens a step (their decode seats and prefill chunks alike),
 so the step an interactive request waits behind stays short; with only one tier left they get the whole budget.
+
+Inside a tier, waiting requests with a deadline come first, earliest deadline first (EDF: they sort ahead of the
+others by ``Sequence.sort_key``), and tenant fair queuing orders only those without one. EDF is about which
+waiting request starts next; a running sequence is never preempted for a deadline of its own tier.
 """
 
 from __future__ import annotations
@@ -103,8 +108,8 @@ class Scheduler:
         the waiting count is the unfinished count per priority, kept as sequences come and go, less that."""
         running: dict[int, int] = {}
         for priority in self.tiers:
-            lo = bisect.bisect_left(self.running, (priority, -1), key=_sort_key)
-            hi = bisect.bisect_left(self.running, (priority + 1, -1), key=_sort_key)
+            lo = bisect.bisect_left(self.running, (priority,), key=_sort_key)
+            hi = bisect.bisect_left(self.running, (priority + 1,), key=_sort_key)
             if hi > lo:
                 running[priority] = hi - lo
         waiting = {p: n - running.get(p, 0) for p, n in self.tiers.items() if n > running.get(p, 0)}
@@ -149,7 +154,7 @@ class Scheduler:
 
     def _schedule_running(self, step: _StepState, decode_phase: bool, tier: int | None = None) -> None:
         """Schedule running sequences in decode (or with prefill left), all of them or those of ``tier``."""
-        idx = 0 if tier is None else bisect.bisect_left(self.running, (tier, -1), key=_sort_key)
+        idx = 0 if tier is None else bisect.bisect_left(self.running, (tier,), key=_sort_key)
         while idx < len(self.running) and step.budget > 0:
             seq = self.running[idx]
             if tier is not None and seq.priority != tier:
@@ -210,14 +215,15 @@ class Scheduler:
         return False
 
     def _pick_waiting(self, tier: int) -> int | None:
-        """Index in ``waiting`` of the next ``tier`` sequence to admit: the earliest one of the tenant with the
-        smallest virtual time (ties go to the earliest arrival); None when the tier has nothing waiting."""
+        """Index in ``waiting`` of the next ``tier`` sequence to admit: the one with the earliest deadline, else
+        the earliest one of the tenant with the smallest virtual time (ties go to the earliest arrival); None
+        when the tier has nothing waiting."""
         waiting = self.waiting
-        start = bisect.bisect_left(waiting, (tier, -1), key=_sort_key)
+        start = bisect.bisect_left(waiting, (tier,), key=_sort_key)
         if start == len(waiting) or waiting[start].priority != tier:
             return None
-        if len(self.tenants) == 1:
-            return start
+        if len(self.tenants) == 1 or waiting[start].deadline is not None:
+            return start  # sorted by deadline within the tier: the first one has the earliest
         best, best_vtime = start, self.tenants[waiting[start].tenant].vtime
         seen = {waiting[start].tenant}
         for idx in range(start + 1, len(waiting)):
@@ -299,5 +305,5 @@ class _StepState:
         return num_tokens
 
 
-def _sort_key(seq: Sequence) -> tuple[int, int]:
+def _sort_key(seq: Sequence) -> tuple[int, float, int]:
     return seq.sort_key

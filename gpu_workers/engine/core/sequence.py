@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,8 @@ class Sequence:
     generator: torch.Generator | None = None
     # Who the request is for: sequences of one tier share the engine fairly between tenants.
     tenant: str = "default"
+    # ``time.time()`` seconds: inside its tier the sequence goes earliest-deadline-first, before those without one.
+    deadline: float | None = None
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -94,9 +97,9 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: tier first, then arrival."""
-        return (self.priority, self.arrival_index)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: tier first, then deadline (earliest first, none last), then arrival."""
+        return (self.priority, math.inf if self.deadline is None else self.deadline, self.arrival_index)
 
     @property
     def num_tokens(self) -> int:
