@@ -17,6 +17,10 @@ from ..sampling_params import SamplingParams
 #: A prompt as callers give it: text, or token ids (a resumed request passes prompt + delivered tokens).
 PromptInput = str | list[int]
 
+#: How an embedding request pools the final normed hidden states of its prompt: the last token's (vLLM's
+#: default for decoder models) or the mean over every token. Either is L2-normalized.
+POOLING_METHODS = ("last", "mean")
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
@@ -28,6 +32,8 @@ class EngineRequest:
 
     ``priority`` is the scheduling tier, an int where lower runs first (vLLM's convention); ``tenant``
     shares a tier fairly between callers. ``prompt_token_ids`` is None until admission tokenizes the prompt.
+    ``pooling`` (one of ``POOLING_METHODS``) makes it an embedding request: prefill only, never served from or
+    into the prefix cache, finished after its prefill with the pooled vector instead of a token.
     """
 
     prompt: PromptInput
@@ -37,6 +43,7 @@ class EngineRequest:
     tenant: str = "default"
     arrival_time: float = field(default_factory=time.time)  # ``time.time()`` when the front end built it
     prompt_token_ids: list[int] | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -48,6 +55,10 @@ class EngineRequest:
             raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request id must be a non-empty string, got {self.request_id!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"unknown pooling {self.pooling!r}: one of {', '.join(POOLING_METHODS)}")
+        if self.pooling is not None and self.params.n != 1:
+            raise ValueError("an embedding request has one choice (n=1)")
 
     @classmethod
     def build(
@@ -58,6 +69,7 @@ class EngineRequest:
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "default",
+        pooling: str | None = None,
     ) -> EngineRequest:
         """The request for a front end's keyword arguments, where None means the default."""
         return cls(
@@ -66,6 +78,7 @@ class EngineRequest:
             request_id=new_request_id() if request_id is None else request_id,
             priority=priority,
             tenant=tenant,
+            pooling=pooling,
         )
 
     @property

@@ -125,15 +125,19 @@ class EngineFront(ABC):
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "default",
+        pooling: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; returns its delta stream.
 
         ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens. ``priority``
-        is the scheduling tier, lower runs first. Raises ``ValueError`` at once for a request that can never run.
+        is the scheduling tier, lower runs first. ``pooling`` ("last" or "mean") makes it an embedding request:
+        one finished delta carrying ``embedding``. Raises ``ValueError`` at once for a request that can never run.
         """
         self._ensure_accepting()
         request = self._admit(
-            EngineRequest.build(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
+            EngineRequest.build(
+                prompt, params, request_id=request_id, priority=priority, tenant=tenant, pooling=pooling
+            )
         )
         stream = self._open_stream(request.request_id, request.params.n)
         self._submit(request)
