@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas import InferenceRequest
 from sluicegate.settings import Settings
 
-from .bodies import MAX_DEADLINE_S, AnyBody, ChatCompletionBody, CompletionBody
+from .bodies import MAX_DEADLINE_S, AnyBody, ChatCompletionBody, CompletionBody, EmbeddingInput
 from .errors import ApiError
 
 #: Bytes of UTF-8 text per estimated token.
@@ -90,7 +90,7 @@ def estimate_prompt_tokens(body: AnyBody) -> int:
     """The prompt's size in tokens: exact for token ids, estimated from UTF-8 bytes for text and messages."""
     if isinstance(body, ChatCompletionBody):
         messages = body.messages
-    elif isinstance(body, CompletionBody):
+    elif isinstance(body, (CompletionBody, EmbeddingInput)):
         prompt = body.prompt
         return len(prompt) if isinstance(prompt, list) else _text_tokens(str(prompt))
     elif body.messages is not None:
