@@ -1,9 +1,10 @@
 """``POST /v1/embeddings``: every input accepted as its own prefill-only request (the same admission, limits,
 routing and Kafka topics as a completion), then each one's ``done`` event read back for its vector.
 
-Inputs are accepted together; when one is refused (too long for the context, say) the others already queued are
-cancelled and the refusal is the answer. Results are read in input order: they were all queued at once, so the
-wait is the slowest one's.
+Inputs are accepted together, a few at a time; when one is refused (too long for the context, say) no more are
+queued, those already queued are cancelled, and the refusal is the answer. Results are read in input order: they
+were all queued at once, so the wait is the slowest one's. Each input counts as one request against the key's
+rate limits, as each is one request on the queue.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from schemas import DoneEvent, InferenceRequest
+from sluicegate.api.bodies import EmbeddingInput
 from sluicegate.api.embeddings import EmbeddingBody, embedding_response
 
 from ..accept import SUBMIT_ERRORS, accept
@@ -27,6 +29,9 @@ from ..openapi import EmbeddingList, errors, json_body, ok
 router = APIRouter(tags=["openai"])
 
 _ENDPOINT = "/v1/embeddings"
+# Inputs of one call accepted at a time: each takes Redis and Kafka round trips, and a 2048-input call must not
+# take every connection of the pool at once.
+_ACCEPT_CONCURRENCY = 16
 
 
 @lean_post(
@@ -39,14 +44,24 @@ async def embeddings(request: Request) -> Response:
     caller = await authenticate(request)
     body = await parse_body(request, EmbeddingBody, root_field="input")
     service = service_of(request)
-    outcomes = await asyncio.gather(
-        *(accept(request, caller, item, _ENDPOINT) for item in body.items()), return_exceptions=True
-    )
-    accepted = [o for o in outcomes if isinstance(o, InferenceRequest)]
-    refused = next((o for o in outcomes if isinstance(o, BaseException)), None)
-    if refused is not None:
+    gate = asyncio.Semaphore(_ACCEPT_CONCURRENCY)
+    refusals: list[BaseException] = []
+
+    async def accept_one(item: EmbeddingInput) -> InferenceRequest | None:
+        async with gate:
+            if refusals:
+                return None  # one input was refused: the call fails, so queue no more
+            try:
+                return await accept(request, caller, item, _ENDPOINT)
+            except BaseException as exc:
+                refusals.append(exc)
+                return None
+
+    outcomes = await asyncio.gather(*(accept_one(item) for item in body.items()))
+    accepted = [o for o in outcomes if o is not None]
+    if refusals:
         await _cancel(request, accepted)
-        raise refused
+        raise refusals[0]
     dones: list[DoneEvent] = []
     for position, inference in enumerate(accepted):
         try:
