@@ -80,7 +80,9 @@ async def embeddings(request: Request) -> Response:
         dones.append(assembler.done)
     model = accepted[0].model if accepted else body.model
     headers = {"x-request-id": accepted[0].request_id} if accepted else {}
-    return JSONResponse(embedding_response(model, dones, body.encoding_format), headers=headers)
+    vectors = [done.embedding for done in dones]
+    prompt_tokens = sum(done.usage.prompt_tokens for done in dones)
+    return JSONResponse(embedding_response(model, vectors, prompt_tokens, body.encoding_format), headers=headers)
 
 
 async def _cancel(request: Request, accepted: list[InferenceRequest]) -> None:

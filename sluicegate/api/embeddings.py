@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, WithJsonSchema, field_validator
 
-from schemas import DoneEvent, EndUser, Pooling, Tier, decode_embedding
+from schemas import EndUser, Pooling, Tier, decode_embedding
 
 from .bodies import _TOKEN_IDS_SCHEMA, EmbeddingInput, _Body, _unsupported
 from .errors import ApiError
@@ -85,18 +85,17 @@ class EmbeddingBody(_Body):
         ]
 
 
-def embedding_response(model: str, dones: list[DoneEvent], encoding_format: str) -> dict[str, Any]:
-    """OpenAI's embeddings list, from each input's ``done`` event in input order; 500 for a worker that answered
-    without a vector (one that does not know embedding requests)."""
+def embedding_response(
+    model: str, vectors: list[str | None], prompt_tokens: int, encoding_format: str
+) -> dict[str, Any]:
+    """OpenAI's embeddings list, from each input's vector as the worker sent it (base64 float32, in a ``done``
+    event or a final result), in input order; 500 for a worker that answered without a vector (one that does not
+    know embedding requests)."""
     data = []
-    prompt_tokens = 0
-    for index, done in enumerate(dones):
-        if done.embedding is None:
+    for index, encoded in enumerate(vectors):
+        if encoded is None:
             raise ApiError(500, "The worker answered an embedding request without a vector.", code="worker_error")
-        vector: str | list[float] = done.embedding
-        if encoding_format == "float":
-            vector = decode_embedding(done.embedding)
+        vector: str | list[float] = decode_embedding(encoded) if encoding_format == "float" else encoded
         data.append({"object": "embedding", "index": index, "embedding": vector})
-        prompt_tokens += done.usage.prompt_tokens
     usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
     return {"object": "list", "data": data, "model": model, "usage": usage}

@@ -1,11 +1,12 @@
 """``POST /v1/embeddings`` through the whole pipeline (ingress -> Kafka -> a real worker's engine -> Redis ->
 ingress) with the official ``openai`` SDK: float and base64 vectors equal to transformers' pooled, L2-normalized
 final hidden states; text, lists of text and token ids; ``pooling`` mean as an extra; ``dimensions`` and an input
-over the context refused with a 400."""
+over the context refused with a 400; ``/v1/embeddings`` lines in the Batch API."""
 
 from __future__ import annotations
 
 import base64
+import json
 import struct
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import torch
 from openai import BadRequestError, OpenAI
 from transformers import AutoModel, AutoTokenizer
 
-from .conftest import Pipeline
+from .batch_support import TERMINAL, audit, wait_until
+from .conftest import Pipeline, Service
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -87,3 +89,35 @@ def test_dimensions_and_inputs_over_the_context_are_400s(client: OpenAI, pipelin
     # A prompt that fills the context exactly is embedded (nothing is generated after it).
     full = client.embeddings.create(model=pipeline.model, input=too_long[:CONTEXT], encoding_format="float")
     assert full.usage.prompt_tokens == CONTEXT
+
+
+def test_embeddings_lines_in_a_batch(
+    client: OpenAI, pipeline: Pipeline, batch_worker: Service, tiny_model_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    def line(custom_id: str, **body: object) -> dict[str, object]:
+        body = {"model": pipeline.model, **body}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+
+    lines = [
+        line("text", input="The river ran quietly"),
+        line("ids-b64", input=[5, 17, 90], encoding_format="base64"),
+        line("two", input=["a", "b"]),  # one input per line
+        line("dims", input="x", dimensions=4),
+    ]
+    upload = client.files.create(file=("e.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+    batch = wait_until(client, batch.id, lambda b: b.status in TERMINAL, timeout_s=180)
+    assert batch.status == "completed", batch
+    result = audit(client, batch)
+    outputs = {o["custom_id"]: o["response"]["body"] for o in result.outputs}
+    errors = {e["custom_id"]: e["response"] for e in result.errors}
+    assert set(outputs) == {"text", "ids-b64"} and set(errors) == {"two", "dims"}
+    assert errors["two"]["status_code"] == 400 and errors["dims"]["body"]["error"]["param"] == "dimensions"
+    text = outputs["text"]
+    ids = tokenizer.encode("The river ran quietly")
+    assert text["object"] == "list" and text["usage"]["prompt_tokens"] == len(ids)
+    _close(text["data"][0]["embedding"], _reference(tiny_model_dir, ids))
+    raw = base64.b64decode(outputs["ids-b64"]["data"][0]["embedding"])
+    _close(list(struct.unpack(f"<{len(raw) // 4}f", raw)), _reference(tiny_model_dir, [5, 17, 90]))
