@@ -36,10 +36,8 @@ def pool(hidden: torch.Tensor, spans: list[PoolSpan]) -> None:
         if seq.pooling == "mean":
             part = hidden[span.start : span.end].float().sum(dim=0)
             seq.pool_sum = part if span.first_pos == 0 or seq.pool_sum is None else seq.pool_sum + part
-            if final:
-                vector = seq.pool_sum / seq.num_tokens
-        elif final:
-            vector = hidden[span.end - 1].float()
-        if final:
-            seq.embedding = F.normalize(vector, dim=0).cpu().tolist()
-            seq.pool_sum = None
+        if not final:
+            continue
+        vector = seq.pool_sum / seq.num_tokens if seq.pool_sum is not None else hidden[span.end - 1].float()
+        seq.embedding = F.normalize(vector, dim=0).cpu().tolist()
+        seq.pool_sum = None
