@@ -181,7 +181,7 @@ class KVBlockManager:
             seq.block_ids.append(self._next_block(seq))
         seq.num_computed_tokens = num_hit_tokens
         seq.num_registered_blocks = len(hits)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.pooling is None:  # embeddings never look: no misses either
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += num_hit_tokens
         return True

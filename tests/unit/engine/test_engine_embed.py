@@ -61,10 +61,10 @@ def test_embeddings_never_read_or_write_the_prefix_cache(
     prompt = _prompts(1, [80])[0]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # caches the prompt's full blocks
     bm = llm.engine.block_manager
-    cached, hits = bm.num_cached_blocks, bm.prefix_hit_tokens
+    cached, hits, queried = bm.num_cached_blocks, bm.prefix_hit_tokens, bm.prefix_query_tokens
     assert cached > 0
     first = llm.embed(prompt, pooling="mean")[0]
-    assert bm.prefix_hit_tokens == hits  # nothing read
+    assert (bm.prefix_hit_tokens, bm.prefix_query_tokens) == (hits, queried)  # nothing read, nor even looked up
     assert bm.num_cached_blocks == cached  # nothing written
     llm.embed([*prompt, 7], pooling="mean")
     assert bm.num_cached_blocks == cached
