@@ -11,6 +11,7 @@ import anyio.to_thread
 from router.heartbeats import read_heartbeats
 from schemas import BatchLineError, BatchOutputLine, BatchResponse, ToolCallFormat, batch_request_id
 from sluicegate.api.build import advertised_tool_call_format
+from sluicegate.api.embeddings import embedding_response
 from sluicegate.api.errors import error_body
 from sluicegate.api.openai_choices import result_choices
 from sluicegate.api.openai_format import ResponseIds
@@ -32,14 +33,20 @@ def output_line(
     if outcome.no_response:
         error = BatchLineError(code=outcome.code or "batch_failed", message=outcome.message or "")
         return BatchOutputLine(id=line_id, custom_id=line.custom_id, error=error)
+    if outcome.succeeded and endpoint == "/v1/embeddings" and outcome.result and outcome.result.embedding is None:
+        outcome = LineOutcome(status_code=500, code="worker_error", message="The worker answered without a vector.")
     if outcome.succeeded:
         assert outcome.result is not None
         result = outcome.result
-        kind = "chat" if endpoint == "/v1/chat/completions" else "completion"
-        ids = ResponseIds(kind, request_id, result.model, int(result.created_at.timestamp()))
-        logprobs = line.request is not None and line.request.sampling.logprobs is not None
-        tools = line.tools.plan(fmt) if line.tools is not None else None
-        body = ids.choices_response(result_choices(kind, result, logprobs, tools), result.usage)
+        if endpoint == "/v1/embeddings":
+            encoding = line.encoding_format or "float"
+            body = embedding_response(result.model, [result.embedding], result.usage.prompt_tokens, encoding)
+        else:
+            kind = "chat" if endpoint == "/v1/chat/completions" else "completion"
+            ids = ResponseIds(kind, request_id, result.model, int(result.created_at.timestamp()))
+            logprobs = line.request is not None and line.request.sampling.logprobs is not None
+            tools = line.tools.plan(fmt) if line.tools is not None else None
+            body = ids.choices_response(result_choices(kind, result, logprobs, tools), result.usage)
         response = BatchResponse(status_code=200, request_id=request_id, body=body)
     else:
         body = error_body(outcome.message or "", type_=_error_type(outcome), param=outcome.param, code=outcome.code)

@@ -14,13 +14,14 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from schemas import InferenceRequest, ToolCallFormat, TraceContext, batch_request_id
-from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
+from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, EmbeddingInput
 from sluicegate.api.build import build_request
+from sluicegate.api.embeddings import EmbeddingBody
 from sluicegate.api.errors import ApiError, invalid
 from sluicegate.api.limits import Limits, check_prompt_tokens, checked_max_tokens
 from sluicegate.api.tool_calls import Mode, ToolPlan, plan_for
@@ -63,6 +64,8 @@ class PreparedLine(BaseModel):
     custom_id: str
     request: InferenceRequest | None = None
     tools: LineTools | None = None
+    # An embeddings line: how its vector is written (float or base64).
+    encoding_format: Literal["float", "base64"] | None = None
 
 
 @dataclass
@@ -71,6 +74,7 @@ class BuiltLine:
 
     request: InferenceRequest
     tools: LineTools | None = None
+    encoding_format: Literal["float", "base64"] | None = None
 
 
 class Chunk(BaseModel):
@@ -117,6 +121,18 @@ def build_line(
 ) -> BuiltLine | LineOutcome:
     """The pipeline request for one line's body (and its tool plan), or the error the online API would have
     answered."""
+    if endpoint == "/v1/embeddings":
+        return _build_embedding_line(
+            body,
+            request_id=request_id,
+            tenant=tenant,
+            limits=limits,
+            deadline=deadline,
+            known_models=known_models,
+            route=route,
+            trace=trace,
+            key_id=key_id,
+        )
     model = ChatCompletionBody if endpoint == "/v1/chat/completions" else CompletionBody
     try:
         parsed = model.model_validate(body)
@@ -151,18 +167,71 @@ def build_line(
     # has to be known, as the online API checks the version it routed to.
     request = route(request) if route is not None else request
     if known_models is not None and request.model not in known_models:
-        return LineOutcome(
-            status_code=404,
-            code="model_not_found",
-            message=f"The model '{request.model}' does not exist or has never had a live worker.",
-            param="model",
-        )
+        return _unknown_model(request.model)
     tools = (
         LineTools.of(plan_for(parsed.tools, parsed.tool_choice, None))
         if isinstance(parsed, ChatCompletionBody)
         else None
     )
     return BuiltLine(request, tools)
+
+
+def _build_embedding_line(
+    body: dict[str, Any],
+    *,
+    request_id: str,
+    tenant: str,
+    limits: Limits,
+    deadline: datetime,
+    known_models: set[str] | None,
+    route: Route | None,
+    trace: TraceContext | None,
+    key_id: str | None,
+) -> BuiltLine | LineOutcome:
+    """An embeddings line: one input (a line is one request; a list of several is refused), built as the online
+    API builds each input."""
+    try:
+        parsed = EmbeddingBody.model_validate(body)
+    except ValidationError as exc:
+        return _refusal(invalid(exc, root_field="input"))
+    items = parsed.items()
+    if len(items) != 1:
+        return LineOutcome(
+            status_code=400,
+            code="unsupported_parameter",
+            message=f"A batch line embeds one input, this one has {len(items)}: give each input a line of its own.",
+            param="input",
+        )
+    item: EmbeddingInput = items[0]
+    try:
+        check_prompt_tokens(item, limits)
+        request = build_request(
+            item,
+            request_id=request_id,
+            tenant=tenant,
+            tier="batch",
+            trace=trace,
+            max_tokens=1,
+            default_deadline=deadline,
+            key_id=key_id,
+        )
+    except ApiError as exc:
+        return _refusal(exc)
+    except ValidationError as exc:
+        return _refusal(invalid(exc))
+    request = route(request) if route is not None else request
+    if known_models is not None and request.model not in known_models:
+        return _unknown_model(request.model)
+    return BuiltLine(request, encoding_format=parsed.encoding_format)
+
+
+def _unknown_model(model: str) -> LineOutcome:
+    return LineOutcome(
+        status_code=404,
+        code="model_not_found",
+        message=f"The model '{model}' does not exist or has never had a live worker.",
+        param="model",
+    )
 
 
 def prepare(
@@ -228,7 +297,13 @@ def prepare(
                 prepared = PreparedLine(line=number, custom_id=line.custom_id)
             else:
                 result.models.add(built.request.model)
-                prepared = PreparedLine(line=number, custom_id=line.custom_id, request=built.request, tools=built.tools)
+                prepared = PreparedLine(
+                    line=number,
+                    custom_id=line.custom_id,
+                    request=built.request,
+                    tools=built.tools,
+                    encoding_format=built.encoding_format,
+                )
             request = prepared.request
             data = prepared.model_dump_json().encode()
             out.write(data + b"\n")

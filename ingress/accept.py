@@ -167,9 +167,10 @@ async def _fit_context(
         prompt_tokens = len(view.encode_request(inference))
     except Exception:  # a template's own refusal: the worker reports it with its own message
         return inference, None
-    wanted = inference.sampling.max_tokens
-    explicit = bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    param = "messages" if inference.messages is not None else "prompt"
+    embed = inference.task == "embed"  # prefill only: the prompt alone must fit
+    wanted = 0 if embed else inference.sampling.max_tokens
+    explicit = embed or bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    param = "input" if embed else "messages" if inference.messages is not None else "prompt"
     fitted = check_prompt_fits(prompt_tokens, wanted, context, explicit=explicit, param=param)
     if fitted == wanted:
         return inference, prompt_tokens

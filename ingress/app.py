@@ -29,7 +29,7 @@ from .lean_route import LeanRoute
 from .openapi import install_openapi
 from .responses.store import ResponseStore
 from .responses.sweeper import ResponseSweeper
-from .routes import batches, files, native, openai, ops, responses, tokenize, usage
+from .routes import batches, embeddings, files, native, openai, ops, responses, tokenize, usage
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware
 
@@ -108,6 +108,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     routers = (
         openai.router,
+        embeddings.router,
         native.router,
         ops.router,
         files.router,

@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from schemas import Tier
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
+from sluicegate.api.embeddings import EmbeddingBody
 
 from .responses.bodies import ResponseCreateBody
 from .tokenize_bodies import DetokenizeBody, TokenizeBody
@@ -134,6 +135,26 @@ class TextCompletion(_Doc):
     usage: UsageOut
 
 
+class EmbeddingOut(_Doc):
+    object: Literal["embedding"]
+    index: int = Field(ge=0)
+    embedding: list[float] | str = Field(description="Floats, or base64 of little-endian float32 (encoding_format).")
+
+
+class EmbeddingUsage(_Doc):
+    prompt_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class EmbeddingList(_Doc):
+    """One L2-normalized embedding per input, in input order."""
+
+    object: Literal["list"]
+    data: list[EmbeddingOut]
+    model: str
+    usage: EmbeddingUsage
+
+
 class ModelCard(_Doc):
     """A model with at least one live worker."""
 
@@ -247,6 +268,7 @@ BODY_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionBody,
     CompletionBody,
     NativeRequestBody,
+    EmbeddingBody,
     TokenizeBody,
     DetokenizeBody,
     ResponseCreateBody,

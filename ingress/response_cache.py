@@ -105,7 +105,7 @@ class ResponseCache:
 
     def plan(self, request: InferenceRequest, cache_control: str | None) -> tuple[str | None, bool]:
         """The request's cache key (None: not cacheable or the cache is off) and whether to look it up."""
-        if not self.enabled or not deterministic(request):
+        if not self.enabled or request.task != "generate" or not deterministic(request):
             return None, False
         lookup, store = cache_directives(cache_control)
         if not store:

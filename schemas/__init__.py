@@ -40,6 +40,8 @@ from .events import (
     StreamEvent,
     TokenEvent,
     Usage,
+    decode_embedding,
+    encode_embedding,
     parse_stream_event,
     seq_from_entry_id,
     stream_entry_id,
@@ -57,7 +59,7 @@ from .generation import (
     TopLogprob,
 )
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
-from .requests import ChatMessage, EndUser, InferenceRequest, SamplingOptions, TextPart, TraceContext
+from .requests import ChatMessage, EndUser, InferenceRequest, Pooling, SamplingOptions, Task, TextPart, TraceContext
 from .usage import UsageOutcome, UsageRecord
 
 __all__ = [
@@ -95,11 +97,13 @@ __all__ = [
     "ModelTokenizer",
     "Names",
     "PartitionRef",
+    "Pooling",
     "RequestRecord",
     "RequestStatus",
     "RestartEvent",
     "SamplingOptions",
     "StreamEvent",
+    "Task",
     "TextPart",
     "Tier",
     "TokenEvent",
@@ -114,6 +118,8 @@ __all__ = [
     "UsageRecord",
     "WorkerHeartbeat",
     "batch_request_id",
+    "decode_embedding",
+    "encode_embedding",
     "model_token",
     "parse_batch_request_id",
     "parse_stream_event",

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 #: The endpoints a batch may target.
-BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions"]
-BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+BATCH_ENDPOINTS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"

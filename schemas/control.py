@@ -96,6 +96,7 @@ class FinalResult(Message):
     choices: list[ChoiceResult] | None = Field(
         None, description="Every choice, when n > 1 or logprobs were asked for; text/token_ids are choice 0's."
     )
+    embedding: str | None = Field(None, description="An embedding request's vector: base64 of little-endian float32.")
     worker_id: str
     created_at: AwareDatetime
     finished_at: AwareDatetime = Field(default_factory=utcnow)

@@ -6,6 +6,9 @@ derived from ``seq`` (:func:`stream_entry_id`), so a replayed append is refused 
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
 from typing import Annotated, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
@@ -70,11 +73,37 @@ class TokenEvent(_Event):
 
 
 class DoneEvent(_Event):
-    """The last event of a finished request."""
+    """The last event of a finished request; an embedding request's carries its vector (``embedding``, base64 of
+    little-endian float32, as OpenAI's ``encoding_format: base64``; left out of the JSON otherwise)."""
 
     type: Literal["done"] = "done"
     finish_reason: FinishReason
     usage: Usage
+    embedding: str | None = Field(None, description="An embedding request's vector: base64 of little-endian float32.")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_embedding(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        data = handler(self)
+        if data.get("embedding") is None:
+            data.pop("embedding", None)
+        return data
+
+
+def encode_embedding(vector: list[float]) -> str:
+    """A vector as base64 of little-endian float32 (OpenAI's ``encoding_format: base64``)."""
+    values = array("f", vector)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return base64.b64encode(values.tobytes()).decode("ascii")
+
+
+def decode_embedding(encoded: str) -> list[float]:
+    """The vector of :func:`encode_embedding` (float32 values, as floats)."""
+    values = array("f")
+    values.frombytes(base64.b64decode(encoded))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
 
 
 class ErrorEvent(_Event):

@@ -13,6 +13,13 @@ from .names import Tier
 
 TokenId = Annotated[int, Field(ge=0)]
 
+#: What a request asks of the model: text generated from the prompt, or the prompt's embedding (a prefill-only
+#: request whose result is one vector; it travels the same topics and is batched with generation).
+Task = Literal["generate", "embed"]
+#: How an embedding pools the final normed hidden states: the last prompt token's (the default, vLLM's for
+#: decoder models) or the mean over every prompt token; either is L2-normalized.
+Pooling = Literal["last", "mean"]
+
 #: The end user a request is made for (OpenAI's ``user``): a route sticky per user keeps them on one version.
 EndUser = Annotated[
     str,
@@ -92,7 +99,7 @@ class TraceContext(Message):
 
 
 class InferenceRequest(Message):
-    """One generation request as it travels on ``llm.inbound`` and ``llm.<model>.<tier>``."""
+    """One generation (or embedding) request as it travels on ``llm.inbound`` and ``llm.<model>.<tier>``."""
 
     schema_version: Literal[1] = SCHEMA_VERSION
     request_id: RequestId
@@ -113,6 +120,9 @@ class InferenceRequest(Message):
     deadline: AwareDatetime | None = Field(None, description="Absolute time after which not to start.")
     created_at: AwareDatetime = Field(default_factory=utcnow)
     trace: TraceContext | None = None
+    # Optional, so producers that predate them are unaffected: an embedding request names its task (and pooling).
+    task: Task = Field("generate", description="generate: text from the prompt; embed: the prompt's embedding.")
+    pooling: Pooling | None = Field(None, description="embed only: last (default) or mean; L2-normalized.")
 
     @field_validator("prompt")
     @classmethod
@@ -127,7 +137,17 @@ class InferenceRequest(Message):
             raise ValueError("exactly one of 'prompt' and 'messages' must be given")
         if self.tools and self.messages is None:
             raise ValueError("'tools' need 'messages' (they are rendered by the chat template)")
+        if self.task == "embed":
+            if self.prompt is None or self.guided is not None or self.sampling.n != 1:
+                raise ValueError("an 'embed' request takes a 'prompt' (no messages, guided or n > 1)")
+        elif self.pooling is not None:
+            raise ValueError("'pooling' is for task 'embed' only")
         return self
+
+    @property
+    def embedding_pooling(self) -> Pooling | None:
+        """How to pool the prompt when this is an embedding request (None: it generates)."""
+        return (self.pooling or "last") if self.task == "embed" else None
 
     def expired(self, now: datetime | None = None) -> bool:
         """True when the request carries a deadline that has passed."""

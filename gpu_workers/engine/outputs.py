@@ -51,6 +51,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # ``LLM.generate`` only: every choice of the request, by index (this one first).
     choices: list[RequestOutput] = field(default_factory=list, repr=False)
+    # An embedding request's L2-normalized pooled vector (it generates no tokens).
+    embedding: list[float] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -94,6 +96,8 @@ class RequestDelta:
     final: RequestOutput | None = None
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # An embedding request's one (finished) delta carries its L2-normalized pooled vector.
+    embedding: list[float] | None = field(default=None, repr=False)
 
 
 @dataclass

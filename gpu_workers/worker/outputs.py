@@ -178,6 +178,7 @@ class Outputs:
             finish_reason=done.finish_reason,
             usage=done.usage,
             choices=choices,
+            embedding=done.embedding,
             worker_id=self.config.worker_id,
             created_at=request.created_at,
         )

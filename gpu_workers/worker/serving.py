@@ -27,6 +27,7 @@ from schemas import (
     RestartEvent,
     TokenEvent,
     Usage,
+    encode_embedding,
     tier_rank,
 )
 from schemas.events import FinishReason
@@ -147,6 +148,7 @@ class Serving:
                 priority=tier_rank(request.priority),
                 tenant=request.tenant,
                 deadline=request.deadline_epoch(),
+                pooling=request.embedding_pooling,
             )
         except (PromptError, ValueError):
             return None  # the regular path reports it, after the pickup state is known
@@ -264,6 +266,7 @@ class Serving:
         delivered = list(resumed.token_ids) if resumed is not None else []
         tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
         finish: FinishReason = "stop"
+        embedding: list[float] | None = None  # an embedding request's vector (its one delta carries it)
         cached = 0
         started = False
         opts = request.sampling
@@ -283,6 +286,7 @@ class Serving:
                     priority=tier_rank(request.priority),
                     tenant=request.tenant,
                     deadline=request.deadline_epoch(),
+                    pooling=request.embedding_pooling,
                 )
             if entry.watch is not None:
                 entry.watch.generating()
@@ -295,6 +299,7 @@ class Serving:
                     if entry.handed_off:
                         return False
                     cached = getattr(delta, "num_cached_tokens", cached) or cached
+                    embedding = delta.embedding or embedding
                     if opts.n > 1:
                         assert tracker is not None
                         choice_event = tracker.event(rid, seq, delta)
@@ -345,7 +350,9 @@ class Serving:
             choices = tracker.results(finish, opts.logprobs is not None)
             if opts.n > 1:
                 tokens, text = tracker.first()
-        return await self._finish(entry, request, seq, finish, list(tokens), text, len(prompt), cached, choices)
+        return await self._finish(
+            entry, request, seq, finish, list(tokens), text, len(prompt), cached, choices, embedding
+        )
 
     async def _finish(
         self,
@@ -358,6 +365,7 @@ class Serving:
         prompt_tokens: int,
         cached: int,
         choices: list[ChoiceResult] | None = None,
+        embedding: list[float] | None = None,
     ) -> bool:
         completion = sum(len(c.token_ids) for c in choices) if choices else len(tokens)
         usage = Usage(
@@ -366,7 +374,8 @@ class Serving:
             total_tokens=prompt_tokens + completion,
             cached_tokens=cached,
         )
-        done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage)
+        vector = encode_embedding(embedding) if embedding is not None else None
+        done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage, embedding=vector)
         if not self.outputs.emit(entry, done):
             return False
         if entry.watch is not None:

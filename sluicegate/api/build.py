@@ -6,9 +6,19 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from schemas import ChatMessage, InferenceRequest, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
+from schemas import (
+    ChatMessage,
+    InferenceRequest,
+    Pooling,
+    Task,
+    Tier,
+    ToolCallFormat,
+    TraceContext,
+    WorkerHeartbeat,
+    utcnow,
+)
 
-from .bodies import AnyBody, ChatCompletionBody, CompletionBody, NativeRequestBody
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody, EmbeddingInput, NativeRequestBody
 
 
 def advertised_tool_call_format(heartbeats: list[WorkerHeartbeat]) -> ToolCallFormat | None:
@@ -39,11 +49,16 @@ def build_request(
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     tools = None
+    task: Task = "generate"
+    pooling: Pooling | None = None
     if isinstance(body, ChatCompletionBody):
         messages = body.chat_messages()
         tools = body.offered_tools()
     elif isinstance(body, CompletionBody):
         prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
+    elif isinstance(body, EmbeddingInput):
+        prompt = body.prompt
+        task, pooling = "embed", body.pooling
     else:
         assert isinstance(body, NativeRequestBody)
         prompt = body.prompt
@@ -69,4 +84,6 @@ def build_request(
         deadline=deadline,
         created_at=now,
         trace=trace,
+        task=task,
+        pooling=pooling,
     )

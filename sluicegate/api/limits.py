@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas import InferenceRequest
 from sluicegate.settings import Settings
 
-from .bodies import AnyBody, ChatCompletionBody, CompletionBody
+from .bodies import AnyBody, ChatCompletionBody, CompletionBody, EmbeddingInput
 from .deadlines import MAX_DEADLINE_S
 from .errors import ApiError
 
@@ -91,7 +91,7 @@ def estimate_prompt_tokens(body: AnyBody) -> int:
     """The prompt's size in tokens: exact for token ids, estimated from UTF-8 bytes for text and messages."""
     if isinstance(body, ChatCompletionBody):
         messages = body.messages
-    elif isinstance(body, CompletionBody):
+    elif isinstance(body, (CompletionBody, EmbeddingInput)):
         prompt = body.prompt
         return len(prompt) if isinstance(prompt, list) else _text_tokens(str(prompt))
     elif body.messages is not None:

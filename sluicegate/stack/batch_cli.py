@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from openai import OpenAI
     from openai.types import Batch
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 EXIT_NOT_COMPLETED = 1
 EXIT_BAD_INPUT = 2

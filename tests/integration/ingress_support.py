@@ -33,6 +33,7 @@ from schemas import (
     TokenEvent,
     Usage,
     WorkerHeartbeat,
+    encode_embedding,
     stream_entry_id,
     utcnow,
 )
@@ -193,6 +194,14 @@ class FakeWorker:
         if len(pieces) > request.sampling.max_tokens:
             pieces, reason = pieces[: request.sampling.max_tokens], "length"
         seq = 0
+        if request.task == "embed":  # one done event carrying a vector, as a worker answers an embedding
+            tokens = len(request.prompt or "")
+            usage = Usage(prompt_tokens=tokens, completion_tokens=0, total_tokens=tokens)
+            vector = encode_embedding([0.6, 0.8])
+            await self._append(
+                request, DoneEvent(request_id=rid, seq=0, finish_reason="stop", usage=usage, embedding=vector)
+            )
+            return
         if self.mode == "hang":
             await self._append(request, TokenEvent(request_id=rid, seq=0, text=pieces[0], token_ids=[1]))
             await eventually(lambda: self.redis.exists(self.names.cancel_key(rid)), timeout_s=60)

@@ -153,7 +153,7 @@ async def test_bad_uploads_and_batches_get_clear_errors(ingress: str, settings: 
         with pytest.raises(openai.BadRequestError, match="endpoint") as unknown_endpoint:
             await api.batches.create(
                 input_file_id=uploaded.id,
-                endpoint="/v1/embeddings",  # type: ignore[arg-type]
+                endpoint="/v1/moderations",  # type: ignore[arg-type]
                 completion_window="24h",
             )
         assert unknown_endpoint.value.code == "invalid_endpoint"

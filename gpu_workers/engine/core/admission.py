@@ -45,6 +45,11 @@ class RequestValidator:
         if not token_ids:
             raise ValueError("prompt is empty")
         n = len(token_ids)
+        if request.pooling is not None:
+            # Prefill only: the prompt may fill the context, and no output tokens are checked.
+            if n > self.max_model_len:
+                raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+            return replace(request, prompt_token_ids=token_ids)
         if request.params.max_tokens is None:
             if max_output_tokens(n, request.params, self.max_model_len) < 1:
                 raise ValueError(f"prompt has {n} tokens, leaving no room under max_model_len={self.max_model_len}")

@@ -80,8 +80,8 @@ class KVBlockManager:
         The hit never covers the last token, so the model always has at least one token to run
         and produces logits for the next one.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.pooling is not None:
+            return []  # an embedding request computes its whole prompt itself
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
         hits: list[int] = []
@@ -94,8 +94,8 @@ class KVBlockManager:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are now full of computed K/V under their hashes."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.pooling is not None:
+            return  # nor does it offer its blocks to others
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
@@ -181,7 +181,7 @@ class KVBlockManager:
             seq.block_ids.append(self._next_block(seq))
         seq.num_computed_tokens = num_hit_tokens
         seq.num_registered_blocks = len(hits)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.pooling is None:  # embeddings never look: no misses either
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += num_hit_tokens
         return True

@@ -112,11 +112,13 @@ class LLMEngine:
         priority: int = 0,
         tenant: str = "default",
         deadline: float | None = None,
+        pooling: str | None = None,
     ) -> str:
         """Queue a request given as a front end's keyword arguments (for callers that drive ``step`` themselves);
-        returns its id. ``priority`` is the scheduling tier, lower runs first; ``deadline`` as on ``EngineRequest``."""
+        returns its id. ``priority`` is the scheduling tier, lower runs first; ``deadline`` as on ``EngineRequest``;
+        ``pooling`` makes it an embedding."""
         request = EngineRequest.build(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant, deadline=deadline
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant, deadline=deadline, pooling=pooling
         )
         return self.submit(request)
 
@@ -148,7 +150,8 @@ class LLMEngine:
             priority=request.priority,
             arrival_time=request.arrival_time,
             arrival_index=next(self._arrivals),
-            max_tokens=max_output_tokens(len(prompt_token_ids), params, self.max_model_len),
+            # An embedding request generates nothing (no token room: never a speculative draft either).
+            max_tokens=0 if request.pooling else max_output_tokens(len(prompt_token_ids), params, self.max_model_len),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, self.special_token_ids
@@ -158,6 +161,7 @@ class LLMEngine:
             deadline=request.deadline,
             logprobs=[] if params.logprobs is not None else None,
             guided=self._guided_state(params.guided) if params.guided is not None else None,
+            pooling=request.pooling,
         )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -300,13 +304,18 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         sample_seqs, logits = self.runner.execute(batch)
+        now = time.time()
+        outputs: list[RequestDelta] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             # Drafts count as computed only once accepted (Speculator.accept).
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
             self.block_manager.cache_computed_blocks(seq)
+            if seq.embedding is not None:  # an embedding request whose prompt is now pooled: it is done
+                seq.first_token_time = now
+                self._retire(seq, RequestStatus.FINISHED_STOPPED, now)
+                outputs.append(self._make_delta(seq))
         if logits is None:
-            return []
-        outputs = []
+            return outputs
         if any(seq.spec_token_ids for seq in sample_seqs):
             assert self.speculator is not None
             now = time.time()
@@ -366,12 +375,16 @@ class LLMEngine:
             if seq.stop_reason is None or isinstance(seq.stop_reason, int):
                 # Not cut at a stop string: the text is everything the tokens decode to.
                 seq.text += seq.detokenizer.flush()
-            self._finish(seq, status)
-            seq.finish_time = now
-            live = self._requests[seq.request_id]
-            live.remove(seq)
-            if not live:
-                del self._requests[seq.request_id]
+            self._retire(seq, status, now)
+
+    def _retire(self, seq: Sequence, status: RequestStatus, now: float) -> None:
+        """Finish a sequence that ran to its end (blocks freed) and drop it from its request's live choices."""
+        self._finish(seq, status)
+        seq.finish_time = now
+        live = self._requests[seq.request_id]
+        live.remove(seq)
+        if not live:
+            del self._requests[seq.request_id]
 
     @staticmethod
     def _check_stop(seq: Sequence, token: int, delta: str) -> RequestStatus | None:
@@ -426,6 +439,7 @@ class LLMEngine:
             final=self._make_output(seq) if finished else None,
             index=seq.index,
             logprobs=new_logprobs,
+            embedding=seq.embedding if finished else None,
         )
 
     @staticmethod
@@ -450,6 +464,7 @@ class LLMEngine:
             ),
             index=seq.index,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            embedding=seq.embedding,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -17,6 +17,10 @@ from ..sampling_params import SamplingParams
 #: A prompt as callers give it: text, or token ids (a resumed request passes prompt + delivered tokens).
 PromptInput = str | list[int]
 
+#: How an embedding request pools the final normed hidden states of its prompt: the last token's (vLLM's
+#: default for decoder models) or the mean over every token. Either is L2-normalized.
+POOLING_METHODS = ("last", "mean")
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
@@ -29,7 +33,9 @@ class EngineRequest:
     ``priority`` is the scheduling tier, an int where lower runs first (vLLM's convention); ``tenant``
     shares a tier fairly between callers; ``deadline`` (``time.time()`` seconds, optional) puts the request
     ahead of those without one in its tier, earliest deadline first. ``prompt_token_ids`` is None until
-    admission tokenizes the prompt.
+    admission tokenizes the prompt. ``pooling`` (one of ``POOLING_METHODS``) makes it an embedding request:
+    prefill only, never served from or into the prefix cache, finished after its prefill with the pooled
+    vector instead of a token.
     """
 
     prompt: PromptInput
@@ -40,6 +46,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.time)  # ``time.time()`` when the front end built it
     prompt_token_ids: list[int] | None = None
     deadline: float | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -54,6 +61,10 @@ class EngineRequest:
         deadline = self.deadline
         if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
             raise ValueError(f"deadline must be time.time() seconds or None, got {self.deadline!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            raise ValueError(f"unknown pooling {self.pooling!r}: one of {', '.join(POOLING_METHODS)}")
+        if self.pooling is not None and self.params.n != 1:
+            raise ValueError("an embedding request has one choice (n=1)")
 
     @classmethod
     def build(
@@ -65,6 +76,7 @@ class EngineRequest:
         priority: int = 0,
         tenant: str = "default",
         deadline: float | None = None,
+        pooling: str | None = None,
     ) -> EngineRequest:
         """The request for a front end's keyword arguments, where None means the default."""
         return cls(
@@ -74,6 +86,7 @@ class EngineRequest:
             priority=priority,
             tenant=tenant,
             deadline=deadline,
+            pooling=pooling,
         )
 
     @property

@@ -91,6 +91,11 @@ class Sequence:
     guided: GuidedState | None = None
     # Draft tokens (speculative decoding) to verify after the last token this step; never part of token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Embedding requests: the pooling method ("last" or "mean"; None generates), the float32 sum of the hidden
+    # states pooled so far (mean, across prefill chunks) and, once the prompt is computed, the L2-normalized vector.
+    pooling: str | None = None
+    pool_sum: torch.Tensor | None = None
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -126,17 +126,25 @@ class EngineFront(ABC):
         priority: int = 0,
         tenant: str = "default",
         deadline: float | None = None,
+        pooling: str | None = None,
     ) -> RequestStream:
         """Validate and queue a request; returns its delta stream.
 
         ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens. ``priority``
         is the scheduling tier, lower runs first; ``deadline`` (``time.time()`` seconds) orders a tier's waiting
-        requests earliest first. Raises ``ValueError`` at once for a request that can never run.
+        requests earliest first. ``pooling`` ("last" or "mean") makes it an embedding request: one finished delta
+        carrying ``embedding``. Raises ``ValueError`` at once for a request that can never run.
         """
         self._ensure_accepting()
         request = self._admit(
             EngineRequest.build(
-                prompt, params, request_id=request_id, priority=priority, tenant=tenant, deadline=deadline
+                prompt,
+                params,
+                request_id=request_id,
+                priority=priority,
+                tenant=tenant,
+                deadline=deadline,
+                pooling=pooling,
             )
         )
         stream = self._open_stream(request.request_id, request.params.n)

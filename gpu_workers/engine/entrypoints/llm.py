@@ -91,6 +91,25 @@ class LLM:
         ``i + 1``), for teacher-forced quality measures; see ``LLMEngine.score``."""
         return self.engine.score(prompt, prefill_len, step_len)
 
+    def embed(
+        self,
+        prompts: PromptInput | SequenceABC[PromptInput],
+        pooling: str = "last",
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> list[list[float]]:
+        """One L2-normalized embedding per prompt, in input order: the final normed hidden state of the last
+        prompt token (``pooling="last"``, vLLM's default for decoder models) or the mean over every prompt
+        token (``"mean"``). Each prompt is a prefill-only request, computed in full (never from the prefix
+        cache), batched with whatever else the engine runs."""
+        outputs = self._run(
+            [
+                self.engine.admit(EngineRequest.build(p, priority=priority, tenant=tenant, pooling=pooling))
+                for p in normalize_prompts(prompts)
+            ]
+        )
+        return [output.embedding or [] for output in outputs]
+
     def generate(
         self,
         prompts: PromptInput | SequenceABC[PromptInput],
@@ -119,6 +138,10 @@ class LLM:
             self.engine.admit(EngineRequest.build(p, sp, priority=priority, tenant=tenant))
             for p, sp in zip(prompt_list, params_list, strict=True)
         ]
+        return self._run(requests)
+
+    def _run(self, requests: list[EngineRequest]) -> list[RequestOutput]:
+        """Queue admitted requests, step until every choice of each has finished; outputs in request order."""
         for request in requests:
             self.engine.submit(request)
         pending = {request.request_id for request in requests}

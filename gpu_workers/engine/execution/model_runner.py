@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ from ..core.scheduler import ScheduledBatch
 from ..core.sequence import Sequence
 from ..models.loader import LoadedModel
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
+from .pooler import PoolSpan, pool
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class PreparedBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sample_seqs: list[Sequence]
+    # Rows of embedding requests' prefill chunks (they pool instead of sampling).
+    pool_spans: list[PoolSpan] = field(default_factory=list)
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
@@ -215,7 +218,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
-        if all(n == 1 for _, n in pairs):
+        if all(n == 1 for _, n in pairs) and not any(s.pooling is not None for s, _ in pairs):
             return self._prepare_decode([s for s, _ in pairs])
         # Decode rows first: the torch backend then handles them with slices, not gathers.
         pairs.sort(key=lambda p: p[1] != 1)
@@ -272,6 +275,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         sample: list[Sequence] = []
+        spans: list[PoolSpan] = []
         for seq, n in pairs:
             start = seq.num_computed_tokens
             end = start + n
@@ -285,11 +289,15 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(blocks)
-            if end == seq.num_tokens + num_spec:
+            if seq.pooling is not None:
+                spans.append(PoolSpan(seq, query_start[-2], query_start[-1], start))
+            elif end == seq.num_tokens + num_spec:
                 logits_rows.extend(range(query_start[-1] - 1 - num_spec, query_start[-1]))
                 sample.append(seq)
         max_q = max(n for _, n in pairs)
-        return self._build(input_ids, positions, slots, query_start, seq_lens, tables, logits_rows, sample, max_q)
+        prepared = self._build(input_ids, positions, slots, query_start, seq_lens, tables, logits_rows, sample, max_q)
+        prepared.pool_spans = spans
+        return prepared
 
     def _build(
         self,
@@ -331,13 +339,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
         """Run one step; return the sequences that sample and their float32 logits (or None): one row per
-        sequence, ``1 + len(seq.spec_token_ids)`` consecutive rows for a sequence verifying drafts."""
+        sequence, ``1 + len(seq.spec_token_ids)`` consecutive rows for a sequence verifying drafts. Embedding
+        requests never sample: their rows are pooled (``pooler.py``), which sets ``seq.embedding`` once the
+        prompt is computed."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated")
         graphs = self.decode_graphs
         # An FP8 cache without given scales computes them on its first step, eagerly (never in a graph).
         calibrate = self.kv_scales is not None and not self.kv_scales.fixed
-        decode_only = all(n == 1 for n in batch.num_new_tokens)
+        decode_only = all(n == 1 for n in batch.num_new_tokens) and not any(s.pooling for s in batch.seqs)
         if graphs is not None and not calibrate and len(batch.seqs) <= graphs.max_batch and decode_only:
             return self._execute_decode_graph(graphs, batch.seqs)
         prepared = self.prepare(batch)
@@ -347,6 +357,8 @@ class ModelRunner:
             if calibrate and self.kv_scales is not None:
                 self.kv_scales.fixed = True
                 logger.info("FP8 KV cache scales set from the first step's %d tokens", prepared.input_ids.shape[0])
+            if prepared.pool_spans:
+                pool(hidden, prepared.pool_spans)
             if not prepared.sample_seqs:
                 return [], None
             logits = self.model.compute_logits(hidden[prepared.logits_indices])
