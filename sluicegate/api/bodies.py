@@ -102,7 +102,17 @@ StopField = Annotated[
 ]
 
 
-class _SamplingBody(_Body):
+class _DeadlineBody(_Body):
+    """A request that may carry a deadline (:mod:`.deadlines`; also the X-Request-Deadline header)."""
+
+    deadline: DeadlineField | None = None
+
+    def absolute_deadline(self, now: datetime | None = None) -> datetime | None:
+        """The deadline as an aware datetime (relative seconds counted from ``now``)."""
+        return absolute_deadline(self.deadline, now or utcnow())
+
+
+class _SamplingBody(_DeadlineBody):
     """Fields every endpoint shares: model, sampling, priority."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -114,7 +124,6 @@ class _SamplingBody(_Body):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     ignore_eos: bool = False
     priority: Tier | None = None
-    deadline: DeadlineField | None = None  # :mod:`.deadlines`; also the X-Request-Deadline header
     n: int | None = Field(None, ge=1, le=32, description="Choices; they share the prompt's KV cache.")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -145,10 +154,6 @@ class _SamplingBody(_Body):
     def guided_spec(self) -> GuidedSpec | None:
         """The constraint on the output, if any."""
         return None
-
-    def absolute_deadline(self, now: datetime | None = None) -> datetime | None:
-        """The deadline as an aware datetime (relative seconds counted from ``now``)."""
-        return absolute_deadline(self.deadline, now or utcnow())
 
     def sampling(self, max_tokens: int) -> SamplingOptions:
         """The pipeline's sampling options."""
@@ -430,7 +435,7 @@ class NativeRequestBody(_SamplingBody):
         return self.max_tokens
 
 
-class EmbeddingInput(_Body):
+class EmbeddingInput(_DeadlineBody):
     """One input of ``POST /v1/embeddings`` (:class:`sluicegate.api.embeddings.EmbeddingBody` splits a list into
     these): accepted like any other request, and built into one prefill-only ``task: embed`` request."""
 

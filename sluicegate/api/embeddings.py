@@ -17,6 +17,7 @@ from pydantic import Field, WithJsonSchema, field_validator
 from schemas import EndUser, Pooling, Tier, decode_embedding
 
 from .bodies import _TOKEN_IDS_SCHEMA, EmbeddingInput, _Body, _unsupported
+from .deadlines import DeadlineField
 from .errors import ApiError
 
 #: Most inputs one call may embed (OpenAI's limit).
@@ -60,6 +61,7 @@ class EmbeddingBody(_Body):
     user: EndUser | None = None
     pooling: Pooling | None = Field(None, description="vLLM-style extra: last (default) or mean; L2-normalized.")
     priority: Tier | None = None
+    deadline: DeadlineField | None = None  # as on the other endpoints; also the X-Request-Deadline header
 
     @field_validator("dimensions")
     @classmethod
@@ -79,7 +81,12 @@ class EmbeddingBody(_Body):
         """One request body per input."""
         return [
             EmbeddingInput(
-                model=self.model, prompt=p, pooling=self.pooling or "last", priority=self.priority, user=self.user
+                model=self.model,
+                prompt=p,
+                pooling=self.pooling or "last",
+                priority=self.priority,
+                user=self.user,
+                deadline=self.deadline,
             )
             for p in self.inputs()
         ]
