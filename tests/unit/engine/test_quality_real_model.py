@@ -1,7 +1,8 @@
 """Quality on the real SmolLM2-135M-Instruct (slow): greedy tokens equal transformers' on chat prompts under prefix
 caching, chunked prefill and preemption (torch backend; Triton interpreted, very few tokens), and teacher-forced
 thresholds on ``tests/data/quality_text.txt`` for the FP8 KV cache, bf16, bitsandbytes int8 against its
-transformers peer and the weights kept quantized on the CPU (``gguf``, ``cpu-int4``, ``cpu-int8``). The measures live in ``benchmarks/quality_measures.py``; the figures are in docs/quality.md."""
+transformers peer and the weights kept quantized on the CPU (``gguf``, ``cpu-int4``, ``cpu-int8``). The measures
+live in ``benchmarks/quality_measures.py``; the figures are in docs/quality.md."""
 
 from __future__ import annotations
 
