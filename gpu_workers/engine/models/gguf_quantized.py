@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 
 from ..quantization.cpu_linear import DEFAULT_INT4_GROUP, CpuInt4Linear, CpuInt8Linear, quantize_int4
 from ..quantization.cpu_quant import gguf_layer_kind
-from ..quantization.gguf_blocks import GROUP, INT4_GGUF_TYPES, int4_parts
+from ..quantization.gguf_blocks import GROUP, INT4_GGUF_TYPES, int4_parts, q8_0_float
 from ..quantization.int4_load import MERGED_PROJECTIONS
 from .gguf_checkpoint import GGUFLoadError
 from .gguf_convert import ARCHITECTURES, TENSOR_INDEX, read_gguf, tensor_index, unpermute_rows
@@ -203,8 +203,11 @@ class GGUFQuantizedWeights:
             raise GGUFLoadError(self.path, f"tensor {part.gguf_name!r} cannot be read: {exc}") from exc
 
     def _float(self, part: _Part) -> torch.Tensor:
-        values = dequantize(self._raw(part), GGMLQuantizationType[part.type_name])
-        weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(part.rows, part.cols))
+        if part.type_name == "Q8_0":
+            weight = q8_0_float(self._raw(part), part.rows, part.cols)
+        else:
+            values = dequantize(self._raw(part), GGMLQuantizationType[part.type_name])
+            weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(part.rows, part.cols))
         return unpermute_rows(weight, part.heads) if part.heads else weight
 
     def _int4(self, part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Reads llama.cpp's 4-bit blocks (GGUF Q4_0, Q4_1, Q4_K) as the codes, scales and zeros of
-``CpuInt4Linear`` (``w = (q - 8) * scale + zero`` over groups of 32 inputs), without dequantizing.
+``CpuInt4Linear`` (``w = (q - 8) * scale + zero`` over groups of 32 inputs), without dequantizing; and Q8_0
+blocks as float (``CpuInt8Linear`` requantizes them per output channel), vectorized in torch.
 
 Block layouts (ggml-common.h; every value little-endian, ``d`` / ``m`` / ``dmin`` float16):
 
@@ -11,6 +12,7 @@ Block layouts (ggml-common.h; every value little-endian, ``d`` / ``m`` / ``dmin`
   bytes in four runs of 32 whose low nibbles are sub-block ``2 j`` and high nibbles sub-block ``2 j + 1``;
   sub-block ``s`` (32 weights) is ``w = d * sc_s * q - dmin * m_s``: scale ``d sc_s``, zero
   ``8 d sc_s - dmin m_s``.
+- Q8_0, 32 weights in 34 bytes: ``d``, then 32 int8 ``q``; ``w = d * q``.
 
 Everything is computed in float32, where these products are exact or within an ulp of llama.cpp's own
 dequantization; the layer then stores scale and zero in bfloat16 (the kernel's dtype), which rounds them.
@@ -74,3 +76,14 @@ def int4_parts(type_name: str, raw: np.ndarray, rows: int, cols: int) -> Int4Par
         # 128 bytes = four runs of 32: run j holds sub-blocks 2j (low nibbles) and 2j+1 (high nibbles).
         codes = _nibbles(blocks[..., 16:144].reshape(rows, cols // block, 4, 32))
     return codes.reshape(rows, cols), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def q8_0_float(raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    """The raw bytes of a ``[rows, cols]`` Q8_0 tensor -> float32 ``d * q`` (as the ``gguf`` library computes it,
+    without its per-block Python-level overhead: seconds on an embedding of 28M weights)."""
+    if cols % 32:
+        raise ValueError(f"Q8_0 rows of {cols} values do not split into blocks of 32")
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // 32, 34)
+    d = _f16(blocks[..., 0:2]).unsqueeze(-1)
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)).float()
+    return (d * q).reshape(rows, cols)

@@ -20,7 +20,7 @@ from gpu_workers.engine.quantization.cpu_linear import (
     quantize_int8,
 )
 from gpu_workers.engine.quantization.cpu_quant import int4_linear_to_cpu
-from gpu_workers.engine.quantization.gguf_blocks import int4_parts
+from gpu_workers.engine.quantization.gguf_blocks import int4_parts, q8_0_float
 from gpu_workers.engine.quantization.int4_config import parse_int4_config
 from gpu_workers.engine.quantization.int4_formats import pack_along_rows
 from gpu_workers.engine.quantization.int4_linear import Int4Linear
@@ -106,6 +106,13 @@ def test_gguf_4bit_blocks_are_read_as_codes_scales_and_zeros(qtype: T) -> None:
     assert out.dtype == torch.float32
     ref = x.bfloat16().float() @ held.t()
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_gguf_q8_0_blocks_are_read_as_the_library_dequantizes_them() -> None:
+    w = np.random.default_rng(5).standard_normal((16, 96)).astype(np.float32)
+    raw = quants.quantize(w, T.Q8_0)
+    want = torch.from_numpy(quants.dequantize(raw, T.Q8_0).reshape(16, 96))
+    assert torch.equal(q8_0_float(raw, 16, 96), want)
 
 
 def test_float_to_int4_and_int8_stay_within_half_a_step() -> None:
