@@ -330,8 +330,9 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     if gguf_weights is not None:
         gguf_weights.swap_in(model)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if model.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
-        # to_empty() replaces parameters one module at a time, which unties shared weights.
+    if model.tie_word_embeddings and isinstance(getattr(model.lm_head, "weight", None), nn.Parameter):
+        # to_empty() replaces parameters one module at a time, which unties shared weights. (A kept-quantized
+        # LM head holds no float weight: it was filled from the embedding's blocks, the embedding stays float.)
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_cache(dtype)
     cut = shard.shard_tensor if shard is not None else None
