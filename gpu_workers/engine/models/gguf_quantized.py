@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,7 @@ class GGUFQuantizedWeights:
             setattr(model.get_submodule(parent) if parent else model, child, layer)
             self.layers[module] = layer
 
-    def take(self, name: str, tensor_of: object) -> bool:
+    def take(self, name: str, tensor_of: Callable[[], torch.Tensor]) -> bool:
         """True for a folder tensor this plan fills from the GGUF instead (it is not read)."""
         return name in self.skip
 
