@@ -188,6 +188,11 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "bnb-nf4 weights": {"dtype": "float32", "quantization": "bnb-nf4"},
     "FP8 weights (W8A8)": {"dtype": "float32", "quantization": "fp8"},
     "bf16": {"dtype": "bfloat16"},
+    # Kept quantized on the CPU (torch's int4 / int8 kernels, run in bf16; the model bf16 unless said):
+    "gguf kept: Q4_1 blocks int4, Q8_0 LM head int8": {"quantization": "gguf"},
+    "gguf kept, fp32 model (bf16 kernel inputs)": {"dtype": "float32", "quantization": "gguf"},
+    "cpu-int4: Q4_1 blocks int4, LM head bf16": {"quantization": "cpu-int4"},
+    "cpu-int8: per-channel int8 from the Q4_1 weights": {"quantization": "cpu-int8"},
 }
 # The transformers variant beside each engine variant, where one runs on a CPU.
 HF_PEERS: dict[str, str] = {"bnb-int8 weights": "bnb-int8", "bnb-nf4 weights": "bnb-nf4", "bf16": "bf16"}

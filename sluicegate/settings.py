@@ -127,7 +127,8 @@ class Settings(BaseSettings):
         "",
         description=(
             "Weight quantization: bnb-int8, bnb-nf4, fp8 (quantized at load), awq or gptq (INT4 checkpoints, "
-            "also detected from config.json when empty), or empty."
+            "also detected from config.json when empty); on the CPU, kept int8 / 4-bit through torch's CPU kernels: "
+            "cpu-int8, cpu-int4, or gguf (a GGUF's own Q4_x / Q8_0 tensors); or empty."
         ),
     )
     attention_backend: str = Field("auto", description="Attention backend: auto, torch, triton, flash_attn.")

@@ -63,6 +63,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Weights: "bnb-int8" / "bnb-nf4" / "fp8" quantize a float checkpoint at load; "awq" / "gptq" name an INT4
     # checkpoint's method (None detects it from config.json's quantization_config; quantization/int4_load.py).
+    # CPU only, kept quantized through torch's CPU kernels (quantization/cpu_quant.py; dtype "auto" -> bfloat16):
+    # "cpu-int8" / "cpu-int4" every projection int8 per channel / 4-bit in groups of 32 (a GGUF's 4-bit blocks
+    # and an AWQ / GPTQ checkpoint's INT4 taken as they are), "gguf" a GGUF file's own Q4_x / Q8_0 tensors.
     quantization: str | None = None
     # "auto": the cache in the model's dtype; "fp8" / "fp8_e4m3": float8_e4m3fn with per-layer,
     # per-KV-head scales from the checkpoint or the first prompts (attention/kv_quant.py).
@@ -94,6 +97,7 @@ class EngineConfig:
         self.torch_dtype = parse_dtype(self.dtype)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         self.device = torch.device(self.device)
+        self._check_cpu_quantization()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         if self.device.type not in ("cpu", "cuda"):
@@ -143,6 +147,16 @@ class EngineConfig:
                 raise ValueError(f"tenant_weights keys must be non-empty strings, got {tenant!r}")
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
                 raise ValueError(f"weight of tenant {tenant!r} must be a positive finite number, got {weight!r}")
+
+    def _check_cpu_quantization(self) -> None:
+        """The CPU kept-quantized methods (``cpu-int8``, ``cpu-int4``, ``gguf``) are refused off the CPU here,
+        before anything loads (and before a missing CUDA is reported: the method is the first thing to fix)."""
+        from .quantization.cpu_quant import CPU_QUANTIZATIONS, cpu_quantization_problem
+
+        if self.quantization in CPU_QUANTIZATIONS:
+            problem = cpu_quantization_problem(self.quantization, self.device)
+            if problem is not None:
+                raise ValueError(problem)
 
     def _check_tensor_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -4,8 +4,9 @@
 ``converted_folder``: once per file (keyed by its size and mtime) it writes ``config.json`` (from the GGUF
 metadata), ``model.safetensors`` (every tensor dequantized by the ``gguf`` library's own dequantizer; llama.cpp's
 Q/K row permutation undone for llama/mistral), the tokenizer files with the chat template (built by transformers
-from the GGUF's tokenizer metadata) and ``generation_config.json``, into ``<stem>.hf/`` beside the file (or a user
-cache folder when that one is not writable), atomically and under a file lock. The existing loader then loads
+from the GGUF's tokenizer metadata), ``generation_config.json`` and ``gguf_tensors.json`` (where each tensor's
+bytes lie in the file, for the kept-quantized loader), into ``<stem>.hf/`` beside the file (or a user cache folder
+when that one is not writable), atomically and under a file lock. The existing loader then loads
 that folder as any other. Architectures: llama, mistral, qwen2. Tensor types: ``SUPPORTED_TYPES``; any other,
 a truncated or corrupt file, an unknown architecture or missing tokenizer metadata raise ``GGUFLoadError`` naming
 the file and the reason, before anything is built.

@@ -48,6 +48,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
+# Where each tensor's bytes lie in the GGUF (``tensor_index``), written beside the weights.
+TENSOR_INDEX = "gguf_tensors.json"
 
 
 def read_gguf(path: Path) -> GGUFReader:
@@ -238,10 +240,29 @@ def _write_tokenizer(reader: GGUFReader, path: Path, out: Path) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def tensor_index(reader: GGUFReader) -> dict[str, Any]:
+    """The architecture and, per tensor, its Hugging Face name, GGML type, ``[rows, cols]`` shape and byte range
+    in the file: what the kept-quantized loader (``gguf_quantized.py``) needs to read a tensor's own blocks
+    without parsing the file's metadata again (the tokenizer's arrays make that take seconds)."""
+    tensors = [
+        {
+            "gguf_name": t.name,
+            "name": hf_name(t.name),
+            "type": t.tensor_type.name,
+            "shape": [int(d) for d in reversed(t.shape.tolist())],
+            "offset": int(t.data_offset),
+            "n_bytes": int(t.n_bytes),
+        }
+        for t in reader.tensors
+    ]
+    return {"architecture": _field(reader, "general.architecture"), "tensors": tensors}
+
+
 def convert(path: Path, out: Path) -> None:
     """Write the Hugging Face folder of the GGUF at ``path`` into ``out`` (an empty folder)."""
     reader = read_gguf(path)
     config = build_config(reader, path)
+    (out / TENSOR_INDEX).write_text(json.dumps(tensor_index(reader)))
     has_template = _write_tokenizer(reader, path, out)
     if not has_template:
         log.warning("GGUF %s has no chat template: the model serves completions only", path)

@@ -4,7 +4,9 @@ A GGUF file becomes such a folder first (``gguf_checkpoint.py``, cached beside t
 
 Checkpoint names map onto the merged projections: ``q/k/v_proj`` fill row slices of
 ``qkv_proj`` and ``gate/up_proj`` fill ``gate_up_proj``. Sharded checkpoints are read through
-``model.safetensors.index.json``. Optional weight quantization runs after loading. FP8 KV-cache
+``model.safetensors.index.json``. Optional weight quantization runs after loading, but for weights that arrive
+quantized: AWQ / GPTQ tensors (``quantization/int4_load.py``) and, with a CPU kept-quantized method, a GGUF's own
+blocks (``gguf_quantized.py``) fill their layers while the folder loads. FP8 KV-cache
 scales a checkpoint may carry (``self_attn.k_scale`` / ``v_scale``, or one shared ``kv_scale``,
 each a scalar or one per KV head, as vLLM and llm-compressor write them) are read aside into
 ``LoadedModel.kv_scales``; the model runner uses them when the cache is FP8.
@@ -14,16 +16,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from ..config import EngineConfig
+from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import resolve_architecture
@@ -33,6 +37,7 @@ from .rotary import rope_type_of
 
 if TYPE_CHECKING:
     from ..distributed.group import TPGroup
+    from .gguf_quantized import GGUFQuantizedWeights
 
 # (checkpoint module name, merged module name, shard index inside the merged weight)
 _STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -100,12 +105,15 @@ def resolve_model_path(model: str) -> Path:
     return Path(local)
 
 
-def resolve_dtype(requested: torch.dtype | None, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on CUDA, float32 on CPU (CPU half-precision matmuls are slow)."""
+def resolve_dtype(
+    requested: torch.dtype | None, hf_config: PretrainedConfig, device: torch.device, quantization: str | None = None
+) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA, float32 on CPU (CPU half-precision matmuls are slow), but
+    bfloat16 under a CPU kept-quantized method (its kernels run in bfloat16: ``quantization/cpu_linear.py``)."""
     if requested is not None:
         return requested
     if device.type != "cuda":
-        return torch.float32
+        return torch.bfloat16 if quantization in CPU_QUANTIZATIONS else torch.float32
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -156,6 +164,14 @@ def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
     }
 
 
+class WeightReader(Protocol):
+    """Takes checkpoint tensors by name instead of the float loader, and checks or fills at the end."""
+
+    def take(self, name: str, tensor_of: Callable[[], torch.Tensor]) -> bool: ...
+
+    def finish(self) -> None: ...
+
+
 _KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")
 
 
@@ -198,12 +214,15 @@ def load_weights(
     path: Path,
     int4: Int4Config | None = None,
     cut: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    readers: Sequence[WeightReader] = (),
 ) -> torch.Tensor | None:
     """Copy every checkpoint tensor into its (possibly merged) parameter; error on gaps or extras.
     ``int4``: the model's projections are ``Int4Linear`` and take the packed tensors. ``cut``: cuts each
-    tensor to this tensor-parallel rank's part as it is read.
+    tensor to this tensor-parallel rank's part as it is read. ``readers``: more readers offered each tensor
+    first (a GGUF's kept-quantized layers), finished after the last file.
     Returns the checkpoint's KV-cache scales (``[2, layers, kv_heads]``), or None without them."""
     int4_reader = None if int4 is None else Int4WeightReader(model, int4)
+    readers = [*readers, *([int4_reader] if int4_reader is not None else [])]
     attn = model.attention_layers[0]
     kv_scales = _KVScaleReader(len(model.attention_layers), attn.num_kv_heads)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -227,7 +246,7 @@ def load_weights(
                         continue
                     if kv_scales.take(ckpt_name, lambda name=ckpt_name: f.get_tensor(name)):
                         continue
-                    if int4_reader is not None and int4_reader.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)):
+                    if any(r.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)) for r in readers):
                         continue
                     target, shard = ckpt_name, None
                     for src, dst, idx in _STACKED_PARAMS:
@@ -258,9 +277,29 @@ def load_weights(
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {[f'{n}[{s}]' for n, s in missing[:5]]}")
-    if int4_reader is not None:
-        int4_reader.finish()
+    for reader in readers:
+        reader.finish()
     return kv_scales.result()
+
+
+def _gguf_quantized(
+    config: EngineConfig, folder: Path, hf_config: PretrainedConfig, int4: Int4Config | None
+) -> GGUFQuantizedWeights | None:
+    """The kept-quantized plan of a GGUF model under a CPU method, else None; ``gguf`` needs a GGUF."""
+    if config.quantization not in CPU_QUANTIZATIONS or int4 is not None:
+        return None
+    gguf_file = find_gguf(config.model)
+    if gguf_file is None:
+        if config.quantization == "gguf":
+            raise ValueError(
+                f"quantization='gguf' keeps a GGUF file's own quantized blocks, but model {config.model!r} is "
+                "not a .gguf file (nor a folder holding one); use 'cpu-int8' or 'cpu-int4' to quantize a float "
+                "checkpoint at load"
+            )
+        return None  # a float checkpoint: quantize_model converts it after loading
+    from .gguf_quantized import GGUFQuantizedWeights
+
+    return GGUFQuantizedWeights(gguf_file, folder, hf_config, config.quantization)
 
 
 def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedModel:
@@ -275,7 +314,8 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
-    dtype = resolve_dtype(config.torch_dtype, hf_config, device)
+    gguf_weights = _gguf_quantized(config, path, hf_config, int4)
+    dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
     max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)
     shard = None
     with torch.device("meta"):
@@ -287,14 +327,20 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
             parallelize(model, shard, tp_group)
     if int4 is not None:
         swap_in_int4_layers(model, int4, dtype)
+    if gguf_weights is not None:
+        gguf_weights.swap_in(model)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if model.tie_word_embeddings:
-        # to_empty() replaces parameters one module at a time, which unties shared weights.
+    if model.tie_word_embeddings and isinstance(getattr(model.lm_head, "weight", None), nn.Parameter):
+        # to_empty() replaces parameters one module at a time, which unties shared weights. (A kept-quantized
+        # LM head holds no float weight: it was filled from the embedding's blocks, the embedding stays float.)
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset_cache(dtype)
-    kv_scales = load_weights(model, path, int4, shard.shard_tensor if shard is not None else None)
+    cut = shard.shard_tensor if shard is not None else None
+    kv_scales = load_weights(model, path, int4, cut, readers=[gguf_weights] if gguf_weights is not None else [])
     model.eval()
-    if config.quantization is not None and int4 is None:
+    if int4 is not None and config.quantization == "cpu-int4":
+        model = repack_int4_layers(model)
+    elif config.quantization is not None and int4 is None and gguf_weights is None:
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)

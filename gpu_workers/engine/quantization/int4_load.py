@@ -22,7 +22,7 @@ from .int4_formats import awq_to_engine, gptq_to_engine
 from .int4_linear import Int4Linear
 
 # checkpoint projection -> (merged module, shard index, number of shards)
-_MERGED: dict[str, tuple[str, int, int]] = {
+MERGED_PROJECTIONS: dict[str, tuple[str, int, int]] = {
     "q_proj": ("qkv_proj", 0, 3),
     "k_proj": ("qkv_proj", 1, 3),
     "v_proj": ("qkv_proj", 2, 3),
@@ -31,12 +31,13 @@ _MERGED: dict[str, tuple[str, int, int]] = {
     "o_proj": ("o_proj", 0, 1),
     "down_proj": ("down_proj", 0, 1),
 }
-_INT4_TENSOR = re.compile(r"^(.*)\.(" + "|".join(_MERGED) + r")\.(qweight|qzeros|scales|g_idx)$")
+_INT4_TENSOR = re.compile(r"^(.*)\.(" + "|".join(MERGED_PROJECTIONS) + r")\.(qweight|qzeros|scales|g_idx)$")
 
 
 def resolve_int4(requested: str | None, hf_config: object) -> Int4Config | None:
     """The checkpoint's INT4 config, checked against the engine's ``quantization`` setting:
-    None (auto-detect) or the same method; an on-the-fly method on an INT4 checkpoint is refused."""
+    None (auto-detect), the same method, or ``cpu-int4`` (the same INT4, repacked for the CPU kernel after
+    loading: ``cpu_quant.repack_int4_layers``); an on-the-fly method on an INT4 checkpoint is refused."""
     cfg = checkpoint_int4_config(hf_config)
     if cfg is None:
         if requested in INT4_METHODS:
@@ -45,10 +46,11 @@ def resolve_int4(requested: str | None, hf_config: object) -> Int4Config | None:
                 "(config.json quantization_config), but this checkpoint has none"
             )
         return None
-    if requested is not None and requested != cfg.method:
+    if requested not in (None, cfg.method, "cpu-int4"):
         raise ValueError(
             f"the checkpoint is already quantized with {cfg.method} (config.json quantization_config); "
-            f"set quantization to {cfg.method!r} or leave it empty, not {requested!r}"
+            f"set quantization to {cfg.method!r}, 'cpu-int4' (its INT4 on the CPU kernel) or leave it empty, "
+            f"not {requested!r}"
         )
     return cfg
 
@@ -89,7 +91,7 @@ class Int4WeightReader:
         if match is None:
             return False
         prefix, proj, kind = match.groups()
-        merged, shard, shards = _MERGED[proj]
+        merged, shard, shards = MERGED_PROJECTIONS[proj]
         target = f"{prefix}.{merged}"
         if target not in self.layers or kind not in self.kinds:
             raise ValueError(f"checkpoint tensor {name} has no INT4 projection to go to in this model")

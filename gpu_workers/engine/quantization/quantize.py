@@ -9,12 +9,16 @@ import torch
 from torch import nn
 
 from . import bnb, fp8
+from .cpu_linear import CpuInt4Linear, CpuInt8Linear
+from .cpu_quant import CPU_QUANTIZATIONS, cpu_layer_from_linear, cpu_quantization_problem
 from .int4_config import INT4_METHODS
 from .int4_linear import Int4Linear
 
-SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ("bnb-int8", "bnb-nf4", "fp8")
-# Methods a checkpoint arrives quantized with (read by int4_load.py); quantize_model never runs them.
-CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = INT4_METHODS
+# Methods quantize_model runs on a float model ("cpu-int8" / "cpu-int4": the CPU kernels of cpu_quant.py).
+SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ("bnb-int8", "bnb-nf4", "fp8", "cpu-int8", "cpu-int4")
+# Methods a checkpoint arrives quantized with (read by int4_load.py; "gguf": a GGUF file's own blocks, read by
+# models/gguf_quantized.py); quantize_model never runs them.
+CHECKPOINT_QUANTIZATIONS: tuple[str, ...] = (*INT4_METHODS, "gguf")
 
 
 class QuantizationUnsupportedError(RuntimeError):
@@ -26,8 +30,14 @@ def check_quantization_supported(method: str, device: torch.device) -> None:
 
     ValueError for an unknown method; ``BitsAndBytesUnavailableError`` (a RuntimeError naming the
     pip command) when bitsandbytes is missing; ``QuantizationUnsupportedError`` for FP8 on a CUDA GPU
-    below compute capability 8.9 or a device whose torch has no row-wise FP8 ``_scaled_mm``.
+    below compute capability 8.9 or a device whose torch has no row-wise FP8 ``_scaled_mm``, and for the CPU
+    methods (``cpu-int8``, ``cpu-int4``, ``gguf``) anywhere but the CPU.
     """
+    if method in CPU_QUANTIZATIONS:
+        reason = cpu_quantization_problem(method, device)
+        if reason is not None:
+            raise QuantizationUnsupportedError(reason)
+        return
     if method in CHECKPOINT_QUANTIZATIONS:
         return  # Int4Linear runs anywhere: the Triton kernel on CUDA, its torch fallback elsewhere
     if method not in SUPPORTED_QUANTIZATIONS:
@@ -50,7 +60,7 @@ def skip_lm_head(name: str) -> bool:
 
 
 def _is_quantized(module: nn.Module) -> bool:
-    if isinstance(module, (fp8.Fp8Linear, Int4Linear)):
+    if isinstance(module, (fp8.Fp8Linear, Int4Linear, CpuInt4Linear, CpuInt8Linear)):
         return True
     return type(module).__module__.startswith("bitsandbytes")
 
@@ -77,7 +87,8 @@ def quantize_model(
 
     ``skip`` defaults to ``skip_lm_head``. Biases are kept. Methods: ``"bnb-int8"`` (bitsandbytes
     ``Linear8bitLt``), ``"bnb-nf4"`` (bitsandbytes ``Linear4bit``, NF4, compute dtype = model dtype),
-    ``"fp8"`` (``Fp8Linear``). Returns ``model`` for chaining.
+    ``"fp8"`` (``Fp8Linear``), ``"cpu-int8"`` / ``"cpu-int4"`` (``CpuInt8Linear`` / ``CpuInt4Linear``, groups
+    of 32). Returns ``model`` for chaining.
     """
     if method in CHECKPOINT_QUANTIZATIONS:
         raise ValueError(f"{method} weights come quantized in the checkpoint; quantize_model cannot produce them")
@@ -108,7 +119,9 @@ def quantize_model(
     targets.reverse()
     while targets:
         name, linear = targets.pop()
-        if method == "bnb-int8":
+        if method in CPU_QUANTIZATIONS:
+            new = cpu_layer_from_linear(method, linear, name)
+        elif method == "bnb-int8":
             new = bnb.to_int8(linear)
         elif method == "bnb-nf4":
             new = bnb.to_nf4(linear, compute_dtype=dtype)

@@ -100,10 +100,12 @@ def write_gguf(
     tokenizer: bool = True,
     chat_template: bool = True,
     seed: int = 0,
+    types: dict[str, T] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``out`` from the checkpoint in ``hf_dir``, every 2-D tensor whose rows fit ``qtype``'s blocks in
     ``qtype`` (the rest F32), and return what a loader must produce: the library's dequantization of every
-    written tensor, back in Hugging Face names and row order."""
+    written tensor, back in Hugging Face names and row order. ``types``: another type for the tensors whose
+    Hugging Face name contains a key (``{"v_proj": T.Q8_0}``), first match wins."""
     config = AutoConfig.from_pretrained(str(hf_dir))
     arch = arch or config.model_type
     permuted = config.model_type in ("llama", "mistral")
@@ -129,8 +131,9 @@ def write_gguf(
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         if permuted and heads and name.endswith("weight"):
             weight = permute(weight, heads)
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        kind = qtype if weight.ndim == 2 and weight.shape[1] % block == 0 else T.F32
+        wanted = next((t for key, t in (types or {}).items() if key in name), qtype)
+        block = gguf.GGML_QUANT_SIZES[wanted][0]
+        kind = wanted if weight.ndim == 2 and weight.shape[1] % block == 0 else T.F32
         if kind in DEQUANTIZE_ONLY:
             data = _random_k_blocks(kind, weight.shape, rng)
         else:

@@ -63,3 +63,25 @@ def test_smollm2_answers_through_its_chat_template(hf_reference: HFReference, ma
     assert reply.finish_reason == "stop"
     assert "Paris" in reply.text, reply.text
     assert os.path.getsize(gguf_path) == GGUF_SIZE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["gguf", "cpu-int4"])
+def test_smollm2_kept_quantized_answers_paris(quantization: str, make_llm: Callable[..., LLM]) -> None:
+    """The Q4_1 projections run as the file's own 4-bit blocks (torch's CPU int4 kernel); under ``gguf`` the tied
+    LM head is the Q8_0 embedding's int8, under ``cpu-int4`` it stays float. The model runs in bfloat16."""
+    from torch import nn
+
+    from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear
+
+    llm = make_llm(fetch_smollm2(REPO_MODELS), quantization=quantization, max_model_len=1024, num_kv_blocks=64)
+    model = llm.engine.loaded.model
+    assert sum(isinstance(m, CpuInt4Linear) for m in model.modules()) == 4 * 30
+    assert type(model.lm_head) is (CpuInt8Linear if quantization == "gguf" else nn.Linear)
+    ids = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
+    ids = [int(i) for i in (ids if isinstance(ids, list) else ids["input_ids"])]
+    reply = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert reply.finish_reason == "stop"
+    assert "Paris" in reply.text, reply.text

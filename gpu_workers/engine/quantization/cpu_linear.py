@@ -1,0 +1,230 @@
+"""Projections whose weights stay quantized on the CPU, multiplied by torch's own CPU kernels.
+
+``CpuInt4Linear``: 4-bit codes packed by ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` and multiplied
+by ``_weight_int4pack_mm_for_cpu``. The kernel's weight (checked against a dequantized matmul in the tests) is
+``w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with ``g = k // group_size``, codes ``q`` in 0..15 given
+to the packer as int32 ``[N, K]``, and ``scales_and_zeros`` ``[K / group_size, N, 2]`` holding (scale, zero)
+in the activations' dtype. It takes group sizes 32, 64, 128 and 256, ``K`` a multiple of the group size and
+``N`` a multiple of 16. Any affine 4-bit format maps onto it: ``d * q + m`` is scale ``d``, zero ``m + 8 d``.
+
+``CpuInt8Linear``: int8 ``[N, K]`` with one scale per output channel, ``_weight_int8pack_mm``:
+``y = (x @ q^T) * scale`` (any ``N`` and ``K``).
+
+Both kernels accept float32, bfloat16 and float16 activations, but with the scales in the activations' dtype,
+and only their bfloat16 path is vectorized: float32 runs a scalar loop, measured 10-20x slower than bfloat16
+(and than a float32 ``nn.Linear``) on AVX512. So the layers keep their scales in bfloat16 and run the kernel in
+bfloat16 whatever the model's dtype: a float32 model's activations are rounded to bfloat16 on the way in and the
+result is widened back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+INT4_OUT_MULTIPLE = 16  # the packer's tile along N
+# Group size of 4-bit weights quantized from float (GGUF Q4_0 / Q4_1 / Q4_K blocks are groups of 32 too).
+DEFAULT_INT4_GROUP = 32
+_OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm")
+
+
+def kernels_problem() -> str | None:
+    """Why this torch cannot run the CPU quantized kernels, or None when it can."""
+    missing = [op for op in _OPS if not hasattr(torch.ops.aten, op)]
+    if missing:
+        return f"torch {torch.__version__} has no {', '.join(missing)} (needs torch >= 2.6)"
+    return None
+
+
+def int4_shape_problem(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why a ``[out, in]`` weight cannot take the int4 kernel with this group size, or None."""
+    if group_size not in INT4_GROUP_SIZES:
+        return f"group size {group_size} is not one of {INT4_GROUP_SIZES}"
+    if in_features % group_size:
+        return f"in_features={in_features} is not a multiple of the group size {group_size}"
+    if out_features % INT4_OUT_MULTIPLE:
+        return f"out_features={out_features} is not a multiple of {INT4_OUT_MULTIPLE}"
+    return None
+
+
+def _bias(bias: torch.Tensor | None, out_features: int, dtype: torch.dtype | None, device: object) -> nn.Parameter:
+    if bias is not None:
+        return nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+
+
+def _finish(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+class CpuInt4Linear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held as torch's packed CPU int4 codes plus per-group scales and zeros.
+
+    Built empty (the loader fills it with ``set_codes``) or by ``from_codes`` / ``from_float``. Tensors are
+    buffers; only the bias is a parameter, in the model's dtype, so the float loader fills it as usual.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group_size: int = DEFAULT_INT4_GROUP,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        problem = int4_shape_problem(out_features, in_features, group_size)
+        if problem is not None:
+            raise ValueError(f"int4 CPU layer [{out_features}, {in_features}]: {problem}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        # Placeholders until set_codes: the packed layout is the packer's, so it is never allocated empty.
+        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
+        self.register_buffer("scales_and_zeros", torch.empty(0, dtype=KERNEL_DTYPE, device=device))
+        self.bias = _bias(None, out_features, dtype, device) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
+
+    def set_codes(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Fill from codes ``[N, K]`` in 0..15 and ``scale`` / ``zero`` ``[N, K / group]``, standing for
+        ``(codes - 8) * scale + zero``; scale and zero are rounded to bfloat16 here."""
+        n, k, groups = self.out_features, self.in_features, self.in_features // self.group_size
+        if tuple(codes.shape) != (n, k) or tuple(scale.shape) != (n, groups) or tuple(zero.shape) != (n, groups):
+            raise ValueError(
+                f"int4 CPU layer [{n}, {k}] group {self.group_size}: got codes {tuple(codes.shape)}, "
+                f"scale {tuple(scale.shape)}, zero {tuple(zero.shape)}; expected {(n, k)} and {(n, groups)}"
+            )
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+            raise ValueError("int4 codes must lie in 0..15")
+        device = self.packed.device
+        codes = codes.to(device=device, dtype=torch.int32).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(device, KERNEL_DTYPE).contiguous()
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> CpuInt4Linear:
+        """A layer standing for ``(codes - 8) * scale + zero`` (see ``set_codes``)."""
+        n, k = codes.shape
+        layer = cls(k, n, bias=False, group_size=group_size, device=codes.device)
+        layer.set_codes(codes, scale, zero)
+        if bias is not None:
+            layer.bias = _bias(bias, n, None, None)
+        return layer
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = DEFAULT_INT4_GROUP
+    ) -> CpuInt4Linear:
+        """Quantize a float ``[N, K]`` weight: per group, asymmetric min-max over 16 levels (Q4_1's scheme)."""
+        codes, scale, zero = quantize_int4(weight, group_size)
+        return cls.from_codes(codes, scale, zero, group_size, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_INT4_GROUP) -> CpuInt4Linear:
+        return cls.from_float(linear.weight.data, linear.bias.data if linear.bias is not None else None, group_size)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float ``[N, K]`` weight the kernel multiplies by (run through the kernel's exact float32 path;
+        slow, for checks)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.packed.device)
+        sz = self.scales_and_zeros.float()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).t().to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        return _finish(x, out, self.bias, self.out_features)
+
+
+class CpuInt8Linear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held as int8 ``[N, K]`` and one bfloat16 scale per output channel."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.empty(0, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(0, dtype=KERNEL_DTYPE, device=device))
+        self.bias = _bias(None, out_features, dtype, device) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+    def set_float(self, weight: torch.Tensor) -> None:
+        """Fill from a float ``[N, K]`` weight: symmetric, per output channel (absmax / 127)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"int8 CPU layer [{self.out_features}, {self.in_features}]: got weight {tuple(weight.shape)}"
+            )
+        qweight, scales = quantize_int8(weight)
+        self.qweight = qweight.to(self.qweight.device)
+        self.scales = scales.to(self.scales.device)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuInt8Linear:
+        layer = cls(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+        layer.set_float(weight)
+        if bias is not None:
+            layer.bias = _bias(bias, weight.shape[0], None, None)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> CpuInt8Linear:
+        return cls.from_float(linear.weight.data, linear.bias.data if linear.bias is not None else None)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float ``[N, K]`` weight the kernel multiplies by."""
+        return (self.qweight.float() * self.scales.float()[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        return _finish(x, out, self.bias, self.out_features)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float ``[N, K]`` -> (codes int32 ``[N, K]`` in 0..15, scale, zero ``[N, K / group]``) with
+    ``w ~ (codes - 8) * scale + zero``: each group's min and max span the 16 levels. Scale and zero are
+    rounded to bfloat16 first and the codes rounded against them, so storing them loses nothing more."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features={k} is not a multiple of the group size {group_size}")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15).to(KERNEL_DTYPE).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every code 0
+    zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()
+    codes = torch.round((w - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).clamp_(0, 15)
+    return codes.to(torch.int32).reshape(n, k), scale, zero
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float ``[N, K]`` -> (int8 ``[N, K]``, bfloat16 scales ``[N]``): symmetric per output channel, the codes
+    rounded against the bfloat16 scale actually stored."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).to(KERNEL_DTYPE).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w / scale[:, None]).clamp_(-128, 127).to(torch.int8)
+    return codes.contiguous(), scale.to(KERNEL_DTYPE)
