@@ -39,6 +39,7 @@ class ModelSpec:
     name: str
     description: str = ""
     dtype: str = ""
+    quantization: str = ""
 
 
 def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None) -> list[ModelSpec | None]:
@@ -83,6 +84,19 @@ def default_model_dtype(cpu_flags: str | None = None) -> str:
     return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
+def default_model_quantization(dtype: str) -> str:
+    """How the default model's weights are kept on this CPU: ``cpu-int4`` (the GGUF's 4-bit blocks as they are,
+    through torch's int4 kernel) where the model runs in bfloat16, the only activation dtype that kernel is fast
+    in; nothing (dequantized) elsewhere.
+
+    Measured with benchmarks/smollm2_dtype_cpu.py and benchmarks/vs_llamacpp.py on the 2-core development VM
+    (docs/benchmarks.md, 2026-11-26): batch 1, 2 threads, 50.1 tok/s against 26.5 for bfloat16 and 39.3 for
+    ``gguf`` (whose int8 LM head is slower than a bf16 one); top-1 agreement with the exact model 0.965 against
+    0.969 dequantized (docs/quality.md).
+    """
+    return "cpu-int4" if dtype == "bfloat16" else ""
+
+
 def default_model(settings: Settings, *, model_name: str | None = None) -> ModelSpec:
     """SmolLM2-135M-Instruct (fetched once into ``<state_dir>/models``), or, when it cannot be fetched, the tiny
     random-weight model, said to be one in its description; the reason is printed in one line."""
@@ -101,7 +115,10 @@ def default_model(settings: Settings, *, model_name: str | None = None) -> Model
             flush=True,
         )
         return ModelSpec(str(_demo_model(settings)), model_name or DEMO_MODEL_NAME, description=RANDOM_WEIGHTS)
-    return ModelSpec(str(path), model_name or DEFAULT_MODEL_NAME, dtype=default_model_dtype())
+    dtype = default_model_dtype()
+    return ModelSpec(
+        str(path), model_name or DEFAULT_MODEL_NAME, dtype=dtype, quantization=default_model_quantization(dtype)
+    )
 
 
 def _demo_model(settings: Settings) -> Path:
@@ -116,7 +133,8 @@ def _demo_model(settings: Settings) -> Path:
 
 
 def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
-    """The worker environment that serves ``spec``; a dtype set in the environment (SLUICEGATE_DTYPE) wins."""
+    """The worker environment that serves ``spec``; a dtype or quantization set in the environment
+    (SLUICEGATE_DTYPE, SLUICEGATE_QUANTIZATION) wins."""
     env = {
         "SLUICEGATE_MODEL": spec.path,
         "SLUICEGATE_MODEL_NAME": spec.name,
@@ -124,6 +142,8 @@ def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
     }
     if spec.dtype and device == "cpu" and "SLUICEGATE_DTYPE" not in os.environ:
         env["SLUICEGATE_DTYPE"] = spec.dtype
+    if spec.quantization and device == "cpu" and "SLUICEGATE_QUANTIZATION" not in os.environ:
+        env["SLUICEGATE_QUANTIZATION"] = spec.quantization
     return env
 
 

@@ -314,11 +314,16 @@ def real_pipeline(
     kafka_bootstrap: str, redis_url: str, smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pipeline]:
     """A pipeline serving the real default model as ``sluicegate up`` does: its public name and its dtype."""
-    from sluicegate.stack.launcher import DEFAULT_MODEL_NAME, default_model_dtype
+    from sluicegate.stack.launcher import DEFAULT_MODEL_NAME, default_model_dtype, default_model_quantization
 
     # Several prompts at once (the structured-output test) share the engine's batch; the default KV budget of the
     # tiny model is too small for a 135M model's longer prompts.
-    env = {"SLUICEGATE_DTYPE": default_model_dtype(), "SLUICEGATE_KV_CACHE_GB": "0.3"}
+    dtype = default_model_dtype()
+    env = {
+        "SLUICEGATE_DTYPE": dtype,
+        "SLUICEGATE_QUANTIZATION": default_model_quantization(dtype),
+        "SLUICEGATE_KV_CACHE_GB": "0.3",
+    }
     with running_pipeline(
         kafka_bootstrap, redis_url, smollm2_path, tmp_path_factory, env, model_name=DEFAULT_MODEL_NAME
     ) as pipe:

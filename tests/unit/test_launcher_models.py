@@ -23,6 +23,7 @@ from sluicegate.stack.launcher import (
     banner,
     default_model,
     default_model_dtype,
+    default_model_quantization,
     parse_model_specs,
 )
 
@@ -104,10 +105,17 @@ def test_the_default_model_is_smollm2_once_fetched(monkeypatch: pytest.MonkeyPat
     with cached.open("wb") as f:
         f.truncate(GGUF_SIZE)  # the size marks a complete file: fetch_smollm2 reuses it
     monkeypatch.delenv("SLUICEGATE_DTYPE", raising=False)
+    monkeypatch.delenv("SLUICEGATE_QUANTIZATION", raising=False)
     spec = default_model(Settings(state_dir=tmp_path / "state"))
     assert (spec.path, spec.name, spec.description) == (str(cached), DEFAULT_MODEL_NAME, "")
-    assert launcher._model_env(spec, "cpu")["SLUICEGATE_DTYPE"] == spec.dtype
-    assert "SLUICEGATE_DTYPE" not in launcher._model_env(spec, "cuda")  # a GPU keeps the checkpoint's dtype
+    assert spec.quantization == default_model_quantization(spec.dtype)
+    cpu_env = launcher._model_env(spec, "cpu")
+    assert cpu_env["SLUICEGATE_DTYPE"] == spec.dtype
+    assert cpu_env.get("SLUICEGATE_QUANTIZATION", "") == spec.quantization
+    gpu_env = launcher._model_env(spec, "cuda")  # a GPU keeps the checkpoint's dtype and dequantizes
+    assert "SLUICEGATE_DTYPE" not in gpu_env and "SLUICEGATE_QUANTIZATION" not in gpu_env
+    monkeypatch.setenv("SLUICEGATE_QUANTIZATION", "cpu-int8")  # the operator's choice wins
+    assert "SLUICEGATE_QUANTIZATION" not in launcher._model_env(spec, "cpu")
     assert default_model(Settings(state_dir=tmp_path / "state"), model_name="smol").name == "smol"
 
 
@@ -117,6 +125,8 @@ def test_the_default_model_is_smollm2_once_fetched(monkeypatch: pytest.MonkeyPat
 )
 def test_the_default_dtype_follows_the_cpus_bf16_instructions(flags: str, dtype: str) -> None:
     assert default_model_dtype(flags) == dtype
+    # 4-bit kept weights only where bf16 runs fast: torch's CPU int4 kernel is slow in other activation dtypes
+    assert default_model_quantization(dtype) == ("cpu-int4" if dtype == "bfloat16" else "")
 
 
 def test_models_lists_what_the_workers_say_of_their_model() -> None:
