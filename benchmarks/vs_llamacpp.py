@@ -288,7 +288,8 @@ class LlamaCppPython:
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": str(threads)},
         )
-        self.version = self._ask({"op": "load", "model": str(model), "threads": threads, "n_ctx": n_ctx})["version"]
+        loaded = self._ask({"op": "load", "model": str(model), "threads": threads, "n_ctx": n_ctx})
+        self.version, self.system_info = loaded["version"], loaded.get("system_info")
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -586,6 +587,7 @@ def _measure(
     finally:
         if peer_c1 is not None:
             results["llama_cpp_python_version"] = peer_c1.version
+            results["llama_cpp_system_info"] = peer_c1.system_info
             peer_c1.close()
         if server is not None:
             results["llama_server_command"] = shlex.join(server.command)

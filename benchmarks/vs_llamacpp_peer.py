@@ -3,7 +3,8 @@
 
 It speaks JSON lines on stdin/stdout, one request per line, one answer per line:
 
-- ``{"op": "load", "model": PATH, "threads": N, "n_ctx": N}`` -> ``{"ok": true, "version": "0.3.36"}``
+- ``{"op": "load", "model": PATH, "threads": N, "n_ctx": N}`` -> ``{"ok": true, "version": "0.3.36",
+  "system_info": "CPU : SSE3 = 1 | ..."}``
 - ``{"op": "run", "prompts": [[ids], ...], "tokens": N}`` -> ``{"ok": true, "seconds": [...], "tokens": [[ids],
   ...], "texts": [...]}``: the prompts one after another (concurrency 1), each decoded greedily for exactly
   ``tokens`` tokens (an end-of-text token does not stop it, as ``ignore_eos`` does in the engine), timed from
@@ -51,7 +52,12 @@ def main() -> int:
                     n_gpu_layers=0,
                     verbose=False,
                 )
-                answer: dict[str, Any] = {"ok": True, "version": llama_cpp.__version__}
+                answer: dict[str, Any] = {
+                    "ok": True,
+                    "version": llama_cpp.__version__,
+                    # The instruction sets llama.cpp was built for (AVX512, AVX512_BF16, ...): was it native?
+                    "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+                }
             elif request["op"] == "run":
                 seconds, outputs, texts = [], [], []
                 for prompt in request["prompts"]:

@@ -23,6 +23,10 @@ FAKE_LLAMA_CPP = """
 __version__ = "0.0-fake"
 
 
+def llama_print_system_info():
+    return b"CPU : AVX512 = 1 | "
+
+
 class Llama:
     def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, n_gpu_layers, verbose):
         assert n_threads == n_threads_batch == 2 and n_ctx >= 64
@@ -97,7 +101,7 @@ def test_the_peers_are_driven_as_the_benchmark_expects(fake_env: Path, tmp_path:
 
     peer = vs_llamacpp.LlamaCppPython(tmp_path / "model.gguf", threads=2, n_ctx=256, env_dir=fake_env)
     try:
-        assert peer.version == "0.0-fake"
+        assert peer.version == "0.0-fake" and "AVX512" in peer.system_info
         peer.warm_up(prompts)
         tok_s, outputs = peer.c1(prompts, 5)
     finally:
