@@ -12,7 +12,9 @@ number of threads everywhere (issue 30).
 
 tok/s is generated tokens over wall time, prompt evaluation included (all systems keep their prompt caches on, as
 they serve). Each round runs every system once, interleaved, so a busy machine slows all of them alike; the best
-round of each system gives the ratios. Whether greedy outputs equal llama.cpp's is reported for information
+round of each system gives the ratios. The box is shared: before each measurement the run waits (``--quiet-wait``
+seconds at most) for a second in which other processes keep less than a third of a core busy, and records what it
+saw. Whether greedy outputs equal llama.cpp's is reported for information
 (the engine runs dequantized weights, llama.cpp the Q4_1 ones).
 
     python -m benchmarks.vs_llamacpp --setup              # once: the peers' environment (.bench-env/llamacpp)
@@ -196,6 +198,8 @@ class Measured:
     """One system's figures: tok/s per round, and the generated ids of its last round (one list per prompt)."""
 
     tok_s: list[float] = field(default_factory=list)
+    # Cores other processes kept busy in the second before each measurement (the box is shared).
+    busy_before: list[float | None] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     error: str | None = None
 
@@ -204,7 +208,41 @@ class Measured:
         return max(self.tok_s) if self.tok_s else None
 
     def as_json(self) -> dict[str, Any]:
-        return {"tok_s": [round(v, 2) for v in self.tok_s], "best_tok_s": self.best, "error": self.error}
+        return {
+            "tok_s": [round(v, 2) for v in self.tok_s],
+            "best_tok_s": self.best,
+            "busy_cores_before": [None if v is None else round(v, 2) for v in self.busy_before],
+            "error": self.error,
+        }
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot (Linux ``/proc/stat``)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def busy_cores(interval_s: float = 1.0) -> float:
+    """How many cores were busy over the next ``interval_s`` (this process sleeps meanwhile); 0 off Linux."""
+    try:
+        idle0, total0 = _cpu_times()
+        time.sleep(interval_s)
+        idle1, total1 = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    total = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / total) if total > 0 else 0.0
+
+
+def wait_quiet(max_wait_s: float, busy_max: float = 0.3) -> float:
+    """Wait (at most ``max_wait_s``) for a second in which other processes keep fewer than ``busy_max`` cores busy:
+    on a shared 2-core box one busy core halves a 2-thread run, and spinning thread barriers (OpenMP in torch and
+    llama.cpp alike) lose far more than that. Returns the busy cores of the last second seen."""
+    deadline = time.monotonic() + max_wait_s
+    busy = busy_cores()
+    while busy > busy_max and time.monotonic() < deadline:
+        busy = busy_cores()
+    return busy
 
 
 class Ours:
@@ -492,6 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": args.tokens,
             "threads": args.threads,
             "rounds": args.rounds,
+            "quiet_wait_s": args.quiet_wait,
             "concurrency": [1, CONCURRENCY],
         },
         "quantization": args.quantization,
@@ -561,6 +600,7 @@ def _measure(
         entry = measured.setdefault(key, Measured())
         if entry.error is not None:
             return
+        busy = wait_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
         try:
             tok_s, outputs = fn()
         except Exception as exc:
@@ -568,8 +608,10 @@ def _measure(
             progress(f"{key} failed: {entry.error}")
             return
         entry.tok_s.append(tok_s)
+        entry.busy_before.append(busy)
         entry.outputs = outputs
-        progress(f"  {key}: {tok_s:.1f} tok/s")
+        seen = "" if busy is None else f" (other processes busy on {busy:.2f} cores just before)"
+        progress(f"  {key}: {tok_s:.1f} tok/s{seen}")
 
     try:
         for round_no in range(1, args.rounds + 1):
@@ -690,12 +732,24 @@ def report(results: dict[str, Any]) -> str:
                 weights,
                 str(conc),
                 ", ".join(fmt(v) for v in m["tok_s"]) or "-",
+                ", ".join("-" if v is None else f"{v:.2f}" for v in m["busy_cores_before"]) or "-",
                 fmt(m["best_tok_s"]) if m["best_tok_s"] is not None else (m["error"] or "not measured"),
                 "1.00 (peer)" if key == peer_key else (f"{vs:.2f}x" if vs is not None else "-"),
             ]
         )
     lines.append(
-        markdown_table(["system", "weights", "concurrency", "tok/s per round", "best tok/s", "vs llama.cpp"], rows)
+        markdown_table(
+            [
+                "system",
+                "weights",
+                "concurrency",
+                "tok/s per round",
+                "others' busy cores before",
+                "best tok/s",
+                "vs peer",
+            ],
+            rows,
+        )
     )
     lines += ["", "Targets (best round against best round):"]
     for t in results["targets"]:
@@ -725,7 +779,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantization", default=None, help="passed as is to the engine's LLM(quantization=...) (default: none)"
     )
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds, best counts (default 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds, best counts (default 3)")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=None,
+        help="before each measurement wait up to this many seconds for a second with the box idle (default 60, "
+        "smoke 0)",
+    )
     parser.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2 Q4_1 the project fetches)")
     parser.add_argument("--out", default="vs_llamacpp.json", help="where the JSON results go")
     args = parser.parse_args(argv)
@@ -737,8 +798,10 @@ def main(argv: list[str] | None = None) -> int:
         args.skip_peers = True
         args.tokens = args.tokens or 8
         args.rounds = args.rounds or 1
+        args.quiet_wait = 0.0 if args.quiet_wait is None else args.quiet_wait
     args.tokens = args.tokens or 64
-    args.rounds = args.rounds or 2
+    args.rounds = args.rounds or 3
+    args.quiet_wait = 60.0 if args.quiet_wait is None else args.quiet_wait
     results = run(args)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(report(results))
