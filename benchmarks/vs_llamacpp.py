@@ -19,7 +19,7 @@ saw. Whether greedy outputs equal llama.cpp's is reported for information
 
     python -m benchmarks.vs_llamacpp --setup              # once: the peers' environment (.bench-env/llamacpp)
     python -m benchmarks.vs_llamacpp [--dtype float32,bfloat16] [--quantization Q] [--tokens 64] [--threads 2]
-        [--rounds 2] [--skip-peers] [--skip-hf] [--out vs_llamacpp.json]
+        [--rounds 3] [--quiet-wait 60] [--skip-peers] [--hf-dtype float32 | --skip-hf] [--out vs_llamacpp.json]
     python -m benchmarks.vs_llamacpp --smoke               # tiny random model, no peers, seconds (CI)
 
 ``--setup`` builds llama-cpp-python 0.3.36 from its sdist with pip (cmake compiles llama.cpp;
@@ -38,6 +38,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -561,9 +562,10 @@ def _measure(
 
     hf: dict[str, HFGenerate] = {}
     hf_error = None
-    if not args.skip_hf:
+    hf_dtypes = [] if args.skip_hf else [d.strip() for d in args.hf_dtype.split(",") if d.strip()]
+    if hf_dtypes:
         try:
-            for dtype in dtypes:
+            for dtype in hf_dtypes:
                 hf[dtype] = HFGenerate(hf_folder, dtype)
         except Exception as exc:  # a reference only: say why it is missing and go on
             hf_error = f"{type(exc).__name__}: {exc}"
@@ -767,11 +769,21 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", action="store_true", help="only build/install the peers into .bench-env/llamacpp")
     parser.add_argument("--skip-peers", action="store_true", help="measure the engine (and transformers) only")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the transformers generate reference")
+    parser.add_argument(
+        "--hf-dtype",
+        default="float32",
+        help="dtypes of the transformers reference, comma-separated (default float32: on a busy 2-core box each "
+        "costs minutes a round)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random-weight model, no peers, a few seconds")
     parser.add_argument("--tokens", type=int, default=None, help="greedy tokens per prompt (default 64, smoke 8)")
     parser.add_argument("--threads", type=int, default=2)
@@ -790,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2 Q4_1 the project fetches)")
     parser.add_argument("--out", default="vs_llamacpp.json", help="where the JSON results go")
     args = parser.parse_args(argv)
+    # A stop by signal unwinds like Ctrl-C, so the peer subprocesses are closed (a background job ignores SIGINT).
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _raise_interrupt)
     if args.setup:
         done = setup()
         print(json.dumps(done, indent=2))
