@@ -14,8 +14,8 @@ tok/s is generated tokens over wall time, prompt evaluation included (all system
 they serve). Each round runs every system once, interleaved, so a busy machine slows all of them alike; the best
 round of each system gives the ratios. The box is shared: before each measurement the run waits (``--quiet-wait``
 seconds at most) for a second in which other processes keep less than a third of a core busy, and records what it
-saw. Whether greedy outputs equal llama.cpp's is reported for information
-(the engine runs dequantized weights, llama.cpp the Q4_1 ones).
+saw then and how many cores other processes kept busy while the measurement ran. Whether greedy outputs equal
+llama.cpp's is reported for information (the engine runs dequantized weights, llama.cpp the Q4_1 ones).
 
     python -m benchmarks.vs_llamacpp --setup              # once: the peers' environment (.bench-env/llamacpp)
     python -m benchmarks.vs_llamacpp [--dtype float32,bfloat16] [--quantization Q] [--tokens 64] [--threads 2]
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, fmt, free_port, markdown_table, progress
+from benchmarks.common import REPO_ROOT, fmt, free_port, markdown_table, process_cpu_seconds, progress
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 ENV_DIR = REPO_ROOT / ".bench-env" / "llamacpp"
@@ -201,6 +201,8 @@ class Measured:
     tok_s: list[float] = field(default_factory=list)
     # Cores other processes kept busy in the second before each measurement (the box is shared).
     busy_before: list[float | None] = field(default_factory=list)
+    # Cores other processes kept busy, on average, while it ran: the box's busy time less this run's processes'.
+    busy_during: list[float | None] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     error: str | None = None
 
@@ -213,6 +215,7 @@ class Measured:
             "tok_s": [round(v, 2) for v in self.tok_s],
             "best_tok_s": self.best,
             "busy_cores_before": [None if v is None else round(v, 2) for v in self.busy_before],
+            "busy_cores_during": [None if v is None else round(v, 2) for v in self.busy_during],
             "error": self.error,
         }
 
@@ -221,6 +224,33 @@ def _cpu_times() -> tuple[int, int]:
     """(idle, total) jiffies of all CPUs since boot (Linux ``/proc/stat``)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     return fields[3] + fields[4], sum(fields[:8])
+
+
+class OthersBusy:
+    """Cores that processes other than ``pids`` kept busy between ``start`` and ``stop``: all CPUs' busy time
+    (``/proc/stat``) less the CPU time of ``pids`` (all their threads), over the wall time; None off Linux."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self._start: tuple[float, float, float] | None = None
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        try:
+            idle, total = _cpu_times()
+            ours = sum(process_cpu_seconds(pid) for pid in self.pids)
+        except (OSError, ValueError, IndexError):
+            return None
+        return (total - idle) / os.sysconf("SC_CLK_TCK"), ours, time.perf_counter()
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def stop(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return None
+        others = (end[0] - self._start[0]) - (end[1] - self._start[1])
+        return max(0.0, others / (end[2] - self._start[2]))
 
 
 def busy_cores(interval_s: float = 1.0) -> float:
@@ -603,16 +633,21 @@ def _measure(
         if entry.error is not None:
             return
         busy = wait_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+        others = OthersBusy([os.getpid()] + [p.process.pid for p in (peer_c1, server) if p is not None])
+        others.start()
         try:
             tok_s, outputs = fn()
         except Exception as exc:
             entry.error = f"{type(exc).__name__}: {exc}"
             progress(f"{key} failed: {entry.error}")
             return
+        during = others.stop()
         entry.tok_s.append(tok_s)
         entry.busy_before.append(busy)
+        entry.busy_during.append(during)
         entry.outputs = outputs
-        seen = "" if busy is None else f" (other processes busy on {busy:.2f} cores just before)"
+        seen = "" if busy is None else f"; other processes busy on {busy:.2f} cores just before"
+        seen += "" if during is None else f", {during:.2f} during"
         progress(f"  {key}: {tok_s:.1f} tok/s{seen}")
 
     try:
@@ -696,6 +731,10 @@ def _sample_texts(ours: dict[str, Ours], measured: dict[str, Measured], dtypes: 
     }
 
 
+def _opt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def report(results: dict[str, Any]) -> str:
     """The markdown a reader sees: what ran, one row per system, the ratios against the targets."""
     w = results["workload"]
@@ -734,7 +773,11 @@ def report(results: dict[str, Any]) -> str:
                 weights,
                 str(conc),
                 ", ".join(fmt(v) for v in m["tok_s"]) or "-",
-                ", ".join("-" if v is None else f"{v:.2f}" for v in m["busy_cores_before"]) or "-",
+                ", ".join(
+                    f"{_opt(before)} / {_opt(during)}"
+                    for before, during in zip(m["busy_cores_before"], m["busy_cores_during"], strict=True)
+                )
+                or "-",
                 fmt(m["best_tok_s"]) if m["best_tok_s"] is not None else (m["error"] or "not measured"),
                 "1.00 (peer)" if key == peer_key else (f"{vs:.2f}x" if vs is not None else "-"),
             ]
@@ -746,7 +789,7 @@ def report(results: dict[str, Any]) -> str:
                 "weights",
                 "concurrency",
                 "tok/s per round",
-                "others' busy cores before",
+                "others' busy cores before / during",
                 "best tok/s",
                 "vs peer",
             ],
