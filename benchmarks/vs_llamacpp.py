@@ -322,6 +322,10 @@ class HFGenerate:
 
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        # As ignore_eos elsewhere: run past end-of-text and keep it as a token. (min_new_tokens would instead mask
+        # it, so a model that ends early would be made to pick its second choice and differ from the engine.)
+        self.pad_token_id = self.model.generation_config.eos_token_id
+        self.model.generation_config.eos_token_id = None
 
     def _one(self, prompt: list[int], tokens: int) -> list[int]:
         ids = self.torch.tensor([prompt])
@@ -330,9 +334,8 @@ class HFGenerate:
                 input_ids=ids,
                 attention_mask=self.torch.ones_like(ids),
                 max_new_tokens=tokens,
-                min_new_tokens=tokens,  # no early end-of-text, as ignore_eos elsewhere
                 do_sample=False,
-                pad_token_id=self.model.generation_config.eos_token_id,
+                pad_token_id=self.pad_token_id,
             )
         return [int(t) for t in out[0, len(prompt) :]]
 
