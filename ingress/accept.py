@@ -78,6 +78,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         counted: int | None = None  # the prompt's exact tokens, when counted with the model's tokenizer
         if service.settings.ingress_count_prompt_tokens:
             inference, counted = await _fit_context(service.tokenizers, inference, body, heartbeats)
+        request.state.prompt_tokens = counted  # the running usage of a ``continuous_usage_stats`` stream
         quota = claim_for(inference, service.settings, key_id=caller.key_id, key_limits=limits, prompt_tokens=counted)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 from fastapi import Request
@@ -17,7 +18,7 @@ from schemas import StreamEvent
 from sluicegate.api.assembler import StreamAssembler
 from sluicegate.api.errors import ApiError, error_body
 from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
-from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, sse
+from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, running_usage, sse
 
 from .service import IngressService
 from .telemetry import IngressMetrics
@@ -90,16 +91,34 @@ async def sse_events(
     accepted_at: float,
     metrics: IngressMetrics,
     plan: ChoicePlan | None = None,
+    continuous_usage: bool = False,
+    prompt_tokens: int | None = None,
 ) -> AsyncIterator[str]:
     """OpenAI server-sent events for one request; cancels it when the client goes away mid-stream (or the
-    relay cannot go on)."""
+    relay cannot go on).
+
+    ``continuous_usage`` is vLLM's ``continuous_usage_stats``: every chunk carries the usage so far instead of
+    null, counting the prompt as ``prompt_tokens`` (ingress's exact count). Where ingress could not count the
+    prompt (no tokenizer published yet) the chunks before the worker's ``done`` keep null rather than guess,
+    and the closing chunks carry the worker's exact figures.
+    """
     cancel_reason: str | None = "client_disconnected"
     first_text = True
     chunks = ChoiceChunks(plan or ChoicePlan(ids.kind))
+    assembler = StreamAssembler()
+
+    def chunk(choice: dict[str, Any]) -> str:
+        usage = None
+        if continuous_usage and assembler.done is not None:
+            done = assembler.done.usage
+            usage = running_usage(done.prompt_tokens, done.completion_tokens)
+        elif continuous_usage and prompt_tokens is not None:
+            usage = running_usage(prompt_tokens, assembler.completion_tokens)
+        return sse(ids.choices_chunk([choice], include_usage=include_usage, usage=usage))
+
     try:
         for choice in chunks.opening():
-            yield sse(ids.choices_chunk([choice], include_usage=include_usage))
-        assembler = StreamAssembler()
+            yield chunk(choice)
         try:
             async for event in service.events(ids.request_id, timeout_s=service.settings.request_timeout_s):
                 deltas = assembler.feed_choices(event)
@@ -112,7 +131,7 @@ async def sse_events(
                     metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
                     first_text = False
                 for choice in chunks.feed(deltas):
-                    yield sse(ids.choices_chunk([choice], include_usage=include_usage))
+                    yield chunk(choice)
         except TimeoutError as exc:
             cancel_reason = "timeout"
             yield sse(error_body(str(exc), type_="server_error", code="timeout"))
@@ -128,7 +147,7 @@ async def sse_events(
             return
         assert assembler.done is not None
         for choice in chunks.close_all(assembler):
-            yield sse(ids.choices_chunk([choice], include_usage=include_usage))
+            yield chunk(choice)
         if include_usage:
             yield sse(ids.usage_chunk(assembler.done.usage))
         yield SSE_DONE

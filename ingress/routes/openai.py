@@ -54,6 +54,8 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
             accepted_at=accepted_at,
             metrics=service.metrics,
             plan=plan,
+            continuous_usage=body.continuous_usage,
+            prompt_tokens=getattr(request.state, "prompt_tokens", None),
         )
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)

@@ -1,5 +1,6 @@
-"""Operations endpoints, open without a key: ``/healthz`` (the process is up), ``/readyz`` (Redis and Kafka
-answer) and ``/metrics`` (Prometheus)."""
+"""Operations endpoints, open without a key: ``/healthz`` (the process is up; also ``/health``, where vLLM, SGLang
+and TGI answer it and load generators such as guidellm look), ``/readyz`` (Redis and Kafka answer) and
+``/metrics`` (Prometheus)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..openapi import Health, Readiness, ok, plain_text
 router = APIRouter(tags=["ops"])
 
 
+@router.get("/health", responses=ok(Health))
 @router.get("/healthz", responses=ok(Health))
 async def healthz(request: Request) -> dict[str, Any]:
     service = service_of(request)

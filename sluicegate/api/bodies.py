@@ -75,17 +75,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    """OpenAI's ``stream_options``."""
+    """OpenAI's ``stream_options``, plus vLLM's ``continuous_usage_stats``: with ``include_usage`` too, every
+    chunk carries the running usage (load generators such as guidellm send it on every request)."""
 
     include_usage: bool = False
-    continuous_usage_stats: Annotated[bool, _only(False)] = False
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _no_continuous(cls, value: bool) -> bool:
-        if value:
-            raise _unsupported("per-chunk usage statistics are not supported")
-        return value
+    continuous_usage_stats: bool = False
 
 
 StopField = Annotated[
@@ -202,6 +196,11 @@ class _OpenAIBody(_SamplingBody):
     def include_usage(self) -> bool:
         """Whether a streaming response ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the running usage (vLLM's rule: only together with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionBody(_OpenAIBody):

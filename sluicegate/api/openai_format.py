@@ -79,6 +79,15 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
     return body
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage one chunk of a ``continuous_usage_stats`` stream carries: the tokens so far, as vLLM counts them."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 @dataclass(frozen=True)
 class ResponseIds:
     """What every object of one response shares."""
@@ -103,12 +112,18 @@ class ResponseIds:
         }
 
     # --- streaming ------------------------------------------------------------------------------
-    def choices_chunk(self, choices: list[dict[str, Any]], *, include_usage: bool = False) -> dict[str, Any]:
-        """A chunk carrying already-shaped choices (chat: ``index``/``delta``...; completion: ``index``/``text``...)."""
+    def choices_chunk(
+        self, choices: list[dict[str, Any]], *, include_usage: bool = False, usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        """A chunk carrying already-shaped choices (chat: ``index``/``delta``...; completion: ``index``/``text``...).
+
+        With ``include_usage`` the chunk carries ``usage``: null as OpenAI sends it, or the running counts of
+        :func:`running_usage` (vLLM's ``continuous_usage_stats``).
+        """
         body = self._base("chat.completion.chunk" if self.kind == "chat" else "text_completion")
         body["choices"] = choices
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage
         return body
 
     def chunk(

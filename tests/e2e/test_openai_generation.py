@@ -344,3 +344,26 @@ def test_contradictions_and_bad_schemas_name_the_parameter(pipeline: Pipeline) -
         assert response.status_code in (400, 422), response.text
         error = response.json()["error"]
         assert (param or "response_format") in (error["param"] or "") + error["message"], error
+
+
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(pipeline: Pipeline) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``, which guidellm sends on every streamed request: each chunk
+    carries the tokens so far, ending at the figures of the closing usage chunk."""
+    chunks = list(
+        _chat(
+            pipeline,
+            stream=True,
+            max_tokens=12,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    completions = [c.usage.completion_tokens for c in with_choices]
+    assert completions == sorted(completions) and completions[0] == 0
+    assert completions[-1] == final.usage.completion_tokens > 0
+    for c in with_choices:
+        assert c.usage.prompt_tokens == final.usage.prompt_tokens > 0
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens

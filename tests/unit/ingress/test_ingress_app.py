@@ -125,6 +125,7 @@ async def test_a_browser_on_another_origin_can_read_retry_after_and_the_request_
 
 async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json()["status"] == "ok"
+    assert (await client.get("/health")).status_code == 200  # where vLLM answers it and load generators look
     await client.post("/v1/chat/completions", json=CHAT)
     text = (await client.get("/metrics")).text
     assert 'sluicegate_ingress_requests_total{method="POST",route="/v1/chat/completions",status="401"} 1.0' in text
