@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import sys
@@ -61,6 +62,7 @@ from benchmarks.pipeline_report import (
     tracing_split_table,
 )
 from benchmarks.pipeline_stack import Stack, start_stack
+from benchmarks.pyspy import Profiles
 from sluicegate.settings import Settings
 
 # Not the defaults (9092/6379) nor the test session's (19092/16379).
@@ -153,6 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="off: SLUICEGATE_METRICS_ENABLED=false in every service (what the always-on metrics cost, paired "
         "with an 'on' run)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="record a py-spy flame graph of every Python process of the pipeline at each rate into this folder "
+        "(<rate>rps-<process>.svg); the samplers take CPU of their own, so a profiled run shows where time goes, "
+        "and its latency figures do not compare with an unprofiled run's",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -193,16 +202,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rate in rates:
             progress(f"{rate:g} req/s for {args.duration:g} s ...")
             before, cpu_before = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())
-            samples = asyncio.run(
-                run_rate(
-                    stack,
-                    rate,
-                    args.duration,
-                    max_tokens=args.max_tokens,
-                    seed=args.seed,
-                    mixed_tracing=args.tracing == "mixed",
+            with Profiles(args.profile, f"{rate:g}rps", stack.pids()) if args.profile else contextlib.nullcontext():
+                samples = asyncio.run(
+                    run_rate(
+                        stack,
+                        rate,
+                        args.duration,
+                        max_tokens=args.max_tokens,
+                        seed=args.seed,
+                        mixed_tracing=args.tracing == "mixed",
+                    )
                 )
-            )
             after, cpu_after = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())
             stack.check_alive()
             level = Level(rate, args.duration, samples)
