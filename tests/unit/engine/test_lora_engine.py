@@ -185,3 +185,20 @@ def test_refusals(adapters: dict[str, Adapters], model_dir: Callable[[str], Path
         EngineConfig(model=str(base), enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(model=str(base), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_fp8_kv_cache_with_adapters(
+    adapters: dict[str, Adapters], references: Callable[[str], MergedReference], make_llm: Callable[..., LLM]
+) -> None:
+    # A lossy cache is not held to exact greedy parity (DESIGN.md): the adapter runs with it, each prompt's first
+    # token matches the merged reference, and the adapter still steers the output away from the base model's.
+    ads, ref = adapters["llama"], references("llama")
+    llm = make_llm(ref.base, enable_lora=True, kv_cache_dtype="fp8")
+    prompts = _prompts(8, (5, 17, 30, 12))
+    lora = _lora(ads, 8)
+    outputs = llm.generate(prompts, _greedy(), lora_request=lora)
+    base_outputs = llm.generate(prompts, _greedy())
+    for out, base_out, prompt in zip(outputs, base_outputs, prompts, strict=True):
+        assert out.token_ids[0] == ref.greedy(ads[8], prompt, 8)[0]
+        assert base_out.token_ids[0] == ref.greedy(None, prompt, 8)[0]
+    assert any(o.token_ids != b.token_ids for o, b in zip(outputs, base_outputs, strict=True))
