@@ -106,7 +106,7 @@ def test_more_adapters_than_slots(
     llm = make_llm(ref.base, enable_lora=True, max_loras=2)
     _check(llm, ref, prompts, loras)
     slots = llm.engine.lora.slots
-    assert slots.num_loads > 4, "slots were not reused"
+    assert slots.num_loads >= 4, "four adapters went through two slots"
     assert len(slots.resident) == 2
 
 
@@ -202,3 +202,27 @@ def test_fp8_kv_cache_with_adapters(
         assert out.token_ids[0] == ref.greedy(ads[8], prompt, 8)[0]
         assert base_out.token_ids[0] == ref.greedy(None, prompt, 8)[0]
     assert any(o.token_ids != b.token_ids for o, b in zip(outputs, base_outputs, strict=True))
+
+
+def test_request_without_a_slot_does_not_block_others(
+    adapters: dict[str, Adapters], references: Callable[[str], MergedReference], make_llm: Callable[..., LLM]
+) -> None:
+    ads, ref = adapters["llama"], references("llama")
+    llm = make_llm(ref.base, enable_lora=True, max_loras=1)
+    engine = llm.engine
+    prompts = _prompts(9, (11, 7, 9, 13))
+    plan = [(4, 12), (8, 4), (None, 4), (4, 4)]  # (adapter rank, max tokens) in arrival order
+    ids = [
+        engine.add_request(p, _greedy(n), lora_request=_lora(ads, r) if r else None)
+        for p, (r, n) in zip(prompts, plan, strict=True)
+    ]
+    finals = {}
+    engine.step()
+    # r4 holds the only slot: r8's request waits, while the base request and r4's second one behind it run.
+    running = {seq.request_id for seq in engine.scheduler.running}
+    assert running == {ids[0], ids[2], ids[3]}
+    assert [seq.request_id for seq in engine.scheduler.waiting] == [ids[1]]
+    while engine.has_unfinished():
+        finals.update({d.request_id: d.final for d in engine.step() if d.final is not None})
+    for rid, prompt, (rank, n) in zip(ids, prompts, plan, strict=True):
+        assert finals[rid].token_ids == ref.greedy(ads[rank] if rank else None, prompt, n)
