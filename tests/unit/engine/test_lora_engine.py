@@ -149,17 +149,26 @@ def test_prefix_cache_is_keyed_by_adapter(
         assert out.metrics.num_cached_tokens == 48  # three full blocks of its own adapter's earlier run
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_with_adapters(
-    adapters: dict[str, Adapters], references: Callable[[str], MergedReference], make_llm: Callable[..., LLM]
-) -> None:
+    method: str, adapters: dict[str, Adapters], references: Callable[[str], MergedReference],
+    make_llm: Callable[..., LLM],
+) -> None:  # fmt: skip
     ads, ref = adapters["llama"], references("llama")
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        # The draft is the base model without the adapters: the target (with them) verifies, so outputs stay exact.
+        spec = {"method": "draft_model", "model": str(ref.base), "num_speculative_tokens": 3}
     llm = make_llm(ref.base, enable_lora=True, speculative_config=spec)
     rng = random.Random(6)
     # Repetitive prompts, so the n-gram proposer drafts and the adapters' verification decides.
     prompts = [[rng.randrange(3, 40) for _ in range(n)] * 3 for n in (6, 9, 5)]
     _check(llm, ref, prompts, [_lora(ads, 4), None, _lora(ads, 16)], max_tokens=16)
-    assert llm.engine.stats().spec_num_draft_tokens > 0
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    if method == "draft_model":  # the base prompt's drafts are the target's own tokens: accepted
+        assert stats.spec_num_accepted_tokens > 0
 
 
 def test_refusals(adapters: dict[str, Adapters], model_dir: Callable[[str], Path], make_llm: Callable[..., LLM],
