@@ -17,6 +17,7 @@ from ..distributed.ranks import TensorParallelRanks, TPModelRunner
 from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
 from ..guided import GuidedDecoding
+from ..lora.peft_files import AdapterSpec, check_adapter
 from ..lora.request import LoRARequest
 from ..models.loader import load_model
 from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
@@ -127,6 +128,11 @@ class LLMEngine:
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unload an adapter (once its unfinished requests are done); False when it is not loaded."""
         return self._lora_manager().remove(lora_int_id)
+
+    def check_lora(self, lora_path: str) -> AdapterSpec:
+        """Vet an adapter folder against this engine's model and ``max_lora_rank`` without loading it (its config and
+        safetensors header only); ``LoRAError`` (one line) naming why it cannot be used."""
+        return check_adapter(lora_path, self.loaded.hf_config, max_lora_rank=self._lora_manager().max_lora_rank)
 
     def list_loras(self) -> list[LoRARequest]:
         """Adapters loaded on this engine (CPU pool or device slots); empty without ``enable_lora``."""

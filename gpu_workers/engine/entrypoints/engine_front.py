@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..core.request import EngineRequest, PromptInput
+from ..lora.peft_files import AdapterSpec
 from ..lora.request import LoRARequest
 from ..outputs import EngineStats, RequestDelta
 from ..sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class RequestStream:
 
 
 #: ``LLMEngine`` methods a front may run on the step loop through ``_engine_call`` (and nothing else).
-ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras"})
+ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "check_lora"})
 
 
 class EngineFront(ABC):
@@ -135,6 +136,13 @@ class EngineFront(ABC):
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Unload an adapter (once its unfinished requests are done); False when it is not loaded."""
         return bool(await self._engine_call("remove_lora", lora_int_id))
+
+    async def check_lora(self, lora_path: str) -> AdapterSpec:
+        """Vet an adapter folder against the engine's model and ``max_lora_rank`` without loading it; its
+        ``AdapterSpec`` (rank, alpha, target modules, base), or ``LoRAError`` (one line) naming the problem."""
+        spec = await self._engine_call("check_lora", lora_path)
+        assert isinstance(spec, AdapterSpec)
+        return spec
 
     async def list_loras(self) -> list[LoRARequest]:
         """Adapters loaded on the engine (CPU pool or device slots)."""

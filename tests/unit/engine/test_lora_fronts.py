@@ -39,6 +39,9 @@ async def test_adapter_calls_and_requests(kind: str, lora_setup: tuple[Path, lis
     )
     r4, r8 = LoRARequest("r4", 1, str(a4)), LoRARequest("r8", 2, str(a8))
     async with front:
+        spec = await front.check_lora(str(a8))
+        assert (spec.rank, spec.alpha, len(spec.target_modules)) == (8, 16.0, 7)
+        assert await front.list_loras() == []  # checked, not loaded
         assert await front.add_lora(r4)
         assert not await front.add_lora(r4)
         assert await front.list_loras() == [r4]
@@ -47,6 +50,8 @@ async def test_adapter_calls_and_requests(kind: str, lora_setup: tuple[Path, lis
         (broken / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "use_dora": true}')
         with pytest.raises(LoRAError, match="DoRA adapters"):
             await front.add_lora(LoRARequest("broken", 3, str(broken)))
+        with pytest.raises(LoRAError, match="DoRA adapters"):
+            await front.check_lora(str(broken))
         # A request naming an adapter that cannot load fails alone; the engine serves the next ones.
         with pytest.raises(ValueError, match="DoRA adapters"):
             await _tokens(front, PROMPTS[0], LoRARequest("broken", 3, str(broken)))
