@@ -192,3 +192,36 @@ def test_triton_path_matches_per_token_reference(mix: str, dtype: torch.dtype, m
     monkeypatch.setattr(lora_kernels, "_triton_add_lora", lambda: counting)
     _run_case(mix, dtype, device, "auto", seed=7)
     assert len(calls) == 3  # one launch per slice: the Triton path ran, not the torch fallback
+
+
+def test_triton_kernels_mask_base_and_padding_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-token metadata with base tokens (slot -1) and an empty padding segment, the fixed-grid form a CUDA
+    graph would replay: base rows and the padding stay untouched."""
+    device = _triton_ready(monkeypatch)
+    batch = LoRABatch.from_runs(MIXES["decode_mix"], device)
+    token_slots = batch.token_slots.tolist()
+    tokens = batch.num_tokens
+    starts, lens, slots = [*range(tokens), 0], [1] * tokens + [0], [*token_slots, 1]
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    per_token = dataclasses.replace(
+        batch,
+        seg_starts=ints(starts),
+        seg_lens=ints(lens),
+        seg_slots=ints(slots),
+        seg_starts_list=tuple(starts),
+        seg_lens_list=tuple(lens),
+        seg_slots_list=tuple(slots),
+        max_seg_len=1,
+    )
+    a, b, scales, _ = _stacks(5, 16, 40, 30, torch.float32, device, 5)
+    # The stacks are views one slot into their storage: an unmasked slot -1 would read that poison slot.
+    scales[0] = 1e3
+    a, b, scales = a[1:], b[1:], scales[1:]
+    x = torch.randn(tokens, 40, device=device)
+    y = torch.randn(tokens, 30, device=device)
+    ref = _reference(y, x, a, b, scales, token_slots, 0)
+    add_lora(y, x, a, b, scales, per_token)
+    _assert_matches(y, ref)
