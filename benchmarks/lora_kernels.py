@@ -27,31 +27,34 @@ from gpu_workers.engine.lora import LoRABatch, add_lora
 
 LAYERS = 30
 HIDDEN, INTERMEDIATE, KV = 576, 1536, 192
-# (in, [out of each slice]) per merged projection: qkv, o, gate_up, down.
+# (name, in, [(slice, out)]) per merged projection: qkv, o, gate_up, down.
 PROJECTIONS = (
-    (HIDDEN, (HIDDEN, KV, KV)),
-    (HIDDEN, (HIDDEN,)),
-    (HIDDEN, (INTERMEDIATE,) * 2),
-    (INTERMEDIATE, (HIDDEN,)),
+    ("qkv", HIDDEN, (("q", HIDDEN), ("k", KV), ("v", KV))),
+    ("o", HIDDEN, (("o", HIDDEN),)),
+    ("gate_up", HIDDEN, (("gate", INTERMEDIATE), ("up", INTERMEDIATE))),
+    ("down", INTERMEDIATE, (("down", HIDDEN),)),
 )
 
 
-def best_ms(step: Callable[[], object], rounds: int, device: torch.device) -> float:
-    step()
-    best = float("inf")
-    for _ in range(rounds):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
+def best_ms(steps: dict[str, Callable[[], object]], rounds: int, device: torch.device) -> dict[str, float]:
+    """Best of ``rounds`` per step, the steps interleaved round by round so load from neighbours hits all alike."""
+    best = dict.fromkeys(steps, float("inf"))
+    for step in steps.values():
         step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
+    for _ in range(rounds):
+        for name, step in steps.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
 def model_calls(
-    tokens: int, slots: int, rank: int, dtype: torch.dtype, device: torch.device
+    tokens: int, slots: int, rank: int, dtype: torch.dtype, device: torch.device, targets: set[str]
 ) -> tuple[Callable[[], None], Callable[[LoRABatch], None]]:
     """(all base linears of a step, all add_lora calls of a step for a given batch), each layer its own weights."""
     gen = torch.Generator().manual_seed(0)
@@ -64,17 +67,15 @@ def model_calls(
     base: list[tuple[torch.Tensor, torch.Tensor]] = []
     lora: list[tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, int]]]] = []
     for _ in range(LAYERS):
-        for k, outs in PROJECTIONS:
+        for _, k, parts in PROJECTIONS:
+            outs = [n for _, n in parts]
             base.append((xs[k], rand(sum(outs), k)))
             y = torch.zeros(tokens, sum(outs), device=device, dtype=dtype)
             offsets = [sum(outs[:i]) for i in range(len(outs))]
-            lora.append(
-                (
-                    xs[k],
-                    y,
-                    [(rand(slots, rank, k), rand(slots, n, rank), off) for n, off in zip(outs, offsets, strict=True)],
-                )
-            )
+            adapted = [(rand(slots, rank, k), rand(slots, n, rank), off)
+                       for (name, n), off in zip(parts, offsets, strict=True) if name in targets]  # fmt: skip
+            if adapted:
+                lora.append((xs[k], y, adapted))
 
     def base_step() -> None:
         for x, w in base:
@@ -98,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=256, help="prefill batch: tokens")
     parser.add_argument("--prefill-segments", type=int, default=4, help="prefill batch: adapter runs")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--targets", default="q,k,v,o,gate,up,down", help="adapted slices (PEFT's default: q,v)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    targets = set(args.targets.split(","))
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), best of {args.rounds}, rank {args.rank}, "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"targets {args.targets}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print("| dtype | batch | base linears ms | add_lora gather ms | add_lora segments ms |")
     print("| --- | --- | ---: | ---: | ---: |")
     decode = [(i % args.adapters, 1) for i in range(args.tokens)]
@@ -112,17 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, runs in ((f"decode {args.tokens}x1, {args.adapters} adapters", decode),
                            (f"prefill {args.prefill_segments}x{per}", prefill)):  # fmt: skip
             tokens = sum(n for _, n in runs)
-            base_step, lora_step = model_calls(tokens, args.adapters, args.rank, dtype, device)
+            base_step, lora_step = model_calls(tokens, args.adapters, args.rank, dtype, device, targets)
             batch = LoRABatch.from_runs(runs, device)
-            base_ms = best_ms(base_step, args.rounds, device)
             # Both torch strategies whatever the threshold picks (on CUDA both read as the Triton path).
-            ms: dict[bool, float] = {}
-            for strategy in (False, True):
-                forced = dataclasses.replace(batch, use_segments=strategy)
-                ms[strategy] = best_ms(lambda b=forced, f=lora_step: f(b), args.rounds, device)
+            ms = best_ms(
+                {
+                    "base": base_step,
+                    "gather": lambda b=dataclasses.replace(batch, use_segments=False), f=lora_step: f(b),
+                    "segments": lambda b=dataclasses.replace(batch, use_segments=True), f=lora_step: f(b),
+                },
+                args.rounds,
+                device,
+            )
             chosen = "segments" if batch.use_segments else "gather"
-            print(f"| {str(dtype).removeprefix('torch.')} | {name} (picks {chosen}) | {base_ms:.1f} | "
-                  f"{ms[False]:.1f} | {ms[True]:.1f} |", flush=True)  # fmt: skip
+            print(f"| {str(dtype).removeprefix('torch.')} | {name} (picks {chosen}) | {ms['base']:.1f} | "
+                  f"{ms['gather']:.1f} | {ms['segments']:.1f} |", flush=True)  # fmt: skip
     return 0
 
 
