@@ -61,8 +61,10 @@ def _shrink_kernel(
     n = tl.load(seg_lens_ptr + seg)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Programs past the segment's end (the grid is sized by the longest segment) are fully masked.
-    row_mask = rows < n
+    # Programs past the segment's end (the grid is sized by the longest segment) are fully masked, and so
+    # are base-model segments (slot -1): padded per-token metadata, as a CUDA graph would replay, is valid.
+    row_mask = rows < tl.where(slot >= 0, n, 0)
+    slot = tl.maximum(slot, 0)
     tokens = (start + rows).to(tl.int64)
     ranks = tl.arange(0, BLOCK_R)
     rank_mask = ranks < R
@@ -82,7 +84,7 @@ def _shrink_kernel(
             other=0.0,
         )
         acc += tl.dot(xt.to(DOT_DTYPE), at.to(DOT_DTYPE), input_precision=PRECISION)
-    acc *= tl.load(scales_ptr + slot)
+    acc *= tl.load(scales_ptr + slot)  # slot was clamped to 0 for base segments; their rows are masked
     tl.store(
         h_ptr + tokens[:, None] * stride_ht + ranks[None, :] * stride_hr,
         acc,
@@ -118,7 +120,8 @@ def _expand_kernel(
     n = tl.load(seg_lens_ptr + seg)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n
+    row_mask = rows < tl.where(slot >= 0, n, 0)
+    slot = tl.maximum(slot, 0)
     tokens = (start + rows).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
