@@ -86,3 +86,38 @@ def test_decode_graph_path_skips_adapter_batches(
     assert not runs, "a decode batch with adapter tokens replayed the graph captured without adapters"
     for out, prompt, path in zip(outs, prompts, (adapter, None, adapter), strict=True):
         assert out.token_ids == ref.greedy(path, prompt, 6)
+
+
+def test_engine_through_the_triton_kernels(
+    model_dir: Callable[[str], Path], tmp_path: Path, make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path a GPU takes (the Triton shrink/expand kernels), run by Triton's interpreter on the CPU."""
+    from gpu_workers.engine.lora import kernels as lora_kernels
+
+    try:
+        from gpu_workers.engine.lora import triton_lora
+    except ImportError:
+        pytest.skip("triton is not installed")
+    if not triton_lora.INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 before triton's first import")
+    monkeypatch.setattr(lora_kernels, "TRITON_ON_CPU", True)
+    calls: list[int] = []
+    launcher = lora_kernels._triton_add_lora()
+    assert launcher is not None
+
+    def counting(*args: object) -> None:
+        calls.append(1)
+        launcher(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora_kernels, "_TRITON_ADD", counting)
+    base = model_dir("llama")
+    adapters = [make_adapter(base, tmp_path / f"r{r}", r, seed=30 + r) for r in (4, 16)]
+    ref = MergedReference(base)
+    llm = make_llm(base, enable_lora=True)
+    prompts = [[5, 9, 200, 31, 77], [400, 401, 3, 3, 8, 12, 19, 140, 141, 142, 143, 144, 145, 146, 147, 148, 149]]
+    loras = [LoRARequest("r4", 1, str(adapters[0])), LoRARequest("r16", 2, str(adapters[1])), None]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompts[0], prompts[1], prompts[1]], params, lora_request=loras)
+    assert calls, "the Triton kernels did not run"
+    for out, prompt, path in zip(outs, [prompts[0], prompts[1], prompts[1]], [*adapters, None], strict=True):
+        assert out.token_ids == ref.greedy(path, prompt, 4)
