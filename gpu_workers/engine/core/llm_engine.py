@@ -17,6 +17,7 @@ from ..distributed.ranks import TensorParallelRanks, TPModelRunner
 from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
 from ..guided import GuidedDecoding
+from ..lora.manager import LoRAManager
 from ..lora.peft_files import AdapterSpec, check_adapter
 from ..lora.request import LoRARequest
 from ..models.loader import load_model
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from ..guided.compiler import GrammarCompiler
     from ..guided.matcher import GuidedState
     from ..guided.utf8_mask import Utf8Table
-    from ..lora.manager import LoRAManager
 
 
 class LLMEngine:
@@ -55,7 +55,7 @@ class LLMEngine:
         self.vocab_size = self.loaded.vocab_size
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora)
         # LoRA layers wrap the projections before the cache is sized, so their slot stacks count as used memory.
-        self.lora = self._build_lora(config) if config.enable_lora else None
+        self.lora = LoRAManager.for_engine(self.loaded, config) if config.enable_lora else None
         block_size = config.block_size
         kv_dtype = config.kv_cache_torch_dtype
         backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype, kv_dtype)
@@ -105,20 +105,6 @@ class LLMEngine:
     def attention_backend_name(self) -> str:
         return self.runner.backend.name
 
-    def _build_lora(self, config: EngineConfig) -> LoRAManager:
-        from ..lora.manager import LoRAManager
-
-        assert config.max_cpu_loras is not None  # EngineConfig fills the default
-        return LoRAManager(
-            self.loaded.model,
-            self.loaded.hf_config,
-            max_loras=config.max_loras,
-            max_lora_rank=config.max_lora_rank,
-            max_cpu_loras=config.max_cpu_loras,
-            dtype=self.loaded.dtype,
-            device=torch.device(config.device),
-        )
-
     # ------------------------------------------------------------------ adapters
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check and load a LoRA adapter into the CPU pool; True when newly loaded. ``LoRAError`` (a ValueError)
@@ -136,7 +122,7 @@ class LLMEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         """Adapters loaded on this engine (CPU pool or device slots); empty without ``enable_lora``."""
-        return self.lora.list() if self.lora is not None else []
+        return self.lora.loaded() if self.lora is not None else []
 
     def _lora_manager(self) -> LoRAManager:
         if self.lora is None:

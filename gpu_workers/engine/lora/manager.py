@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
@@ -25,6 +26,10 @@ from .layers import LoRAContext
 from .peft_files import AdapterWeights, LoRAError, load_adapter
 from .request import LoRARequest
 from .slots import DeviceSlots, wrap_model
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..models.loader import LoadedModel
 
 
 @dataclass
@@ -62,6 +67,20 @@ class LoRAManager:
         self._seen: dict[int, LoRARequest] = {}
         self.num_cpu_loads = 0
 
+    @classmethod
+    def for_engine(cls, loaded: LoadedModel, config: EngineConfig) -> LoRAManager:
+        """The adapters of an engine built from ``config`` around ``loaded`` (its projections get wrapped)."""
+        assert config.max_cpu_loras is not None  # EngineConfig fills the default
+        return cls(
+            loaded.model,
+            loaded.hf_config,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
+            dtype=loaded.dtype,
+            device=torch.device(config.device),
+        )
+
     # ------------------------------------------------------------------ the pool (front-end calls)
     def add(self, request: LoRARequest) -> bool:
         """Load an adapter into the CPU pool; True when it was not loaded yet. ``LoRAError`` for a bad adapter or
@@ -95,7 +114,7 @@ class LoRAManager:
             self._drop(lora_int_id)
         return True
 
-    def list(self) -> list[LoRARequest]:
+    def loaded(self) -> list[LoRARequest]:
         """Adapters loaded (CPU pool or device), least recently used first."""
         return [entry.request for entry in self._pool.values() if not entry.removed]
 
