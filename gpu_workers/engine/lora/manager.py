@@ -8,7 +8,7 @@
 * The model runner asks ``batch_for`` for the step's ``LoRABatch`` and sets it with ``context.active``.
 
 An id is the adapter's identity for the engine's life (it seeds the prefix cache's block hashes), so an id seen
-before with another name or path is refused.
+before with another name is refused (another path is taken as a copy of the same adapter).
 """
 
 from __future__ import annotations
@@ -85,11 +85,12 @@ class LoRAManager:
     def add(self, request: LoRARequest) -> bool:
         """Load an adapter into the CPU pool; True when it was not loaded yet. ``LoRAError`` for a bad adapter or
         an id that named another adapter before."""
+        # Only the name is held to the id: a worker may fetch the same adapter to another local folder.
         seen = self._seen.get(request.lora_int_id)
-        if seen is not None and (seen.lora_name, seen.lora_path) != (request.lora_name, request.lora_path):
+        if seen is not None and seen.lora_name != request.lora_name:
             raise LoRAError(
-                f"lora_int_id {request.lora_int_id} already names adapter {seen.lora_name!r} "
-                f"({seen.lora_path}); an id must keep naming the same adapter"
+                f"lora_int_id {request.lora_int_id} already names adapter {seen.lora_name!r}; "
+                "an id must keep naming the same adapter"
             )
         entry = self._pool.get(request.lora_int_id)
         if entry is not None:

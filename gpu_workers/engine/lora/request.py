@@ -12,7 +12,7 @@ class LoRARequest:
     fetched to a local folder by the caller before the engine sees them).
 
     The id keys the engine's adapter pool and seeds the prefix cache's block hashes, so one id must always mean
-    the same weights for the engine's life (the engine refuses an id seen before with another name or path).
+    the same weights for the engine's life (the engine refuses an id seen before with another name).
     """
 
     lora_name: str

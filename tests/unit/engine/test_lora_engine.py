@@ -185,7 +185,7 @@ def test_refusals(adapters: dict[str, Adapters], model_dir: Callable[[str], Path
     assert not llm.engine.has_unfinished() and llm.list_loras() == []  # nothing was queued or loaded
     llm.add_lora(_lora(ads, 4))
     with pytest.raises(LoRAError, match="lora_int_id 4 already names adapter 'r4'"):
-        llm.add_lora(LoRARequest("other", 4, str(ads[8])))
+        llm.add_lora(LoRARequest("other", 4, str(ads[4])))
     with pytest.raises(ValueError, match="embedding requests with a LoRA adapter"):
         llm.engine.add_request([5, 6], pooling="last", lora_request=_lora(ads, 4))
     with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
