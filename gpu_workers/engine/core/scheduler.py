@@ -22,6 +22,11 @@ so the step an interactive request waits behind stays short; with only one tier 
 Inside a tier, waiting requests with a deadline come first, earliest deadline first (EDF: they sort ahead of the
 others by ``Sequence.sort_key``), and tenant fair queuing orders only those without one. EDF is about which
 waiting request starts next; a running sequence is never preempted for a deadline of its own tier.
+
+A sequence with a LoRA adapter is admitted only once its adapter holds a device slot (``LoRAAdmission``): when
+every slot is pinned by running sequences of other adapters it is passed over for this step (as vLLM does) and
+the next waiting sequence is considered, so base-model requests and those of resident adapters are not held
+behind it. The adapter stays pinned while the sequence runs (released when it finishes or is preempted).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .block_manager import KVBlockManager
 from .sequence import RequestStatus, Sequence
@@ -51,6 +57,18 @@ class ScheduledBatch:
         return not self.seqs
 
 
+class LoRAAdmission(Protocol):
+    """The adapters' side of scheduling (``lora.manager.LoRAManager``), told about sequences with an adapter."""
+
+    def on_add(self, seq: Sequence) -> None: ...
+
+    def on_finish(self, seq: Sequence) -> None: ...
+
+    def acquire(self, seq: Sequence) -> bool: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
     """Holds the waiting and running queues (both kept sorted by ``Sequence.sort_key``)."""
 
@@ -61,8 +79,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         tenant_weights: Mapping[str, float] | None = None,
         lower_tier_max_batched_tokens: int | None = None,
+        lora: LoRAAdmission | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tenant_weights: dict[str, float] = dict(tenant_weights or {})
@@ -87,13 +107,24 @@ class Scheduler:
             share = self.tenants[seq.tenant] = TenantShare(self.tenant_weights.get(seq.tenant, 1.0), start)
         share.num_unfinished += 1
         self.tiers[seq.priority] = self.tiers.get(seq.priority, 0) + 1
+        if seq.lora_request is not None:
+            self._lora.on_add(seq)
         self._enqueue(seq)
+
+    @property
+    def _lora(self) -> LoRAAdmission:
+        if self.lora is None:
+            raise RuntimeError("a sequence names a LoRA adapter, but the scheduler has no LoRA admission")
+        return self.lora
 
     def add_fork(self, seq: Sequence, running: bool) -> None:
         """Count a sibling choice forked from a running sequence: straight into ``running`` when it got its
         blocks (and a seat), else into the waiting queue to be recomputed from the prefix cache."""
         self.add(seq)
         if running:
+            # The parent runs with the same adapter, so its slot is pinned already and this cannot fail.
+            if seq.lora_request is not None and not self._lora.acquire(seq):
+                raise RuntimeError("a forked choice found no slot for its parent's LoRA adapter")
             self.waiting.remove(seq)
             seq.status = RequestStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
@@ -122,6 +153,10 @@ class Scheduler:
         """Mark a sequence finished and give its blocks back (its full blocks stay cached)."""
         if seq.status is RequestStatus.RUNNING or seq.status is RequestStatus.WAITING:
             (self.running if seq.status is RequestStatus.RUNNING else self.waiting).remove(seq)
+            if seq.lora_request is not None:
+                if seq.status is RequestStatus.RUNNING:
+                    self._lora.release(seq)
+                self._lora.on_finish(seq)
             share = self.tenants[seq.tenant]
             share.num_unfinished -= 1
             if share.num_unfinished == 0:
@@ -189,7 +224,7 @@ class Scheduler:
         one is blocked or the budget ran out (nothing of a lower tier may be admitted then)."""
         bm = self.block_manager
         while step.budget > 0:
-            idx = self._pick_waiting(tier)
+            idx = self._pick_waiting(tier, step.no_lora_slot)
             if idx is None:
                 return True
             seq = self.waiting[idx]
@@ -199,9 +234,15 @@ class Scheduler:
                 if not self._preempt_lower_tier(seq, step):
                     return False
                 continue
+            if seq.lora_request is not None and not self._lora.acquire(seq):
+                # Every adapter slot is pinned by running sequences of other adapters: it waits for one to finish.
+                step.no_lora_slot.add(seq)
+                continue
             hits = bm.lookup_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, step.room_for(seq))
             if not bm.allocate(seq, hits, num_new):
+                if seq.lora_request is not None:
+                    self._lora.release(seq)
                 if not self._preempt_lower_tier(seq, step):
                     return False
                 continue
@@ -214,12 +255,14 @@ class Scheduler:
             self._charge(seq, num_new)
         return False
 
-    def _pick_waiting(self, tier: int) -> int | None:
+    def _pick_waiting(self, tier: int, skip: set[Sequence] | None = None) -> int | None:
         """Index in ``waiting`` of the next ``tier`` sequence to admit: the one with the earliest deadline, else
         the earliest one of the tenant with the smallest virtual time (ties go to the earliest arrival); None
-        when the tier has nothing waiting."""
+        when the tier has nothing waiting. Sequences in ``skip`` (no adapter slot this step) are passed over."""
         waiting = self.waiting
         start = bisect.bisect_left(waiting, (tier,), key=_sort_key)
+        while skip and start < len(waiting) and waiting[start] in skip:
+            start += 1
         if start == len(waiting) or waiting[start].priority != tier:
             return None
         if len(self.tenants) == 1 or waiting[start].deadline is not None:
@@ -230,7 +273,7 @@ class Scheduler:
             seq = waiting[idx]
             if seq.priority != tier or len(seen) == len(self.tenants):
                 break
-            if seq.tenant not in seen:
+            if seq.tenant not in seen and not (skip and seq in skip):
                 seen.add(seq.tenant)
                 vtime = self.tenants[seq.tenant].vtime
                 if vtime < best_vtime:
@@ -254,6 +297,8 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, step: _StepState) -> None:
         self.running.remove(victim)
+        if victim.lora_request is not None:
+            self._lora.release(victim)
         if victim in step.scheduled:
             taken_back = step.give_back(victim)
             self._charge(victim, -taken_back)
@@ -284,6 +329,8 @@ class _StepState:
     # Set while a more important tier has work: that tier, and what the tiers below it may still take.
     top_tier: int | None = None
     lower_budget: int = 0
+    # Waiting sequences whose adapter found no free device slot this step.
+    no_lora_slot: set[Sequence] = field(default_factory=set)
 
     def room_for(self, seq: Sequence) -> int:
         """Tokens ``seq`` may still be given this step."""
