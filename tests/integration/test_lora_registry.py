@@ -8,13 +8,17 @@ import time
 from pathlib import Path
 
 import pytest
+from ingress_support import delete_prefixed_keys
 from lora_support import config_checker, write_adapter
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from schemas import Names
 from sluicegate.lora.checks import AdapterCheck, CheckVerdict, NoCheckerError, ask_check, serve_checks
 from sluicegate.lora.registry import AdapterExistsError, LoRARegistry
+from sluicegate.lora.resolve import AdapterResolver, Resolved, UnknownAdapterError
+from sluicegate.redis_client import create_redis
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -128,3 +132,52 @@ async def test_worker_drops_checks_whose_asker_gave_up(redis: Redis, unique_pref
         await asyncio.gather(server, return_exceptions=True)
     assert verdict.ok and calls == ["fresh"]
     assert await redis.exists(names.lora_verdict_key("stale1")) == 0
+
+
+async def test_resolver_caches_for_its_ttl_and_invalidates(redis: Redis, unique_prefix: str) -> None:
+    now = [0.0]
+    registry = LoRARegistry(redis, unique_prefix)
+    resolver = AdapterResolver(registry, ttl_s=5.0, clock=lambda: now[0])
+    assert await resolver.resolve("sql", tenant="t") == Resolved("sql")  # nothing registered yet
+    await LoRARegistry(redis, unique_prefix).register("sql", "tiny", "/a")  # as another ingress would
+    assert await resolver.resolve("sql", tenant="t") == Resolved("sql")  # the snapshot is still fresh
+    now[0] = 5.1
+    assert await resolver.resolve("sql", tenant="t") == Resolved("tiny", "sql")
+    await registry.unregister("sql")
+    resolver.invalidate()  # this process's own unload is seen at once
+    assert await resolver.resolve("sql", tenant="t") == Resolved("sql")
+
+
+async def test_resolver_rereads_for_an_explicit_adapter_and_filters_by_tenant(redis: Redis, unique_prefix: str) -> None:
+    registry = LoRARegistry(redis, unique_prefix)
+    resolver = AdapterResolver(registry, ttl_s=60.0)
+    assert await resolver.visible("acme") == []
+    await registry.register("mine", "tiny", "/m", tenant="acme")
+    await registry.register("pub", "tiny", "/p")
+    # A named adapter missing from the snapshot is looked up again before it is refused.
+    assert await resolver.resolve("tiny", tenant="acme", adapter="mine") == Resolved("tiny", "mine")
+    assert [a.name for a in await resolver.visible("acme")] == ["mine", "pub"]
+    assert [a.name for a in await resolver.visible("other")] == ["pub"]
+    with pytest.raises(UnknownAdapterError):
+        await resolver.resolve("tiny", tenant="other", adapter="mine")
+
+
+async def test_resolver_serves_its_last_snapshot_while_redis_is_away(redis_url: str, unique_prefix: str) -> None:
+    client = create_redis(url=redis_url)
+    try:
+        registry = LoRARegistry(client, unique_prefix)
+        await registry.register("sql", "tiny", "/a")
+        now = [0.0]
+        resolver = AdapterResolver(registry, ttl_s=1.0, clock=lambda: now[0])
+        assert (await resolver.resolve("sql", tenant="t")).adapter == "sql"
+        # Redis gone: a client pointed at a closed port stands in for the outage.
+        resolver.registry = LoRARegistry(create_redis(url="redis://127.0.0.1:1/0", retries=0), unique_prefix)
+        now[0] = 2.0
+        assert (await resolver.resolve("sql", tenant="t")).adapter == "sql"
+        cold = AdapterResolver(resolver.registry)
+        with pytest.raises((RedisError, OSError)):
+            await cold.resolve("sql", tenant="t")
+        await resolver.registry.redis.aclose()
+    finally:
+        await delete_prefixed_keys(client, unique_prefix)
+        await client.aclose()
