@@ -205,7 +205,7 @@ class Readiness(_Doc):
 
 
 _ERROR_DESCRIPTIONS = {
-    400: "Malformed JSON, or a parameter Sluicegate does not support.",
+    400: "Malformed JSON, a parameter Sluicegate does not support, or a LoRA adapter a worker refused (its reason).",
     401: "Missing or unknown API key.",
     403: "The operation needs an admin API key.",
     404: "Unknown model (no live worker) or LoRA adapter, or no such request for this key's tenant.",
@@ -215,7 +215,7 @@ _ERROR_DESCRIPTIONS = {
     429: "Over the key's rate limits, the model's backlog is full (see Retry-After), or the request's deadline "
     "(X-Request-Deadline or the deadline field) cannot be met by the backlog (deadline_unmeetable).",
     500: "The worker failed the request.",
-    503: "Kafka or Redis does not answer; see Retry-After.",
+    503: "Kafka or Redis does not answer, or no worker verified a LoRA adapter in time; see Retry-After.",
     504: "No result within the request timeout or the request's deadline.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}

@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     admin_api_keys: str = Field(
         "",
         description="Comma-separated API keys that are also admin keys (accepted like SLUICEGATE_API_KEYS): they may "
-        "load and unload LoRA adapters. A keys-file entry is one with \"admin\": true.",
+        'load and unload LoRA adapters. A keys-file entry is one with "admin": true.',
     )
     stream_token_secret: str = Field(
         "", description="HMAC secret for stream tokens; generated per `sluicegate up` when empty."

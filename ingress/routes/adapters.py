@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -92,7 +92,8 @@ async def _base_model(service: IngressService, asked: str | None) -> str:
 
 @router.post(
     "/load_lora_adapter",
-    response_class=PlainTextResponse,
+    # Response, not PlainTextResponse: the route's class decides the documented type of its error bodies (JSON).
+    response_class=Response,
     responses=plain_text("The adapter was verified and registered.") | errors(400, 401, 403, 404, 409, 422, 503),
 )
 async def load_lora_adapter(request: Request, body: LoadLoRAAdapterBody) -> PlainTextResponse:
@@ -136,8 +137,8 @@ async def load_lora_adapter(request: Request, body: LoadLoRAAdapterBody) -> Plai
 
 @router.post(
     "/unload_lora_adapter",
-    response_class=PlainTextResponse,
-    responses=plain_text("The adapter was removed from the registry.") | errors(401, 403, 404, 422, 503),
+    response_class=Response,
+    responses=plain_text("The adapter was removed from the registry.") | errors(400, 401, 403, 404, 422, 503),
 )
 async def unload_lora_adapter(request: Request, body: UnloadLoRAAdapterBody) -> PlainTextResponse:
     service = service_of(request)

@@ -116,7 +116,13 @@ async def test_load_list_use_and_unload(
         assert plain.model == MODEL
         async with httpx.AsyncClient(base_url=ingress, headers={"x-api-key": ACME_KEY}) as http:
             native = await http.post("/v1/requests", json={"model": "sql-lora", "prompt": "native"})
+            # An adapter does not change the tokenizer: its name tokenizes as its base model does.
+            counted = [
+                (await http.post("/tokenize", json={"model": name, "prompt": "count these words"})).json()
+                for name in ("sql-lora", MODEL)
+            ]
         assert native.status_code == 202 and native.json()["model"] == "sql-lora"
+        assert counted[0] == counted[1] and counted[0]["count"] > 0
         await _until(lambda: len(worker.seen) == 5)
         seen = [(request.model, request.adapter) for _, request in worker.seen]
         # Every adapter request went to the base model's topic and names the adapter; the base request none.
