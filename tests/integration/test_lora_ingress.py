@@ -18,13 +18,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from batch_support import ResultsWorker, batch_worker, chat_line, jsonl, wait_status
 from ingress_support import MODEL, FakeWorker, consume, heartbeat, reader, running_ingress
 from lora_support import config_checker, write_adapter
 from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
 from router.stream import run_router
-from schemas import DeadLetter, InferenceRequest, Names
+from schemas import BatchOutputLine, DeadLetter, InferenceRequest, Names
 from sluicegate.kafka import create_producer, ensure_topics
 from sluicegate.lora.checks import serve_checks
 from sluicegate.settings import Settings
@@ -56,6 +57,9 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
             "topic_partitions": 1,
             "heartbeat_interval_s": 60.0,
             "lora_check_timeout_s": 5.0,
+            "state_dir": tmp_path / "state",
+            "files_url": str(tmp_path / "files"),
+            "batch_tick_s": 0.3,
             "lora_cache_ttl_s": 30.0,  # long: what a test sees after its own load/unload is the invalidation's doing
         }
     )
@@ -261,6 +265,43 @@ async def test_router_resolves_kafka_native_records_naming_adapters(
     assert got == {"by-name": (MODEL, "sql"), "by-field": (MODEL, "sql"), "private-ok": (MODEL, "mine")}
     dead = {DeadLetter.model_validate_json(r.value).request_id: dict(r.headers)["reason"].decode() for r in letters}
     assert dead == {"private-no": "unknown_model", "ghost": "unknown_model", "wrong-base": "invalid_adapter"}
+
+
+async def test_batch_lines_naming_adapters(
+    ingress: str, settings: Settings, redis: Redis, checker: None, tmp_path: Path
+) -> None:
+    admin, acme = client(ingress, ADMIN_KEY), client(ingress, ACME_KEY)
+    assert (await load(admin, lora_name="sql", lora_path=str(write_adapter(tmp_path, "sql", base=MODEL)))).is_success
+    theirs = write_adapter(tmp_path, "theirs", base=MODEL)
+    assert (await load(admin, lora_name="theirs", lora_path=str(theirs), tenant="other")).is_success
+    lines = [
+        chat_line("adapter", "hi", model="sql"),
+        chat_line("base", "ho"),
+        chat_line("not-mine", "hu", model="theirs"),
+    ]
+    async with ResultsWorker(settings, redis) as worker:
+        with batch_worker(settings, tmp_path / "batch-worker.log"):
+            uploaded = await acme.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+            batch = await acme.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            done = await wait_status(acme, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done
+    assert {(r.model, r.adapter) for _, r in worker.seen} == {(MODEL, None), (MODEL, "sql")}
+    assert len(worker.seen) == 2
+    assert done.output_file_id is not None and done.error_file_id is not None
+    output = [
+        BatchOutputLine.model_validate_json(x)
+        for x in (await acme.files.content(done.output_file_id)).text.splitlines()
+    ]
+    models = {line.custom_id: line.response.body["model"] for line in output if line.response is not None}
+    assert models == {"adapter": "sql", "base": MODEL}
+    (refused,) = [
+        BatchOutputLine.model_validate_json(x) for x in (await acme.files.content(done.error_file_id)).text.splitlines()
+    ]
+    assert refused.custom_id == "not-mine" and refused.response is not None
+    assert (refused.response.status_code, refused.response.body["error"]["code"]) == (404, "model_not_found")
+    await asyncio.gather(admin.close(), acme.close())
 
 
 async def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
