@@ -38,12 +38,14 @@ def output_line(
     if outcome.succeeded:
         assert outcome.result is not None
         result = outcome.result
+        # A line naming a LoRA adapter reports the adapter's name, as the online API answers it.
+        model = line.request.adapter if line.request is not None and line.request.adapter else result.model
         if endpoint == "/v1/embeddings":
             encoding = line.encoding_format or "float"
-            body = embedding_response(result.model, [result.embedding], result.usage.prompt_tokens, encoding)
+            body = embedding_response(model, [result.embedding], result.usage.prompt_tokens, encoding)
         else:
             kind = "chat" if endpoint == "/v1/chat/completions" else "completion"
-            ids = ResponseIds(kind, request_id, result.model, int(result.created_at.timestamp()))
+            ids = ResponseIds(kind, request_id, model, int(result.created_at.timestamp()))
             logprobs = line.request is not None and line.request.sampling.logprobs is not None
             tools = line.tools.plan(fmt) if line.tools is not None else None
             body = ids.choices_response(result_choices(kind, result, logprobs, tools), result.usage)

@@ -1,5 +1,6 @@
 """vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt or chat messages to token ids (with the count
-and the model's context length), and token ids back to text, with the tokenizer the model's workers publish."""
+and the model's context length), and token ids back to text, with the tokenizer the model's workers publish (a
+LoRA adapter's name uses its base model's: an adapter does not change the tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sluicegate.api.errors import ApiError
 
 from ..accept import model_context
 from ..app_state import service_of
-from ..auth import authenticate
+from ..auth import ApiKey, authenticate
 from ..body_parsing import parse_body
 from ..openapi import errors, json_body, ok
 from ..prompt_tokens import ModelTokenizerView
@@ -20,8 +21,9 @@ from ..tokenize_bodies import DetokenizeBody, DetokenizeResponse, TokenizeBody, 
 router = APIRouter(tags=["tokenize"])
 
 
-async def _tokenizer(request: Request, model: str) -> tuple[ModelTokenizerView, int | None]:
+async def _tokenizer(request: Request, caller: ApiKey, model: str) -> tuple[ModelTokenizerView, int | None]:
     service = service_of(request)
+    model = (await service.adapters.resolve(model, tenant=caller.tenant)).model
     heartbeats = await service.model_heartbeats(model)  # 404 for a model nobody serves
     view = await service.tokenizers.get(model)
     if view is None:
@@ -37,9 +39,9 @@ async def _tokenizer(request: Request, model: str) -> tuple[ModelTokenizerView, 
     responses=ok(TokenizeResponse) | errors(400, 401, 404, 422, 503),
 )
 async def tokenize(request: Request) -> dict[str, Any]:
-    await authenticate(request)
+    caller = await authenticate(request)
     body = await parse_body(request, TokenizeBody, root_field="prompt")
-    view, context = await _tokenizer(request, body.model)
+    view, context = await _tokenizer(request, caller, body.model)
     try:
         if body.messages is not None:
             tokens = view.encode_messages(body.messages, body.tools, body.add_generation_prompt)
@@ -56,9 +58,9 @@ async def tokenize(request: Request) -> dict[str, Any]:
     responses=ok(DetokenizeResponse) | errors(400, 401, 404, 422, 503),
 )
 async def detokenize(request: Request) -> dict[str, Any]:
-    await authenticate(request)
+    caller = await authenticate(request)
     body = await parse_body(request, DetokenizeBody, root_field="tokens")
-    view, _ = await _tokenizer(request, body.model)
+    view, _ = await _tokenizer(request, caller, body.model)
     size = view.tokenizer.get_vocab_size(with_added_tokens=True)
     bad = [t for t in body.tokens if not 0 <= t < size]
     if bad:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ingress.auth import ApiKey, KeyRing, derived_tenant, hash_key, parse_keys_file, presented_key
+from ingress.auth import ApiKey, KeyRing, derived_tenant, hash_key, parse_keys_file, presented_key, require_admin
+from sluicegate.api.errors import ApiError
 
 
 def test_env_keys_get_derived_tenants_and_default_tiers() -> None:
@@ -74,3 +75,29 @@ def test_presented_key_from_bearer_or_x_api_key() -> None:
     assert presented_key({"x-api-key": "sk-3"}) == "sk-3"
     assert presented_key({"authorization": "Basic abc"}) is None
     assert presented_key({}) is None
+
+
+def test_admin_keys_from_the_keys_file_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(
+        json.dumps({"key": "ops-key-00001", "tenant": "ops", "admin": True})
+        + "\n"
+        + json.dumps({"key": "user-key-0001", "tenant": "acme"})
+    )
+    ring = KeyRing.load("plain-key-0001", path, "env-admin-key-01")
+    assert ring.lookup("ops-key-00001").admin  # type: ignore[union-attr]
+    assert ring.lookup("env-admin-key-01").admin  # type: ignore[union-attr]
+    assert not ring.lookup("user-key-0001").admin  # type: ignore[union-attr]
+    assert not ring.lookup("plain-key-0001").admin  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="SLUICEGATE_ADMIN_API_KEYS entry 1"):
+        KeyRing.load("", None, "short")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_keys_file([json.dumps({"key": "ops-key-00001", "admin": "yes please"})])
+
+
+async def test_require_admin_refuses_other_keys_with_403() -> None:
+    admin = ApiKey(key_hash=hash_key("ops-key-00001"), tenant="ops", admin=True)
+    assert await require_admin(admin) is admin
+    with pytest.raises(ApiError) as refused:
+        await require_admin(ApiKey(key_hash=hash_key("user-key-0001"), tenant="acme"))
+    assert refused.value.status == 403 and refused.value.body()["error"]["type"] == "permission_error"
