@@ -3,6 +3,7 @@
 Topic and Redis key names live in :mod:`schemas.names`; nothing else spells them.
 """
 
+from .adapters import AdapterName, LoRAAdapter
 from .batches import (
     BATCH_ENDPOINTS,
     BATCH_TERMINAL,
@@ -70,6 +71,7 @@ __all__ = [
     "STREAM_FIELD",
     "TERMINAL_TYPES",
     "TIERS",
+    "AdapterName",
     "Batch",
     "BatchEndpoint",
     "BatchError",
@@ -94,6 +96,7 @@ __all__ = [
     "FunctionSpec",
     "GuidedSpec",
     "InferenceRequest",
+    "LoRAAdapter",
     "ModelTokenizer",
     "Names",
     "PartitionRef",

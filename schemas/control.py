@@ -54,6 +54,9 @@ class WorkerHeartbeat(Message):
         "sluicegate_worker_backlog_seconds gauge); a tier without a finite estimate is left out. Admission refuses a "
         "deadline that not even the least loaded worker's figure meets.",
     )
+    adapters: list[str] = Field(
+        default_factory=list, description="Names of the LoRA adapters loaded on this worker (CPU pool or device)."
+    )
 
 
 class ModelTokenizer(Message):

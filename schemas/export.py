@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, TypeAdapter
 
+from .adapters import LoRAAdapter
 from .batches import Batch, BatchInputLine, BatchOutputLine, FileObject
 from .control import CancelRequest, DeadLetter, FinalResult, RequestRecord, WorkerHeartbeat
 from .events import StreamEvent
@@ -27,6 +28,7 @@ EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
     "Batch": Batch,
     "FileObject": FileObject,
     "UsageRecord": UsageRecord,
+    "LoRAAdapter": LoRAAdapter,
 }
 
 #: Where the checked-in copies live.

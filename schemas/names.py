@@ -137,6 +137,25 @@ class Names:
         """Counter for one API key's rate limit in one window."""
         return f"{self.prefix}llm:rate:{key_id}:{window}"
 
+    # --- LoRA adapters (issue 32) ----------------------------------------------------------------------
+    @property
+    def lora_adapters_key(self) -> str:
+        """Hash of the registered LoRA adapters: field = adapter name, value = ``LoRAAdapter`` JSON."""
+        return f"{self.prefix}lora:adapters"
+
+    @property
+    def lora_next_id_key(self) -> str:
+        """Counter the registry INCRs for each new adapter's ``lora_int_id``."""
+        return f"{self.prefix}lora:next_id"
+
+    def lora_checks_key(self, base_model: str) -> str:
+        """List of pending adapter checks (JSON) that a live worker of ``base_model`` pops and answers."""
+        return f"{self.prefix}lora:checks:{model_token(base_model)}"
+
+    def lora_verdict_key(self, check_id: str) -> str:
+        """List the worker pushes one check's verdict (JSON) onto; the asker BLPOPs it (TTL'd)."""
+        return f"{self.prefix}lora:verdict:{check_id}"
+
     # --- Responses API ---------------------------------------------------------------------------
     def response_key(self, tenant: str, response_id: str) -> str:
         """Hash of one stored response of ``tenant``: its ``record`` (request, input items, conversation chain),

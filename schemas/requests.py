@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AwareDatetime, Field, field_validator, model_validator
 
+from .adapters import AdapterName
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
 from .generation import MAX_TOP_LOGPROBS, GuidedSpec, ToolCall, ToolSpec
 from .names import Tier
@@ -123,6 +124,11 @@ class InferenceRequest(Message):
     # Optional, so producers that predate them are unaffected: an embedding request names its task (and pooling).
     task: Task = Field("generate", description="generate: text from the prompt; embed: the prompt's embedding.")
     pooling: Pooling | None = Field(None, description="embed only: last (default) or mean; L2-normalized.")
+    # Optional, so producers that predate it are unaffected: a LoRA adapter of ``model`` (which stays the base
+    # model's name, so the request keeps the base model's topic).
+    adapter: AdapterName | None = Field(
+        None, description="A registered LoRA adapter of 'model' to apply (its name); None: the base model."
+    )
 
     @field_validator("prompt")
     @classmethod

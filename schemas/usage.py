@@ -28,6 +28,7 @@ class UsageRecord(Message):
     tenant: str = Field(min_length=1, max_length=128)
     key_id: str | None = Field(None, description="The API key's short id (ingress, batch); none for Kafka-native.")
     model: str = Field(min_length=1, description="The model version that served it (after routing).")
+    adapter: str | None = Field(None, description="The LoRA adapter applied to the model, if any.")
     tier: Tier
     outcome: UsageOutcome
     finish_reason: FinishReason | None = None
