@@ -46,6 +46,20 @@ class AdapterError(Exception):
         self.code = code
 
 
+async def resolve_adapter(
+    adapters: Adapters | None, request: InferenceRequest, redis_call: Callable[[Callable[[], Any]], Any]
+) -> LoRARequest:
+    """``request``'s adapter as the engine takes it, through ``redis_call`` (which waits out Redis outages);
+    :class:`AdapterError` when this worker cannot serve it (unknown, unloadable, or LoRA off here)."""
+    if adapters is None:
+        raise AdapterError(
+            "adapter_not_found",
+            f"LoRA adapter '{request.adapter}': this worker of model '{request.model}' serves no adapters "
+            "(SLUICEGATE_ENABLE_LORA is off)",
+        )
+    return await redis_call(lambda: adapters.resolve(request))
+
+
 async def _settle(result: Any) -> Any:
     """An engine front's answer, whether it returns it or a coroutine (process fronts ask their child)."""
     return await result if inspect.isawaitable(result) else result

@@ -34,7 +34,7 @@ from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, request_id_of
 from sluicegate.telemetry import attached
 
-from .adapters import AdapterError, Adapters, lora_kwargs
+from .adapters import AdapterError, Adapters, lora_kwargs, resolve_adapter
 from .choice_resume import ChoiceResume
 from .choices import ChoiceTracker
 from .control import Cancels
@@ -254,16 +254,9 @@ class Serving:
         return await self._generate(request, entry, record, prompt, seq, resumed)
 
     async def _use_adapter(self, request: InferenceRequest, entry: Active) -> AdapterError | None:
-        """Resolve the request's LoRA adapter into ``entry.lora`` (Redis outages waited out); the error that fails
-        the request when it cannot be served here."""
-        if self.adapters is None:
-            return AdapterError(
-                "adapter_not_found",
-                f"LoRA adapter '{request.adapter}': this worker of model '{request.model}' serves no adapters "
-                "(SLUICEGATE_ENABLE_LORA is off)",
-            )
+        """Resolve the request's LoRA adapter into ``entry.lora``; the error that fails the request otherwise."""
         try:
-            lora = await self.outputs.redis_call(lambda: self.adapters.resolve(request))  # type: ignore[union-attr]
+            lora = await resolve_adapter(self.adapters, request, self.outputs.redis_call)
         except AdapterError as exc:
             return exc
         if entry.early is not None and entry.lora != lora:  # registered anew since the early start
