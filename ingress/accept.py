@@ -1,6 +1,8 @@
-"""Accepting a request, the step every publishing endpoint shares: resolve its tier, check it against the
-caller's limits and the model's live workers, build the pipeline's :class:`schemas.InferenceRequest` from the
-body (``build_request``) and publish it under a span whose context travels in the Kafka headers."""
+"""Accepting a request, the step every publishing endpoint shares: resolve its model name (a LoRA adapter's name
+becomes its base model + the adapter, ``sluicegate.lora.resolve``; a routed name a version), resolve its tier,
+check it against the caller's limits and the model's live workers, build the pipeline's
+:class:`schemas.InferenceRequest` from the body (``build_request``) and publish it under a span whose context
+travels in the Kafka headers."""
 
 from __future__ import annotations
 
@@ -41,6 +43,12 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     body = _with_header_deadline(body, request.headers.get(DEADLINE_HEADER))
     accepted_at = time.perf_counter()
     request_id = uuid.uuid4().hex
+    # A LoRA adapter's name (visible to this tenant) is its base model + the adapter, from a cached snapshot of
+    # the registry (no Redis round trip here); any other name is left to the model checks below (their 404).
+    resolved = await service.adapters.resolve(body.model, tenant=caller.tenant)
+    adapter = resolved.adapter
+    if adapter is not None:
+        body = body.model_copy(update={"model": resolved.model})
     version = service.routes.resolve(body, tenant=caller.tenant, request_key=request_id)
     if version is not None:
         # A routed public name: from here on the request is for the chosen version (its workers, its topic, its
@@ -70,6 +78,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
                 max_tokens=max_tokens,
                 default_deadline=limits.default_deadline(now),
                 key_id=caller.key_id,
+                adapter=adapter,
             )
         except ValidationError as exc:
             raise invalid(exc) from exc
@@ -115,6 +124,12 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference
+
+
+def answered_model(inference: InferenceRequest) -> str:
+    """The model name a response reports: the adapter's for an adapter request (what the client asked for, as
+    vLLM answers), else the model (a routed name's chosen version)."""
+    return inference.adapter or inference.model
 
 
 def _with_header_deadline(body: AnyBody, header: str | None) -> AnyBody:

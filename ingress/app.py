@@ -29,7 +29,7 @@ from .lean_route import LeanRoute
 from .openapi import install_openapi
 from .responses.store import ResponseStore
 from .responses.sweeper import ResponseSweeper
-from .routes import batches, embeddings, files, native, openai, ops, responses, tokenize, usage
+from .routes import adapters, batches, embeddings, files, native, openai, ops, responses, tokenize, usage
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware
 
@@ -43,7 +43,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     Raises ``ValueError`` for a configuration that cannot serve: no API keys (unless
     ``allow_anonymous``) or no stream token secret.
     """
-    keyring = KeyRing.load(settings.api_keys, settings.api_keys_file)
+    keyring = KeyRing.load(settings.api_keys, settings.api_keys_file, settings.admin_api_keys)
     if not keyring and not settings.allow_anonymous:
         raise ValueError(
             "no API keys configured: set SLUICEGATE_API_KEYS or SLUICEGATE_API_KEYS_FILE "
@@ -116,6 +116,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         tokenize.router,
         responses.router,
         usage.router,
+        adapters.router,
     )
     _add_routes(app, routers)
     install_openapi(app)

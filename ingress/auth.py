@@ -7,7 +7,9 @@ JSON object ``{"key": ..., "tenant": ..., "default_tier": ..., "max_tier": ...}`
 (hex SHA-256) may replace ``key`` so the file itself need not hold secrets. An object may also set the key's
 limits (:class:`sluicegate.api.limits.KeyLimits`): ``rps``, ``rpm``, ``tpm``, ``max_prompt_tokens``, ``max_tokens``,
 ``max_body_bytes``, ``default_queue_budget_s`` and the key's token quotas ``tokens_per_day`` and ``tokens_per_month``
-(tenant quotas are settings: ``SLUICEGATE_TENANT_QUOTAS``, which every admitting process reads).
+(tenant quotas are settings: ``SLUICEGATE_TENANT_QUOTAS``, which every admitting process reads). ``"admin": true``
+makes it an admin key (so do the keys in ``SLUICEGATE_ADMIN_API_KEYS``): the ``Admin`` dependency, for operations
+on the deployment such as loading LoRA adapters, answers 403 to any other key.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ApiKey(BaseModel):
     default_tier: Tier = "standard"
     max_tier: Tier = "interactive"
     limits: KeyLimits = KeyLimits()
+    admin: bool = False
 
     @property
     def key_id(self) -> str:
@@ -70,6 +73,7 @@ class _KeyFileEntry(KeyLimits):
     tenant: str | None = Field(None, min_length=1, max_length=128, pattern=_TENANT_PATTERN)
     default_tier: Tier = "standard"
     max_tier: Tier = "interactive"
+    admin: bool = False
 
     @model_validator(mode="after")
     def _one_secret(self) -> _KeyFileEntry:
@@ -84,6 +88,7 @@ class _KeyFileEntry(KeyLimits):
             tenant=self.tenant or derived_tenant(digest),
             default_tier=self.default_tier,
             max_tier=self.max_tier,
+            admin=self.admin,
             limits=KeyLimits(**self.model_dump(include=set(KeyLimits.model_fields))),
         )
 
@@ -123,15 +128,19 @@ class KeyRing:
         return self._by_hash.get(hash_key(presented)) if presented else None
 
     @classmethod
-    def load(cls, env_keys: str, keys_file: Path | None) -> KeyRing:
-        """Keys from ``SLUICEGATE_API_KEYS`` (comma-separated) and the keys file; the file wins for a key
-        given in both (it can say more: tenant and tiers)."""
+    def load(cls, env_keys: str, keys_file: Path | None, admin_keys: str = "") -> KeyRing:
+        """Keys from ``SLUICEGATE_API_KEYS`` and ``SLUICEGATE_ADMIN_API_KEYS`` (comma-separated) and the keys file;
+        the file wins for a key given in both (it can say more: tenant and tiers)."""
         keys: list[ApiKey] = []
-        for number, key in enumerate((k.strip() for k in env_keys.split(",") if k.strip()), start=1):
-            try:
-                keys.append(_KeyFileEntry(key=key).to_api_key())
-            except ValidationError as exc:
-                raise ValueError(f"SLUICEGATE_API_KEYS entry {number}: {summarize(exc)[1]}") from None
+        for variable, listed, admin in (
+            ("SLUICEGATE_API_KEYS", env_keys, False),
+            ("SLUICEGATE_ADMIN_API_KEYS", admin_keys, True),
+        ):
+            for number, key in enumerate((k.strip() for k in listed.split(",") if k.strip()), start=1):
+                try:
+                    keys.append(_KeyFileEntry(key=key, admin=admin).to_api_key())
+                except ValidationError as exc:
+                    raise ValueError(f"{variable} entry {number}: {summarize(exc)[1]}") from None
         if keys_file is not None:
             if not keys_file.is_file():
                 raise FileNotFoundError(f"API keys file {keys_file} does not exist")
@@ -183,3 +192,18 @@ async def authenticate(request: Request) -> ApiKey:
 
 Caller = Annotated[ApiKey, Depends(authenticate)]
 """The authenticated caller, as an endpoint parameter (the publishing endpoints call ``authenticate`` themselves)."""
+
+
+async def require_admin(caller: Caller) -> ApiKey:
+    """The caller's key when it is an admin key; 403 in OpenAI's shape for any other (401 without a valid one)."""
+    if not caller.admin:
+        raise ApiError(
+            403,
+            'This operation needs an admin API key ("admin": true in the keys file, or SLUICEGATE_ADMIN_API_KEYS).',
+            code="admin_key_required",
+        )
+    return caller
+
+
+Admin = Annotated[ApiKey, Depends(require_admin)]
+"""The authenticated caller holding an admin key, as an endpoint parameter or a router's dependency."""

@@ -156,7 +156,7 @@ class EmbeddingList(_Doc):
 
 
 class ModelCard(_Doc):
-    """A model with at least one live worker."""
+    """A model with at least one live worker, or a LoRA adapter of one (``parent``: its base model)."""
 
     id: str
     object: Literal["model"]
@@ -164,6 +164,8 @@ class ModelCard(_Doc):
     owned_by: str
     workers: int = Field(ge=0)
     description: str | None = Field(None, description="What the model's workers say of it, e.g. random weights.")
+    root: str | None = Field(None, description="An adapter's files (as vLLM shows them, credentials left out).")
+    parent: str | None = Field(None, description="An adapter's base model (as vLLM shows it); null for a model.")
 
 
 class ModelList(_Doc):
@@ -205,8 +207,9 @@ class Readiness(_Doc):
 _ERROR_DESCRIPTIONS = {
     400: "Malformed JSON, or a parameter Sluicegate does not support.",
     401: "Missing or unknown API key.",
-    404: "Unknown model (no live worker), or no such request for this key's tenant.",
-    409: "The request already finished, or was cancelled.",
+    403: "The operation needs an admin API key.",
+    404: "Unknown model (no live worker) or LoRA adapter, or no such request for this key's tenant.",
+    409: "The request already finished, or was cancelled; or the LoRA adapter's name is already registered.",
     413: "Body larger than the key's limit.",
     422: "A field has an invalid value or is over a per-key limit (prompt tokens, max_tokens).",
     429: "Over the key's rate limits, the model's backlog is full (see Retry-After), or the request's deadline "

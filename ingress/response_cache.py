@@ -74,6 +74,9 @@ def request_digest(request: InferenceRequest, *, shared: bool) -> str:
     keyed: dict[str, Any] = request.model_dump(mode="json", include=set(_KEYED_FIELDS))
     if not shared:
         keyed["tenant"] = request.tenant
+    if request.adapter is not None:
+        # Only when set, so the digests of base-model requests (and their cached replies) stay what they were.
+        keyed["adapter"] = request.adapter
     canonical = json.dumps(keyed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

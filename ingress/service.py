@@ -31,6 +31,8 @@ from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import Limits
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
+from sluicegate.lora.registry import LoRARegistry
+from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 from sluicegate.stream_entries import StreamEntry, parse_entry
@@ -156,6 +158,9 @@ class IngressService:
         self.usage = UsageLedger(self.names, self._usage_producer, timeout_s=settings.kafka_timeout_s)
         self._usage_ready = False
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
+        # LoRA adapters as model names: the registry (load/unload) and its cached view every request resolves by.
+        self.lora_registry = LoRARegistry(self.redis, settings.topic_prefix)
+        self.adapters = AdapterResolver(self.lora_registry, ttl_s=settings.lora_cache_ttl_s)
         self._control_ready = False
         self.canceller = Canceller(
             self.redis,

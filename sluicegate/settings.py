@@ -64,6 +64,11 @@ class Settings(BaseSettings):
         description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier, the key's limits "
         "and token quotas).",
     )
+    admin_api_keys: str = Field(
+        "",
+        description="Comma-separated API keys that are also admin keys (accepted like SLUICEGATE_API_KEYS): they may "
+        "load and unload LoRA adapters. A keys-file entry is one with \"admin\": true.",
+    )
     stream_token_secret: str = Field(
         "", description="HMAC secret for stream tokens; generated per `sluicegate up` when empty."
     )
@@ -236,6 +241,18 @@ class Settings(BaseSettings):
     )
     allow_anonymous: bool = Field(
         False, description="Accept requests without an API key (tenant 'default'); for local demos only."
+    )
+    lora_check_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="Longest `POST /v1/load_lora_adapter` waits for a live worker of the base model to verify the "
+        "adapter's files before it answers 503.",
+    )
+    lora_cache_ttl_s: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds ingress and the router reuse their snapshot of the LoRA adapter registry (another "
+        "process's load or unload is seen within it; the process's own at once).",
     )
     cors_origins: str = Field(
         "", description="Extra comma-separated CORS origins for ingress (the result service's is always allowed)."

@@ -18,7 +18,7 @@ from schemas import DoneEvent, InferenceRequest
 from sluicegate.api.bodies import EmbeddingInput
 from sluicegate.api.embeddings import EmbeddingBody, embedding_response
 
-from ..accept import SUBMIT_ERRORS, accept
+from ..accept import SUBMIT_ERRORS, accept, answered_model
 from ..app_state import service_of
 from ..auth import authenticate
 from ..body_parsing import parse_body
@@ -78,7 +78,7 @@ async def embeddings(request: Request) -> Response:
             raise failure
         assert assembler.done is not None
         dones.append(assembler.done)
-    model = accepted[0].model if accepted else body.model
+    model = answered_model(accepted[0]) if accepted else body.model
     headers = {"x-request-id": accepted[0].request_id} if accepted else {}
     vectors = [done.embedding for done in dones]
     prompt_tokens = sum(done.usage.prompt_tokens for done in dones)

@@ -14,7 +14,7 @@ from sluicegate.api.bodies import NativeRequestBody
 from sluicegate.api.errors import ApiError
 from sluicegate.stream_tokens import issue_stream_token
 
-from ..accept import SUBMIT_ERRORS, accept
+from ..accept import SUBMIT_ERRORS, accept, answered_model
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
@@ -43,7 +43,7 @@ async def submit(request: Request) -> JSONResponse:
     payload = {
         "request_id": rid,
         "status": "queued",
-        "model": inference.model,
+        "model": answered_model(inference),
         "priority": inference.priority,
         "stream_url": f"{settings.public_stream_url.rstrip('/')}/v1/streams/{rid}",
         "stream_token": issue_stream_token(

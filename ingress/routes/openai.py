@@ -1,22 +1,25 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the whole
 answer, or server-sent events with ``stream``), and the model listing ``GET /v1/models[/{model}]`` (models
-with a live worker, and the routed public names one of whose versions has one)."""
+with a live worker, the routed public names one of whose versions has one, and the LoRA adapters the caller's
+tenant may use whose base model is listed, with ``parent`` = that base as vLLM shows them)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from schemas import LoRAAdapter
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
 from sluicegate.api.errors import ApiError
 from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import Kind, ResponseIds
 from sluicegate.api.tool_calls import ToolPlan, plan_for
 
-from ..accept import SUBMIT_ERRORS, accept, tool_call_format
+from ..accept import SUBMIT_ERRORS, accept, answered_model, tool_call_format
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
@@ -34,7 +37,7 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
     """Accept the request, then answer it as a stream of events or as one response."""
     accepted_at = time.perf_counter()
     inference = await accept(request, caller, body, f"/v1/{'chat/' if kind == 'chat' else ''}completions")
-    ids = ResponseIds(kind, inference.request_id, inference.model, int(time.time()))
+    ids = ResponseIds(kind, inference.request_id, answered_model(inference), int(time.time()))
     plan = ChoicePlan(
         kind,
         n=inference.sampling.n,
@@ -104,20 +107,29 @@ async def _listed(request: Request) -> dict[str, list[Any]]:
     return models
 
 
+async def _cards(request: Request, caller: ApiKey) -> dict[str, dict[str, Any]]:
+    """Every model card the caller sees, by id: the listed models, then the adapters of listed base models."""
+    models = await _listed(request)
+    cards = {name: _model_card(name, beats) for name, beats in models.items()}
+    for adapter in await service_of(request).adapters.visible(caller.tenant):
+        if adapter.base_model in models and adapter.name not in cards:
+            cards[adapter.name] = _adapter_card(adapter, models[adapter.base_model])
+    return cards
+
+
 @router.get("/v1/models", responses=ok(ModelList) | errors(401, 503))
 async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
-    models = await _listed(request)
-    return {"object": "list", "data": [_model_card(name, beats) for name, beats in models.items()]}
+    return {"object": "list", "data": list((await _cards(request, caller)).values())}
 
 
 @router.get("/v1/models/{model:path}", responses=ok(ModelCard) | errors(401, 404, 503))
 async def get_model(request: Request, caller: Caller, model: str) -> dict[str, Any]:
-    models = await _listed(request)
-    if model not in models:
+    card = (await _cards(request, caller)).get(model)
+    if card is None:
         raise ApiError(
             404, f"The model '{model}' does not exist or has no live worker.", code="model_not_found", param="model"
         )
-    return _model_card(model, models[model])
+    return card
 
 
 def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
@@ -129,3 +141,25 @@ def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
     if description:
         card["description"] = description
     return card
+
+
+def _adapter_card(adapter: LoRAAdapter, beats: list[Any]) -> dict[str, Any]:
+    """An adapter as vLLM lists one: ``parent`` its base model, ``root`` its files (a URL's credentials left out);
+    ``workers`` are its base model's (any of them loads it on demand)."""
+    return {
+        "id": adapter.name,
+        "object": "model",
+        "created": int(adapter.created_at.timestamp()),
+        "owned_by": "sluicegate",
+        "workers": len(beats),
+        "root": _without_credentials(adapter.path),
+        "parent": adapter.base_model,
+    }
+
+
+def _without_credentials(path: str) -> str:
+    """``path`` with any ``user:password@`` of a URL removed (an fsspec URL may carry them; cards are public)."""
+    parts = urlsplit(path)
+    if not parts.scheme or "@" not in parts.netloc:
+        return path
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

@@ -19,7 +19,7 @@ from sluicegate.api.errors import ApiError
 from sluicegate.api.openai_format import ERROR_STATUS
 from sluicegate.api.tool_calls import plan_for
 
-from ..accept import SUBMIT_ERRORS, accept, tool_call_format
+from ..accept import SUBMIT_ERRORS, accept, answered_model, tool_call_format
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
@@ -77,7 +77,7 @@ async def create_response(request: Request) -> Response:
         request_id=rid,
         tenant=caller.tenant,
         created_at=int(inference.created_at.timestamp()),
-        model=inference.model,
+        model=answered_model(inference),
         background=bool(body.background),
         echo=echo_fields(body),
         plan=PlanSpec.of(plan_for(chat.tools, chat.tool_choice, tool_call_format(request))),

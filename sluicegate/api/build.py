@@ -38,12 +38,14 @@ def build_request(
     max_tokens: int | None = None,
     default_deadline: datetime | None = None,
     key_id: str | None = None,
+    adapter: str | None = None,
 ) -> InferenceRequest:
     """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
 
     ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
     when the body gives no deadline (the key's queue-time budget); ``key_id`` names the caller's API key (the
-    usage ledger's).
+    usage ledger's); ``adapter`` the LoRA adapter the body's model name resolved to (``sluicegate.lora.resolve``:
+    the body's ``model`` is then already its base model).
     """
     now = now or utcnow()
     prompt: str | list[int] | None = None
@@ -86,4 +88,5 @@ def build_request(
         trace=trace,
         task=task,
         pooling=pooling,
+        adapter=adapter,
     )

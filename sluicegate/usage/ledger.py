@@ -58,6 +58,7 @@ def usage_record(
         tenant=request.tenant,
         key_id=request.key_id,
         model=request.model,
+        adapter=request.adapter,
         tier=request.priority,
         outcome=outcome,
         finish_reason="error" if usage is None else finish_reason,
