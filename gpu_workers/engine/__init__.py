@@ -18,6 +18,7 @@ from .entrypoints.engine_front import EngineFront, RequestStream
 from .entrypoints.llm import LLM
 from .entrypoints.process_engine import ProcessEngine
 from .guided import GuidedDecoding
+from .lora import LoRAError, LoRARequest
 from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams
 
@@ -30,6 +31,8 @@ __all__ = [
     "GuidedDecoding",
     "IncrementalDetokenizer",
     "LLMEngine",
+    "LoRAError",
+    "LoRARequest",
     "ProcessEngine",
     "RequestDelta",
     "RequestMetrics",

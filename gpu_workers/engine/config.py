@@ -86,6 +86,12 @@ class EngineConfig:
     # CPU); rank 0 schedules and samples. A collective waiting longer than the timeout fails the step.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # Multi-LoRA (lora/): up to ``max_loras`` adapters of rank <= ``max_lora_rank`` in device slots at once, and
+    # ``max_cpu_loras`` (None: 4 x max_loras) loaded on the CPU, least recently used evicted first.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -135,7 +141,8 @@ class EngineConfig:
             if problem is not None:
                 raise ValueError(problem)
         self._check_tensor_parallel()
-        for flag in ("enforce_eager", "enable_cascade_attention"):
+        self._check_lora()
+        for flag in ("enforce_eager", "enable_cascade_attention", "enable_lora"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int):
@@ -177,6 +184,18 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
+
+    def _check_lora(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 4 * self.max_loras
+        _positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            # The slot stacks would have to be split per rank like the projections they add to.
+            raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
 
     @property
     def tokenizer_path(self) -> str:

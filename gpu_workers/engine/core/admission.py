@@ -25,13 +25,19 @@ def max_output_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_
 class RequestValidator:
     """Validates and tokenizes requests against one model's tokenizer, vocabulary and context length."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, enable_lora: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.enable_lora = enable_lora
 
     def admit(self, request: EngineRequest) -> EngineRequest:
         """The request with its prompt's token ids; ``ValueError`` naming the problem for one that can never run."""
+        if request.lora_request is not None and not self.enable_lora:
+            raise ValueError(
+                f"request names LoRA adapter {request.lora_request.lora_name!r}, but the engine was built without "
+                "enable_lora=True"
+            )
         prompt = request.prompt
         if isinstance(prompt, str):
             token_ids = list(self.tokenizer(prompt).input_ids)

@@ -18,6 +18,12 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def chain_seed(lora_int_id: int) -> bytes:
+    """The parent hash of a sequence's first block: empty for the base model, the adapter's id under a LoRA
+    adapter, so K/V computed under different adapters (or none) never share a block and one adapter's do."""
+    return b"" if lora_int_id == 0 else b"lora:" + lora_int_id.to_bytes(8, "little")
+
+
 class KVBlockManager:
     """Owns every KV block id and decides which sequence holds which blocks.
 
@@ -71,7 +77,7 @@ class KVBlockManager:
         tokens = seq.token_ids
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else chain_seed(seq.lora_int_id)
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:

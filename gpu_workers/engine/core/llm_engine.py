@@ -17,6 +17,7 @@ from ..distributed.ranks import TensorParallelRanks, TPModelRunner
 from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
 from ..guided import GuidedDecoding
+from ..lora.request import LoRARequest
 from ..models.loader import load_model
 from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from ..guided.compiler import GrammarCompiler
     from ..guided.matcher import GuidedState
     from ..guided.utf8_mask import Utf8Table
+    from ..lora.manager import LoRAManager
 
 
 class LLMEngine:
@@ -50,7 +52,9 @@ class LLMEngine:
         self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = self.loaded.vocab_size
-        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora)
+        # LoRA layers wrap the projections before the cache is sized, so their slot stacks count as used memory.
+        self.lora = self._build_lora(config) if config.enable_lora else None
         block_size = config.block_size
         kv_dtype = config.kv_cache_torch_dtype
         backend = get_attention_backend(config.attention_backend, self.device, block_size, self.loaded.dtype, kv_dtype)
@@ -58,6 +62,7 @@ class LLMEngine:
             self.runner: ModelRunner = TPModelRunner(self.loaded, backend, block_size, kv_dtype, self.tp_ranks.group)
         else:
             self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
+        self.runner.lora = self.lora
         spec = config.speculative_config
         # A draft model loads before the cache is sized: its weights count as used memory, and its own cache
         # takes one block for each of the target's (the same token capacity), so the budget is split per block.
@@ -83,6 +88,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.tenant_weights,
             lower_tier_max_batched_tokens=config.lower_tier_max_batched_tokens,
+            lora=self.lora,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
@@ -97,6 +103,39 @@ class LLMEngine:
     @property
     def attention_backend_name(self) -> str:
         return self.runner.backend.name
+
+    def _build_lora(self, config: EngineConfig) -> LoRAManager:
+        from ..lora.manager import LoRAManager
+
+        assert config.max_cpu_loras is not None  # EngineConfig fills the default
+        return LoRAManager(
+            self.loaded.model,
+            self.loaded.hf_config,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
+            dtype=self.loaded.dtype,
+            device=torch.device(config.device),
+        )
+
+    # ------------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and load a LoRA adapter into the CPU pool; True when newly loaded. ``LoRAError`` (a ValueError)
+        for an adapter the engine cannot use; ``ValueError`` without ``enable_lora``."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (once its unfinished requests are done); False when it is not loaded."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """Adapters loaded on this engine (CPU pool or device slots); empty without ``enable_lora``."""
+        return self.lora.list() if self.lora is not None else []
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine built with enable_lora=True")
+        return self.lora
 
     # ------------------------------------------------------------------ admission
     def admit(self, request: EngineRequest) -> EngineRequest:
@@ -113,13 +152,15 @@ class LLMEngine:
         tenant: str = "default",
         deadline: float | None = None,
         pooling: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request given as a front end's keyword arguments (for callers that drive ``step`` themselves);
         returns its id. ``priority`` is the scheduling tier, lower runs first; ``deadline`` as on ``EngineRequest``;
-        ``pooling`` makes it an embedding."""
+        ``pooling`` makes it an embedding; ``lora_request`` decodes it with that adapter."""
         request = EngineRequest.build(
-            prompt, params, request_id=request_id, priority=priority, tenant=tenant, deadline=deadline, pooling=pooling
-        )
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant, deadline=deadline,
+            pooling=pooling, lora_request=lora_request,
+        )  # fmt: skip
         return self.submit(request)
 
     def submit(self, request: EngineRequest) -> str:
@@ -131,6 +172,8 @@ class LLMEngine:
             request = self.validator.admit(request)
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if request.lora_request is not None:
+            self._lora_manager().add(request.lora_request)  # loaded on demand; LoRAError refuses the request
         seq = self._make_sequence(request)
         seq.num_pending_forks = request.params.n - 1
         self._requests[seq.request_id] = [seq]
@@ -162,6 +205,7 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
             guided=self._guided_state(params.guided) if params.guided is not None else None,
             pooling=request.pooling,
+            lora_request=request.lora_request,
         )
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -197,6 +241,7 @@ class LLMEngine:
             index=index,
             logprobs=[] if params.logprobs is not None else None,
             guided=parent.guided.fork() if parent.guided is not None else None,
+            lora_request=parent.lora_request,
         )
 
     def _guided_state(self, guided: GuidedDecoding) -> GuidedState:

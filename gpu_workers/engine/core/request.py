@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 
 #: A prompt as callers give it: text, or token ids (a resumed request passes prompt + delivered tokens).
@@ -35,7 +36,7 @@ class EngineRequest:
     ahead of those without one in its tier, earliest deadline first. ``prompt_token_ids`` is None until
     admission tokenizes the prompt. ``pooling`` (one of ``POOLING_METHODS``) makes it an embedding request:
     prefill only, never served from or into the prefix cache, finished after its prefill with the pooled
-    vector instead of a token.
+    vector instead of a token. ``lora_request`` names the LoRA adapter to decode with (None: the base model).
     """
 
     prompt: PromptInput
@@ -47,6 +48,7 @@ class EngineRequest:
     prompt_token_ids: list[int] | None = None
     deadline: float | None = None
     pooling: str | None = None
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -65,6 +67,10 @@ class EngineRequest:
             raise ValueError(f"unknown pooling {self.pooling!r}: one of {', '.join(POOLING_METHODS)}")
         if self.pooling is not None and self.params.n != 1:
             raise ValueError("an embedding request has one choice (n=1)")
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(self.lora_request).__name__}")
+        if self.lora_request is not None and self.pooling is not None:
+            raise ValueError("embedding requests with a LoRA adapter are not supported")
 
     @classmethod
     def build(
@@ -77,6 +83,7 @@ class EngineRequest:
         tenant: str = "default",
         deadline: float | None = None,
         pooling: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest:
         """The request for a front end's keyword arguments, where None means the default."""
         return cls(
@@ -87,6 +94,7 @@ class EngineRequest:
             tenant=tenant,
             deadline=deadline,
             pooling=pooling,
+            lora_request=lora_request,
         )
 
     @property

@@ -22,6 +22,10 @@ so the step an interactive request waits behind stays short; with only one tier 
 Inside a tier, waiting requests with a deadline come first, earliest deadline first (EDF: they sort ahead of the
 others by ``Sequence.sort_key``), and tenant fair queuing orders only those without one. EDF is about which
 waiting request starts next; a running sequence is never preempted for a deadline of its own tier.
+
+A sequence with a LoRA adapter is admitted only once its adapter holds a device slot (``LoRAAdmission``): when
+every slot is pinned by running sequences of other adapters it waits like one without free blocks, and the
+adapter stays pinned while the sequence runs (released when it finishes or is preempted).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .block_manager import KVBlockManager
 from .sequence import RequestStatus, Sequence
@@ -51,6 +56,18 @@ class ScheduledBatch:
         return not self.seqs
 
 
+class LoRAAdmission(Protocol):
+    """The adapters' side of scheduling (``lora.manager.LoRAManager``), told about sequences with an adapter."""
+
+    def on_add(self, seq: Sequence) -> None: ...
+
+    def on_finish(self, seq: Sequence) -> None: ...
+
+    def acquire(self, seq: Sequence) -> bool: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
     """Holds the waiting and running queues (both kept sorted by ``Sequence.sort_key``)."""
 
@@ -61,8 +78,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         tenant_weights: Mapping[str, float] | None = None,
         lower_tier_max_batched_tokens: int | None = None,
+        lora: LoRAAdmission | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tenant_weights: dict[str, float] = dict(tenant_weights or {})
@@ -87,13 +106,24 @@ class Scheduler:
             share = self.tenants[seq.tenant] = TenantShare(self.tenant_weights.get(seq.tenant, 1.0), start)
         share.num_unfinished += 1
         self.tiers[seq.priority] = self.tiers.get(seq.priority, 0) + 1
+        if seq.lora_request is not None:
+            self._lora.on_add(seq)
         self._enqueue(seq)
+
+    @property
+    def _lora(self) -> LoRAAdmission:
+        if self.lora is None:
+            raise RuntimeError("a sequence names a LoRA adapter, but the scheduler has no LoRA admission")
+        return self.lora
 
     def add_fork(self, seq: Sequence, running: bool) -> None:
         """Count a sibling choice forked from a running sequence: straight into ``running`` when it got its
         blocks (and a seat), else into the waiting queue to be recomputed from the prefix cache."""
         self.add(seq)
         if running:
+            # The parent runs with the same adapter, so its slot is pinned already and this cannot fail.
+            if seq.lora_request is not None and not self._lora.acquire(seq):
+                raise RuntimeError("a forked choice found no slot for its parent's LoRA adapter")
             self.waiting.remove(seq)
             seq.status = RequestStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
@@ -122,6 +152,10 @@ class Scheduler:
         """Mark a sequence finished and give its blocks back (its full blocks stay cached)."""
         if seq.status is RequestStatus.RUNNING or seq.status is RequestStatus.WAITING:
             (self.running if seq.status is RequestStatus.RUNNING else self.waiting).remove(seq)
+            if seq.lora_request is not None:
+                if seq.status is RequestStatus.RUNNING:
+                    self._lora.release(seq)
+                self._lora.on_finish(seq)
             share = self.tenants[seq.tenant]
             share.num_unfinished -= 1
             if share.num_unfinished == 0:
@@ -199,9 +233,13 @@ class Scheduler:
                 if not self._preempt_lower_tier(seq, step):
                     return False
                 continue
+            if seq.lora_request is not None and not self._lora.acquire(seq):
+                return False  # every adapter slot is pinned by running sequences: wait for one to finish
             hits = bm.lookup_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, step.room_for(seq))
             if not bm.allocate(seq, hits, num_new):
+                if seq.lora_request is not None:
+                    self._lora.release(seq)
                 if not self._preempt_lower_tier(seq, step):
                     return False
                 continue
@@ -254,6 +292,8 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, step: _StepState) -> None:
         self.running.remove(victim)
+        if victim.lora_request is not None:
+            self._lora.release(victim)
         if victim in step.scheduled:
             taken_back = step.give_back(victim)
             self._charge(victim, -taken_back)

@@ -14,6 +14,7 @@ from ..sampling_params import SamplingParams
 if TYPE_CHECKING:
     from ..detokenizer import IncrementalDetokenizer
     from ..guided.matcher import GuidedState
+    from ..lora.request import LoRARequest
     from ..outputs import TokenLogprob
 
 
@@ -96,6 +97,8 @@ class Sequence:
     pooling: str | None = None
     pool_sum: torch.Tensor | None = None
     embedding: list[float] | None = None
+    # The LoRA adapter the sequence decodes with (None: the base model); its id seeds the prefix cache's hashes.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -105,6 +108,11 @@ class Sequence:
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: tier first, then deadline (earliest first, none last), then arrival."""
         return (self.priority, math.inf if self.deadline is None else self.deadline, self.arrival_index)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

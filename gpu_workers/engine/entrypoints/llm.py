@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from ..config import EngineConfig
 from ..core.llm_engine import LLMEngine
 from ..core.request import EngineRequest, PromptInput
+from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..spec_decode.config import SpeculativeConfig
@@ -55,6 +56,10 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 60.0,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -79,12 +84,28 @@ class LLM:
             speculative_config=speculative_config,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=tensor_parallel_timeout_s,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
         )
         self.engine = LLMEngine(config)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and load a LoRA adapter (CPU pool); True when newly loaded; ``LoRAError`` for a bad adapter."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False when it is not loaded."""
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """Adapters loaded on this engine (CPU pool or device)."""
+        return self.engine.list_loras()
 
     def score(self, prompt: PromptInput, prefill_len: int | None = None, step_len: int = 1) -> torch.Tensor:
         """Float32 logits ``[num_tokens, vocab]`` of every position of one prompt (row ``i`` predicts token
@@ -116,11 +137,13 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         priority: int = 0,
         tenant: str = "default",
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in input order.
 
         ``sampling_params`` is one ``SamplingParams`` for all prompts or a list of the same length; ``priority``
-        is the scheduling tier of them all (lower runs first).
+        is the scheduling tier of them all (lower runs first). ``lora_request``: one adapter for every prompt, or
+        one per prompt (None: the base model), as vLLM takes it.
         Every request is validated before any is queued, so a bad one leaves the engine untouched.
         """
         prompt_list = normalize_prompts(prompts)
@@ -133,11 +156,22 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(lora_list)} LoRA requests for {len(prompt_list)} prompts; pass one or one per prompt"
+                )
         # Admitted one by one first: a bad request raises before any of them is queued.
         requests = [
-            self.engine.admit(EngineRequest.build(p, sp, priority=priority, tenant=tenant))
-            for p, sp in zip(prompt_list, params_list, strict=True)
+            self.engine.admit(EngineRequest.build(p, sp, priority=priority, tenant=tenant, lora_request=lora))
+            for p, sp, lora in zip(prompt_list, params_list, lora_list, strict=True)
         ]
+        # Adapters load before anything is queued, so a bad one leaves the engine untouched too.
+        for lora in dict.fromkeys(r for r in lora_list if r is not None):
+            self.engine.add_lora(lora)
         return self._run(requests)
 
     def _run(self, requests: list[EngineRequest]) -> list[RequestOutput]:

@@ -14,6 +14,10 @@ prefix once for the whole batch instead of once per sequence.
 The cache is in the model's dtype, or float8_e4m3fn (``kv_cache_dtype="fp8"``) with per-layer,
 per-KV-head scales (``attention/kv_quant.py``) that every layer's attention reads; scales the
 checkpoint does not give are computed on the cache's first step (run eagerly), then fixed.
+
+With LoRA adapters (``lora/``) each step's ``LoRABatch`` (a slot per token, from ``PreparedBatch.runs``) is set
+on the model's ``LoRAContext`` around the forward. Decode CUDA graphs are captured without adapters: a decode
+batch in which some sequence uses an adapter runs eagerly, base-model decode batches still replay graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +40,9 @@ from ..core.sequence import Sequence
 from ..models.loader import LoadedModel
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
 from .pooler import PoolSpan, pool
+
+if TYPE_CHECKING:
+    from ..lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,8 @@ class PreparedBatch:
     sample_seqs: list[Sequence]
     # Rows of embedding requests' prefill chunks (they pool instead of sampling).
     pool_spans: list[PoolSpan] = field(default_factory=list)
+    # (sequence, new tokens) in the batch's token order: which adapter each token uses.
+    runs: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, cache_dtype: torch.dtype | None = None) -> int:
@@ -88,6 +99,8 @@ class ModelRunner:
         self.cascade_min_seqs = CASCADE_MIN_SEQS
         self._common_prefix_len: CommonPrefixFn | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
+        # The engine's adapters when LoRA is enabled (set by LLMEngine).
+        self.lora: LoRAManager | None = None
 
     # ------------------------------------------------------------------ decode options
     def setup_decode(self, config: EngineConfig, max_model_len: int) -> None:
@@ -219,10 +232,13 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         pairs = list(zip(batch.seqs, batch.num_new_tokens, strict=True))
         if all(n == 1 for _, n in pairs) and not any(s.pooling is not None for s, _ in pairs):
-            return self._prepare_decode([s for s, _ in pairs])
-        # Decode rows first: the torch backend then handles them with slices, not gathers.
-        pairs.sort(key=lambda p: p[1] != 1)
-        return self._prepare_mixed(pairs)
+            prepared = self._prepare_decode([s for s, _ in pairs])
+        else:
+            # Decode rows first: the torch backend then handles them with slices, not gathers.
+            pairs.sort(key=lambda p: p[1] != 1)
+            prepared = self._prepare_mixed(pairs)
+        prepared.runs = pairs
+        return prepared
 
     def _decode_rows(self, seqs: list[Sequence]) -> DecodeRows:
         bs = self.block_size
@@ -348,11 +364,16 @@ class ModelRunner:
         # An FP8 cache without given scales computes them on its first step, eagerly (never in a graph).
         calibrate = self.kv_scales is not None and not self.kv_scales.fixed
         decode_only = all(n == 1 for n in batch.num_new_tokens) and not any(s.pooling for s in batch.seqs)
-        if graphs is not None and not calibrate and len(batch.seqs) <= graphs.max_batch and decode_only:
+        # Graphs were captured without adapters: a batch using one runs eagerly.
+        uses_lora = self.lora is not None and any(s.lora_request is not None for s in batch.seqs)
+        fits = graphs is not None and len(batch.seqs) <= graphs.max_batch
+        if graphs is not None and fits and not calibrate and decode_only and not uses_lora:
             return self._execute_decode_graph(graphs, batch.seqs)
         prepared = self.prepare(batch)
         prepared.meta.calibrate_kv_scales = calibrate
-        with torch.inference_mode():
+        lora = self.lora
+        step_lora = lora.context.active(lora.batch_for(prepared.runs)) if lora is not None else nullcontext()
+        with torch.inference_mode(), step_lora:
             hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
             if calibrate and self.kv_scales is not None:
                 self.kv_scales.fixed = True
