@@ -61,7 +61,8 @@ async def resolve_adapter(
 
 
 async def _settle(result: Any) -> Any:
-    """An engine front's answer, whether it returns it or a coroutine (process fronts ask their child)."""
+    """An engine front's answer, whether it returns it (``LLM``) or a coroutine (the async fronts run the call
+    between steps, on the step loop)."""
     return await result if inspect.isawaitable(result) else result
 
 
@@ -92,6 +93,7 @@ class Adapters:
         # lora_int_id -> the request the engine holds under it (what this worker loaded and has not removed).
         self._loaded: dict[int, LoRARequest] = {}
         self._loading: dict[int, asyncio.Task[LoRARequest]] = {}
+        self._held_names: list[str] = []  # what the engine said it holds, at the last refresh
 
     # --- at start -----------------------------------------------------------------------------------------------
     async def preload(self, named: Mapping[str, str]) -> list[LoRARequest]:
@@ -207,15 +209,21 @@ class Adapters:
 
     # --- heartbeats and checks ----------------------------------------------------------------------------------
     def names(self) -> list[str]:
-        """Names of the adapters the engine holds now (CPU pool or device), for heartbeats."""
+        """Names of the adapters the engine held at the last :meth:`refresh` (CPU pool or device), for heartbeats."""
+        return self._held_names
+
+    async def refresh(self) -> None:
+        """Ask the engine which adapters it holds (before each heartbeat). One it evicted (least recently used) is
+        forgotten here too; a later request for it loads it again."""
         try:
-            held = self.engine.list_loras()
-        except Exception:  # an engine that is stopping: advertise nothing rather than fail the beat
-            return []
-        if inspect.isawaitable(held):  # a front that can only answer asynchronously: what this worker loaded
-            held.close()
-            held = list(self._loaded.values())
-        return sorted({lora.lora_name for lora in held})
+            held = await _settle(self.engine.list_loras())
+        except Exception as exc:  # an engine that is stopping: the beat goes out with what was known
+            log.warning("worker.lora_list_failed", extra={"error": repr(exc)})
+            return
+        ids = {lora.lora_int_id for lora in held}
+        for lora_id in [i for i in self._loaded if i not in ids]:
+            del self._loaded[lora_id]
+        self._held_names = sorted({lora.lora_name for lora in held})
 
     async def verify(self, name: str, path: str) -> CheckVerdict:
         """Whether adapter ``name`` at ``path`` fits this worker's base model (``serve_checks``' verifier): its files

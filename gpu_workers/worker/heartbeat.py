@@ -82,6 +82,8 @@ class Heartbeats:
             if not self.engine.is_running:
                 # An engine that died while idle: stop advertising this worker and let another take its partitions.
                 raise RuntimeError("the engine stopped; stopping this worker")
+            if self.adapters is not None:
+                await self.adapters.refresh()
             payload = self.beat().model_dump_json()
             try:
                 pipe = self.redis.pipeline(transaction=False)

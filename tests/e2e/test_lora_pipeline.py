@@ -80,7 +80,7 @@ def llm(tiny_model_dir: Path) -> Iterator[LLM]:
 
 def generate(llm: LLM, prompt: list[int], max_tokens: int, lora: LoRARequest | None) -> tuple[list[int], str]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out = llm.generate([prompt], params, lora_request=lora)[0].outputs[0]
+    out = llm.generate([prompt], params, lora_request=lora)[0]
     return list(out.token_ids), out.text
 
 

@@ -88,7 +88,7 @@ def reference(model_dir: Path, adapters: dict[str, Path]) -> dict[str | None, li
     loras = [None, LoRARequest("sql", 1, str(adapters["sql"])), LoRARequest("chat", 2, str(adapters["chat"]))]
     outputs = llm.generate([prompt] * 3, params, lora_request=loras)
     tokens = {
-        (lora.lora_name if lora else None): list(out.outputs[0].token_ids)
+        (lora.lora_name if lora else None): list(out.token_ids)
         for lora, out in zip(loras, outputs, strict=True)
     }
     assert tokens["sql"] != tokens[None] and tokens["chat"] != tokens[None] and tokens["sql"] != tokens["chat"]
