@@ -26,10 +26,11 @@ from test_worker import (
     wait_terminal,
     write_partial_stream,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from gpu_workers.engine import LLM, SamplingParams
+from gpu_workers.engine import LLM, AsyncEngine, SamplingParams
 from gpu_workers.engine.lora.request import LoRARequest
+from gpu_workers.worker.adapters import AdapterError, Adapters
 from gpu_workers.worker.streams import StreamPublisher
 from schemas import ErrorEvent, InferenceRequest, Names, SamplingOptions, TokenEvent, WorkerHeartbeat
 from sluicegate.lora.checks import ask_check
@@ -87,10 +88,7 @@ def reference(model_dir: Path, adapters: dict[str, Path]) -> dict[str | None, li
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     loras = [None, LoRARequest("sql", 1, str(adapters["sql"])), LoRARequest("chat", 2, str(adapters["chat"]))]
     outputs = llm.generate([prompt] * 3, params, lora_request=loras)
-    tokens = {
-        (lora.lora_name if lora else None): list(out.token_ids)
-        for lora, out in zip(loras, outputs, strict=True)
-    }
+    tokens = {(lora.lora_name if lora else None): list(out.token_ids) for lora, out in zip(loras, outputs, strict=True)}
     assert tokens["sql"] != tokens[None] and tokens["chat"] != tokens[None] and tokens["sql"] != tokens["chat"]
     return tokens
 
@@ -252,4 +250,60 @@ async def test_a_resumed_adapter_request_continues_with_its_adapter(
                 assert got == reference["sql"], index
             assert not worker.task.done()
     finally:
+        await redis.aclose()
+
+
+async def test_adapters_load_once_stay_private_and_follow_a_new_registration(
+    redis_url: str, model_dir: Path, adapters: dict[str, Path], unique_prefix: str, tmp_path: Path
+) -> None:
+    redis = Redis.from_url(redis_url)
+    registry = LoRARegistry(redis, unique_prefix)
+    url = f"memory://lora-{uuid.uuid4().hex}/sql"
+    for file in adapters["sql"].iterdir():
+        fsspec.filesystem("memory").pipe_file(f"{url}/{file.name}", file.read_bytes())
+    engine = AsyncEngine(str(model_dir), device="cpu", cpu_kv_cache_gb=0.05, enable_lora=True, max_lora_rank=8)
+    await engine.start()
+    try:
+        served = Adapters(
+            engine,
+            registry,
+            model_name=MODEL,
+            cache_dir=tmp_path / "cache",
+            max_lora_rank=8,
+            model_config=lambda: AutoConfig.from_pretrained(str(model_dir)),
+            lookup_ttl_s=0.0,
+        )
+        first = await registry.register("sql", MODEL, url, tenant="acme")
+        mine = request_for("sql").model_copy(update={"tenant": "acme"})
+        # Many requests at once: one fetch, one load.
+        loras = await asyncio.gather(*(served.resolve(mine) for _ in range(8)))
+        assert {lora.lora_int_id for lora in loras} == {first.lora_int_id}
+        assert [(x.lora_name, x.lora_int_id) for x in await engine.list_loras()] == [("sql", first.lora_int_id)]
+        assert len(list((tmp_path / "cache").iterdir())) == 1
+        # Looked up within the TTL and loaded: ready without I/O (the engine may start it early).
+        served.lookup_ttl_s = 60.0
+        assert served.ready(mine) == loras[0] and served.ready(request_for(None)) is None
+        # Private: another tenant is told it does not exist.
+        theirs = mine.model_copy(update={"tenant": "other"})
+        assert served.ready(theirs) is None
+        with pytest.raises(AdapterError) as refused:
+            await served.resolve(theirs)
+        assert refused.value.code == "adapter_not_found"
+        served.lookup_ttl_s = 0.0  # from here on every request looks the registry up again
+        # Unloaded and registered again (a new id, other files): the new registration is served, the old
+        # weights leave the engine.
+        assert await registry.unregister("sql")
+        second = await registry.register("sql", MODEL, str(adapters["chat"]))
+        lora = await served.resolve(mine)
+        assert (lora.lora_int_id, lora.lora_path) == (second.lora_int_id, str(adapters["chat"]))
+        await served.refresh()
+        assert served.names() == ["sql"]
+        assert [x.lora_int_id for x in await engine.list_loras()] == [second.lora_int_id]
+        # Unregistered for good: requests fail, and the engine lets go of it.
+        assert await registry.unregister("sql")
+        with pytest.raises(AdapterError, match="does not exist"):
+            await served.resolve(mine)
+        assert await engine.list_loras() == []
+    finally:
+        await engine.shutdown()
         await redis.aclose()
