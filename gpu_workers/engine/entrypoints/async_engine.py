@@ -18,13 +18,14 @@ from ..config import EngineConfig
 from ..core.llm_engine import LLMEngine
 from ..core.request import EngineRequest
 from ..outputs import EngineStats
-from .engine_front import EngineFront, RequestStream
+from .engine_front import ENGINE_CALLS, EngineFront, RequestStream
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
 _STOP = "stop"
 _ADD = "add"
 _ABORT = "abort"
+_CALL = "call"
 
 #: After posting a step's deltas, a CPU engine's step loop sleeps this long, so the deltas' way out (the event
 #: loop's hop to the Redis append, then Redis and the relay) gets the CPU before the next step does.
@@ -104,7 +105,12 @@ class AsyncEngine(EngineFront):
             except queue.Empty:
                 break
             if kind == _ADD:
-                self.engine.submit(payload)
+                try:
+                    self.engine.submit(payload)
+                except ValueError as exc:  # e.g. its LoRA adapter cannot load
+                    self._fail_one(payload.request_id, exc)
+            elif kind == _CALL:
+                self._answer(*payload)
         self._deliver(self.engine.abort_all())
         self._stats = self.engine.stats()
 
@@ -123,6 +129,14 @@ class AsyncEngine(EngineFront):
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    async def _engine_call(self, method: str, *args: Any) -> Any:
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"unknown engine call {method!r}")
+        self._ensure_started()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._commands.put((_CALL, (method, args, future)))
+        return await future
 
     # ------------------------------------------------------------------ step thread
     def _run(self) -> None:
@@ -161,10 +175,21 @@ class AsyncEngine(EngineFront):
                 aborted = self.engine.abort(payload)
                 if aborted:
                     self._post(self._deliver, aborted)
+            elif kind == _CALL:
+                self._answer(*payload)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _answer(self, method: str, args: tuple[Any, ...], future: asyncio.Future[Any]) -> None:
+        """Run an engine call on the step thread and settle its future on the event loop."""
+        try:
+            result = getattr(self.engine, method)(*args)
+        except Exception as exc:  # the caller gets it (a LoRAError for a bad adapter); the loop goes on
+            self._post(_settle, future, None, exc)
+        else:
+            self._post(_settle, future, result, None)
 
     def _post(self, callback: Any, *args: Any) -> None:
         loop = self._loop
@@ -173,3 +198,12 @@ class AsyncEngine(EngineFront):
         # The loop may be closed if the application exits without shutdown().
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(callback, *args)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

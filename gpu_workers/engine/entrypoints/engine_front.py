@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..core.request import EngineRequest, PromptInput
+from ..lora.request import LoRARequest
 from ..outputs import EngineStats, RequestDelta
 from ..sampling_params import SamplingParams
 
@@ -56,6 +57,10 @@ class RequestStream:
             if self._num_finished_read >= self.num_choices:
                 self.finished = True
         return item
+
+
+#: ``LLMEngine`` methods a front may run on the step loop through ``_engine_call`` (and nothing else).
+ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras"})
 
 
 class EngineFront(ABC):
@@ -116,6 +121,25 @@ class EngineFront(ABC):
     def stats(self) -> EngineStats:
         """Snapshot taken after the step loop's latest step (cheap, never blocks)."""
 
+    @abstractmethod
+    async def _engine_call(self, method: str, *args: Any) -> Any:
+        """Run one of ``ENGINE_CALLS`` on the ``LLMEngine`` between steps, where the step loop runs; its result,
+        or its exception raised here."""
+
+    # ------------------------------------------------------------------ adapters (run on the step loop)
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and load a LoRA adapter into the engine's CPU pool; True when newly loaded. ``LoRAError`` (a
+        ``ValueError``, one line) for an adapter the engine cannot use."""
+        return bool(await self._engine_call("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter (once its unfinished requests are done); False when it is not loaded."""
+        return bool(await self._engine_call("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """Adapters loaded on the engine (CPU pool or device slots)."""
+        return list(await self._engine_call("list_loras"))
+
     # ------------------------------------------------------------------ shared behaviour
     def add_request(
         self,
@@ -127,13 +151,16 @@ class EngineFront(ABC):
         tenant: str = "default",
         deadline: float | None = None,
         pooling: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request; returns its delta stream.
 
         ``prompt`` may be text or token ids - a resumed request passes prompt + delivered tokens. ``priority``
         is the scheduling tier, lower runs first; ``deadline`` (``time.time()`` seconds) orders a tier's waiting
         requests earliest first. ``pooling`` ("last" or "mean") makes it an embedding request: one finished delta
-        carrying ``embedding``. Raises ``ValueError`` at once for a request that can never run.
+        carrying ``embedding``. ``lora_request`` decodes it with that LoRA adapter (loaded on demand: a bad
+        adapter fails the stream with a ``ValueError``). Raises ``ValueError`` at once for a request that can never
+        run.
         """
         self._ensure_accepting()
         request = self._admit(
@@ -145,6 +172,7 @@ class EngineFront(ABC):
                 tenant=tenant,
                 deadline=deadline,
                 pooling=pooling,
+                lora_request=lora_request,
             )
         )
         stream = self._open_stream(request.request_id, request.params.n)
@@ -166,9 +194,12 @@ class EngineFront(ABC):
         request_id: str | None = None,
         priority: int = 0,
         tenant: str = "default",
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream a request's deltas; leaving the loop early aborts the request."""
-        stream = self.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
+        stream = self.add_request(
+            prompt, params, request_id=request_id, priority=priority, tenant=tenant, lora_request=lora_request
+        )
         try:
             async for delta in stream:
                 yield delta

@@ -27,7 +27,7 @@ from ..core.admission import RequestValidator
 from ..core.request import EngineRequest
 from ..outputs import EngineStats
 from ..tokenizer import load_tokenizer
-from .engine_front import EngineFront
+from .engine_front import ENGINE_CALLS, EngineFront
 from .process_wire import EngineSpec, frame, split_frames
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class ProcessEngine(EngineFront):
         self._closed: asyncio.Future[None] | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        # Adapter calls awaiting the engine process's answer, by call id.
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._next_call_id = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -153,7 +156,9 @@ class ProcessEngine(EngineFront):
             with contextlib.suppress(BaseException):
                 await tokenizer_task
             raise
-        self._validator = RequestValidator(self._tokenizer, spec.vocab_size, spec.max_model_len)
+        self._validator = RequestValidator(
+            self._tokenizer, spec.vocab_size, spec.max_model_len, enable_lora=self.config.enable_lora
+        )
 
     async def shutdown(self) -> None:
         """Stop the engine process; requests still in flight finish with ``finish_reason="abort"``."""
@@ -209,6 +214,26 @@ class ProcessEngine(EngineFront):
             raise RuntimeError("the engine is not started")
         return self._stats
 
+    async def _engine_call(self, method: str, *args: Any) -> Any:
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"unknown engine call {method!r}")
+        self._ensure_accepting()
+        assert self._transport is not None
+        self._next_call_id += 1
+        call_id = self._next_call_id
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._transport.write(frame(("call", (call_id, method, args))))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
     def _not_running_reason(self) -> str:
         if self._error is not None:
             return f"engine process failed: {self._error}"
@@ -224,6 +249,14 @@ class ProcessEngine(EngineFront):
             self._deliver(message[1])
         elif kind == "rejected":
             self._fail_one(message[1], ValueError(message[2]))
+        elif kind == "answer":
+            _, call_id, result, error = message
+            future = self._calls.get(call_id)
+            if future is not None and not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
         elif kind == "ready":
             self._spec = message[1]
             self._stats = self._spec.stats
@@ -243,6 +276,7 @@ class ProcessEngine(EngineFront):
         elif kind == "failed":
             self._error = RuntimeError(f"the engine's step loop failed:\n{message[1]}")
             self._fail_all(self._error)
+            self._fail_calls(self._error)
 
     def _on_lost(self) -> None:
         if self._closed is not None and not self._closed.done():
@@ -255,6 +289,7 @@ class ProcessEngine(EngineFront):
             self._ready.set_exception(self._error or RuntimeError("the engine process exited before it was ready"))
         if self._error is not None and self._streams:
             self._fail_all(self._error)
+        self._fail_calls(self._error or RuntimeError("the engine process stopped"))
 
 
 def _kill(process: asyncio.subprocess.Process) -> None:

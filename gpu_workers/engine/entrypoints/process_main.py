@@ -22,6 +22,7 @@ from typing import Any
 
 from ..outputs import RequestDelta
 from .async_engine import CPU_DELIVERY_YIELD_S
+from .engine_front import ENGINE_CALLS
 from .process_wire import EngineSpec, frame, split_frames
 
 _READ_CHUNK = 1 << 16
@@ -84,12 +85,28 @@ class _StepLoop:
                         self.channel.send(("rejected", payload.request_id, str(exc)))
                 elif kind == "abort":
                     deltas += engine.abort(payload)
+                elif kind == "call":
+                    self._answer(*payload)
             if engine.has_unfinished():
                 deltas += engine.step()
             if deltas:
                 self.channel.send(("deltas", deltas, engine.stats()))
                 if self.delivery_yield_s:
                     time.sleep(self.delivery_yield_s)
+
+    def _answer(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        """Run an adapter call between steps and answer it; its ValueError (a LoRAError) goes back as it is."""
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            if method not in ENGINE_CALLS:
+                raise ValueError(f"unknown engine call {method!r}")
+            result = getattr(self.engine, method)(*args)
+        except ValueError as exc:
+            error = exc
+        except Exception as exc:  # reported to the caller as text: its class may not pickle
+            error = RuntimeError(f"{type(exc).__name__}: {exc}")
+        self.channel.send(("answer", call_id, result, error))
 
 
 def serve(sock: socket.socket) -> int:

@@ -1,10 +1,12 @@
 """The wire between ``ProcessEngine`` and its engine process: length-prefixed pickles over a Unix socket pair.
 
 * front -> engine: ``("init", config, initializer)`` once, then ``("add", EngineRequest)``,
-  ``("abort", request_id)`` and ``("stop", None)``;
+  ``("abort", request_id)``, ``("call", (call_id, method, args))`` (one of ``engine_front.ENGINE_CALLS``: the
+  adapter calls) and ``("stop", None)``;
 * engine -> front: ``("ready", EngineSpec)`` or ``("startup_failed", kind, message)``; then per step
   ``("deltas", [RequestDelta], EngineStats)``, ``("rejected", request_id, message)`` for an add the engine
-  refuses, ``("failed", traceback)`` when the step loop dies, and ``("stopped", [RequestDelta], EngineStats)``
+  refuses, ``("answer", call_id, result, error)`` for a call (``error``: the exception it raised, or None),
+  ``("failed", traceback)`` when the step loop dies, and ``("stopped", [RequestDelta], EngineStats)``
   as the answer to ``stop``.
 
 Everything pickled here names classes of importable modules (never of a ``__main__``), so both ends can load it.
