@@ -35,6 +35,8 @@ from sluicegate.api.limits import Limits
 from sluicegate.batches.files import StoredFile
 from sluicegate.batches.lines import InputFileError
 from sluicegate.batches.store import LineOutcome
+from sluicegate.lora.registry import LoRARegistry
+from sluicegate.lora.resolve import resolve_request
 from sluicegate.telemetry import attached, context_from_traceparent
 from sluicegate.usage.quota import claim_for
 
@@ -97,6 +99,9 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
     known = {m.decode() for m in await runtime.redis.smembers(runtime.names.models_key)}
     known |= {m.strip() for m in settings.served_models.split(",") if m.strip()}
     await runtime.routes.refresh()
+    # Adapter names resolve as online (sluicegate.lora.resolve), against the registry as it is now: the prepare
+    # thread gets a snapshot, not Redis.
+    adapters = {a.name: a for a in await LoRARegistry(runtime.redis, runtime.names.prefix).list()}
     # Every line carries the creating request's trace (kept with the batch: the step may run in any task).
     trace = TraceContext.model_validate_json(state["trace"]) if state.get("trace") else None
     try:
@@ -112,7 +117,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
                 chunk_size=settings.batch_chunk_size,
                 max_lines=settings.batch_max_lines,
                 known_models=known,
-                route=runtime.routes.routed,
+                route=lambda request: runtime.routes.routed(resolve_request(adapters, request)),
                 trace=trace,
                 key_id=state.get("key_id"),
             )

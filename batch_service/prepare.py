@@ -29,7 +29,9 @@ from sluicegate.batches.files import FileStore
 from sluicegate.batches.lines import InputFileError, numbered_lines, parse_line
 from sluicegate.batches.store import LineOutcome
 
-Route = Callable[[InferenceRequest], InferenceRequest]  # a request naming a route -> one for its version
+#: A request naming a LoRA adapter or a route -> one for its base model + adapter, or for the route's version; may
+#: raise ``ApiError`` (the line's refusal).
+Route = Callable[[InferenceRequest], InferenceRequest]
 
 
 class LineTools(BaseModel):
@@ -159,13 +161,14 @@ def build_line(
             default_deadline=deadline,
             key_id=key_id,
         )
+        # A line naming a LoRA adapter goes to its base model with the adapter set, and a line naming a route to
+        # the version the route chooses (router.route_table, as online), which then has to be known, as the
+        # online API checks the version it routed to.
+        request = route(request) if route is not None else request
     except ApiError as exc:
         return _refusal(exc)
     except ValidationError as exc:
         return _refusal(invalid(exc))
-    # A line naming a route goes to the version the route chooses (router.route_table, as online), which then
-    # has to be known, as the online API checks the version it routed to.
-    request = route(request) if route is not None else request
     if known_models is not None and request.model not in known_models:
         return _unknown_model(request.model)
     tools = (
@@ -215,11 +218,11 @@ def _build_embedding_line(
             default_deadline=deadline,
             key_id=key_id,
         )
+        request = route(request) if route is not None else request
     except ApiError as exc:
         return _refusal(exc)
     except ValidationError as exc:
         return _refusal(invalid(exc))
-    request = route(request) if route is not None else request
     if known_models is not None and request.model not in known_models:
         return _unknown_model(request.model)
     return BuiltLine(request, encoding_format=parsed.encoding_format)

@@ -1,9 +1,12 @@
 """The router stream processor: validates what Kafka-native producers put on ``llm.inbound``, routes each
 valid request for a served model to ``llm.<model>.<tier>`` and sends everything else to ``llm.dlq`` with a
-``reason`` header. A request over its tenant's token quota is dead-lettered as ``insufficient_quota`` (its tokens
-are reserved here otherwise, :mod:`sluicegate.usage.quota`); one whose deadline the backlog its model's workers
-report cannot meet, as ``deadline_unmeetable`` (:func:`router.policy.deadline_unmeetable`, as ingress's 429).
-The process also runs the usage rollup (:mod:`sluicegate.usage.rollup`) beside the routing loop.
+``reason`` header. A record naming a LoRA adapter (as its model, or in ``adapter``) goes to its base model's topic
+with ``adapter`` set (:mod:`sluicegate.lora.resolve`, as ingress resolves it); an unknown or invisible adapter is
+``unknown_model``, one named with another base model ``invalid_adapter``. A request over its tenant's token quota
+is dead-lettered as ``insufficient_quota`` (its tokens are reserved here otherwise, :mod:`sluicegate.usage.quota`);
+one whose deadline the backlog its model's workers report cannot meet, as ``deadline_unmeetable``
+(:func:`router.policy.deadline_unmeetable`, as ingress's 429). The process also runs the usage rollup
+(:mod:`sluicegate.usage.rollup`) beside the routing loop.
 
 Offsets are committed only after every record of a batch has been acknowledged where it went, so a
 crash re-routes (at least once) rather than loses. A bad message never stops the loop.
@@ -26,8 +29,11 @@ from redis.exceptions import RedisError
 
 from schemas import InferenceRequest, Names, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.api.errors import ApiError
 from sluicegate.dead_letters import Rejection, dead_letter, header, validate_record
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
+from sluicegate.lora.registry import LoRARegistry
+from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
@@ -58,7 +64,8 @@ class RouterProcessor:
     """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
 
     Besides the reasons of :func:`sluicegate.dead_letters.validate_record` it dead-letters ``unknown_model``
-    (no live worker, not in ``served_models``), ``deadline_unmeetable`` (its deadline is sooner than the workers'
+    (no live worker, not in ``served_models``; or an unknown adapter), ``invalid_adapter`` (an adapter of another
+    base model than the record's ``model``), ``deadline_unmeetable`` (its deadline is sooner than the workers'
     backlog), ``insufficient_quota`` (over its tenant's token quota; a record's ``key_id`` is not checked: the keys
     file is ingress's) and ``routing_failed`` (an unexpected error routing one
     record).
@@ -93,6 +100,12 @@ class RouterProcessor:
         self.route_table = RouteTable(settings.routes_file, redis=redis, names=self.names)
         self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
         self.quotas = Quotas(redis, self.names) if redis is not None else None
+        # Adapter names as models, from a briefly cached snapshot of the LoRA registry (no Redis read per record).
+        self.adapters = (
+            AdapterResolver(LoRARegistry(redis, settings.topic_prefix), ttl_s=settings.lora_cache_ttl_s)
+            if redis is not None
+            else None
+        )
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
         self.dead_lettered = 0
@@ -113,6 +126,14 @@ class RouterProcessor:
         outcome = validate_record(record.value, record.headers)
         if isinstance(outcome, Rejection):
             return outcome
+        if self.adapters is not None:
+            try:
+                outcome = await self.adapters.resolve_request(outcome)
+            except ApiError as exc:  # an unknown (404) or mismatched (400) adapter: the record's fault
+                reason = "unknown_model" if exc.status == 404 else "invalid_adapter"
+                return Rejection(reason, exc.message, outcome.request_id)
+            except (RedisError, OSError) as exc:
+                raise ConnectionError(f"Redis did not answer the LoRA registry: {exc!r}") from exc
         # A Kafka-native request naming a routed public model goes to the version ingress would choose.
         choice = self.route_table.resolve(outcome)
         if choice is not None:
