@@ -340,6 +340,8 @@ def build_adapters(settings: Settings, engine: EngineFront, redis: Redis, names:
         cache_dir=cache_dir,
         max_lora_rank=settings.max_lora_rank,
         model_config=partial(model_config, settings.model),
+        # As long as ingress and the router reuse their registry snapshot: an unload is seen everywhere within it.
+        lookup_ttl_s=settings.lora_cache_ttl_s,
     )
 
 
