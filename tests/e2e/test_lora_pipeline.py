@@ -94,6 +94,18 @@ def wait_adapter_advertised(pipeline: Pipeline, worker: str, timeout_s: float = 
     raise AssertionError(f"{worker} never advertised {ADAPTER}: {pipeline.heartbeats()}")
 
 
+def wait_partitions_split(pipeline: Pipeline, workers: tuple[str, ...], timeout_s: float = 240) -> None:
+    """Until each worker heartbeats its share of the model's partitions after the rebalance (no stale claims)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = pipeline.heartbeats()
+        claims = [(r.topic, r.partition) for w in workers if w in beats for r in beats[w].partitions]
+        if all(w in beats and beats[w].partitions for w in workers) and len(claims) == len(set(claims)) == 6:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"partitions not split between {workers}: {pipeline.heartbeats()}")
+
+
 def test_a_streamed_chat_naming_the_adapter_gives_the_engines_lora_tokens(
     pipeline: Pipeline, llm: LLM, adapter_dir: Path
 ) -> None:
@@ -131,9 +143,9 @@ def test_killing_the_worker_mid_stream_resumes_the_adapter_request_exactly(
 ) -> None:
     prompt = list(llm.tokenizer.encode(PROMPT))
     ref_ids, ref_text = generate(llm, prompt, KILL_TOKENS, LoRARequest(ADAPTER, 1, str(adapter_dir)))
-    # A second worker with LoRA on but no adapter of its own: whichever worker is killed, the other continues.
+    # A second worker with LoRA on but no adapter of its own.
     pipeline.start_worker("worker-b", SLUICEGATE_WORKER_LORAS="{}", SLUICEGATE_ENABLE_LORA="true")
-    pipeline.wait_workers(2, timeout_s=240)
+    wait_partitions_split(pipeline, ("worker-a", "worker-b"))
     accepted = pipeline.submit(model=ADAPTER, prompt=PROMPT, max_tokens=KILL_TOKENS, temperature=0, ignore_eos=True)
     rid = accepted["request_id"]
     deadline = time.monotonic() + 120
@@ -141,6 +153,9 @@ def test_killing_the_worker_mid_stream_resumes_the_adapter_request_exactly(
         assert time.monotonic() < deadline, "the request never got going"
         time.sleep(0.01)
     owner = pipeline.record(rid).worker_id
+    # The router sent it to the worker that holds the adapter; the other one has to load it to take over.
+    assert owner == "worker-a"
+    assert ADAPTER not in pipeline.heartbeats()["worker-b"].adapters
     pipeline.kill(pipeline.find(owner))
     delivered = len(pipeline.stream_events(rid))
     assert delivered < KILL_TOKENS - 50, "the worker was not killed mid-generation"
@@ -152,6 +167,5 @@ def test_killing_the_worker_mid_stream_resumes_the_adapter_request_exactly(
     assert [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] == ref_ids
     assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == ref_text
     record = pipeline.record(rid)
-    assert record.status == "finished" and record.worker_id != owner
-    survivor = record.worker_id
-    assert ADAPTER in pipeline.heartbeats()[survivor].adapters
+    assert (record.status, record.worker_id) == ("finished", "worker-b")
+    wait_adapter_advertised(pipeline, "worker-b", timeout_s=30)
