@@ -39,7 +39,7 @@ async def get_usage(
     caller: Caller,
     start: Annotated[int | None, Query(ge=0, le=_MAX_TIME, description="Unix seconds; default: month start.")] = None,
     end: Annotated[int | None, Query(ge=1, le=_MAX_TIME, description="Unix seconds; default: now.")] = None,
-    group_by: Annotated[GroupBy | None, Query(description="Rows per model or per API key.")] = None,
+    group_by: Annotated[GroupBy | None, Query(description="Rows per model, per API key or per LoRA adapter.")] = None,
 ) -> UsageReport:
     now = time.time()
     end = end if end is not None else int(now) + 1

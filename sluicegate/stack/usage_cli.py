@@ -51,10 +51,15 @@ def _stamp(seconds: int) -> str:
 def render(report: dict[str, Any]) -> str:
     """The report as a text table: a row per group (if grouped), then the tenant's total."""
     group = report.get("group_by")
-    label = {"model": "model", "key": "key id"}.get(group or "", "")
+    label = {"model": "model", "key": "key id", "adapter": "adapter"}.get(group or "", "")
     rows: list[list[str]] = []
     for row in report.get("data", []):
-        name = row.get("model") if group == "model" else row.get("key_id") or "(no key)"
+        if group == "model":
+            name = row.get("model")
+        elif group == "adapter":
+            name = row.get("adapter") or "(base model)"
+        else:
+            name = row.get("key_id") or "(no key)"
         rows.append([str(name), *(str(row.get(field, 0)) for field, _ in _COLUMNS)])
     rows.append(["total", *(str(report["totals"].get(field, 0)) for field, _ in _COLUMNS)])
     header = [label or "", *(title for _, title in _COLUMNS)]
@@ -98,7 +103,9 @@ def add_usage_command(sub: argparse._SubParsersAction) -> None:
     usage = sub.add_parser("usage", help="your tenant's token usage (GET /v1/usage), by model or API key")
     usage.add_argument("--start", type=parse_time, help="unix seconds, date or ISO time (default: month start)")
     usage.add_argument("--end", type=parse_time, help="unix seconds, date or ISO time (default: now)")
-    usage.add_argument("--group-by", choices=["model", "key"], help="a row per model or per API key")
+    usage.add_argument(
+        "--group-by", choices=["model", "key", "adapter"], help="a row per model, per API key or per LoRA adapter"
+    )
     usage.add_argument("--json", action="store_true", help="the report as JSON")
     usage.add_argument("--base-url", help="OpenAI base URL of ingress (default: SLUICEGATE_API_BASE_URL or local)")
     usage.add_argument("--api-key", help="API key (default: OPENAI_API_KEY, then SLUICEGATE_API_KEY)")

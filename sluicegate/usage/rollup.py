@@ -50,14 +50,16 @@ METRICS = (
 
 # KEYS[1]: the request's marker, KEYS[2]: the hour's hash, KEYS[3]: the tenant's hours index.
 # ARGV[1]: marker TTL (s), ARGV[2]: the hour, ARGV[3]: expiry of the aggregates (unix s), ARGV[4]: oldest hour
-# kept, ARGV[5]: model, ARGV[6]: key id ('' for none), ARGV[7..]: metric, value pairs. Returns 1 when counted.
+# kept, ARGV[5]: model, ARGV[6]: key id ('' for none), ARGV[7]: LoRA adapter ('' for none), ARGV[8..]: metric, value
+# pairs. Returns 1 when counted.
 _APPLY = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   local value = tonumber(ARGV[i + 1])
   if value ~= 0 then
     redis.call('HINCRBY', KEYS[2], 'model|' .. ARGV[i] .. '|' .. ARGV[5], value)
     redis.call('HINCRBY', KEYS[2], 'key|' .. ARGV[i] .. '|' .. ARGV[6], value)
+    redis.call('HINCRBY', KEYS[2], 'adapter|' .. ARGV[i] .. '|' .. ARGV[7], value)
   end
 end
 redis.call('EXPIREAT', KEYS[2], ARGV[3])
@@ -117,6 +119,7 @@ class UsageAggregates:
                 (finished - self._retention_s) // 3600,
                 record.model,
                 record.key_id or "",
+                record.adapter or "",
             ]
             for metric, value in record_metrics(record).items():
                 args += [metric, value]

@@ -1,5 +1,6 @@
 """The LoRA registry and the load-time check against a real Redis: ids from one counter, one registration per
-name, the request-reply of a check with a worker-side verify function, and the 503 path when nobody answers."""
+name, the request-reply of a check with a worker-side verify function, and the 503 path when nobody answers; the
+resolver's cached snapshot; the usage rollup's rows per adapter."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from schemas import Names
+from schemas import InferenceRequest, Names, Usage, UsageRecord
 from sluicegate.lora.checks import AdapterCheck, CheckVerdict, NoCheckerError, ask_check, serve_checks
 from sluicegate.lora.registry import AdapterExistsError, LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver, Resolved, UnknownAdapterError
 from sluicegate.redis_client import create_redis
+from sluicegate.usage.ledger import usage_record
+from sluicegate.usage.report import usage_report
+from sluicegate.usage.rollup import UsageAggregates
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -181,3 +185,22 @@ async def test_resolver_serves_its_last_snapshot_while_redis_is_away(redis_url: 
     finally:
         await delete_prefixed_keys(client, unique_prefix)
         await client.aclose()
+
+
+async def test_usage_rollup_groups_by_adapter(redis: Redis, unique_prefix: str) -> None:
+    names = Names(unique_prefix)
+    aggregates = UsageAggregates(redis, names, dedup_ttl_s=600, retention_days=2)
+    usage = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+
+    def record(rid: str, adapter: str | None) -> UsageRecord:
+        request = InferenceRequest(request_id=rid, model="tiny", prompt="x", tenant="acme", adapter=adapter)
+        return usage_record(request, producer="w1", usage=usage, finish_reason="stop")
+
+    ledger = [record("r1", "sql"), record("r2", "sql"), record("r3", None), record("r1", "sql")]  # r1 twice
+    assert await aggregates.apply(ledger) == 3
+    now = int(time.time())
+    by_adapter = await usage_report(redis, names, "acme", start=now - 3600, end=now + 3600, group_by="adapter")
+    assert {row.adapter: row.total_tokens for row in by_adapter.data} == {"sql": 14, None: 7}
+    assert by_adapter.totals.requests == 3
+    by_model = await usage_report(redis, names, "acme", start=now - 3600, end=now + 3600, group_by="model")
+    assert {row.model: row.requests for row in by_model.data} == {"tiny": 3}
