@@ -24,8 +24,9 @@ others by ``Sequence.sort_key``), and tenant fair queuing orders only those with
 waiting request starts next; a running sequence is never preempted for a deadline of its own tier.
 
 A sequence with a LoRA adapter is admitted only once its adapter holds a device slot (``LoRAAdmission``): when
-every slot is pinned by running sequences of other adapters it waits like one without free blocks, and the
-adapter stays pinned while the sequence runs (released when it finishes or is preempted).
+every slot is pinned by running sequences of other adapters it is passed over for this step (as vLLM does) and
+the next waiting sequence is considered, so base-model requests and those of resident adapters are not held
+behind it. The adapter stays pinned while the sequence runs (released when it finishes or is preempted).
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class Scheduler:
         one is blocked or the budget ran out (nothing of a lower tier may be admitted then)."""
         bm = self.block_manager
         while step.budget > 0:
-            idx = self._pick_waiting(tier)
+            idx = self._pick_waiting(tier, step.no_lora_slot)
             if idx is None:
                 return True
             seq = self.waiting[idx]
@@ -234,7 +235,9 @@ class Scheduler:
                     return False
                 continue
             if seq.lora_request is not None and not self._lora.acquire(seq):
-                return False  # every adapter slot is pinned by running sequences: wait for one to finish
+                # Every adapter slot is pinned by running sequences of other adapters: it waits for one to finish.
+                step.no_lora_slot.add(seq)
+                continue
             hits = bm.lookup_prefix(seq)
             num_new = min(seq.num_tokens - len(hits) * bm.block_size, step.room_for(seq))
             if not bm.allocate(seq, hits, num_new):
@@ -252,12 +255,14 @@ class Scheduler:
             self._charge(seq, num_new)
         return False
 
-    def _pick_waiting(self, tier: int) -> int | None:
+    def _pick_waiting(self, tier: int, skip: set[Sequence] | None = None) -> int | None:
         """Index in ``waiting`` of the next ``tier`` sequence to admit: the one with the earliest deadline, else
         the earliest one of the tenant with the smallest virtual time (ties go to the earliest arrival); None
-        when the tier has nothing waiting."""
+        when the tier has nothing waiting. Sequences in ``skip`` (no adapter slot this step) are passed over."""
         waiting = self.waiting
         start = bisect.bisect_left(waiting, (tier,), key=_sort_key)
+        while skip and start < len(waiting) and waiting[start] in skip:
+            start += 1
         if start == len(waiting) or waiting[start].priority != tier:
             return None
         if len(self.tenants) == 1 or waiting[start].deadline is not None:
@@ -268,7 +273,7 @@ class Scheduler:
             seq = waiting[idx]
             if seq.priority != tier or len(seen) == len(self.tenants):
                 break
-            if seq.tenant not in seen:
+            if seq.tenant not in seen and not (skip and seq in skip):
                 seen.add(seq.tenant)
                 vtime = self.tenants[seq.tenant].vtime
                 if vtime < best_vtime:
@@ -324,6 +329,8 @@ class _StepState:
     # Set while a more important tier has work: that tier, and what the tiers below it may still take.
     top_tier: int | None = None
     lower_budget: int = 0
+    # Waiting sequences whose adapter found no free device slot this step.
+    no_lora_slot: set[Sequence] = field(default_factory=set)
 
     def room_for(self, seq: Sequence) -> int:
         """Tokens ``seq`` may still be given this step."""

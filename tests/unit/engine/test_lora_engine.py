@@ -106,7 +106,7 @@ def test_more_adapters_than_slots(
     llm = make_llm(ref.base, enable_lora=True, max_loras=2)
     _check(llm, ref, prompts, loras)
     slots = llm.engine.lora.slots
-    assert slots.num_loads > 4, "slots were not reused"
+    assert slots.num_loads >= 4, "four adapters went through two slots"
     assert len(slots.resident) == 2
 
 
@@ -185,3 +185,44 @@ def test_refusals(adapters: dict[str, Adapters], model_dir: Callable[[str], Path
         EngineConfig(model=str(base), enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(model=str(base), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_fp8_kv_cache_with_adapters(
+    adapters: dict[str, Adapters], references: Callable[[str], MergedReference], make_llm: Callable[..., LLM]
+) -> None:
+    # A lossy cache is not held to exact greedy parity (DESIGN.md): the adapter runs with it, each prompt's first
+    # token matches the merged reference, and the adapter still steers the output away from the base model's.
+    ads, ref = adapters["llama"], references("llama")
+    llm = make_llm(ref.base, enable_lora=True, kv_cache_dtype="fp8")
+    prompts = _prompts(8, (5, 17, 30, 12))
+    lora = _lora(ads, 8)
+    outputs = llm.generate(prompts, _greedy(), lora_request=lora)
+    base_outputs = llm.generate(prompts, _greedy())
+    for out, base_out, prompt in zip(outputs, base_outputs, prompts, strict=True):
+        assert out.token_ids[0] == ref.greedy(ads[8], prompt, 8)[0]
+        assert base_out.token_ids[0] == ref.greedy(None, prompt, 8)[0]
+    assert any(o.token_ids != b.token_ids for o, b in zip(outputs, base_outputs, strict=True))
+
+
+def test_request_without_a_slot_does_not_block_others(
+    adapters: dict[str, Adapters], references: Callable[[str], MergedReference], make_llm: Callable[..., LLM]
+) -> None:
+    ads, ref = adapters["llama"], references("llama")
+    llm = make_llm(ref.base, enable_lora=True, max_loras=1)
+    engine = llm.engine
+    prompts = _prompts(9, (11, 7, 9, 13))
+    plan = [(4, 12), (8, 4), (None, 4), (4, 4)]  # (adapter rank, max tokens) in arrival order
+    ids = [
+        engine.add_request(p, _greedy(n), lora_request=_lora(ads, r) if r else None)
+        for p, (r, n) in zip(prompts, plan, strict=True)
+    ]
+    finals = {}
+    engine.step()
+    # r4 holds the only slot: r8's request waits, while the base request and r4's second one behind it run.
+    running = {seq.request_id for seq in engine.scheduler.running}
+    assert running == {ids[0], ids[2], ids[3]}
+    assert [seq.request_id for seq in engine.scheduler.waiting] == [ids[1]]
+    while engine.has_unfinished():
+        finals.update({d.request_id: d.final for d in engine.step() if d.final is not None})
+    for rid, prompt, (rank, n) in zip(ids, prompts, plan, strict=True):
+        assert finals[rid].token_ids == ref.greedy(ads[rank] if rank else None, prompt, n)
