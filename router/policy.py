@@ -1,5 +1,6 @@
 """Pure routing policy: which tier a request may use, which partition key gives it prefix affinity,
-and whether that partition's owner is too busy so another worker's partition should take it.
+whether that partition's owner is too busy so another worker's partition should take it, and which worker's
+partition a request for a LoRA adapter goes to (one that holds the adapter, else the least loaded).
 
 Nothing here does I/O; :mod:`router.router` combines these into one routing decision.
 """
@@ -79,9 +80,14 @@ def affinity_prefix(request: InferenceRequest, policy: KeyPolicy) -> bytes:
     return b"i" + ",".join(map(str, request.prompt[: policy.prefix_tokens])).encode()
 
 
-def partition_key(model: str, prefix: bytes) -> bytes:
-    """The Kafka record key: a hex digest of model and prompt prefix (fixed length, log-friendly)."""
-    digest = hashlib.sha256(model.encode() + b"\x00" + prefix).hexdigest()
+def partition_key(model: str, prefix: bytes, adapter: str | None = None) -> bytes:
+    """The Kafka record key: a hex digest of model, adapter (if any) and prompt prefix (fixed length, log-friendly).
+
+    The adapter is part of it because the engine's prefix cache is per adapter: a base-model request and an
+    adapter request sharing a preamble share no cached blocks, so nothing is gained by keeping them together.
+    """
+    head = model.encode() if adapter is None else model.encode() + b"\x00lora\x00" + adapter.encode()
+    digest = hashlib.sha256(head + b"\x00" + prefix).hexdigest()
     return digest[:32].encode()
 
 
@@ -141,40 +147,94 @@ class PartitionChoice:
     reason: str
 
 
+def owned_partitions(beat: WorkerHeartbeat, topic: str, partitions: int) -> list[int]:
+    """The partitions of ``topic`` (below ``partitions``) that ``beat``'s worker owns, sorted."""
+    return sorted({r.partition for r in beat.partitions if r.topic == topic and r.partition < partitions})
+
+
+def partition_owners(topic: str, heartbeats: Sequence[WorkerHeartbeat]) -> dict[int, WorkerHeartbeat]:
+    """Each partition of ``topic`` that a live heartbeat claims, with that heartbeat."""
+    owners: dict[int, WorkerHeartbeat] = {}
+    for beat in heartbeats:
+        for ref in beat.partitions:
+            if ref.topic == topic:
+                owners[ref.partition] = beat
+    return owners
+
+
+def _keyed_partition(key: bytes, choices: Sequence[int]) -> int:
+    """One of ``choices`` picked by the key, so a burst sharing a prefix lands on one partition of a worker."""
+    return choices[(murmur2(key) & 0x7FFFFFFF) % len(choices)]
+
+
 def choose_partition(
     topic: str,
     key: bytes,
     partitions: int,
     heartbeats: Sequence[WorkerHeartbeat],
     policy: LoadPolicy,
+    adapter: str | None = None,
 ) -> PartitionChoice:
     """Keep the key's partition unless its owner is overloaded and a less loaded worker exists.
+
+    A request for a LoRA ``adapter`` first goes to a worker that has the adapter loaded (see
+    :func:`choose_adapter_partition`); only when no worker can take it that way does the key decide.
 
     When diverting, the key still picks among the chosen worker's partitions of ``topic``, so a burst
     sharing one prefix lands on one partition of the relief worker rather than spraying across it.
     Partitions nobody owns (no live heartbeat claims them) keep the key: Kafka holds the backlog.
     """
+    if adapter is not None:
+        chosen = choose_adapter_partition(topic, key, partitions, heartbeats, policy, adapter)
+        if chosen is not None:
+            return chosen
     home = key_partition(key, partitions)
-    owners: dict[int, WorkerHeartbeat] = {}
-    for beat in heartbeats:
-        for ref in beat.partitions:
-            if ref.topic == topic:
-                owners[ref.partition] = beat
-    owner = owners.get(home)
+    owner = partition_owners(topic, heartbeats).get(home)
     if owner is None:
         return PartitionChoice(None, "affinity_unowned")
     if not policy.overloaded(owner):
         return PartitionChoice(None, "affinity")
-
-    def owned(beat: WorkerHeartbeat) -> list[int]:
-        return sorted({r.partition for r in beat.partitions if r.topic == topic and r.partition < partitions})
-
-    candidates = [b for b in heartbeats if b.worker_id != owner.worker_id and not policy.overloaded(b) and owned(b)]
+    candidates = [
+        b
+        for b in heartbeats
+        if b.worker_id != owner.worker_id and not policy.overloaded(b) and owned_partitions(b, topic, partitions)
+    ]
     if not candidates:
         return PartitionChoice(None, "affinity_all_busy")
     relief = min(candidates, key=load_score)
-    choices = owned(relief)
-    return PartitionChoice(choices[(murmur2(key) & 0x7FFFFFFF) % len(choices)], "overload")
+    return PartitionChoice(_keyed_partition(key, owned_partitions(relief, topic, partitions)), "overload")
+
+
+def choose_adapter_partition(
+    topic: str,
+    key: bytes,
+    partitions: int,
+    heartbeats: Sequence[WorkerHeartbeat],
+    policy: LoadPolicy,
+    adapter: str,
+) -> PartitionChoice | None:
+    """Where a request for ``adapter`` goes, before prefix affinity is considered; None to let the key decide.
+
+    A worker whose heartbeat lists the adapter serves it without loading it first: among such workers that
+    are not overloaded, the key's own partition when one of them owns it (prefix affinity among the holders),
+    else the least loaded holder (``adapter_resident``). With no such holder, the least loaded worker that is
+    not overloaded, which loads the adapter on demand (``adapter_load``). None when every worker owning a
+    partition of ``topic`` is overloaded, or none owns one: then the ordinary rules keep the key's partition.
+    """
+    able = [b for b in heartbeats if not policy.overloaded(b) and owned_partitions(b, topic, partitions)]
+    if not able:
+        return None
+    holders = [b for b in able if adapter in b.adapters]
+    if holders:
+        home_owner = partition_owners(topic, holders).get(key_partition(key, partitions))
+        if home_owner is not None:
+            return PartitionChoice(None, "adapter_resident")
+        best = min(holders, key=load_score)
+        return PartitionChoice(_keyed_partition(key, owned_partitions(best, topic, partitions)), "adapter_resident")
+    loader = min(able, key=load_score)
+    if key_partition(key, partitions) in owned_partitions(loader, topic, partitions):
+        return PartitionChoice(None, "adapter_load")
+    return PartitionChoice(_keyed_partition(key, owned_partitions(loader, topic, partitions)), "adapter_load")
 
 
 def expected_start_s(tier: Tier, heartbeats: Iterable[WorkerHeartbeat]) -> float | None:

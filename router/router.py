@@ -49,12 +49,15 @@ def route(
 ) -> Route:
     """Route ``request``: its priority (capped at ``max_tier``) picks the topic, its prompt prefix the key.
 
+    A request for a LoRA adapter keeps its base model's topic (``request.model``); the adapter only steers
+    the partition towards a worker that holds it (:func:`choose_adapter_partition`).
     ``partitions`` is the topic's partition count; ``heartbeats`` are the live workers of the model.
     """
     tier = cap_tier(request.priority, max_tier)
     topic = names.request_topic(request.model, tier)
-    key = partition_key(request.model, affinity_prefix(request, key_policy or KeyPolicy()))
-    choice = choose_partition(topic, key, partitions, heartbeats, load_policy or LoadPolicy())
+    adapter = request.adapter
+    key = partition_key(request.model, affinity_prefix(request, key_policy or KeyPolicy()), adapter)
+    choice = choose_partition(topic, key, partitions, heartbeats, load_policy or LoadPolicy(), adapter)
     return Route(
         topic=topic,
         key=key,

@@ -186,6 +186,24 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(30.0, gt=0, description="Seconds a stopping worker waits for in-flight work.")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters of the worker's model (issue 32): requests naming an adapter, loaded on "
+        "demand from the adapter registry; on by itself when SLUICEGATE_WORKER_LORAS names any.",
+    )
+    worker_loras: dict[str, str] = Field(
+        {},  # pydantic copies a mutable default per instance
+        description="LoRA adapters a worker registers (unless registered already) and loads at start, as JSON "
+        '{"name": "path or fsspec URL"}; `sluicegate worker --lora NAME=PATH` adds to them.',
+    )
+    max_loras: int = Field(4, ge=1, description="LoRA adapters resident on the device at once (one slot each).")
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank the worker accepts.")
+    max_cpu_loras: int = Field(
+        0, ge=0, description="LoRA adapters kept in the CPU pool (least recently used evicted); 0 means 4 x max_loras."
+    )
+    lora_cache_dir: str = Field(
+        "", description="Folder for LoRA adapters fetched from fsspec URLs; empty means <state_dir>/lora-cache."
+    )
 
     # --- telemetry ----------------------------------------------------------------------------------
     log_level: str = Field("INFO", description="Log level for every service.")

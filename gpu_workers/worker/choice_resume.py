@@ -19,9 +19,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from gpu_workers.engine import EngineFront, RequestDelta, RequestStream
+from gpu_workers.engine.lora.request import LoRARequest
 from schemas import ChoiceResult, InferenceRequest, StreamEvent, TokenEvent, tier_rank
 from schemas.events import FinishReason
 
+from .adapters import lora_kwargs
 from .choices import ChoiceTracker
 from .in_flight import Active
 from .prompts import LogprobText, sampling_params
@@ -41,8 +43,10 @@ class ChoiceResume:
         state: StreamState,
         eos_ids: frozenset[int],
         logprob_text: LogprobText,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request = request
+        self.lora = lora  # the request's adapter: every resumed choice runs with it
         self.prompt = prompt
         self.tracker = ChoiceTracker(request.sampling.n, logprob_text)
         self.open: dict[int, Continuation] = {}
@@ -130,6 +134,7 @@ class ChoiceResume:
             priority=tier_rank(self.request.priority),
             tenant=self.request.tenant,
             deadline=self.request.deadline_epoch(),
+            **lora_kwargs(self.lora),
         )
 
     def _event(

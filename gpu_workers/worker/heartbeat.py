@@ -1,6 +1,7 @@
-"""The worker's heartbeat: what it reports (partitions, engine load, draining), sent every interval to the
-Redis hash that ingress and the router read and to ``llm.heartbeats``, and removed on shutdown. The first
-successful beat also publishes the model's tokenizer (``model_tokenizer``), with which ingress counts prompts."""
+"""The worker's heartbeat: what it reports (partitions, engine load, draining, the LoRA adapters it holds), sent
+every interval to the Redis hash that ingress and the router read and to ``llm.heartbeats``, and removed on
+shutdown. The first successful beat also publishes the model's tokenizer (``model_tokenizer``), with which
+ingress counts prompts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from aiokafka.errors import KafkaError
 from gpu_workers.engine import EngineFront
 from schemas import ModelTokenizer, Names, PartitionRef, WorkerHeartbeat
 
+from .adapters import Adapters
 from .config import WorkerConfig
 from .prompts import tool_call_format
 from .streams import REDIS_UNAVAILABLE
@@ -38,7 +40,9 @@ class Heartbeats:
         producer: AIOKafkaProducer,
         consumer: AIOKafkaConsumer,
         stopping: asyncio.Event,
+        adapters: Adapters | None = None,
     ) -> None:
+        self.adapters = adapters
         self.engine = engine
         self.config = config
         self.names = names
@@ -69,6 +73,7 @@ class Heartbeats:
             tool_call_format=self._tool_call_format,
             description=self.config.model_description or None,
             backlog_seconds=self.telemetry.backlog_seconds if self.telemetry is not None else None,
+            adapters=self.adapters.names() if self.adapters is not None else [],
         )
 
     async def run(self) -> None:
@@ -77,6 +82,8 @@ class Heartbeats:
             if not self.engine.is_running:
                 # An engine that died while idle: stop advertising this worker and let another take its partitions.
                 raise RuntimeError("the engine stopped; stopping this worker")
+            if self.adapters is not None:
+                await self.adapters.refresh()
             payload = self.beat().model_dump_json()
             try:
                 pipe = self.redis.pipeline(transaction=False)

@@ -17,6 +17,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from gpu_workers.engine import RequestStream
+from gpu_workers.engine.lora.request import LoRARequest
 from schemas.names import Tier
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class Active:
     # The engine request started before the pickup reads answered (see ``Serving.start_early``).
     early: RequestStream | None = field(default=None, repr=False)
     prompt: list[int] | None = field(default=None, repr=False)  # token ids, once computed
+    lora: LoRARequest | None = field(default=None, repr=False)  # its LoRA adapter, once resolved (Adapters)
     watch: Any = field(default=None, repr=False)  # its telemetry.RequestWatch while it is served
     # The engine's ids for it when not its request id: a resumed request with n > 1 runs one per choice.
     engine_ids: tuple[str, ...] = ()

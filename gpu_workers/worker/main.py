@@ -12,22 +12,27 @@ import signal
 import socket
 import sys
 from functools import partial
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from gpu_workers.engine import AsyncEngine, EngineFront, ProcessEngine
+from gpu_workers.engine.models.loader import resolve_model_path
 from schemas import TIERS, Names
 from sluicegate import event_loop
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.logs import configure_logging
+from sluicegate.lora.registry import LoRARegistry
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.models.naming import default_public_name
 from sluicegate.redis_client import create_redis, is_sentinel_url
 from sluicegate.settings import Settings
 from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 
+from .adapters import Adapters
 from .config import WorkerConfig
 from .observer import WorkerObserver
 from .telemetry import WorkerTelemetry
@@ -45,9 +50,22 @@ def model_name_for(settings: Settings) -> str:
     return settings.model_name or default_public_name(settings.model)
 
 
+def lora_enabled(settings: Settings) -> bool:
+    """Whether the worker serves LoRA adapters: asked for, or implied by adapters named at start."""
+    return settings.enable_lora or bool(settings.worker_loras)
+
+
 def engine_arguments(settings: Settings) -> dict[str, object]:
     """``EngineConfig`` fields from the worker's settings."""
-    return dict(
+    lora: dict[str, object] = {}
+    if lora_enabled(settings):  # left out otherwise: the engine's defaults (LoRA off)
+        lora = dict(
+            enable_lora=True,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
+            max_cpu_loras=settings.max_cpu_loras or None,
+        )
+    return lora | dict(
         device=settings.device,
         dtype=settings.dtype,
         max_num_seqs=settings.max_num_seqs,
@@ -273,6 +291,11 @@ async def _run_started(
         auto_offset_reset="latest",
         client_id=f"worker-control-{config.worker_id}",
     )
+    adapters = None
+    if lora_enabled(settings):
+        adapters = build_adapters(settings, engine, redis, names, model_name)
+        # Before joining the group: a worker told to serve an adapter it cannot load fails here, with the reason.
+        await adapters.preload(settings.worker_loras)
     worker = Worker(
         engine,
         config,
@@ -284,6 +307,7 @@ async def _run_started(
         observer=observer,
         telemetry=telemetry,
         stream_redis=stream_redis,
+        adapters=adapters,
     )
     probes.worker = worker
     await producer.start()
@@ -304,6 +328,28 @@ async def _run_started(
             await stream_redis.aclose()
         log.info("worker.stopped", extra={"worker_id": config.worker_id, "served": worker.served})
     return worker
+
+
+def build_adapters(settings: Settings, engine: EngineFront, redis: Redis, names: Names, model_name: str) -> Adapters:
+    """The worker's LoRA adapters: registry in Redis, fetched copies under ``lora_cache_dir``."""
+    cache_dir = Path(settings.lora_cache_dir) if settings.lora_cache_dir else settings.state_dir / "lora-cache"
+    return Adapters(
+        engine,
+        LoRARegistry(redis, names.prefix),
+        model_name=model_name,
+        cache_dir=cache_dir,
+        max_lora_rank=settings.max_lora_rank,
+        model_config=partial(model_config, settings.model),
+        # As long as ingress and the router reuse their registry snapshot: an unload is seen everywhere within it.
+        lookup_ttl_s=settings.lora_cache_ttl_s,
+    )
+
+
+def model_config(model: str) -> Any:
+    """The served model's Hugging Face config, which adapters are checked against (blocking: reads files)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(resolve_model_path(model)))
 
 
 def serve_worker(settings: Settings) -> NoReturn:

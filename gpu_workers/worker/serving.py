@@ -34,6 +34,7 @@ from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, request_id_of
 from sluicegate.telemetry import attached
 
+from .adapters import AdapterError, Adapters, lora_kwargs, resolve_adapter
 from .choice_resume import ChoiceResume
 from .choices import ChoiceTracker
 from .control import Cancels
@@ -58,8 +59,10 @@ class Serving:
         outputs: Outputs,
         in_flight: InFlight,
         cancels: Cancels,
+        adapters: Adapters | None = None,
     ) -> None:
         self.engine = engine
+        self.adapters = adapters
         self.names = names
         self.redis = redis
         self.outputs = outputs
@@ -139,6 +142,11 @@ class Serving:
         rid = request.request_id
         if entry.cancelled or entry.handed_off or self.cancels.pending(rid) or request.expired():
             return None
+        if request.adapter is not None:
+            # Early only when the adapter needs no I/O (looked up recently and loaded); else the task resolves it.
+            entry.lora = self.adapters.ready(request) if self.adapters is not None else None
+            if entry.lora is None:
+                return None
         try:
             entry.prompt = prompt_token_ids(request, self.engine.tokenizer)
             return self.engine.add_request(
@@ -149,6 +157,7 @@ class Serving:
                 tenant=request.tenant,
                 deadline=request.deadline_epoch(),
                 pooling=request.embedding_pooling,
+                **lora_kwargs(entry.lora),
             )
         except (PromptError, ValueError):
             return None  # the regular path reports it, after the pickup state is known
@@ -203,12 +212,18 @@ class Serving:
                 return False
             await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid))
             return True
+        unservable = await self._use_adapter(request, entry) if request.adapter is not None else None
+        if unservable is not None:  # unknown here, or its files would not load: this request fails, nothing else
+            if not await self._fail(entry, unservable.code, str(unservable), seq, request):
+                return False
+            await self.outputs.dead_letter(record, Rejection(unservable.code, str(unservable), rid))
+            return True
 
         resumed: Continuation | ChoiceResume | None = None
         if state.delivered:
             tokenizer = self.engine.tokenizer
             if request.sampling.n > 1:
-                resumed = ChoiceResume(request, tokenizer, prompt, state, self._eos_ids, self._logprob_text)
+                resumed = ChoiceResume(request, tokenizer, prompt, state, self._eos_ids, self._logprob_text, entry.lora)
             else:
                 resumed = Continuation(request, tokenizer, prompt, state.token_ids, state.text, self._eos_ids)
             if not resumed.consistent:
@@ -237,6 +252,18 @@ class Serving:
                         entry, request, seq, ended, resumed.token_ids, resumed.text, len(prompt), 0
                     )
         return await self._generate(request, entry, record, prompt, seq, resumed)
+
+    async def _use_adapter(self, request: InferenceRequest, entry: Active) -> AdapterError | None:
+        """Resolve the request's LoRA adapter into ``entry.lora``; the error that fails the request otherwise."""
+        try:
+            lora = await resolve_adapter(self.adapters, request, self.outputs.redis_call)
+        except AdapterError as exc:
+            return exc
+        if entry.early is not None and entry.lora != lora:  # registered anew since the early start
+            await self._withdraw(entry.early)
+            entry.early = None
+        entry.lora = lora
+        return None
 
     async def _generate(
         self,
@@ -287,6 +314,7 @@ class Serving:
                     tenant=request.tenant,
                     deadline=request.deadline_epoch(),
                     pooling=request.embedding_pooling,
+                    **lora_kwargs(entry.lora),
                 )
             if entry.watch is not None:
                 entry.watch.generating()

@@ -16,6 +16,8 @@
   the delivered text exactly (:mod:`.serving`, :mod:`.resume`); one whose stream already ended is skipped;
 * a cancel (control topic, or the Redis marker checked at pick-up) aborts the engine sequence
   (:mod:`.control`);
+* a request naming a LoRA adapter runs with it, looked up in the Redis registry and loaded on demand; an
+  unknown or unloadable adapter fails that request with an ``error`` event (:mod:`.adapters`, :mod:`.serving`);
 * a message that cannot be decoded or served goes to ``llm.dlq`` with a ``reason`` header
   (:mod:`sluicegate.dead_letters`, :mod:`.serving`);
 * final results (``llm.results``) and dead letters are retried until Kafka takes them (at-least-once)
@@ -38,7 +40,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 
 from gpu_workers.engine import EngineFront
 from schemas import TIERS, Names, WorkerHeartbeat
+from sluicegate.lora.checks import serve_checks
 
+from .adapters import Adapters
 from .config import WorkerConfig
 from .control import Cancels
 from .heartbeat import Heartbeats
@@ -68,8 +72,10 @@ class Worker:
         observer: WorkerObserver | None = None,
         telemetry: WorkerTelemetry | None = None,
         stream_redis: aioredis.Redis | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.engine = engine
+        self.adapters = adapters  # LoRA serving; None when the worker serves the base model only
         if telemetry is None and config.metrics:
             telemetry = WorkerTelemetry(engine, config.model_name, config.worker_id)
         self.telemetry = telemetry
@@ -79,11 +85,12 @@ class Worker:
         self.in_flight = InFlight()
         self.outputs = Outputs(config, names, redis, producer, observer, stream_redis)
         self.cancels = Cancels(control_consumer, engine, self.in_flight)
-        self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels)
+        self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels, adapters)
         self.intake = Intake(
             consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping, observer
         )
-        self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping)
+        self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping, adapters)
+        self._redis = redis
         if telemetry is not None:
             telemetry.set_topics({names.request_topic(config.model_name, t): t for t in TIERS})
         self.outputs.telemetry = self.serving.telemetry = self.intake.telemetry = self.heartbeats.telemetry = telemetry
@@ -143,6 +150,9 @@ class Worker:
             asyncio.create_task(self.cancels.run(), name="control"),
             asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
         ]
+        if self.adapters is not None:  # this worker verifies adapter registrations for its model (ingress asks)
+            checks = serve_checks(self._redis, self.names.prefix, self.config.model_name, self.adapters.verify)
+            loops.append(asyncio.create_task(checks, name="lora-checks"))
         if self.telemetry is not None:
             sampler = self.telemetry.sample_backlog(self.intake.consumer, self.engine, self.config.heartbeat_interval_s)
             loops.append(asyncio.create_task(sampler, name="backlog-sampler"))

@@ -111,11 +111,27 @@ def _batch_worker(args: argparse.Namespace) -> int:
 
 
 def _worker_settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: v for k, v in {"model": args.model, "device": args.device}.items() if v}
-    settings = get_settings().model_copy(update=overrides)
+    overrides: dict[str, Any] = {k: v for k, v in {"model": args.model, "device": args.device}.items() if v}
+    settings = get_settings()
+    if args.lora:
+        overrides["worker_loras"] = settings.worker_loras | _lora_pairs(args.lora)
+    settings = settings.model_copy(update=overrides)
     if not settings.model:
         raise CliError("no model: pass --model PATH or set SLUICEGATE_MODEL")
     return settings
+
+
+def _lora_pairs(values: Sequence[str]) -> dict[str, str]:
+    """``--lora NAME=PATH`` values as a mapping; a value without a name or a path is an error naming it."""
+    pairs: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise CliError(f"--lora {value!r}: expected NAME=PATH (a local folder or an fsspec URL)")
+        if name.strip() in pairs:
+            raise CliError(f"--lora {name.strip()!r} is given twice")
+        pairs[name.strip()] = path.strip()
+    return pairs
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -235,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="a GPU worker serving one model")
     worker.add_argument("--model", help="model folder (default: SLUICEGATE_MODEL)")
     worker.add_argument("--device", choices=["cpu", "cuda"], help="default: SLUICEGATE_DEVICE")
+    worker.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a LoRA adapter to register (unless registered already) and load at start: a local PEFT folder or an "
+        "fsspec URL; repeat for several (added to SLUICEGATE_WORKER_LORAS; turns LoRA serving on)",
+    )
     worker.set_defaults(handler=_worker)
 
     batch_worker = sub.add_parser(
