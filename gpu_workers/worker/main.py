@@ -209,6 +209,8 @@ async def _run_started(
         model_description=settings.model_description,
         worker_id=worker_id,
         max_in_flight=settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
+        intake_hold=settings.worker_intake_hold or settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
+        tenant_weights=dict(settings.tenant_weights),
         lower_tier_in_flight_while_busy=settings.worker_lower_tier_lookahead_busy if settings.device == "cpu" else 0,
         batch_rate_while_busy=settings.worker_batch_rate_busy if settings.device == "cpu" else 0.0,
         busy_window_s=settings.worker_busy_window_s,

@@ -144,7 +144,9 @@ class Worker:
             asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
         ]
         if self.telemetry is not None:
-            sampler = self.telemetry.sample_backlog(self.intake.consumer, self.engine, self.config.heartbeat_interval_s)
+            sampler = self.telemetry.sample_backlog(
+                self.intake.consumer, self.engine, self.config.heartbeat_interval_s, self.intake.held_by_tier
+            )
             loops.append(asyncio.create_task(sampler, name="backlog-sampler"))
         stopper = asyncio.create_task(stop.wait())
         try:
