@@ -19,7 +19,7 @@ class WorkerConfig:
     # Records of a tier fetched and held but not started yet, at most: the window past what runs in which the
     # intake starts tenants by tokens (``fair_intake``), so one tenant's backlog ahead in Kafka does not crowd out
     # another's. At least 1 (a tier holding nothing could fetch nothing).
-    intake_hold: int = 64
+    intake_hold: int = 256
     # Weights of the intake's fair queue by tenant (the engine's ``tenant_weights``); 1 when not named.
     tenant_weights: dict[str, float] = field(default_factory=dict)
     # While requests of a more important tier are held, those of less important tiers are held at most this many

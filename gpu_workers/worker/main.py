@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # Default lookahead in engine seats: enough queued behind the running sequences that another tenant's requests
 # behind a flood on the same partition reach the engine's fair queue while most of the flood is still waiting.
 LOOKAHEAD_SEATS = 4
+#: Records held past what runs, in lookaheads: a backlog up to this deep ahead of a tenant in Kafka is shared by
+#: tokens (benchmarks.tenant_fairness: a hold of 4 lookaheads covered its backlog, one did not); records are a few
+#: KB, so 1024 of them (64 seats) stay far below the engine's memory.
+HOLD_LOOKAHEADS = 4
 
 
 def model_name_for(settings: Settings) -> str:
@@ -204,12 +208,13 @@ async def _run_started(
 ) -> Worker:
     if freeze_heap:
         freeze_startup_heap("worker")
+    lookahead = settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs
     config = WorkerConfig(
         model_name=model_name,
         model_description=settings.model_description,
         worker_id=worker_id,
-        max_in_flight=settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
-        intake_hold=settings.worker_intake_hold or settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
+        max_in_flight=lookahead,
+        intake_hold=settings.worker_intake_hold or HOLD_LOOKAHEADS * lookahead,
         tenant_weights=dict(settings.tenant_weights),
         lower_tier_in_flight_while_busy=settings.worker_lower_tier_lookahead_busy if settings.device == "cpu" else 0,
         batch_rate_while_busy=settings.worker_batch_rate_busy if settings.device == "cpu" else 0.0,
