@@ -64,9 +64,12 @@ def workload(args: argparse.Namespace, vocab: int) -> list[Arrival]:
     return arrivals
 
 
-def run(engine: LLMEngine, arrivals: list[Arrival], lookahead: int, hold: int | None) -> dict[str, Any]:
+def run(
+    engine: LLMEngine, arrivals: list[Arrival], lookahead: int, hold: int | None, warmup: float = 0.25
+) -> dict[str, Any]:
     """Serve ``arrivals`` through one intake (``hold`` None: Kafka order) until the last one is published; tokens
-    computed and requests started per tenant in that window."""
+    computed and requests started per tenant from the first ``warmup`` of that window on (the queues are still
+    short at first, and the engine's start is the same for both intakes)."""
     log: deque[Arrival] = deque()
     pending = deque(arrivals)
     fair: FairIntake[Arrival] = FairIntake()
@@ -75,34 +78,37 @@ def run(engine: LLMEngine, arrivals: list[Arrival], lookahead: int, hold: int | 
     tokens = dict.fromkeys(TENANTS, 0)
     starts = dict.fromkeys(TENANTS, 0)
     end = arrivals[-1].arrival_step + 1
+    counted_from = int(warmup * end)
     wall = time.perf_counter()
 
-    def start(arrival: Arrival, held: Held[Arrival] | None) -> None:
+    def start(arrival: Arrival, held: Held[Arrival] | None, step: int) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=arrival.output_tokens, ignore_eos=True)
         engine.add_request(arrival.prompt, params, request_id=arrival.request_id, tenant=arrival.tenant)
         started[arrival.request_id] = (arrival, held)
-        starts[arrival.tenant] += 1
+        if step >= counted_from:
+            starts[arrival.tenant] += 1
 
     for step in range(end):
         while pending and pending[0].arrival_step <= step:
             log.append(pending.popleft())
         if hold is None:
             while len(started) < lookahead and log:
-                start(log.popleft(), None)
+                start(log.popleft(), None, step)
         else:
             while fair.held("standard") < hold and log:
                 a = log.popleft()
                 fair.push("standard", a, a.tenant, len(a.prompt) + a.output_tokens)
             while len(started) < lookahead and (held := fair.pop("standard")) is not None:
-                start(held.item, held)
+                start(held.item, held, step)
         if not engine.has_unfinished():
             continue
         for delta in engine.step():
             arrival, held = started[delta.request_id]
+            counted = step >= counted_from
             if delta.request_id not in first_seen:
                 first_seen.add(delta.request_id)
-                tokens[arrival.tenant] += len(arrival.prompt)
-            tokens[arrival.tenant] += len(delta.token_ids)
+                tokens[arrival.tenant] += len(arrival.prompt) if counted else 0
+            tokens[arrival.tenant] += len(delta.token_ids) if counted else 0
             if delta.finished:
                 del started[delta.request_id]
                 if held is not None:
@@ -111,7 +117,12 @@ def run(engine: LLMEngine, arrivals: list[Arrival], lookahead: int, hold: int | 
     for request_id in list(started):  # the next run starts from an idle engine
         engine.abort(request_id)
     backlog = len(log) + len(fair)
-    return {"tokens": tokens, "starts": starts, "b_over_a": tokens["B"] / max(1, tokens["A"]), "steps": end}| {
+    return {
+        "tokens": tokens,
+        "starts": starts,
+        "b_over_a": tokens["B"] / max(1, tokens["A"]),
+        "steps": end,
+        "counted_from": counted_from,
         "backlog_at_end": backlog,
         "wall_s": wall_s,
     }
@@ -129,6 +140,7 @@ def main() -> None:
     parser.add_argument("--short-prompt", type=int, default=16, help="tenant B's prompt tokens")
     parser.add_argument("--ratio", type=int, default=8, help="tenant A's prompts over B's")
     parser.add_argument("--output", type=int, default=16, help="output tokens of every request")
+    parser.add_argument("--warmup", type=float, default=0.25, help="share of the window not counted")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -136,9 +148,10 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     with tiny_engine(args.max_num_seqs) as engine:
         arrivals = workload(args, engine.vocab_size)
-        results["kafka order"] = run(engine, arrivals, lookahead, None)
+        results["kafka order"] = run(engine, arrivals, lookahead, None, args.warmup)
         for times in args.holds:
-            results[f"fair intake, hold {times * lookahead}"] = run(engine, arrivals, lookahead, times * lookahead)
+            name = f"fair intake, hold {times * lookahead}"
+            results[name] = run(engine, arrivals, lookahead, times * lookahead, args.warmup)
     if args.json:
         print(json.dumps({"args": vars(args) | {"lookahead": lookahead}, "results": results}, indent=2))
         return
@@ -163,7 +176,8 @@ def main() -> None:
     ]  # fmt: skip
     print(markdown_table(header, rows))
     print(
-        f"\n{2 * args.requests} requests over {results['kafka order']['steps']} steps, lookahead {lookahead}, "
+        f"\n{2 * args.requests} requests over {results['kafka order']['steps']} steps (counted from step "
+        f"{results['kafka order']['counted_from']}), lookahead {lookahead}, "
         f"A's prompts {args.ratio}x B's ({args.ratio * args.short_prompt} vs {args.short_prompt} tokens), "
         f"{args.output} output tokens each; B / A = 1.0 is an equal token share (target within 10 %)"
     )

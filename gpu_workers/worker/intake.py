@@ -182,12 +182,14 @@ class Intake:
         by_tier: dict[Tier, list[TopicPartition]] = {t: [] for t in TIERS}
         for tp in open_tps:
             by_tier[self._tier_of(tp)].append(tp)
+        # At most a lookahead a fetch: each record is parsed on this loop, which must not stall for a whole hold.
+        chunk = {tier: min(space[tier], self.config.max_in_flight) for tier in TIERS}
         for tier in TIERS:
             if by_tier[tier]:
-                batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=space[tier])
+                batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=chunk[tier])
                 if batch:
                     return [r for records in batch.values() for r in records]
-        most = min(space[t] for t in by_tier if by_tier[t])
+        most = min(chunk[t] for t in by_tier if by_tier[t])
         timeout_ms = round(1000 * self._wait_s(0.1))
         if not starts_wait:
             batch = await self.consumer.getmany(*open_tps, timeout_ms=timeout_ms, max_records=most)

@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 # Default lookahead in engine seats: enough queued behind the running sequences that another tenant's requests
 # behind a flood on the same partition reach the engine's fair queue while most of the flood is still waiting.
 LOOKAHEAD_SEATS = 4
-#: Records held past what runs, in lookaheads: a backlog up to this deep ahead of a tenant in Kafka is shared by
-#: tokens (benchmarks.tenant_fairness: a hold of 4 lookaheads covered its backlog, one did not); records are a few
-#: KB, so 1024 of them (64 seats) stay far below the engine's memory.
-HOLD_LOOKAHEADS = 4
+#: Records held past what runs, in lookaheads: a backlog up to about this deep ahead of a tenant in Kafka is shared
+#: by tokens (benchmarks.tenant_fairness at 2x overload: a hold of 16 lookaheads kept B / A at 1.02, 4 at 0.54 and 1
+#: at 0.23 once the backlog outgrew them; docs/benchmarks.md). Records are a few KB, so the 2048 held by a 64-seat
+#: worker stay far below its memory; a crash re-delivers them (they were never committed).
+HOLD_LOOKAHEADS = 8
 
 
 def model_name_for(settings: Settings) -> str:
