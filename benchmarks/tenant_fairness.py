@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--lookahead", type=int, default=0, help="records started at most; 0: 4 x max-num-seqs")
     parser.add_argument(
-        "--holds", type=int, nargs="+", default=[1, 4, 16], help="fair-intake holds to run, in x lookahead"
+        "--holds", type=int, nargs="+", default=[1, 4, 8, 16], help="fair-intake holds to run, in x lookahead"
     )
     parser.add_argument("--load", type=float, default=2.0, help="arrival rate over the engine's capacity")
     parser.add_argument("--short-prompt", type=int, default=16, help="tenant B's prompt tokens")

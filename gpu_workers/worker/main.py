@@ -39,9 +39,9 @@ log = logging.getLogger(__name__)
 # behind a flood on the same partition reach the engine's fair queue while most of the flood is still waiting.
 LOOKAHEAD_SEATS = 4
 #: Records held past what runs, in lookaheads: a backlog up to about this deep ahead of a tenant in Kafka is shared
-#: by tokens (benchmarks.tenant_fairness at 2x overload: a hold of 16 lookaheads kept B / A at 1.02, 4 at 0.54 and 1
-#: at 0.23 once the backlog outgrew them; docs/benchmarks.md). Records are a few KB, so the 2048 held by a 64-seat
-#: worker stay far below its memory; a crash re-delivers them (they were never committed).
+#: by tokens (benchmarks.tenant_fairness at 2x overload, a backlog of 8 lookaheads: a hold of 8 kept B's tokens / A's
+#: at 1.02, 4 at 0.54, 1 at 0.23; a deeper backlog outgrows any hold, docs/benchmarks.md). Records are a few KB, so
+#: the 2048 held by a 64-seat worker stay far below its memory; a crash re-delivers them (they were never committed).
 HOLD_LOOKAHEADS = 8
 
 
