@@ -148,8 +148,13 @@ class Intake:
                     await asyncio.wait_for(self._room.wait(), self._wait_s(0.2))
                 continue
             self.consumer.resume(*open_tps)
-            for record in await self._fetch_by_tier(open_tps, space, starts_wait):
+            fetched = await self._fetch_by_tier(open_tps, space, starts_wait)
+            for record in fetched:
                 self._hold(record)
+            if fetched:
+                # A fetch of buffered records returns without suspending: let the requests' tasks (their outputs)
+                # run between chunks, rather than parse a whole hold in one go.
+                await asyncio.sleep(0)
 
     def pause(self) -> None:
         """Fetch nothing more (the worker is draining)."""
