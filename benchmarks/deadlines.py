@@ -15,11 +15,13 @@ Usage: ``python benchmarks/deadlines.py`` (well under a minute on 2 cores) or ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,15 @@ class Arrival:
     prompt: list[int]
     output_tokens: int
     deadline_step: float | None  # finish by this step; None: no deadline
+
+
+@contextlib.contextmanager
+def tiny_engine(max_num_seqs: int, max_model_len: int = 512) -> Iterator[LLMEngine]:
+    """The benchmarks' engine: a tiny random Llama on CPU, one thread (shared with benchmarks.tenant_fairness)."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model(Path(tmp) / "tiny", arch="llama")
+        yield LLMEngine(EngineConfig(str(path), max_model_len=max_model_len, max_num_seqs=max_num_seqs))
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[Arrival]:
@@ -113,10 +124,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(Path(tmp) / "tiny", arch="llama")
-        engine = LLMEngine(EngineConfig(str(path), max_model_len=512, max_num_seqs=args.max_num_seqs))
+    with tiny_engine(args.max_num_seqs) as engine:
         arrivals = workload(args, engine.vocab_size)
         results = {}
         for name, edf in (("FIFO", False), ("EDF", True)):

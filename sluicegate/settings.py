@@ -101,6 +101,13 @@ class Settings(BaseSettings):
         "keeps an interactive request out); more than max_num_seqs lets the engine's per-tenant fair queuing see past "
         "one tenant's flood. 0 means 4 x max_num_seqs.",
     )
+    worker_intake_hold: int = Field(
+        0,
+        ge=0,
+        description="Records of a tier a worker fetches past what it has started, at most (the rest wait in Kafka): "
+        "it starts them tenant by tenant by tokens, so one tenant's backlog of long prompts ahead in Kafka does not "
+        "crowd out another's (measured in docs/benchmarks.md). 0 means 8 x worker_lookahead.",
+    )
     worker_lower_tier_lookahead_busy: int = Field(
         16,
         ge=0,

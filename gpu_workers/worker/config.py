@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -16,6 +16,12 @@ class WorkerConfig:
     # Requests taken from Kafka at one time, counted per tier and above (an interactive request is never
     # kept out by batch work): more than the engine's seats, so its fair queuing sees past a flood.
     max_in_flight: int = 64
+    # Records of a tier fetched and held but not started yet, at most: the window past what runs in which the
+    # intake starts tenants by tokens (``fair_intake``), so one tenant's backlog ahead in Kafka does not crowd out
+    # another's. At least 1 (a tier holding nothing could fetch nothing).
+    intake_hold: int = 256
+    # Weights of the intake's fair queue by tenant (the engine's ``tenant_weights``); 1 when not named.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     # While requests of a more important tier are held, those of less important tiers are held at most this many
     # (0: no such limit): batch intake and its output writes wait while interactive requests need the CPU.
     lower_tier_in_flight_while_busy: int = 0

@@ -47,6 +47,10 @@ class Active:
     first_output_wall: float | None = None
     # Its first output reached the worker: it no longer waits for a first token (see ``tier_rooms``).
     produced: bool = False
+    # Its start in the intake's per-tenant fair queue (a ``fair_intake.Held``), settled when it ends with
+    # ``used_tokens`` (prompt + output, set once it finishes; None: the estimate stands).
+    fair_ticket: Any = field(default=None, repr=False)
+    used_tokens: int | None = None
 
     @property
     def engine_request_ids(self) -> tuple[str, ...]:

@@ -1,11 +1,21 @@
-"""Taking requests from Kafka: the fetch loop over the tier topics, each tier's room, admitting records,
-hand-off on rebalance, and offset commits.
+"""Taking requests from Kafka: the fetch loop over the tier topics, holding what is fetched, starting it fairly in
+each tier's room, hand-off on rebalance, and offset commits.
 
-A tier's partitions are paused once it has no room (:mod:`.tier_rooms`: ``max_in_flight`` requests of that tier
-or above, and the batch tier's yielding to interactive traffic), so the backlog stays in Kafka; an offset is
-committed only when every request at or below it reached an outcome (:mod:`.offsets`). What one fetch brings is
-admitted tier by tier and, inside a tier, earliest deadline first (records without one after, in fetch order), the
-order the engine's waiting queue keeps too.
+Fetching and starting are apart. A tier's records are fetched while fewer than ``intake_hold`` of them are held
+(fetched, not started), and its partitions paused once that many are, so the rest of the backlog stays in Kafka.
+Held records start in the tier's room (:mod:`.tier_rooms`: ``max_in_flight`` requests of that tier or above, and
+the batch tier's yielding to interactive traffic), in the order :mod:`.fair_intake` gives: earliest deadline
+first, then tenant by tenant by tokens. An offset is committed only when every request at or below it reached an
+outcome (:mod:`.offsets`); a held record counts as unfinished from its fetch, so one never started is re-delivered.
+
+Why hold records at all: Kafka gives a partition's records in order. Started in that order, a tenant whose
+backlog of long prompts sits ahead of another's would fill every seat the worker has, and the other tenant's
+records would wait in Kafka behind the whole backlog; the engine's per-tenant fairness only orders what the worker
+holds. Fetching past what runs lets the worker see the other tenant's records and start them first by tokens.
+Why a bound in all, not per tenant: a per-tenant bound could only be kept by pausing a partition, which stops
+every tenant's records behind the one over its bound - the crowding out this is about. So the bound is a window
+past what runs (``intake_hold``), and inside it the tenants share by tokens; a backlog longer than the window is
+served in Kafka order until the window reaches past it (docs/benchmarks.md measures what that gives).
 """
 
 from __future__ import annotations
@@ -22,9 +32,11 @@ from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, Kafka
 from gpu_workers.engine import EngineFront
 from schemas import TIERS, InferenceRequest, Names
 from schemas.names import Tier
+from sluicegate.api.limits import estimate_request_tokens
 from sluicegate.dead_letters import Rejection, validate_record
 
 from .config import WorkerConfig
+from .fair_intake import FairIntake, Held
 from .in_flight import Active, InFlight
 from .observer import WorkerObserver
 from .offsets import CompletionWatermarks
@@ -34,6 +46,19 @@ from .telemetry import WorkerTelemetry
 from .tier_rooms import TierRooms
 
 log = logging.getLogger(__name__)
+
+Parsed = InferenceRequest | Rejection | Exception
+#: What a held record is kept as: the record and what parsing it gave.
+Record = tuple[Any, Parsed]
+#: The tenant a record that failed to parse is held under (no real tenant name has a NUL): it costs nothing and
+#: goes first (it only becomes a dead letter or an error).
+_UNPARSED = "\x00unparsed"
+
+
+def start_cost(request: InferenceRequest) -> int:
+    """Tokens a request's start is charged before it runs: its prompt (estimated from its size, as admission
+    estimates it) and every token it may generate; settled to what it used once it finishes."""
+    return estimate_request_tokens(request) + request.sampling.max_tokens * request.sampling.n
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -76,6 +101,7 @@ class Intake:
         self.watermarks: CompletionWatermarks[TopicPartition] = CompletionWatermarks()
         self._tiers: dict[str, Tier] = {names.request_topic(config.model_name, t): t for t in TIERS}
         self.rooms = TierRooms(config)
+        self.held: FairIntake[Record] = FairIntake(config.tenant_weights)  # fetched, not started
         self._room = asyncio.Event()
         self._commit_task: asyncio.Task[None] | None = None
         self.joined = False  # the group consumer has joined (readiness)
@@ -107,22 +133,28 @@ class Intake:
             fatal = self.serving.fatal
             if fatal is not None:
                 raise RuntimeError(f"the engine failed; stopping this worker: {fatal!r}") from fatal
+            self._room.clear()  # before the rooms are read: a request finishing from here on sets it again
+            starts_wait = self._start_held()
             assigned = self.consumer.assignment()
-            rooms = self._rooms()
-            open_tps = [tp for tp in assigned if rooms[self._tier_of(tp)] > 0]
-            full_tps = [tp for tp in assigned if rooms[self._tier_of(tp)] <= 0]
-            # Paused, a full tier's partitions are not fetched: a fetched response left unconsumed would
+            space = {tier: self.config.intake_hold - self.held.held(tier) for tier in TIERS}
+            open_tps = [tp for tp in assigned if space[self._tier_of(tp)] > 0]
+            full_tps = [tp for tp in assigned if space[self._tier_of(tp)] <= 0]
+            # Paused, a tier holding all it may is not fetched: a fetched response left unconsumed would
             # hold back the broker's next fetch (aiokafka's prefetch backoff), and with it interactive requests.
             if full_tps:
                 self.consumer.pause(*full_tps)
             if not open_tps:
-                self._room.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), self._wait_s(0.2))
                 continue
             self.consumer.resume(*open_tps)
-            for record, parsed in self._by_deadline(await self._fetch_by_tier(open_tps, rooms)):
-                self._admit(record, parsed)
+            fetched = await self._fetch_by_tier(open_tps, space, starts_wait)
+            for record in fetched:
+                self._hold(record)
+            if fetched:
+                # A fetch of buffered records returns without suspending: let the requests' tasks (their outputs)
+                # run between chunks, rather than parse a whole hold in one go.
+                await asyncio.sleep(0)
 
     def pause(self) -> None:
         """Fetch nothing more (the worker is draining)."""
@@ -147,50 +179,87 @@ class Intake:
         paced = self.rooms.paced_wait_s()
         return longest if paced is None else min(longest, paced)
 
-    async def _fetch_by_tier(self, open_tps: list[TopicPartition], rooms: dict[Tier, int]) -> list[Any]:
-        """Records already fetched for the highest non-empty tier; else wait briefly for any (no tier gets
-        more than its room, as taking a request leaves less room for its tier and those below)."""
+    async def _fetch_by_tier(
+        self, open_tps: list[TopicPartition], space: dict[Tier, int], starts_wait: bool
+    ) -> list[Any]:
+        """Records already fetched for the highest non-empty tier; else wait briefly for any (no tier gets more
+        than it may still hold). While held records wait for room, a request finishing ends the wait at once."""
         by_tier: dict[Tier, list[TopicPartition]] = {t: [] for t in TIERS}
         for tp in open_tps:
             by_tier[self._tier_of(tp)].append(tp)
+        # At most a lookahead a fetch: each record is parsed on this loop, which must not stall for a whole hold.
+        chunk = {tier: min(space[tier], self.config.max_in_flight) for tier in TIERS}
         for tier in TIERS:
             if by_tier[tier]:
-                batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=rooms[tier])
+                batch = await self.consumer.getmany(*by_tier[tier], timeout_ms=0, max_records=chunk[tier])
                 if batch:
                     return [r for records in batch.values() for r in records]
-        most = min(rooms[t] for t in by_tier if by_tier[t])
-        batch = await self.consumer.getmany(*open_tps, timeout_ms=round(1000 * self._wait_s(0.1)), max_records=most)
-        return [r for records in batch.values() for r in records]  # put in tier order by ``_by_deadline``
+        most = min(chunk[t] for t in by_tier if by_tier[t])
+        timeout_ms = round(1000 * self._wait_s(0.1))
+        if not starts_wait:
+            batch = await self.consumer.getmany(*open_tps, timeout_ms=timeout_ms, max_records=most)
+            return [r for records in batch.values() for r in records]
+        fetch = asyncio.ensure_future(self.consumer.getmany(*open_tps, timeout_ms=timeout_ms, max_records=most))
+        room = asyncio.ensure_future(self._room.wait())
+        try:
+            await asyncio.wait({fetch, room}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            room.cancel()
+            if not fetch.done():
+                # Safe: aiokafka takes fetched records out of its buffer only once its wait is over, so none is lost.
+                fetch.cancel()
+            await asyncio.wait({fetch})
+        if fetch.cancelled():
+            return []
+        return [r for records in fetch.result().values() for r in records]
 
-    def _by_deadline(self, records: list[Any]) -> list[tuple[Any, InferenceRequest | Rejection | Exception]]:
-        """The fetched records, parsed, in admission order: by tier, then earliest deadline first (the sort is
-        stable, so records without a deadline, or that failed to parse, keep their fetch order after those)."""
-        parsed: list[tuple[Any, InferenceRequest | Rejection | Exception]] = []
-        for record in records:
-            try:
-                # No deadline check here: it is about starting, which only the request's stream can tell.
-                parsed.append((record, validate_record(record.value, record.headers, check_deadline=False)))
-            except Exception as exc:  # reported by the request's task, like any failure to serve it
-                parsed.append((record, exc))
+    # --- holding and starting ----------------------------------------------------------------------------------
+    def _hold(self, record: Any) -> None:
+        """Parse a fetched record and hold it until its tier has room and :class:`.fair_intake.FairIntake` picks
+        it; its offset counts as unfinished from now on."""
+        tp = TopicPartition(record.topic, record.partition)
+        self.watermarks.started(tp, record.offset)
+        parsed: Parsed
+        try:
+            # No deadline check here: it is about starting, which only the request's stream can tell.
+            parsed = validate_record(record.value, record.headers, check_deadline=False)
+        except Exception as exc:  # reported by the request's task, like any failure to serve it
+            parsed = exc
+        tier = self._tier_of(tp)
+        if isinstance(parsed, InferenceRequest):
+            self.held.push(tier, (record, parsed), parsed.tenant, start_cost(parsed), parsed.deadline_epoch())
+        else:
+            self.held.push(tier, (record, parsed), _UNPARSED, 0, -math.inf)
 
-        def order(item: tuple[Any, InferenceRequest | Rejection | Exception]) -> tuple[int, float]:
-            record, request = item
-            deadline = request.deadline_epoch() if isinstance(request, InferenceRequest) else None
-            return TIERS.index(self._tiers.get(record.topic, "batch")), math.inf if deadline is None else deadline
+    def _start_held(self) -> bool:
+        """Start held records while their tier has room, the most important tier first; True when some are left
+        waiting for room."""
+        left = False
+        for tier in TIERS:
+            while self.held.held(tier):
+                if self._rooms()[tier] <= 0:
+                    left = True
+                    break
+                held = self.held.pop(tier)
+                assert held is not None
+                self._admit(held)
+        return left
 
-        parsed.sort(key=order)
-        return parsed
+    def held_by_tier(self) -> dict[Tier, int]:
+        """Records fetched and not started, per tier (they count in the backlog, like the lag in Kafka)."""
+        return {tier: self.held.held(tier) for tier in TIERS}
 
-    def _admit(self, record: Any, parsed: InferenceRequest | Rejection | Exception) -> None:
+    def _admit(self, held: Held[Record]) -> None:
+        record, parsed = held.item
         if self._observer is not None:
             self._observer.record_taken(record)
         if self.telemetry is not None:
             self.telemetry.record_taken(record)
         tp = TopicPartition(record.topic, record.partition)
-        self.watermarks.started(tp, record.offset)
         tier = self._tier_of(tp)
         self.rooms.taken(tier)
         entry = self.in_flight.take(tp, record.offset, tier)
+        entry.fair_ticket = held
         if isinstance(parsed, InferenceRequest) and self.in_flight.claim_at_once(entry, parsed.request_id):
             # The engine starts here rather than in the request's task: that task runs only after the fetch loop
             # and the consumer's next fetch have had the event loop.
@@ -209,6 +278,8 @@ class Intake:
         try:
             completed = await self.serving.serve(record, entry, parsed)
         finally:
+            if isinstance(entry.fair_ticket, Held):
+                self.held.settle(entry.fair_ticket, entry.used_tokens)
             if completed and not entry.handed_off:
                 self.watermarks.finished(tp, record.offset)
                 self._schedule_commit()
@@ -249,6 +320,8 @@ class Intake:
     async def hand_off(self, revoked: set[TopicPartition]) -> None:
         """Partitions are being taken away: stop their requests, persist, commit, forget them."""
         moving = [entry for entry in self.in_flight if entry.partition in revoked]
+        # Held, never started: the new owner re-reads them from the commit (their offsets were never finished).
+        self.held.drop(lambda item: TopicPartition(item[0].topic, item[0].partition) not in revoked)
         for entry in moving:
             entry.handed_off = True
             for engine_id in entry.engine_request_ids:

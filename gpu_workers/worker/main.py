@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # Default lookahead in engine seats: enough queued behind the running sequences that another tenant's requests
 # behind a flood on the same partition reach the engine's fair queue while most of the flood is still waiting.
 LOOKAHEAD_SEATS = 4
+#: Records held past what runs, in lookaheads: a backlog up to about this deep ahead of a tenant in Kafka is shared
+#: by tokens (benchmarks.tenant_fairness at 2x overload, a backlog of 8 lookaheads: a hold of 8 kept B's tokens / A's
+#: at 1.02, 4 at 0.54, 1 at 0.23; a deeper backlog outgrows any hold, docs/benchmarks.md). Records are a few KB, so
+#: the 2048 held by a 64-seat worker stay far below its memory; a crash re-delivers them (they were never committed).
+HOLD_LOOKAHEADS = 8
 
 
 def model_name_for(settings: Settings) -> str:
@@ -222,11 +227,14 @@ async def _run_started(
 ) -> Worker:
     if freeze_heap:
         freeze_startup_heap("worker")
+    lookahead = settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs
     config = WorkerConfig(
         model_name=model_name,
         model_description=settings.model_description,
         worker_id=worker_id,
-        max_in_flight=settings.worker_lookahead or LOOKAHEAD_SEATS * settings.max_num_seqs,
+        max_in_flight=lookahead,
+        intake_hold=settings.worker_intake_hold or HOLD_LOOKAHEADS * lookahead,
+        tenant_weights=dict(settings.tenant_weights),
         lower_tier_in_flight_while_busy=settings.worker_lower_tier_lookahead_busy if settings.device == "cpu" else 0,
         batch_rate_while_busy=settings.worker_batch_rate_busy if settings.device == "cpu" else 0.0,
         busy_window_s=settings.worker_busy_window_s,

@@ -402,6 +402,7 @@ class Serving:
             total_tokens=prompt_tokens + completion,
             cached_tokens=cached,
         )
+        entry.used_tokens = usage.total_tokens  # what the intake's fair queue settles the tenant's start to
         vector = encode_embedding(embedding) if embedding is not None else None
         done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage, embedding=vector)
         if not self.outputs.emit(entry, done):

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
@@ -272,23 +272,34 @@ class WorkerTelemetry:
                 awaiting.pop(delta.request_id).add_event("sluicegate.first_token.emitted")
 
     # --- the background sampler ------------------------------------------------------------------------------
-    async def sample_backlog(self, consumer: AIOKafkaConsumer, engine: EngineFront, interval_s: float) -> None:
+    async def sample_backlog(
+        self,
+        consumer: AIOKafkaConsumer,
+        engine: EngineFront,
+        interval_s: float,
+        held: Callable[[], Mapping[Tier, int]] | None = None,
+    ) -> None:
         """Every ``interval_s``: lag per tier on this worker's partitions (end offset minus the next offset it
-        will take), the measured generation rate and the backlog seconds they give."""
+        will fetch, plus the records ``held`` fetched and not started), the measured generation rate and the
+        backlog seconds they give."""
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self._sample_once(consumer, engine)
+                await self._sample_once(consumer, engine, held)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a rebalance or a broker hiccup: the next sample tries again
                 log.debug("worker.backlog_sample_failed", extra={"error": repr(exc)})
 
-    async def _sample_once(self, consumer: AIOKafkaConsumer, engine: EngineFront) -> None:
+    async def _sample_once(
+        self, consumer: AIOKafkaConsumer, engine: EngineFront, held: Callable[[], Mapping[Tier, int]] | None = None
+    ) -> None:
         busy = engine.stats().num_running > 0
         rate = self.generation_rate.sample(time.monotonic(), self._generated, busy)
         self.rate.labels(self.model).set(rate)
         lags = dict.fromkeys(TIERS, 0)
+        for tier, count in (held() if held is not None else {}).items():
+            lags[tier] += count
         assigned = list(consumer.assignment())
         if assigned:
             ends = await consumer.end_offsets(assigned)

@@ -3,12 +3,14 @@
 :class:`Worker` owns the state its parts share and runs them; each guarantee below is kept in one file
 (see DESIGN.md, request flow 3-5):
 
-* tiers drain in order (interactive, standard, batch), and a tier's partitions are paused once the
-  worker holds ``max_in_flight`` requests of that tier or above, so the backlog stays in Kafka, not in
-  worker memory, and lower-tier work never keeps a higher-tier request out (:mod:`.intake`);
-* ``max_in_flight`` is a lookahead past the engine's seats, and each request carries its tenant, so the
-  engine's fair queuing serves the tenants of a tier evenly over the requests the worker holds
-  (:mod:`.intake`, :mod:`.serving`);
+* tiers drain in order (interactive, standard, batch): a tier starts requests while the worker runs fewer
+  than ``max_in_flight`` of that tier or above, so lower-tier work never keeps a higher-tier request out, and
+  its partitions are paused once ``intake_hold`` of its records are fetched and not started, so the rest of
+  the backlog stays in Kafka, not in worker memory (:mod:`.intake`);
+* held records start earliest deadline first, then tenant by tenant by tokens (:mod:`.fair_intake`), so one
+  tenant's backlog of long prompts ahead in Kafka does not crowd out another's; ``max_in_flight`` is a
+  lookahead past the engine's seats, and each request carries its tenant, so the engine's fair queuing
+  serves the tenants evenly over what runs (:mod:`.intake`, :mod:`.serving`);
 * an offset is committed only when every request at or below it reached an outcome (``done`` or
   ``error`` in its stream, or a dead letter); a crash or a drain timeout re-delivers the rest
   (:mod:`.intake`, :mod:`.offsets`);
@@ -154,7 +156,9 @@ class Worker:
             checks = serve_checks(self._redis, self.names.prefix, self.config.model_name, self.adapters.verify)
             loops.append(asyncio.create_task(checks, name="lora-checks"))
         if self.telemetry is not None:
-            sampler = self.telemetry.sample_backlog(self.intake.consumer, self.engine, self.config.heartbeat_interval_s)
+            sampler = self.telemetry.sample_backlog(
+                self.intake.consumer, self.engine, self.config.heartbeat_interval_s, self.intake.held_by_tier
+            )
             loops.append(asyncio.create_task(sampler, name="backlog-sampler"))
         stopper = asyncio.create_task(stop.wait())
         try:
