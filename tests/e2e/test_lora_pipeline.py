@@ -1,8 +1,10 @@
 """LoRA adapters on the real pipeline (issue 32): a worker started with ``SLUICEGATE_WORKER_LORAS`` serves the
 adapter under its own model name; a streamed chat completion naming it gives exactly the tokens of
-``LLM.generate(..., lora_request=...)``; and ``kill -9`` of the worker generating an adapter request mid-stream is a
-pause: another worker (which loads the adapter from the registry on demand) continues it with the adapter, every
-token once, the uninterrupted text.
+``LLM.generate(..., lora_request=...)``; an adapter loaded at run time through ``/v1/load_lora_adapter`` with the
+official ``openai`` SDK is checked by the worker's engine (a corrupt one, one of another base model and one above
+the rank limit are refused with the engine's one-line reason), served, and gone after its unload; and ``kill -9``
+of the worker generating an adapter request mid-stream is a pause: another worker (which loads the adapter from the
+registry on demand) continues it with the adapter, every token once, the uninterrupted text.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.lora.request import LoRARequest
+from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.worker.prompts import prompt_token_ids
 from schemas import ChatMessage, InferenceRequest, TokenEvent
 
-from .conftest import Pipeline
+from .conftest import API_KEY, Pipeline
 
 pytest.importorskip("peft")
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -40,21 +45,26 @@ def tiny_model_dir(paced_model_dir: Path) -> Path:
     return paced_model_dir
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A PEFT LoRA adapter (rank 8, every projection) with random non-zero A and B, made with ``peft``."""
+def peft_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int) -> Path:
+    """A PEFT LoRA adapter of ``base`` with random non-zero A and B, made with ``peft`` and saved to ``out``."""
     from peft import LoraConfig, get_peft_model
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
-    generator = torch.Generator().manual_seed(11)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    out = tmp_path_factory.mktemp("lora") / ADAPTER
     peft_model.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The worker's named adapter: rank 8, every projection."""
+    return peft_adapter(tiny_model_dir, tmp_path_factory.mktemp("lora") / ADAPTER, 8, TARGETS, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +75,7 @@ def pipeline_env(adapter_dir: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "SLUICEGATE_WORKER_LORAS": json.dumps({ADAPTER: str(adapter_dir)}),
         "SLUICEGATE_MAX_LORA_RANK": "8",
+        "SLUICEGATE_ADMIN_API_KEYS": API_KEY,  # the pipeline's key may load and unload adapters
     }
 
 
@@ -136,6 +147,57 @@ def test_a_streamed_chat_naming_the_adapter_gives_the_engines_lora_tokens(
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == lora_text
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == CHAT_TOKENS and usage.prompt_tokens == len(prompt)
+
+
+def test_adapters_load_and_unload_at_run_time_through_the_openai_sdk(
+    pipeline: Pipeline, llm: LLM, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    wait_adapter_advertised(pipeline, "worker-a")
+    client = pipeline.openai()
+    good = peft_adapter(tiny_model_dir, tmp_path / "run-time", 4, ["q_proj", "v_proj"], seed=5)
+    too_big = peft_adapter(tiny_model_dir, tmp_path / "rank-16", 16, ["q_proj"], seed=6)
+    other_base = make_tiny_model(tmp_path / "other-base", arch="llama", num_layers=2, hidden_size=96)
+    foreign = peft_adapter(other_base, tmp_path / "foreign", 4, ["q_proj", "v_proj"], seed=7)
+    corrupt = peft_adapter(tiny_model_dir, tmp_path / "corrupt", 4, ["q_proj"], seed=8)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+    def load(name: str, path: Path) -> httpx.Response:
+        body = {"lora_name": name, "lora_path": str(path)}
+        return client.post("/load_lora_adapter", body=body, cast_to=httpx.Response)
+
+    for name, path, words in (
+        ("rank-16", too_big, "r=16 exceeds max_lora_rank=8"),
+        ("foreign", foreign, "other dimensions"),
+        ("corrupt", corrupt, "corrupt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            load(name, path)
+        message = refused.value.body["message"]  # type: ignore[index]
+        assert words in message and "\n" not in message and message.count(f"'{name}'") == 1, message
+    assert load("run-time", good).status_code == 200
+    models = {m.id: m for m in client.models.list().data}
+    assert "run-time" in models and getattr(models["run-time"], "parent", None) == pipeline.model
+    assert not {"rank-16", "foreign", "corrupt"} & set(models)
+
+    request = InferenceRequest(request_id="rt", model=pipeline.model, messages=[ChatMessage(**m) for m in MESSAGES])  # type: ignore[arg-type]
+    prompt = prompt_token_ids(request, llm.tokenizer)
+    want_ids, want_text = generate(llm, prompt, 24, LoRARequest("run-time", 99, str(good)))
+    out = client.chat.completions.create(
+        model="run-time",
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},  # type: ignore[arg-type]
+    )
+    assert out.model == "run-time" and out.choices[0].message.content == want_text
+    assert out.usage is not None and out.usage.completion_tokens == len(want_ids)
+
+    unloaded = client.post("/unload_lora_adapter", body={"lora_name": "run-time"}, cast_to=httpx.Response)
+    assert unloaded.status_code == 200
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.chat.completions.create(model="run-time", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+    assert gone.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
 def test_killing_the_worker_mid_stream_resumes_the_adapter_request_exactly(
