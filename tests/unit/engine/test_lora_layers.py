@@ -56,6 +56,27 @@ def test_delta_over_any_projection(kind: str) -> None:
     assert torch.equal(out[2], plain[2])  # the base-model token is untouched
 
 
+def test_a_slice_no_resident_adapter_targets_is_skipped() -> None:
+    base = nn.Linear(32, 24, bias=False)
+    context = LoRAContext()
+    slices = [LoRASlice("q_proj", 32, 16, 0), LoRASlice("v_proj", 32, 8, 16)]
+    lora = LoRALinear(base, slices, max_loras=2, max_lora_rank=4, context=context, dtype=torch.float32,
+                      device=torch.device("cpu"))  # fmt: skip
+    lora.set_slot(0, {"q_proj": (torch.randn(4, 32), torch.randn(16, 4))}, scale=1.0)
+    lora.set_slot(1, {"q_proj": (torch.randn(4, 32), torch.randn(16, 4))}, scale=1.0)
+    assert lora.targeting == [{0, 1}, set()]
+    # Garbage in v's slot-0 stack and scale: only v's empty targeting keeps it out of the output.
+    lora.a[1][0].fill_(1.0)
+    lora.b[1][0].fill_(1.0)
+    lora.scales[1][0] = 1.0
+    x = torch.randn(3, 32)
+    with context.active(LoRABatch.from_runs([(0, 3)], "cpu")):
+        out = lora(x)
+    assert torch.equal(out[:, 16:], base(x)[:, 16:])
+    lora.set_slot(1, {"v_proj": (torch.randn(4, 32), torch.randn(8, 4))}, scale=1.0)  # slot 1 now adapts v only
+    assert lora.targeting == [{0}, {1}]
+
+
 def test_decode_graph_path_skips_adapter_batches(
     model_dir: Callable[[str], Path], tmp_path: Path, make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:
