@@ -8,7 +8,7 @@ Nothing here does I/O; :mod:`router.router` combines these into one routing deci
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -174,8 +174,13 @@ def choose_partition(
     heartbeats: Sequence[WorkerHeartbeat],
     policy: LoadPolicy,
     adapter: str | None = None,
+    over_share: Callable[[str], bool] | None = None,
 ) -> PartitionChoice:
     """Keep the key's partition unless its owner is overloaded and a less loaded worker exists.
+
+    ``over_share(worker_id)`` says whether the request's tenant took more than an equal share of that worker's
+    recent tokens (:class:`router.tenant_shares.TenantShares`): an overloaded owner keeps the requests of tenants
+    that did not (``affinity_fair_share``) and sheds those of the ones that did.
 
     A request for a LoRA ``adapter`` first goes to a worker that has the adapter loaded (see
     :func:`choose_adapter_partition`); only when no worker can take it that way does the key decide.
@@ -194,6 +199,8 @@ def choose_partition(
         return PartitionChoice(None, "affinity_unowned")
     if not policy.overloaded(owner):
         return PartitionChoice(None, "affinity")
+    if over_share is not None and not over_share(owner.worker_id):
+        return PartitionChoice(None, "affinity_fair_share")
     candidates = [
         b
         for b in heartbeats

@@ -4,10 +4,12 @@ partition only when the key's partition belongs to an overloaded worker.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas import InferenceRequest, Names, Tier, WorkerHeartbeat
+from sluicegate.api.limits import request_token_cost
 from sluicegate.settings import Settings
 
 from .policy import (
@@ -18,7 +20,9 @@ from .policy import (
     choose_partition,
     key_partition,
     partition_key,
+    partition_owners,
 )
+from .tenant_shares import TenantShares
 
 
 @dataclass(frozen=True)
@@ -46,18 +50,27 @@ def route(
     max_tier: Tier = "interactive",
     heartbeats: Sequence[WorkerHeartbeat] = (),
     load_policy: LoadPolicy | None = None,
+    shares: TenantShares | None = None,
 ) -> Route:
     """Route ``request``: its priority (capped at ``max_tier``) picks the topic, its prompt prefix the key.
 
     A request for a LoRA adapter keeps its base model's topic (``request.model``); the adapter only steers
     the partition towards a worker that holds it (:func:`choose_adapter_partition`).
-    ``partitions`` is the topic's partition count; ``heartbeats`` are the live workers of the model.
+    ``partitions`` is the topic's partition count; ``heartbeats`` are the live workers of the model. With
+    ``shares``, the request's tokens are charged to its tenant on the worker that owns the partition it goes to, and
+    an overloaded worker sheds only the tenants above an equal share of its recent tokens.
     """
     tier = cap_tier(request.priority, max_tier)
     topic = names.request_topic(request.model, tier)
     adapter = request.adapter
     key = partition_key(request.model, affinity_prefix(request, key_policy or KeyPolicy()), adapter)
-    choice = choose_partition(topic, key, partitions, heartbeats, load_policy or LoadPolicy(), adapter)
+    over_share = functools.partial(shares.over_share, tenant=request.tenant) if shares is not None else None
+    choice = choose_partition(topic, key, partitions, heartbeats, load_policy or LoadPolicy(), adapter, over_share)
+    if shares is not None:
+        target = choice.partition if choice.partition is not None else key_partition(key, partitions)
+        owner = partition_owners(topic, heartbeats).get(target)
+        if owner is not None:
+            shares.charge(owner.worker_id, request.tenant, request_token_cost(request))
     return Route(
         topic=topic,
         key=key,
@@ -80,6 +93,7 @@ class Router:
     default_partitions: int = 6
     key_policy: KeyPolicy = field(default_factory=KeyPolicy)
     load_policy: LoadPolicy = field(default_factory=LoadPolicy)
+    shares: TenantShares | None = None
     _partitions: dict[str, int] = field(default_factory=dict)
     _heartbeats: dict[str, list[WorkerHeartbeat]] = field(default_factory=dict)
 
@@ -91,6 +105,7 @@ class Router:
             default_partitions=settings.topic_partitions,
             key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
             load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),
+            shares=TenantShares(settings.router_tenant_half_life_s) if settings.router_tenant_half_life_s > 0 else None,
         )
 
     def set_partitions(self, topic: str, count: int) -> None:
@@ -123,4 +138,5 @@ class Router:
             max_tier=max_tier,
             heartbeats=self._heartbeats.get(request.model, ()),
             load_policy=self.load_policy,
+            shares=self.shares,
         )

@@ -289,6 +289,13 @@ class Settings(BaseSettings):
     router_min_free_kv: float = Field(
         0.05, ge=0.0, le=1.0, description="Free KV-block fraction below which a worker counts as overloaded."
     )
+    router_tenant_half_life_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="Half-life of the tokens per tenant and worker the router counts: when a worker is overloaded "
+        "only tenants above an equal share of its recent tokens are diverted, the others keep their affinity; "
+        "0 diverts every request as before.",
+    )
 
     # --- response cache and model routes (issue 21) ------------------------------------------------------
     response_cache_ttl_s: int = Field(

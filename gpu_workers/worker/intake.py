@@ -32,7 +32,7 @@ from aiokafka.errors import CommitFailedError, InvalidSessionTimeoutError, Kafka
 from gpu_workers.engine import EngineFront
 from schemas import TIERS, InferenceRequest, Names
 from schemas.names import Tier
-from sluicegate.api.limits import estimate_request_tokens
+from sluicegate.api.limits import request_token_cost
 from sluicegate.dead_letters import Rejection, validate_record
 
 from .config import WorkerConfig
@@ -56,9 +56,9 @@ _UNPARSED = "\x00unparsed"
 
 
 def start_cost(request: InferenceRequest) -> int:
-    """Tokens a request's start is charged before it runs: its prompt (estimated from its size, as admission
-    estimates it) and every token it may generate; settled to what it used once it finishes."""
-    return estimate_request_tokens(request) + request.sampling.max_tokens * request.sampling.n
+    """Tokens a request's start is charged before it runs (:func:`request_token_cost`); settled to what it used
+    once it finishes."""
+    return request_token_cost(request)
 
 
 class _Rebalance(ConsumerRebalanceListener):

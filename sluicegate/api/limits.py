@@ -127,6 +127,12 @@ def estimate_request_tokens(request: InferenceRequest) -> int:
     return total
 
 
+def request_token_cost(request: InferenceRequest) -> int:
+    """What a request may cost in tokens before it runs: its prompt (estimated) and every token it may generate.
+    The worker's intake charges a start this, and the router a tenant's share of a worker."""
+    return estimate_request_tokens(request) + request.sampling.max_tokens * request.sampling.n
+
+
 def _explicit_max_tokens(body: AnyBody) -> bool:
     return bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
 
