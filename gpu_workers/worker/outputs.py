@@ -45,6 +45,10 @@ T = TypeVar("T")
 
 # Replicas acknowledge their offset about once a second; asking more often than this would find nothing new.
 _CONFIRM_INTERVAL_S = 0.5
+# How long a final status record waits for another request's flush to carry it before flushing alone. It delays
+# only the offset commit and the end of the request's task (the client has ``done`` already); under load the flush
+# loop runs every engine step, so most records ride well within it.
+_RECORD_RIDE_S = 0.005
 
 
 class Outputs:
@@ -79,18 +83,20 @@ class Outputs:
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     # --- Redis streams -------------------------------------------------------------------------------
-    def emit(self, entry: Active, event: StreamEvent | RecordWrite) -> bool:
+    def emit(self, entry: Active, event: StreamEvent | RecordWrite, *, wake: bool = True) -> bool:
         """Queue one event (or status-record write) for the next flush, unless the request was handed to
         another owner.
 
         Every append goes through here with no await between the check and the add, so once
         :meth:`Intake.hand_off <.intake.Intake.hand_off>` has flushed, nothing more is written for a request
-        that moved away.
+        that moved away. ``wake=False`` leaves the flush loop asleep: the write rides with whatever is flushed
+        next (the request's own first token or end at the latest) instead of a round trip of its own.
         """
         if entry.handed_off:
             return False
         self.publisher.add(event)
-        self._events.set()
+        if wake:
+            self._events.set()
         return True
 
     async def flush(self) -> None:
@@ -144,15 +150,12 @@ class Outputs:
     async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
         """Write the status record in the stream publisher's next pipeline and return once Redis has it.
 
-        A round trip of its own per request was a third of the worker's Redis writes (issue 31); carried by the
-        publisher, records of requests ending in the same event-loop turn share one pipeline with the stream
-        appends of that turn. Not through :meth:`emit`: a request handed off meanwhile still gets its record
-        (its stream already holds ``done``), as with a plain ``SET``.
+        A round trip of its own per request was a third of the worker's Redis round trips (issue 31); carried by
+        the publisher, it shares the pipeline of other requests' appends, waiting at most ``_RECORD_RIDE_S`` for
+        one. Not through :meth:`emit`: a request handed off meanwhile still gets its record (its stream already
+        holds ``done``), as with a plain ``SET``.
         """
-        self.publisher.add(self.record_write(request, status, result))
-        # One turn for the other requests whose Kafka acknowledgement came in the same response to add theirs.
-        await asyncio.sleep(0)
-        await self.publisher.flush()
+        await self.publisher.ride(self.record_write(request, status, result), _RECORD_RIDE_S)
 
     async def mark_failed(self, request_id: str) -> None:
         """Set an existing status record to ``failed`` (a request with none keeps none)."""

@@ -382,6 +382,36 @@ async def test_publisher_carries_record_writes_in_order_with_appends(redis_url: 
         await redis.aclose()
 
 
+async def test_a_riding_record_goes_with_the_next_flush_or_alone_after_its_wait(
+    redis_url: str, unique_prefix: str
+) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    batches: list[list[Any]] = []
+    publisher = StreamPublisher(redis, names, ttl_s=600, on_send=lambda batch: batches.append(list(batch)))
+    try:
+        # Another request's flush within the wait carries the record: one pipeline for both.
+        riding = asyncio.create_task(publisher.ride(RecordWrite(key, "finished", 60), max_wait_s=30))
+        await asyncio.sleep(0.05)
+        assert not riding.done() and await redis.get(key) is None  # nothing flushed yet: it waits
+        publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
+        await publisher.flush()
+        await asyncio.wait_for(riding, 5)
+        assert len(batches) == 1 and len(batches[0]) == 2
+        assert await redis.get(key) == b"finished"
+        # Nothing else flushes: the record goes alone once its wait is over, and is stored when ride returns.
+        started = time.monotonic()
+        await publisher.ride(RecordWrite(key, "cancelled", 60), max_wait_s=0.1)
+        assert time.monotonic() - started >= 0.1
+        assert len(batches) == 2 and await redis.get(key) == b"cancelled"
+        assert publisher.pending == 0
+    finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
+
+
 async def test_worker_continues_a_partial_stream_and_skips_a_finished_one(
     kafka_bootstrap: str, redis_url: str, model_dir: Path, engine: AsyncEngine, unique_prefix: str
 ) -> None:
