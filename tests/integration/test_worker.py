@@ -20,13 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import TopicPartition
 from fault_report import count_events, fault_report
 from needs import require_tool
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
+from gpu_workers.worker.config import WorkerConfig
+from gpu_workers.worker.in_flight import Active
 from gpu_workers.worker.main import run_worker
+from gpu_workers.worker.outputs import Outputs
 from gpu_workers.worker.resume import Continuation
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (
@@ -408,6 +412,45 @@ async def test_a_riding_record_goes_with_the_next_flush_or_alone_after_its_wait(
         assert len(batches) == 2 and await redis.get(key) == b"cancelled"
         assert publisher.pending == 0
     finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
+
+
+async def test_a_record_emitted_without_waking_goes_with_the_next_woken_flush(
+    kafka_bootstrap: str, redis_url: str, unique_prefix: str
+) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    batches: list[list[Any]] = []
+
+    class Observer:
+        def record_taken(self, record: Any) -> None:
+            pass
+
+        def events_sending(self, batch: Any) -> None:
+            batches.append(list(batch))
+
+    config = WorkerConfig(model_name="m", worker_id="w")
+    producer = create_producer(bootstrap=kafka_bootstrap)  # never started: nothing here produces
+    outputs = Outputs(config, names, redis, producer, Observer())
+    entry = Active(request_id=rid, partition=TopicPartition(names.inbound_topic, 0), offset=0)
+    loop = asyncio.create_task(outputs.flush_loop())
+    try:
+        assert outputs.emit(entry, RecordWrite(key, "running", 60), wake=False)
+        await asyncio.sleep(0.1)
+        assert batches == [] and await redis.get(key) is None  # the flush loop slept on
+        assert outputs.emit(entry, TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
+        for _ in range(100):
+            if batches:
+                break
+            await asyncio.sleep(0.01)
+        assert [len(batch) for batch in batches] == [2]  # one pipeline: the record and the first token
+        assert await redis.get(key) == b"running"
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
         await redis.delete(key, names.stream_key(rid))
         await redis.aclose()
 
