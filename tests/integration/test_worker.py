@@ -416,6 +416,37 @@ async def test_a_riding_record_goes_with_the_next_flush_or_alone_after_its_wait(
         await redis.aclose()
 
 
+async def test_a_flush_whose_items_went_with_another_leaves_later_ones_for_the_next(
+    redis_url: str, unique_prefix: str
+) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    batches: list[list[Any]] = []
+    token = TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1])
+    late = RecordWrite(key, "running", 60)
+
+    def sending(batch: Any) -> None:
+        batches.append(list(batch))
+        if len(batches) == 1:
+            publisher.add(late)  # added while the first flush is under way, after it took its batch
+
+    publisher = StreamPublisher(redis, names, ttl_s=600, on_send=sending)
+    try:
+        publisher.add(token)
+        first = asyncio.create_task(publisher.flush())
+        await asyncio.sleep(0)
+        await publisher.flush(upto=1)  # the token: the first flush carries it, so this one sends nothing
+        await first
+        assert batches == [[token]] and publisher.pending == 1 and await redis.get(key) is None
+        await publisher.flush()  # everything added: the record goes now
+        assert batches == [[token], [late]] and publisher.pending == 0 and await redis.get(key) == b"running"
+    finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
+
+
 async def test_a_record_emitted_without_waking_goes_with_the_next_woken_flush(
     kafka_bootstrap: str, redis_url: str, unique_prefix: str
 ) -> None:
