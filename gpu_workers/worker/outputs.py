@@ -31,7 +31,6 @@ from schemas import (
 )
 from schemas.events import FinishReason
 from sluicegate.dead_letters import Rejection, dead_letter
-from sluicegate.telemetry import untraced
 from sluicegate.usage.ledger import usage_record
 
 from .config import WorkerConfig
@@ -46,6 +45,11 @@ T = TypeVar("T")
 
 # Replicas acknowledge their offset about once a second; asking more often than this would find nothing new.
 _CONFIRM_INTERVAL_S = 0.5
+# How long a final status record waits for another request's flush to carry it before flushing alone. It delays
+# only the offset commit (itself gathered over ``commit_interval_s``, 50 ms) and the end of the request's task (the
+# client has ``done`` already); under load the flush loop runs every engine step (~16 ms on the loaded 2-core box at
+# 50 req/s), so most records ride within it.
+_RECORD_RIDE_S = 0.02
 
 
 class Outputs:
@@ -80,22 +84,27 @@ class Outputs:
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     # --- Redis streams -------------------------------------------------------------------------------
-    def emit(self, entry: Active, event: StreamEvent | RecordWrite) -> bool:
+    def emit(self, entry: Active, event: StreamEvent | RecordWrite, *, wake: bool = True) -> bool:
         """Queue one event (or status-record write) for the next flush, unless the request was handed to
         another owner.
 
         Every append goes through here with no await between the check and the add, so once
         :meth:`Intake.hand_off <.intake.Intake.hand_off>` has flushed, nothing more is written for a request
-        that moved away.
+        that moved away. ``wake=False`` leaves the flush loop asleep: the write rides with whatever is flushed
+        next (the request's own first token or end at the latest) instead of a round trip of its own.
         """
         if entry.handed_off:
             return False
         self.publisher.add(event)
-        self._events.set()
+        if wake:
+            self._events.set()
         return True
 
     async def flush(self) -> None:
         """Returns once Redis holds everything emitted so far."""
+        # What woke the flush loop goes in this flush: a wake left set would send the next ``wake=False`` write
+        # (a running record) alone.
+        self._events.clear()
         await self.publisher.flush()
 
     async def flush_loop(self) -> None:
@@ -143,9 +152,14 @@ class Outputs:
         return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s)
 
     async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
-        write = self.record_write(request, status, result)
-        with untraced():  # no span for the status record: a plain write that tells the trace nothing
-            await self.redis_call(lambda: self.redis.set(write.key, write.value, ex=write.ttl_s))
+        """Write the status record in the stream publisher's next pipeline and return once Redis has it.
+
+        A round trip of its own per request was a third of the worker's Redis round trips (issue 31); carried by
+        the publisher, it shares the pipeline of other requests' appends, waiting at most ``_RECORD_RIDE_S`` for
+        one. Not through :meth:`emit`: a request handed off meanwhile still gets its record (its stream already
+        holds ``done``), as with a plain ``SET``.
+        """
+        await self.publisher.ride(self.record_write(request, status, result), _RECORD_RIDE_S)
 
     async def mark_failed(self, request_id: str) -> None:
         """Set an existing status record to ``failed`` (a request with none keeps none)."""
@@ -182,8 +196,14 @@ class Outputs:
             worker_id=self.config.worker_id,
             created_at=request.created_at,
         )
-        await self.send(self.names.results_topic, result.model_dump_json().encode(), request.request_id)
-        await self.publish_usage(request, entry, done.usage, done.finish_reason)
+        usage = self._usage_value(request, entry, done.usage, done.finish_reason)
+        # Both records in one produce request (one acknowledgement to wait for, not two in a row).
+        await self.send_all(
+            [
+                (self.names.results_topic, result.model_dump_json().encode(), request.request_id),
+                (self.names.usage_topic, usage, request.request_id),
+            ]
+        )
         status = "cancelled" if done.finish_reason == "abort" else "finished"
         await self.set_record(request, status, result)
 
@@ -198,6 +218,17 @@ class Outputs:
         """The request's usage ledger record (``usage`` None: it failed), retried until Kafka takes it. Sent again
         by a worker that takes the request over before its status record said it ended: the rollup counts it once
         (:mod:`sluicegate.usage.ledger`)."""
+        value = self._usage_value(request, entry, usage, finish_reason, error_code)
+        await self.send(self.names.usage_topic, value, request.request_id)
+
+    def _usage_value(
+        self,
+        request: InferenceRequest,
+        entry: Active | None,
+        usage: Usage | None,
+        finish_reason: FinishReason | None,
+        error_code: str | None = None,
+    ) -> bytes:
         record = usage_record(
             request,
             producer=self.config.worker_id,
@@ -207,7 +238,7 @@ class Outputs:
             started_at=entry.taken_wall if entry is not None else None,
             first_output_at=entry.first_output_wall if entry is not None else None,
         )
-        await self.send(self.names.usage_topic, record.model_dump_json().encode(), request.request_id)
+        return record.model_dump_json().encode()
 
     async def dead_letter(self, record: Any, rejection: Rejection) -> None:
         """Put the record on ``llm.dlq`` with its reason; retried until Kafka takes it (the offset waits)."""
@@ -225,6 +256,39 @@ class Outputs:
                 "offset": record.offset,
             },
         )
+
+    async def send_all(self, records: list[tuple[str, bytes, str]]) -> None:
+        """Produce several ``(topic, value, key)`` records at once, retrying each until Kafka acknowledges it.
+
+        All are queued before any acknowledgement is awaited, so the producer sends them in one request. A record
+        that failed is sent again alone (those acknowledged are not: no duplicate beyond what :meth:`send` makes).
+        """
+        pending = records
+        delay = 0.2
+        while True:
+            sent: list[tuple[tuple[str, bytes, str], asyncio.Future[Any]]] = []
+            failed: list[tuple[str, bytes, str]] = []
+            error: KafkaError | None = None
+            for record in pending:
+                topic, value, key = record
+                try:
+                    sent.append((record, await self.producer.send(topic, value, key=key.encode())))
+                except KafkaError as exc:
+                    failed.append(record)
+                    error = exc
+            for record, future in sent:
+                try:
+                    await future
+                except KafkaError as exc:
+                    failed.append(record)
+                    error = exc
+            if not failed:
+                return
+            topics = sorted({topic for topic, _, _ in failed})
+            log.warning("worker.publish_failed", extra={"topic": topics, "error": repr(error), "retry_in_s": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            pending = failed
 
     async def send(
         self, topic: str, value: bytes, key: str | None, headers: list[tuple[str, bytes]] | None = None

@@ -279,8 +279,9 @@ class Serving:
             await self._withdraw(entry.early)  # it started from the bare prompt; the resume needs more
             entry.early = None
         # Written with the first token's append rather than awaited here: one round trip less before the
-        # engine starts, and still ahead of the final record (which waits for a flush).
-        if not self.outputs.emit(entry, self.outputs.record_write(request, "running")):
+        # engine starts, and still ahead of the final record (which waits for a flush). Not waking the flush
+        # loop, which would otherwise send it alone before the engine's first step.
+        if not self.outputs.emit(entry, self.outputs.record_write(request, "running"), wake=False):
             return False
         if isinstance(resumed, ChoiceResume):  # n > 1: each open choice from its own delivered tokens
             end = await resumed.run(

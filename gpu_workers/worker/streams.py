@@ -13,6 +13,7 @@ is restored on the promoted replica instead of leaving a gap. See :class:`Stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -197,6 +198,11 @@ class StreamPublisher:
         self._ttl_s = ttl_s
         self._max_retry_delay_s = max_retry_delay_s
         self._pending: list[StreamEvent | RecordWrite] = []
+        self._riders: list[asyncio.Future[None]] = []  # of :meth:`ride`, resolved by the flush carrying them
+        # Items added so far, and how many of the first of them Redis holds: a flush that finds what it was
+        # called for already sent by another leaves the items added since to the next flush.
+        self._added = 0
+        self._sent = 0
         self._lock = asyncio.Lock()
         self._replica_ack = replica_ack
         self._max_unconfirmed = max_unconfirmed
@@ -211,6 +217,24 @@ class StreamPublisher:
     def add(self, item: StreamEvent | RecordWrite) -> None:
         """Queue a stream event or a status-record write for the next flush (no round trip of its own)."""
         self._pending.append(item)
+        self._added += 1
+
+    async def ride(self, item: StreamEvent | RecordWrite, max_wait_s: float) -> None:
+        """Queue ``item`` and return once Redis has it: carried by the next flush anyone makes (the flush loop's,
+        for other requests' appends), or by a flush of its own after ``max_wait_s``.
+
+        For writes that must be stored before the caller goes on but are not worth a round trip of their own
+        while other requests keep the flush loop busy (a request's final status record).
+        """
+        carried: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.add(item)
+        mine = self._added
+        self._riders.append(carried)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(carried), max_wait_s)
+        if not carried.done():
+            await self.flush(upto=mine)  # carries it, or waits out the flush that already took it
+        await carried
 
     @property
     def pending(self) -> int:
@@ -221,21 +245,32 @@ class StreamPublisher:
         """Stream events flushed but not yet acknowledged by a replica (0 unless ``replica_ack``)."""
         return self._unconfirmed_events
 
-    async def flush(self) -> None:
+    async def flush(self, upto: int | None = None) -> None:
         """Append everything buffered; returns once Redis has it (retrying through outages).
+
+        Returns at once when a flush that was under way sent every item added before this call (or before the
+        ``upto``-th item): what came after waits for the next flush rather than going alone (a running record
+        meant to ride with its request's first token).
 
         With ``replica_ack`` and events awaiting a replica, a flush with nothing new only asks for the
         replicas' offsets (the flush loop calls it when idle, so a failover is noticed and repaired then too).
         """
+        target = self._added if upto is None else upto
         async with self._lock:
-            if not self._pending and not self._unconfirmed:
+            if (not self._pending or self._sent >= target) and not self._unconfirmed:
                 return
+            taken = self._added
             batch, self._pending = self._pending, []
+            riders, self._riders = self._riders, []
             delay = 0.05
             try:
                 while True:
                     try:
                         await self._append(batch)
+                        self._sent = taken
+                        for carried in riders:
+                            if not carried.done():
+                                carried.set_result(None)
                         return
                     except REDIS_UNAVAILABLE as exc:
                         self.retries += 1
@@ -254,6 +289,7 @@ class StreamPublisher:
                 # Cancelled (a drain timeout) or failed: the batch holds other requests' events too, and
                 # dropping them would leave gaps in their streams; keep them for the next flush, in order.
                 self._pending[:0] = batch
+                self._riders[:0] = riders
                 raise
 
     async def _append(self, batch: list[StreamEvent | RecordWrite]) -> None:

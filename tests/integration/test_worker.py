@@ -20,13 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import TopicPartition
 from fault_report import count_events, fault_report
 from needs import require_tool
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
+from gpu_workers.worker.config import WorkerConfig
+from gpu_workers.worker.in_flight import Active
 from gpu_workers.worker.main import run_worker
+from gpu_workers.worker.outputs import Outputs
 from gpu_workers.worker.resume import Continuation
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (
@@ -378,6 +382,106 @@ async def test_publisher_carries_record_writes_in_order_with_appends(redis_url: 
         assert publisher.appended == 1 and publisher.pending == 0
         assert len(await redis.xrange(names.stream_key(rid))) == 1
     finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
+
+
+async def test_a_riding_record_goes_with_the_next_flush_or_alone_after_its_wait(
+    redis_url: str, unique_prefix: str
+) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    batches: list[list[Any]] = []
+    publisher = StreamPublisher(redis, names, ttl_s=600, on_send=lambda batch: batches.append(list(batch)))
+    try:
+        # Another request's flush within the wait carries the record: one pipeline for both.
+        riding = asyncio.create_task(publisher.ride(RecordWrite(key, "finished", 60), max_wait_s=30))
+        await asyncio.sleep(0.05)
+        assert not riding.done() and await redis.get(key) is None  # nothing flushed yet: it waits
+        publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
+        await publisher.flush()
+        await asyncio.wait_for(riding, 5)
+        assert len(batches) == 1 and len(batches[0]) == 2
+        assert await redis.get(key) == b"finished"
+        # Nothing else flushes: the record goes alone once its wait is over, and is stored when ride returns.
+        started = time.monotonic()
+        await publisher.ride(RecordWrite(key, "cancelled", 60), max_wait_s=0.1)
+        assert time.monotonic() - started >= 0.1
+        assert len(batches) == 2 and await redis.get(key) == b"cancelled"
+        assert publisher.pending == 0
+    finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
+
+
+async def test_a_flush_whose_items_went_with_another_leaves_later_ones_for_the_next(
+    redis_url: str, unique_prefix: str
+) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    batches: list[list[Any]] = []
+    token = TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1])
+    late = RecordWrite(key, "running", 60)
+
+    def sending(batch: Any) -> None:
+        batches.append(list(batch))
+        if len(batches) == 1:
+            publisher.add(late)  # added while the first flush is under way, after it took its batch
+
+    publisher = StreamPublisher(redis, names, ttl_s=600, on_send=sending)
+    try:
+        publisher.add(token)
+        first = asyncio.create_task(publisher.flush())
+        await asyncio.sleep(0)
+        await publisher.flush(upto=1)  # the token: the first flush carries it, so this one sends nothing
+        await first
+        assert batches == [[token]] and publisher.pending == 1 and await redis.get(key) is None
+        await publisher.flush()  # everything added: the record goes now
+        assert batches == [[token], [late]] and publisher.pending == 0 and await redis.get(key) == b"running"
+    finally:
+        await redis.delete(key, names.stream_key(rid))
+        await redis.aclose()
+
+
+async def test_a_record_emitted_without_waking_goes_with_the_next_woken_flush(
+    kafka_bootstrap: str, redis_url: str, unique_prefix: str
+) -> None:
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    rid = uuid.uuid4().hex
+    key = names.request_key(rid)
+    batches: list[list[Any]] = []
+
+    class Observer:
+        def record_taken(self, record: Any) -> None:
+            pass
+
+        def events_sending(self, batch: Any) -> None:
+            batches.append(list(batch))
+
+    config = WorkerConfig(model_name="m", worker_id="w")
+    producer = create_producer(bootstrap=kafka_bootstrap)  # never started: nothing here produces
+    outputs = Outputs(config, names, redis, producer, Observer())
+    entry = Active(request_id=rid, partition=TopicPartition(names.inbound_topic, 0), offset=0)
+    loop = asyncio.create_task(outputs.flush_loop())
+    try:
+        assert outputs.emit(entry, RecordWrite(key, "running", 60), wake=False)
+        await asyncio.sleep(0.1)
+        assert batches == [] and await redis.get(key) is None  # the flush loop slept on
+        assert outputs.emit(entry, TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
+        for _ in range(100):
+            if batches:
+                break
+            await asyncio.sleep(0.01)
+        assert [len(batch) for batch in batches] == [2]  # one pipeline: the record and the first token
+        assert await redis.get(key) == b"running"
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
         await redis.delete(key, names.stream_key(rid))
         await redis.aclose()
 
