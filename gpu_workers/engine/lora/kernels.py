@@ -147,13 +147,15 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     ``t`` whose slot ``s >= 0``.
 
     x ``[T, in]``; a ``[S, R, in]`` (slot-stacked A, rank zero-padded to R = max_lora_rank); b ``[S, out, R]``;
-    scales ``[S]`` float32 (alpha/r per slot, 0 for an empty slot); y ``[T, out_total]`` of x's dtype.
+    scales ``[S]`` float32 (alpha/r per slot, 0 for an empty slot); y ``[T, out_total]`` of x's dtype, or of a
+    narrower one (a bf16 model's output with float32 adapters on a CPU): the delta is then computed in x's dtype and
+    rounded once onto y, on the torch paths.
     """
     if not batch.has_lora:
         return
     _check(y, x, a, b, scales, batch, out_offset)
     ys = y.narrow(1, out_offset, b.shape[1])
-    if x.is_cuda or TRITON_ON_CPU:
+    if (x.is_cuda or TRITON_ON_CPU) and y.dtype == x.dtype:
         triton_add = _triton_add_lora()
         if triton_add is not None:
             triton_add(ys, x, a, b, scales, batch)
@@ -197,7 +199,7 @@ def _add_lora_gather(ys: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     if all_lora:
         ys.add_(delta)
     else:
-        ys.index_add_(0, batch.lora_tokens, delta)
+        ys.index_add_(0, batch.lora_tokens, delta.to(ys.dtype))
 
 
 def _add_lora_segments(ys: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
@@ -206,4 +208,7 @@ def _add_lora_segments(ys: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: to
     for start, n, slot in zip(batch.seg_starts_list, batch.seg_lens_list, batch.seg_slots_list, strict=True):
         h = x[start : start + n] @ a[slot].T
         h.mul_(scales[slot])
-        ys[start : start + n].addmm_(h, b[slot].T)
+        if ys.dtype == h.dtype:
+            ys[start : start + n].addmm_(h, b[slot].T)
+        else:
+            ys[start : start + n].add_(h @ b[slot].T)

@@ -64,7 +64,9 @@ def _assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
 
 
-def _run_case(mix: str, dtype: torch.dtype, device: str, strategy: str, *, seed: int = 0) -> None:
+def _run_case(
+    mix: str, dtype: torch.dtype, device: str, strategy: str, *, seed: int = 0, y_dtype: torch.dtype | None = None
+) -> None:
     runs = MIXES[mix]
     batch = LoRABatch.from_runs(runs, device)
     if strategy in ("gather", "segments"):
@@ -73,7 +75,7 @@ def _run_case(mix: str, dtype: torch.dtype, device: str, strategy: str, *, seed:
     in_f, slices = 80, (70, 24, 24)  # a merged projection: three slices, each its own stacks
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, in_f, generator=gen).to(device, dtype)
-    y = torch.randn(tokens, sum(slices), generator=gen).to(device, dtype)
+    y = torch.randn(tokens, sum(slices), generator=gen).to(device, y_dtype or dtype)
     ref = y.float().clone()
     token_slots = batch.token_slots.tolist()
     offset = 0
@@ -90,6 +92,13 @@ def _run_case(mix: str, dtype: torch.dtype, device: str, strategy: str, *, seed:
 @pytest.mark.parametrize("strategy", ["gather", "segments", "auto"])
 def test_torch_path_matches_per_token_reference(mix: str, dtype: torch.dtype, strategy: str) -> None:
     _run_case(mix, dtype, "cpu", strategy)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("strategy", ["gather", "segments"])
+def test_float32_adapters_onto_a_bfloat16_output(mix: str, strategy: str) -> None:
+    """How a bf16 model runs its adapters on a CPU: x and the stacks in fp32, the delta rounded once onto y."""
+    _run_case(mix, torch.float32, "cpu", strategy, y_dtype=torch.bfloat16)
 
 
 def test_base_only_batch_leaves_y_untouched() -> None:
