@@ -21,7 +21,7 @@ from ..lora.manager import LoRAManager
 from ..lora.peft_files import AdapterSpec, check_adapter
 from ..lora.request import LoRARequest
 from ..models.loader import load_model
-from ..outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput
+from ..outputs import EngineStats, RequestDelta
 from ..sampling_params import SamplingParams
 from ..spec_decode.draft_model import build_draft_model
 from ..spec_decode.speculator import Speculator
@@ -29,6 +29,7 @@ from ..tokenizer import load_tokenizer, resolve_eos_token_ids
 from .admission import RequestValidator, max_output_tokens
 from .block_manager import KVBlockManager
 from .choices import fork_choices
+from .deltas import check_stop, make_delta
 from .request import EngineRequest, PromptInput
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
@@ -260,12 +261,10 @@ class LLMEngine:
         for seq in seqs:
             self._finish(seq, RequestStatus.FINISHED_ABORTED)
             seq.finish_time = now
-            deltas.append(self._make_delta(seq))
+            deltas.append(make_delta(seq))
         if seqs and seqs[0].num_pending_forks:
             # Siblings not forked yet finish too, so the request's stream sees all n choices end.
-            deltas += [
-                self._make_delta(self._aborted_sibling(seqs[0], i)) for i in range(1, 1 + seqs[0].num_pending_forks)
-            ]
+            deltas += [make_delta(self._aborted_sibling(seqs[0], i)) for i in range(1, 1 + seqs[0].num_pending_forks)]
         return deltas
 
     def _finish(self, seq: Sequence, status: RequestStatus) -> None:
@@ -350,7 +349,7 @@ class LLMEngine:
             if seq.embedding is not None:  # an embedding request whose prompt is now pooled: it is done
                 seq.first_token_time = now
                 self._retire(seq, RequestStatus.FINISHED_STOPPED, now)
-                outputs.append(self._make_delta(seq))
+                outputs.append(make_delta(seq))
         if logits is None:
             return outputs
         if any(seq.spec_token_ids for seq in sample_seqs):
@@ -359,7 +358,7 @@ class LLMEngine:
             sample_seqs, logits, served = self.speculator.accept(
                 self.sampler, sample_seqs, logits, lambda s, t: self._append_token(s, t, now), self.block_manager
             )
-            outputs += [self._make_delta(seq) for seq in served]
+            outputs += [make_delta(seq) for seq in served]
             if not sample_seqs:
                 return outputs
         if any(seq.num_pending_forks for seq in sample_seqs):
@@ -377,7 +376,7 @@ class LLMEngine:
                 assert logprob is not None
                 seq.logprobs.append(logprob)
             self._append_token(seq, token, now)
-            outputs.append(self._make_delta(seq))
+            outputs.append(make_delta(seq))
         return outputs
 
     def _fork_choices(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
@@ -401,7 +400,7 @@ class LLMEngine:
             seq.first_token_time = now
         delta = seq.detokenizer.step(token)
         seq.text += delta
-        status = self._check_stop(seq, token, delta)
+        status = check_stop(seq, token, delta)
         if seq.guided is not None and status is None:
             # The grammar ends the output once complete; a refused token (nothing was allowed) ends it too.
             if not seq.guided.accept(token) or seq.guided.is_terminated:
@@ -422,87 +421,6 @@ class LLMEngine:
         live.remove(seq)
         if not live:
             del self._requests[seq.request_id]
-
-    @staticmethod
-    def _check_stop(seq: Sequence, token: int, delta: str) -> RequestStatus | None:
-        params = seq.params
-        if seq.num_output_tokens < params.min_tokens:
-            return None
-        if token in seq.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_list and delta:
-            text = seq.text
-            # A match must involve the new text; earlier text was already checked.
-            search_from = max(0, len(text) - len(delta) - params.max_stop_len + 1)
-            best: tuple[int, str] | None = None
-            for stop in params.stop_list:
-                idx = text.find(stop, search_from)
-                if idx != -1 and (best is None or idx < best[0]):
-                    best = (idx, stop)
-            if best is not None:
-                seq.text = text[: best[0]]
-                seq.stop_reason = best[1]
-                return RequestStatus.FINISHED_STOPPED
-        return None
-
-    # ------------------------------------------------------------------ outputs
-    def _make_delta(self, seq: Sequence) -> RequestDelta:
-        finished = seq.is_finished
-        if finished:
-            emit_to = len(seq.text)
-        else:
-            # Hold back a tail that could still grow into a stop string (it would be cut).
-            held = seq.params.max_stop_len - 1 if seq.params.stop_list else 0
-            emit_to = max(seq.num_text_sent, len(seq.text) - held)
-        text = seq.text[seq.num_text_sent : emit_to]
-        seq.num_text_sent = emit_to
-        start = seq.num_prompt_tokens + seq.num_tokens_sent
-        new_tokens = seq.token_ids[start:]
-        new_logprobs = seq.logprobs[seq.num_tokens_sent :] if seq.logprobs is not None else None
-        seq.num_tokens_sent = seq.num_output_tokens
-        return RequestDelta(
-            request_id=seq.request_id,
-            text=text,
-            token_ids=new_tokens,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            num_output_tokens=seq.num_output_tokens,
-            final=self._make_output(seq) if finished else None,
-            index=seq.index,
-            logprobs=new_logprobs,
-            embedding=seq.embedding if finished else None,
-        )
-
-    @staticmethod
-    def _make_output(seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            metrics=RequestMetrics(
-                arrival_time=seq.arrival_time,
-                first_scheduled_time=seq.first_scheduled_time,
-                first_token_time=seq.first_token_time,
-                finish_time=seq.finish_time,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_cached_tokens=seq.num_cached_tokens or 0,
-                num_output_tokens=seq.num_output_tokens,
-                num_preemptions=seq.num_preemptions,
-            ),
-            index=seq.index,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            embedding=seq.embedding,
-        )
 
     # ------------------------------------------------------------------ introspection
     @property
