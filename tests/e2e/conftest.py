@@ -204,6 +204,18 @@ class Pipeline:
         raw = self.redis().get(Names(self.prefix).request_key(request_id))
         return None if raw is None else RequestRecord.model_validate_json(raw)
 
+    def wait_record(self, request_id: str, status: str, timeout_s: float = 15) -> Any:
+        """The request's status record once it says ``status``: a worker writes the end status after the stream's
+        ``done`` (once the result and usage records are in Kafka), so a test that saw the stream end waits for it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            record = self.record(request_id)
+            if record is not None and record.status == status:
+                return record
+            if time.monotonic() > deadline:
+                raise AssertionError(f"record of {request_id} is {record!r}, not {status!r}, after {timeout_s}s")
+            time.sleep(0.02)
+
     def heartbeats(self) -> dict[str, Any]:
         """Worker id -> latest ``WorkerHeartbeat`` of the pipeline's model."""
         from schemas import Names, WorkerHeartbeat

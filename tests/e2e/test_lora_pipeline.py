@@ -228,6 +228,5 @@ def test_killing_the_worker_mid_stream_resumes_the_adapter_request_exactly(
     assert "restart" not in {e.type for e in events}
     assert [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] == ref_ids
     assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == ref_text
-    record = pipeline.record(rid)
-    assert (record.status, record.worker_id) == ("finished", "worker-b")
+    assert pipeline.wait_record(rid, "finished").worker_id == "worker-b"
     wait_adapter_advertised(pipeline, "worker-b", timeout_s=30)
