@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,28 +43,40 @@ from benchmarks.common import markdown_table, progress
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_adapters(
-    folder: Path, out_dir: Path, count: int, rank: int, targets: tuple[str, ...] = TARGET_MODULES, seed: int = 0
-) -> list[Path]:
-    """``count`` rank-``rank`` PEFT adapters on ``targets`` of the Hugging Face model in ``folder``, random A and
-    B, saved."""
+def make_adapter(
+    base: Path, out: Path, rank: int, *, alpha: float | None = None, targets: Sequence[str] = TARGET_MODULES,
+    seed: int = 0, std: float = 0.05, **config: Any,
+) -> Path:  # fmt: skip
+    """Save a PEFT LoRA adapter for the Hugging Face model in ``base`` into ``out``, made with ``peft``: rank
+    ``rank`` on ``targets``, random non-zero A and B (normal, ``std``; a trained adapter's B is not zero), alpha
+    2 x rank unless given; ``config`` goes to ``LoraConfig`` (tests use it for the options the engine refuses)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    paths = []
-    for i in range(count):
-        torch.manual_seed(seed + i)
-        base = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
-        model = get_peft_model(base, config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.02)  # small: the adapted model still writes text
-        path = out_dir / f"adapter-{i}"
-        model.save_pretrained(str(path))
-        paths.append(path)
-    return paths
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    lora_config = LoraConfig(
+        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=list(targets),
+        init_lora_weights=False, **config,
+    )  # fmt: skip
+    peft_model = get_peft_model(model, lora_config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def make_adapters(
+    folder: Path, out_dir: Path, count: int, rank: int, targets: Sequence[str] = TARGET_MODULES, seed: int = 0
+) -> list[Path]:
+    """``count`` adapters of :func:`make_adapter`, ``adapter-<i>`` under ``out_dir``; small values (std 0.02), so
+    the adapted model still writes text."""
+    return [
+        make_adapter(folder, out_dir / f"adapter-{i}", rank, targets=targets, seed=seed + i, std=0.02)
+        for i in range(count)
+    ]
 
 
 @dataclass

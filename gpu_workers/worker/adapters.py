@@ -237,7 +237,7 @@ class Adapters:
                 check_adapter, str(local), self._model_config, max_lora_rank=self.max_lora_rank
             )
         except (LoRAError, AdapterFetchError) as exc:
-            return CheckVerdict(ok=False, reason=f"LoRA adapter '{name}': {exc}")
+            return CheckVerdict(ok=False, reason=str(exc))  # the problem; whoever reports it names the adapter
         finally:
             if is_remote(path):  # a check's copy is not kept: the adapter may never be registered
                 await asyncio.to_thread(shutil.rmtree, cache_entry(checks_dir, path, tag), True)

@@ -119,10 +119,9 @@ async def load_lora_adapter(request: Request, body: LoadLoRAAdapterBody) -> Plai
             503, f"{exc}; nothing was registered.", code="service_unavailable", headers={"Retry-After": "5"}
         ) from exc
     if not verdict.ok:
-        reason = verdict.reason or "no reason given"
-        # The engine's reasons already name the adapter; others get the name in front.
-        message = reason if reason.startswith(f"LoRA adapter '{name}'") else f"LoRA adapter '{name}' refused: {reason}"
-        raise ApiError(400, message, code="invalid_lora_adapter", param="lora_path")
+        raise ApiError(
+            400, f"LoRA adapter '{name}' refused: {verdict.reason}", code="invalid_lora_adapter", param="lora_path"
+        )
     adapter = await service.lora_registry.register(name, base, body.lora_path, tenant=body.tenant, rank=verdict.rank)
     service.adapters.invalidate()
     log.info(

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
+from benchmarks.lora import make_adapter
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.lora.request import LoRARequest
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
@@ -46,19 +46,8 @@ def tiny_model_dir(paced_model_dir: Path) -> Path:
 
 
 def peft_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int) -> Path:
-    """A PEFT LoRA adapter of ``base`` with random non-zero A and B, made with ``peft`` and saved to ``out``."""
-    from peft import LoraConfig, get_peft_model
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    peft_model.save_pretrained(str(out))
-    return out
+    """A PEFT LoRA adapter of ``base`` with random non-zero A and B (std 0.1), made with ``peft``."""
+    return make_adapter(base, out, rank, targets=targets, seed=seed, std=0.1)
 
 
 @pytest.fixture(scope="module")

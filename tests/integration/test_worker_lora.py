@@ -16,7 +16,6 @@ from pathlib import Path
 
 import fsspec
 import pytest
-import torch
 from redis.asyncio import Redis
 from test_worker import (
     MODEL,
@@ -26,8 +25,9 @@ from test_worker import (
     wait_terminal,
     write_partial_stream,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
+from benchmarks.lora import make_adapter as make_peft_adapter
 from gpu_workers.engine import LLM, AsyncEngine, SamplingParams
 from gpu_workers.engine.lora.request import LoRARequest
 from gpu_workers.worker.adapters import AdapterError, Adapters
@@ -44,19 +44,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def make_adapter(base: Path, out: Path, rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter for ``base`` with random, non-zero A and B, saved with ``peft``."""
-    from peft import LoraConfig, get_peft_model
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    peft_model.save_pretrained(str(out))
-    return out
+    """A PEFT LoRA adapter for ``base`` on every projection, big enough (std 0.2) to change the tokens."""
+    return make_peft_adapter(base, out, rank, targets=TARGETS, seed=seed, std=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -8,29 +8,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from benchmarks.lora import TARGET_MODULES, make_adapter
 
-
-def make_adapter(
-    base: Path, out: Path, rank: int, *, alpha: float | None = None, targets: list[str] | None = None,
-    seed: int = 0, std: float = 0.05, **config: Any,
-) -> Path:  # fmt: skip
-    """Save a PEFT LoRA adapter for ``base`` with random, non-zero A and B (``std``) into ``out``."""
-    from peft import LoraConfig, get_peft_model
-
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    lora_config = LoraConfig(
-        r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=targets or ALL_TARGETS,
-        init_lora_weights=False, **config,
-    )  # fmt: skip
-    peft_model = get_peft_model(model, lora_config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-    peft_model.save_pretrained(str(out))
-    return out
+ALL_TARGETS = list(TARGET_MODULES)
+__all__ = ["ALL_TARGETS", "MergedReference", "make_adapter"]
 
 
 class MergedReference:
