@@ -61,7 +61,7 @@ from benchmarks.pipeline_report import (
     stage_table,
     tracing_split_table,
 )
-from benchmarks.pipeline_stack import Stack, start_stack
+from benchmarks.pipeline_stack import Stack, pin, start_stack
 from benchmarks.pyspy import Profiles
 from sluicegate.settings import Settings
 
@@ -162,6 +162,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(<rate>rps-<process>.svg); the samplers take CPU of their own, so a profiled run shows where time goes, "
         "and its latency figures do not compare with an unprofiled run's",
     )
+    parser.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny: the random-weight 2-layer model every earlier figure used; smollm2: the default real model "
+        "(SmolLM2-135M-Instruct, as `sluicegate up` serves it: fetched once, bf16 + cpu-int4 where the CPU has "
+        "bf16); it decodes far slower on a CPU, so give it lower --rates",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the worker and its engine to the last CPU and everything else (backbone, services, clients) to "
+        "the others (taskset-style, every thread), once the stack is up",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -191,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     relay_rows: list[RelayRow] = []
     floor: TransportFloor | None = None
     load_before = _load_average()
+    pinned = pin(stack) if args.pin else None
     try:
         if args.warmup > 0:
             progress(f"warm-up: {args.warmup:g} s at {args.warmup_rate:g} req/s ...")
@@ -262,8 +277,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\npipeline benchmark on {os.cpu_count()} CPUs (Kafka, Redis, services, worker and clients share them); "
         f"load average before: {load_before}"
     )
+    if pinned is not None:
+        print("pinned: " + ", ".join(f"{role} CPU {sorted(cpus)}" for role, cpus in sorted(pinned.items())))
+    model = (
+        "SmolLM2-135M-Instruct ({dtype}{quant})".format(
+            dtype=stack.settings.dtype, quant=f", {stack.settings.quantization}" if stack.settings.quantization else ""
+        )
+        if args.model == "smollm2"
+        else "tiny random Llama (2 layers, hidden 64)"
+    )
     print(
-        f"model: tiny random Llama (2 layers, hidden 64) on CPU, 1 torch thread; prompts ~8 tokens, "
+        f"model: {model} on CPU, 1 torch thread; stream interval {stack.settings.stream_interval_ms:g} ms; "
+        f"prompts ~8 tokens, "
         f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
         f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"
         f"{f' (ratio {args.trace_sample_ratio:g})' if args.tracing == 'on' else ''}; "

@@ -195,6 +195,17 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return used
 
 
+#: The floor's Kafka clients: the delivery guarantees the pipeline keeps, and nothing the project tunes.
+FLOOR_PRODUCER: dict[str, Any] = {"client_id": "floor-producer", "acks": "all", "enable_idempotence": True}
+FLOOR_CONSUMER: dict[str, Any] = {
+    "client_id": "floor-consumer",
+    "group_id": None,
+    "enable_auto_commit": False,
+    "auto_offset_reset": "earliest",
+    "isolation_level": "read_committed",
+}
+
+
 @dataclass
 class TransportFloor:
     """The two transports alone, on the same Kafka and Redis, at the same pace as one request each."""
@@ -208,17 +219,22 @@ class TransportFloor:
 
 
 async def measure_transport_floor(settings: Settings, *, messages: int, rate: float) -> TransportFloor:
-    """What the broker and the stream cost with nothing else in the way: one record produced as ingress does
-    (``acks=all``, idempotent) until a consumer polling as the worker does holds it, and one XADD until a
-    blocked XREAD has it; ``messages`` of each at ``rate`` per second."""
-    import redis.asyncio as aioredis
+    """What the broker and the stream cost with nothing else in the way: one record produced with the same
+    guarantees as ingress's (``acks=all``, idempotent) until a consumer long-polling the partition holds it, and one
+    XADD until a blocked XREAD has it; ``messages`` of each at ``rate`` per second.
 
-    from sluicegate.kafka import create_consumer, create_producer, ensure_topics
+    The clients are this benchmark's own, with fixed settings (:data:`FLOOR_PRODUCER`, :data:`FLOOR_CONSUMER`, the
+    aiokafka and redis-py defaults otherwise), not the project's factories: tuning the pipeline's clients must move
+    the pipeline's figures, never the floor they are compared with."""
+    import redis.asyncio as aioredis
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    from sluicegate.kafka import ensure_topics
 
     topic = f"{settings.topic_prefix}floor.{uuid.uuid4().hex[:8]}"
     await ensure_topics(settings.kafka_bootstrap, {topic: 1}, settings.topic_replication)
-    producer = create_producer(settings, client_id="floor-producer")
-    consumer = create_consumer(topic, group_id=None, settings=settings, client_id="floor-consumer")
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, **FLOOR_PRODUCER)
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap, **FLOOR_CONSUMER)
     redis_w, redis_r = aioredis.Redis.from_url(settings.redis_url), aioredis.Redis.from_url(settings.redis_url)
     await producer.start()
     await consumer.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -100,6 +101,25 @@ def _worker_main(settings_json: str, out_dir: str) -> None:
 
     event_loop.run(main())  # as ``sluicegate worker`` runs it
     (Path(out_dir) / "stamps.json").write_text(json.dumps({"probes": True, "stamps": stamps}))
+
+
+def pin(stack: Stack) -> dict[str, set[int]]:
+    """Pin the worker and its engine process to the last CPU and everything else (Kafka, Redis, ingress, the result
+    service and this load generator) to the others: every thread of each (``/proc/<pid>/task``). Returns the CPUs
+    each role got. The engine and the services then stop taking turns on one core: what the overhead would be if
+    the GPU worker had its own machine, as it does when deployed."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise RuntimeError("--pin needs at least 2 CPUs")
+    worker_cpus, other_cpus = {cpus[-1]}, set(cpus[:-1])
+    placed: dict[str, set[int]] = {}
+    for role, pid in {**stack.pids(), "clients": os.getpid()}.items():
+        target = worker_cpus if role in ("worker", "engine") else other_cpus
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(task.name), target)
+        placed[role] = target
+    return placed
 
 
 def _children(pid: int) -> list[int]:
@@ -219,8 +239,18 @@ def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, st
     from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     bootstrap, redis_url, backbone_pids, down = _backbone(args)
-    progress("building the tiny model ...")
-    model = make_tiny_model(workdir / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
+    weights: dict[str, str] = {}
+    if getattr(args, "model", "tiny") == "smollm2":
+        from sluicegate.stack.launcher import default_model
+
+        spec = default_model(Settings())  # fetched once into the state folder, as `sluicegate up` does
+        if spec.description:
+            raise RuntimeError(f"--model smollm2: the real model could not be fetched ({spec.description})")
+        model = Path(spec.path)
+        weights = {"dtype": spec.dtype or "auto", "quantization": spec.quantization or ""}
+    else:
+        progress("building the tiny model ...")
+        model = make_tiny_model(workdir / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
     settings = Settings(
         kafka_bootstrap=bootstrap,
         redis_url=redis_url,
@@ -244,6 +274,7 @@ def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, st
         worker_metrics_port=free_port(),
         otlp_endpoint=getattr(args, "otlp_endpoint", ""),
         metrics_enabled=getattr(args, "metrics", "on") == "on",
+        **weights,
     )
     settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

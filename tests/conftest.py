@@ -17,6 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests compare streams with their references delta by delta, so workers they start send every engine step's
+# token as its own event; the default interval's coalescing has tests of its own (test_worker_stream_interval.py).
+os.environ.setdefault("SLUICEGATE_STREAM_INTERVAL_MS", "0")
+
 import contextlib
 import logging
 import os

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,10 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # A running request's next delta waits until this long after its last one (its first token and its end go at
+    # once); what it makes meanwhile rides in that delta. 0: a delta every step. vLLM's ``stream_interval`` counts
+    # tokens; a time suits a stream read by people and costs per message downstream whatever the model's speed.
+    stream_interval_ms: float = 0.0
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -117,6 +122,8 @@ class EngineConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.lower_tier_max_batched_tokens is not None:
             _positive("lower_tier_max_batched_tokens", self.lower_tier_max_batched_tokens)
+        if not 0.0 <= self.stream_interval_ms < math.inf:
+            raise ValueError(f"stream_interval_ms must be a finite number >= 0, got {self.stream_interval_ms}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gb <= 0:

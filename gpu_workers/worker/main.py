@@ -75,6 +75,7 @@ def engine_arguments(settings: Settings) -> dict[str, object]:
         dtype=settings.dtype,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        stream_interval_ms=settings.stream_interval_ms,
         lower_tier_max_batched_tokens=(settings.device == "cpu" and settings.lower_tier_max_batched_tokens) or None,
         cpu_kv_cache_gb=settings.kv_cache_gb,
         attention_backend=settings.attention_backend,

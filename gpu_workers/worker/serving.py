@@ -173,7 +173,7 @@ class Serving:
 
     async def _serve_picked_up(self, request: InferenceRequest, entry: Active, record: Any) -> bool:
         rid = request.request_id
-        pickup = await self.outputs.redis_call(lambda: read_pickup_state(self.redis, self.names, rid))
+        pickup = await read_pickup_state(self.outputs.publisher, self.names, rid)
         state, ended_before = pickup.stream, pickup.ended_before
         if state.finished:
             # Re-delivered after it finished but before its offset was committed.

@@ -262,7 +262,11 @@ class WorkerTelemetry:
                 continue
             tier, previous = seen
             if previous > 0:
-                self._itl[tier].observe(now - previous)
+                # A delta may carry several tokens (the stream interval, speculative decoding): each counts the
+                # gap's share, so the histogram stays per token whatever the interval.
+                share = (now - previous) / len(delta.token_ids)
+                for _ in delta.token_ids:
+                    self._itl[tier].observe(share)
             last_delta[delta.request_id] = (tier, now)
 
     def _first_token_events(self, deltas: list[RequestDelta]) -> None:

@@ -34,6 +34,18 @@ def check_stop(seq: Sequence, token: int, delta: str) -> RequestStatus | None:
     return None
 
 
+def delta_due(seq: Sequence, now: float, interval_s: float) -> bool:
+    """Whether this step hands out ``seq``'s delta: its first output and its end at once, otherwise once
+    ``interval_s`` passed since its last one (0: every step). Tokens made meanwhile ride in the next delta, which
+    :func:`make_delta` builds from everything not yet sent; fewer, larger deltas are what every hop after the
+    engine (the pipe to the worker, the stream appends, the relay's frames) pays for per message."""
+    last = seq.last_delta_time
+    if interval_s > 0 and last is not None and not seq.is_finished and now - last < interval_s:
+        return False
+    seq.last_delta_time = now
+    return True
+
+
 def make_delta(seq: Sequence) -> RequestDelta:
     """What ``seq`` produced since its last delta (its final output too once it finished)."""
     finished = seq.is_finished

@@ -29,7 +29,7 @@ from ..tokenizer import load_tokenizer, resolve_eos_token_ids
 from .admission import RequestValidator, max_output_tokens
 from .block_manager import KVBlockManager
 from .choices import fork_choices
-from .deltas import check_stop, make_delta
+from .deltas import check_stop, delta_due, make_delta
 from .request import EngineRequest, PromptInput
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
@@ -45,6 +45,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._stream_interval_s = config.stream_interval_ms / 1000
         # Tensor parallelism: ranks 1.. start first (they load their shards while this rank loads its own).
         self.tp_ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
         self.loaded = load_model(config, self.tp_ranks.group if self.tp_ranks else None)
@@ -326,7 +327,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestDelta]:
-        """Run one engine iteration; returns a delta for every request that produced a token."""
+        """Run one engine iteration; returns a delta for every request that produced a token (with
+        ``stream_interval_ms``, for those whose interval is up, see :func:`.deltas.delta_due`)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.sampler)
         batch = self.scheduler.schedule()
@@ -358,7 +360,7 @@ class LLMEngine:
             sample_seqs, logits, served = self.speculator.accept(
                 self.sampler, sample_seqs, logits, lambda s, t: self._append_token(s, t, now), self.block_manager
             )
-            outputs += [make_delta(seq) for seq in served]
+            outputs += [make_delta(seq) for seq in served if delta_due(seq, now, self._stream_interval_s)]
             if not sample_seqs:
                 return outputs
         if any(seq.num_pending_forks for seq in sample_seqs):
@@ -376,7 +378,8 @@ class LLMEngine:
                 assert logprob is not None
                 seq.logprobs.append(logprob)
             self._append_token(seq, token, now)
-            outputs.append(make_delta(seq))
+            if delta_due(seq, now, self._stream_interval_s):
+                outputs.append(make_delta(seq))
         return outputs
 
     def _fork_choices(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:

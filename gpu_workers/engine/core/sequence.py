@@ -77,6 +77,8 @@ class Sequence:
     num_text_sent: int = 0
     # Tokens already handed out as stream deltas.
     num_tokens_sent: int = 0
+    # ``time.time()`` of the step that last handed out a delta (``EngineConfig.stream_interval_ms`` counts from it).
+    last_delta_time: float | None = None
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -60,6 +60,7 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        stream_interval_ms: float = 0.0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -88,6 +89,7 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
+            stream_interval_ms=stream_interval_ms,
         )
         self.engine = LLMEngine(config)
 
