@@ -286,8 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model == "smollm2"
         else "tiny random Llama (2 layers, hidden 64)"
     )
+    interval = getattr(stack.settings, "stream_interval_ms", 0)  # absent in code from before it existed
     print(
-        f"model: {model} on CPU, 1 torch thread; stream interval {stack.settings.stream_interval_ms:g} ms; "
+        f"model: {model} on CPU, 1 torch thread; stream interval {interval:g} ms; "
         f"prompts ~8 tokens, "
         f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
         f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"

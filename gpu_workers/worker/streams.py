@@ -329,7 +329,9 @@ class StreamPublisher:
         writes = len(pipe)
         if reads is not None:
             reads(pipe)
-        with untraced():  # one pipeline for many requests' events: a span of no single request
+        # Appends alone are many requests' events: a span of no single request. With reads, it is the reading
+        # request's round trip (its pickup), which the others' writes ride: traced under that request.
+        with untraced() if reads is None else contextlib.nullcontext():
             results = await pipe.execute(raise_on_error=False)
         results, replies = results[:writes], results[writes:]
         role = results.pop() if self._replica_ack else None
