@@ -279,16 +279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if pinned is not None:
         print("pinned: " + ", ".join(f"{role} CPU {sorted(cpus)}" for role, cpus in sorted(pinned.items())))
-    model = (
-        "SmolLM2-135M-Instruct ({dtype}{quant})".format(
-            dtype=stack.settings.dtype, quant=f", {stack.settings.quantization}" if stack.settings.quantization else ""
-        )
-        if args.model == "smollm2"
-        else "tiny random Llama (2 layers, hidden 64)"
-    )
-    interval = getattr(stack.settings, "stream_interval_ms", 0)  # absent in code from before it existed
+    served = stack.settings
+    model = "tiny random Llama (2 layers, hidden 64)"
+    if args.model == "smollm2":
+        model = f"SmolLM2-135M-Instruct ({', '.join(filter(None, [served.dtype, served.quantization]))})"
     print(
-        f"model: {model} on CPU, 1 torch thread; stream interval {interval:g} ms; "
+        f"model: {model} on CPU, 1 torch thread; stream interval {served.stream_interval_ms:g} ms; "
         f"prompts ~8 tokens, "
         f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
         f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"
