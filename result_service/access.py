@@ -16,11 +16,11 @@ from pydantic import TypeAdapter, ValidationError
 from schemas import Names, RequestRecord, TraceContext
 from schemas.common import RequestId
 from sluicegate.stream_entries import parse_entry
-from sluicegate.stream_follower import START_SEQ
+from sluicegate.stream_follower import START_SEQ, Subscription
 from sluicegate.stream_tokens import InvalidStreamToken, verify_stream_token
 
 from .hub import StreamHub
-from .wire import BadLastId, parse_last_id
+from .wire import BadLastId, Relayed, parse_last_id
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,27 @@ class StreamStatus(enum.Enum):
 
 
 async def probe(
-    hub: StreamHub, names: Names, grant: StreamGrant, *, want_trace: bool = False
+    hub: StreamHub,
+    names: Names,
+    grant: StreamGrant,
+    *,
+    want_trace: bool = False,
+    waking: Subscription[Relayed] | None = None,
 ) -> tuple[StreamStatus, str, TraceContext | None]:
     """Where the stream stands relative to the client's resume point, with a human-readable reason, and (with
-    ``want_trace``, while tracing is on) the request's trace context from its status record."""
+    ``want_trace``, while tracing is on) the request's trace context from its status record.
+
+    ``waking``: the client's subscription, opened with ``wake=False`` before the probe; the probe's round trip
+    then also wakes the hub's reader for it (:meth:`StreamFollower.execute_waking`)."""
     key = names.stream_key(grant.request_id)
     async with hub.bounded() as redis:
         pipe = redis.pipeline(transaction=False)
         pipe.xrevrange(key, "+", "-", count=1)
         pipe.get(names.request_key(grant.request_id))
-        last_entries, raw_record = await pipe.execute()
+        if waking is None:
+            last_entries, raw_record = await pipe.execute()
+        else:
+            last_entries, raw_record = await hub.execute_waking(waking, pipe)
     if last_entries:
         entry_id, fields = last_entries[0]
         last = parse_entry(key, entry_id, fields)

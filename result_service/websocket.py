@@ -18,11 +18,12 @@ from fastapi import APIRouter, WebSocket
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocketDisconnect
 
-from sluicegate.stream_follower import SlowConsumer
+from sluicegate.stream_follower import SlowConsumer, Subscription
 from sluicegate.telemetry import tracing_enabled
 
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
 from .context import RelayContext, relay_context
+from .wire import Relayed
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,10 @@ async def _close(websocket: WebSocket, code: int, reason: str) -> None:
         await websocket.close(code, _reason(reason))
 
 
-async def _send_events(websocket: WebSocket, ctx: RelayContext, grant: StreamGrant) -> None:
-    async with ctx.hub.subscribe(grant.request_id, grant.after_seq) as sub:
-        while not sub.finished:
-            for item in await sub.next_batch():
-                await websocket.send_text(item.payload)
+async def _send_events(websocket: WebSocket, sub: Subscription[Relayed]) -> None:
+    while not sub.finished:
+        for item in await sub.next_batch():
+            await websocket.send_text(item.payload)
 
 
 async def _receive_commands(websocket: WebSocket, ctx: RelayContext, grant: StreamGrant) -> str | None:
@@ -88,28 +88,30 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
     except (AccessDenied, BadStreamRequest) as exc:
         await _close(websocket, CLOSE_POLICY_VIOLATION, str(exc))
         return
-    try:
-        status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled())
-    except RedisError as exc:
-        log.error("relay.probe_failed request_id=%s error=%r", request_id, exc)
-        await _close(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect later")
-        return
-    if status is StreamStatus.FINISHED:
-        await _close(websocket, CLOSE_NORMAL, why)
-        return
-    if status is StreamStatus.EXPIRED:
-        await _close(websocket, CLOSE_STREAM_GONE, why)
-        return
-
-    with ctx.metrics.relaying("websocket", grant, trace):
-        sender = asyncio.create_task(_send_events(websocket, ctx, grant))
-        receiver = asyncio.create_task(_receive_commands(websocket, ctx, grant))
+    # Subscribed before the probe, so that the probe's round trip also wakes the hub's reader for this stream.
+    async with ctx.hub.subscribe(grant.request_id, grant.after_seq, wake=False) as sub:
         try:
-            await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (sender, receiver):
-                task.cancel()
-            await asyncio.gather(sender, receiver, return_exceptions=True)
+            status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled(), waking=sub)
+        except RedisError as exc:
+            log.error("relay.probe_failed request_id=%s error=%r", request_id, exc)
+            await _close(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect later")
+            return
+        if status is StreamStatus.FINISHED:
+            await _close(websocket, CLOSE_NORMAL, why)
+            return
+        if status is StreamStatus.EXPIRED:
+            await _close(websocket, CLOSE_STREAM_GONE, why)
+            return
+
+        with ctx.metrics.relaying("websocket", grant, trace):
+            sender = asyncio.create_task(_send_events(websocket, sub))
+            receiver = asyncio.create_task(_receive_commands(websocket, ctx, grant))
+            try:
+                await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (sender, receiver):
+                    task.cancel()
+                await asyncio.gather(sender, receiver, return_exceptions=True)
 
     if receiver.done() and not receiver.cancelled() and receiver.exception() is None:
         invalid = receiver.result()

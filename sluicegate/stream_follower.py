@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import RedisError
 
@@ -236,17 +237,28 @@ class _Reader(Generic[T]):
             await self.follower.redis.connection_pool.release(self._conn)
             self._conn = None
 
-    def added(self) -> None:
-        """A stream joined: make the next XREAD include it, waking a blocked one."""
+    def added(self, *, wake: bool = True) -> None:
+        """A stream joined: make the next XREAD include it, waking a blocked one (``wake=False``: the subscriber
+        carries the wake-up in a pipeline of its own, :meth:`StreamFollower.execute_waking`)."""
         self._generation += 1
         self._changed.set()
-        if self._in_flight is not None and (self._waker is None or self._waker.done()):
+        if wake:
+            self.wake()
+
+    @property
+    def needs_wake(self) -> bool:
+        """A blocked XREAD was issued before the last stream joined, so it does not include it."""
+        return self._in_flight is not None and self._in_flight < self._generation
+
+    def wake(self) -> None:
+        """Unblock the XREAD in flight (in the background, retrying) if it misses a stream that joined."""
+        if self.needs_wake and (self._waker is None or self._waker.done()):
             self._waker = asyncio.create_task(self._unblock(), name=f"stream-waker-{self.index}")
 
     async def _unblock(self) -> None:
         # CLIENT UNBLOCK can arrive before the XREAD it targets; retry until the reader runs an XREAD
         # that was issued after the change (or is between reads).
-        while self._in_flight is not None and self._in_flight < self._generation:
+        while self.needs_wake:
             if self._client_id is not None:
                 try:
                     # Wakes the reader shared by every stream: a call of no single request's trace.
@@ -383,10 +395,13 @@ class StreamFollower(Generic[T]):
 
     @contextlib.asynccontextmanager
     async def subscribe(
-        self, request_id: str, after_seq: int = START_SEQ, *, fail_fast: bool = False
+        self, request_id: str, after_seq: int = START_SEQ, *, fail_fast: bool = False, wake: bool = True
     ) -> AsyncIterator[Subscription[T]]:
         """Subscribe to ``request_id``'s stream from the event after ``after_seq``; with ``fail_fast``
-        the subscription raises the reader's Redis errors instead of waiting for it to reconnect."""
+        the subscription raises the reader's Redis errors instead of waiting for it to reconnect.
+
+        ``wake=False``: the caller's next commands go through :meth:`execute_waking`, which carries the blocked
+        reader's wake-up, rather than the wake-up taking a round trip of its own."""
         if not self._started:
             raise RuntimeError("StreamFollower.subscribe() before start()")
         key = self.names.stream_key(request_id)
@@ -396,7 +411,7 @@ class StreamFollower(Generic[T]):
             # The first subscriber sets where the reader starts, so it needs no history read.
             stream = _Stream(key, after_seq, reader)
             reader.streams[key] = stream
-            reader.added()
+            reader.added(wake=wake)
         sub = Subscription(self, stream, after_seq, fail_fast)
         stream.subscribers.add(sub)
         try:
@@ -421,6 +436,27 @@ class StreamFollower(Generic[T]):
         if len(entries) < page:
             return items, None
         return items, _text(entries[-1][0])
+
+    async def execute_waking(self, sub: Subscription[T], pipe: Pipeline) -> list[Any]:
+        """Execute the caller's ``pipe`` with the ``CLIENT UNBLOCK`` that ``sub``'s reader needs appended (for a
+        subscription opened with ``wake=False``) and return the caller's replies.
+
+        A new subscriber usually reads something first (the result service's probe): the wake-up rides in that
+        round trip instead of one of its own (issue 31). When it woke nothing (the XREAD had not reached Redis
+        yet) or the pipeline failed, the reader's own retrying wake-up takes over."""
+        reader = sub._stream.reader
+        client_id = reader._client_id if reader.needs_wake else None
+        if client_id is not None:
+            pipe.client_unblock(client_id)
+        woken = False
+        try:
+            replies = await pipe.execute()
+            if client_id is not None:
+                woken = bool(replies.pop())
+        finally:
+            if not woken:
+                reader.wake()
+        return replies
 
     @contextlib.asynccontextmanager
     async def bounded(self) -> AsyncIterator[Redis]:

@@ -7,6 +7,7 @@ the worker does (pipelined XADD with explicit ids ``0-<seq + 1>``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -20,6 +21,7 @@ import pytest
 import uvicorn
 from aiokafka import AIOKafkaConsumer
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
@@ -29,6 +31,7 @@ from websockets.uri import parse_uri
 
 from result_service.app import create_app
 from result_service.hub import RelayConfig, StreamHub
+from result_service.wire import Relayed
 from schemas import (
     STREAM_FIELD,
     CancelRequest,
@@ -45,7 +48,7 @@ from schemas import (
 )
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
-from sluicegate.stream_follower import SlowConsumer
+from sluicegate.stream_follower import SlowConsumer, Subscription
 from sluicegate.stream_tokens import issue_stream_token
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -512,21 +515,61 @@ async def test_late_subscriber_history_pages_skip_malformed_entries(redis: Redis
         await hub.close()
 
 
-async def test_a_new_stream_wakes_the_blocked_reader_at_once(redis: Redis, names: Names) -> None:
-    # A block far longer than the test: only CLIENT UNBLOCK can make the reader pick up stream B.
+@contextlib.asynccontextmanager
+async def reader_blocked_elsewhere(redis: Redis, names: Names) -> AsyncIterator[tuple[StreamHub, str]]:
+    """A hub whose reader is parked on another stream with a block far longer than any test, and a new request id:
+    only a wake-up (CLIENT UNBLOCK) can make the reader pick up that request's stream."""
     hub = StreamHub(redis, names, RelayConfig(block_ms=30_000))
     await hub.start()
-    a, b = f"req-{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
     try:
-        async with hub.subscribe(a):
-            await asyncio.sleep(0.2)  # the reader is now blocked on A alone
-            async with hub.subscribe(b) as sub_b:
-                await asyncio.sleep(0.05)
-                await append(redis, names, token_events(b, 0, 1))
-                batch = await asyncio.wait_for(sub_b.next_batch(), 2)
-        assert [item.seq for item in batch] == [0]
+        async with hub.subscribe(f"req-{uuid.uuid4().hex[:8]}"):
+            await asyncio.sleep(0.2)  # the reader is now blocked on that stream alone
+            yield hub, f"req-{uuid.uuid4().hex[:8]}"
     finally:
         await hub.close()
+
+
+async def first_live_event(redis: Redis, names: Names, sub: Subscription[Relayed], request_id: str) -> list[int]:
+    await asyncio.sleep(0.05)
+    await append(redis, names, token_events(request_id, 0, 1))
+    return [item.seq for item in await asyncio.wait_for(sub.next_batch(), 2)]
+
+
+async def test_a_new_stream_wakes_the_blocked_reader_at_once(redis: Redis, names: Names) -> None:
+    async with reader_blocked_elsewhere(redis, names) as (hub, rid), hub.subscribe(rid) as sub:
+        assert await first_live_event(redis, names, sub, rid) == [0]
+
+
+async def test_a_new_subscribers_probe_carries_the_readers_wake_up(
+    redis: Redis, names: Names, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the WebSocket relay does: subscribe without a wake-up of its own, then probe in one pipeline that also
+    # unblocks the reader. A separate CLIENT UNBLOCK would fail the test; only the pipelined one may wake it.
+    async def no_separate_unblock(*args: Any, **kwargs: Any) -> bool:
+        raise AssertionError("the wake-up took a round trip of its own")
+
+    async with reader_blocked_elsewhere(redis, names) as (hub, rid):
+        monkeypatch.setattr(redis, "client_unblock", no_separate_unblock)
+        async with hub.subscribe(rid, wake=False) as sub:
+            pipe = redis.pipeline(transaction=False)
+            pipe.exists(names.stream_key(rid))
+            assert await hub.execute_waking(sub, pipe) == [0]  # the caller's replies, not the wake-up's
+            assert await first_live_event(redis, names, sub, rid) == [0]
+
+
+async def test_a_failed_probe_pipeline_still_wakes_the_reader(redis: Redis, names: Names) -> None:
+    not_a_number = f"{names.prefix}:not-a-number:{uuid.uuid4().hex[:8]}"
+    await redis.set(not_a_number, "text", ex=60)
+    try:
+        async with reader_blocked_elsewhere(redis, names) as (hub, rid), hub.subscribe(rid, wake=False) as sub:
+            pipe = redis.pipeline(transaction=False)
+            pipe.incr(not_a_number)
+            with pytest.raises(ResponseError):
+                await hub.execute_waking(sub, pipe)
+            # Whatever the caller's pipeline did, the reader's own wake-up takes over.
+            assert await first_live_event(redis, names, sub, rid) == [0]
+    finally:
+        await redis.delete(not_a_number)
 
 
 async def test_reader_survives_a_killed_connection(settings: Settings, redis: Redis, names: Names) -> None:
