@@ -6,6 +6,8 @@
 #   env     nvidia-smi and the versions of python, torch, triton, transformers, bitsandbytes, flash-attn
 #   tests   the `gpu` tests of the engine (pytest -m gpu tests/unit/engine) -> gpu_tests.xml
 #   parity  greedy tokens equal transformers for each GPU attention path (benchmarks/gpu_parity.py)
+#   lora    the multi-LoRA Triton kernels against the per-token reference and through the engine (the LoRA unit
+#           tests, which take CUDA when present), then benchmarks/lora_kernels.py timing them -> lora_tests.xml
 #   bench   benchmarks/engine_gpu.py on the Llama-3.1-8B shape: floor, c=1 ITL, voice bot (1 and 64 first),
 #           cascade off, prefix caching off, then FP8 / bnb / INT4 / FP8 KV / speculation / transformers
 # summary.json says each phase's exit status and seconds; gpu_run.log holds everything printed.
@@ -16,14 +18,14 @@
 #
 # usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--budget-s S] [--skip BENCH_PHASES]
 #   --smoke     rehearse every phase on the CPU with tiny models (tests then only collect and skip)
-#   --only      comma-separated subset of env,tests,parity,bench
+#   --only      comma-separated subset of env,tests,parity,lora,bench
 #   --budget-s  engine_gpu.py's wall-clock budget (default 240)
 #   --skip      passed to engine_gpu.py --skip (sweep, cascade_off, prefix_off, fp8, bnb-int8, bnb-nf4, awq, gptq,
 #               ngram, draft_model, tp, peers, kv_fp8)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-smoke=0 only=env,tests,parity,bench budget=240 skip=""
+smoke=0 only=env,tests,parity,lora,bench budget=240 skip=""
 while (($#)); do
     case $1 in
         --smoke) smoke=1 ;;
@@ -66,7 +68,7 @@ phase() {  # name, time limit (s), command...
     echo "=== [$(date +%T)] phase $name (limit ${limit} s): $*"
     start=$(date +%s)
     if declare -F "$1" >/dev/null; then  # a function of this script: timeout needs a process
-        timeout --kill-after=10 "$limit" bash -c "PY=$PY; $(declare -f "$1"); $1"
+        timeout --kill-after=10 "$limit" bash -c "PY=$PY OUT=$OUT; $(declare -f "$1"); \"\$@\"" "$1" "$@"
     else
         timeout --kill-after=10 "$limit" "$@"
     fi
@@ -91,10 +93,19 @@ for name in ("triton", "transformers", "bitsandbytes", "flash_attn", "pydantic",
 EOF
 }
 
+lora_phase() {  # the LoRA kernels' tests (CUDA when present, else the interpreter's Triton or a skip), then timings
+    "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/lora_tests.xml" \
+        tests/unit/engine/test_lora_kernels.py tests/unit/engine/test_lora_layers.py
+    local rc=$?
+    "$PY" -m benchmarks.lora_kernels "$@" || rc=$?
+    return $rc
+}
+
 if ((smoke)); then
     phase env 60 environment
     phase tests 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests/unit/engine
     phase parity 300 "$PY" -m benchmarks.gpu_parity --smoke
+    phase lora 300 lora_phase --rounds 1
     phase bench 300 "$PY" benchmarks/engine_gpu.py --smoke ${skip:+--skip "$skip"}
 else
     # The generated 8B checkpoint (16 GB) goes to memory-backed /dev/shm when it has room, else to disk.
@@ -105,6 +116,7 @@ else
     phase env 60 environment
     phase tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests/unit/engine
     phase parity 90 "$PY" -m benchmarks.gpu_parity
+    phase lora 120 lora_phase --device cuda
     phase bench $((budget + 90)) "$PY" benchmarks/engine_gpu.py --budget-s "$budget" --model-dir "$model_dir" \
         ${skip:+--skip "$skip"}
 fi

@@ -4,9 +4,11 @@ Issue 31's measure of the request path's Redis traffic: capture a few seconds of
 (``python -m benchmarks.pipeline --rates 50 ...`` on its private Redis, ``timeout 5 redis-cli -p 26692 monitor >
 FILE`` once the log says "50 req/s for"), then ``python -m benchmarks.redis_trips FILE``.
 
-- A round trip: consecutive commands of one client connection less than ``gap_s`` (50 µs) apart. ``monitor``
-  prints a pipeline's commands back to back, microseconds apart, and separate calls of one connection at least a
-  network round trip apart.
+- A round trip: consecutive commands of one client connection less than ``gap_s`` (250 µs) apart, and everything
+  from a ``MULTI`` to its ``EXEC``. ``monitor`` prints a pipeline's commands back to back, and separate calls of one
+  connection at least a round trip and the caller's work apart (milliseconds on the loaded box). A 50 µs gap (the
+  default until 2026-11-27) split pipelines whose status records (1 KB each) take ``monitor`` ~100 µs to print,
+  and so counted records riding another write as round trips of their own.
 - A connection belongs to the worker when it sends stream appends or pickup reads (``XADD``, ``XRANGE``,
   ``EXISTS``), to the result service when it reads streams (``XREAD``, ``XREVRANGE``), otherwise to ingress (its
   ``queued`` status record) or the rest.
@@ -58,7 +60,7 @@ def _process(commands: Counter[str]) -> str:
     return "ingress/other"
 
 
-def summarize(lines: Iterable[str], gap_s: float = 50e-6) -> Traffic:
+def summarize(lines: Iterable[str], gap_s: float = 250e-6) -> Traffic:
     """Commands and round trips of each process in a ``redis-cli monitor`` capture."""
     rows: list[tuple[float, str, str]] = []
     per_client: defaultdict[str, Counter[str]] = defaultdict(Counter)
@@ -74,6 +76,7 @@ def summarize(lines: Iterable[str], gap_s: float = 50e-6) -> Traffic:
     owner = {client: _process(commands) for client, commands in per_client.items()}
     traffic: defaultdict[str, ProcessTraffic] = defaultdict(ProcessTraffic)
     open_trips: dict[str, tuple[float, list[str]]] = {}  # client -> (time of its last command, the trip's commands)
+    in_multi: set[str] = set()  # clients between MULTI and EXEC: one round trip whatever the gaps
 
     def close(client: str) -> None:
         _, commands = open_trips.pop(client)
@@ -82,13 +85,17 @@ def summarize(lines: Iterable[str], gap_s: float = 50e-6) -> Traffic:
     for t, client, cmd in rows:
         traffic[owner[client]].commands[cmd] += 1
         last = open_trips.get(client)
-        if last is not None and t - last[0] <= gap_s:
+        if last is not None and (client in in_multi or t - last[0] <= gap_s):
             last[1].append(cmd)
             open_trips[client] = (t, last[1])
-            continue
-        if last is not None:
-            close(client)
-        open_trips[client] = (t, [cmd])
+        else:
+            if last is not None:
+                close(client)
+            open_trips[client] = (t, [cmd])
+        if cmd == "MULTI":
+            in_multi.add(client)
+        elif cmd in ("EXEC", "DISCARD"):
+            in_multi.discard(client)
     for client in list(open_trips):
         close(client)
     return Traffic(requests, dict(traffic))
@@ -125,7 +132,7 @@ def report(traffic: Traffic) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("capture", help="a redis-cli monitor capture")
-    parser.add_argument("--gap-us", type=float, default=50.0, help="commands closer than this are one pipeline")
+    parser.add_argument("--gap-us", type=float, default=250.0, help="commands closer than this are one pipeline")
     args = parser.parse_args(argv)
     with open(args.capture, errors="replace") as capture:
         print(report(summarize(capture, args.gap_us * 1e-6)))

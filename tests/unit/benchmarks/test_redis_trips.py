@@ -39,3 +39,16 @@ def test_commands_are_grouped_into_round_trips_per_connection_and_process() -> N
 def test_a_narrower_gap_splits_a_pipeline() -> None:
     worker = summarize(CAPTURE.splitlines(), gap_s=5e-6).by_process["worker"]
     assert worker.n_trips == 8  # every command its own round trip
+
+
+def test_a_transaction_is_one_round_trip_however_slowly_monitor_prints_it() -> None:
+    capture = """100.000000 [0 127.0.0.1:2] "MULTI"
+100.000400 [0 127.0.0.1:2] "SET" "p.llm:request:r1" "{}" "EX" "3600"
+100.000900 [0 127.0.0.1:2] "XADD" "p.llm:stream:r1" "0-1" "event" "{}"
+100.001300 [0 127.0.0.1:2] "EXEC"
+100.001350 [0 127.0.0.1:2] "XRANGE" "p.llm:stream:r2" "-" "+"
+100.009000 [0 127.0.0.1:2] "SET" "p.llm:request:r1" "{}" "EX" "3600"
+"""
+    worker = summarize(capture.splitlines()).by_process["worker"]
+    # MULTI..EXEC and the read right after it are one pipeline; the SET 8 ms later is a round trip of its own.
+    assert worker.trips == {("EXEC", "MULTI", "SET", "XADD", "XRANGE"): 1, ("SET",): 1}
