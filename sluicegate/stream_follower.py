@@ -5,7 +5,8 @@ A few reader tasks (one by default) each hold one dedicated connection and issue
 multi-stream ``XREAD BLOCK`` over every stream that has a subscriber. Each entry is decoded once, by
 the user's ``decode`` (the result service makes its wire JSON; ingress, with ``stream_entries.parse_entry``,
 the event), and appended to every subscriber's bounded buffer. When a stream joins, ``CLIENT UNBLOCK``
-wakes the blocked reader so its next ``XREAD`` includes the new key; the block timeout is a backstop.
+wakes the blocked reader so its next ``XREAD`` includes the new key (sent alone, or in the subscriber's own
+first pipeline: :meth:`StreamFollower.execute_waking`); the block timeout is a backstop.
 
 A subscriber that joins a stream the follower already reads first fetches, with ``XRANGE``, the
 entries between its resume point and the reader's cursor for that stream, then continues from its

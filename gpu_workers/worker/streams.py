@@ -312,18 +312,10 @@ class StreamPublisher:
         self, batch: list[StreamEvent | RecordWrite], reads: Callable[[Pipeline], None] | None = None
     ) -> list[Any]:
         """One pipeline: the batch's writes, ``ROLE`` with ``replica_ack``, then ``reads``; returns the replies of
-        ``reads``. Raises when Redis is unavailable for any of them (the caller retries everything).
-
-        Two or more appends go in ``MULTI``/``EXEC``. Redis serves a blocked ``XREAD`` after each command of a plain
-        pipeline, so a relay following these streams woke for the first entry and read again for the rest (13% of
-        its reads at 50 req/s, issue 31); applied at once, they wake it once. Framed by hand rather than with a
-        transaction pipeline so that ``ROLE`` comes after ``EXEC`` and its offset includes these writes."""
+        ``reads``. Raises when Redis is unavailable for any of them (the caller retries everything)."""
         if self._on_send is not None and batch:
             self._on_send(batch)
         pipe = self._redis.pipeline(transaction=False)
-        atomic = sum(not isinstance(event, RecordWrite) for event in batch) > 1
-        if atomic:
-            pipe.execute_command("MULTI")
         for event in batch:
             if isinstance(event, RecordWrite):
                 pipe.set(event.key, event.value, ex=event.ttl_s)
@@ -332,8 +324,6 @@ class StreamPublisher:
             pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
             if isinstance(event, DoneEvent | ErrorEvent):
                 pipe.expire(key, self._ttl_s)
-        if atomic:
-            pipe.execute_command("EXEC")
         if self._replica_ack:
             pipe.execute_command("ROLE")
         writes = len(pipe)
@@ -348,8 +338,6 @@ class StreamPublisher:
         for reply in replies:
             if isinstance(reply, REDIS_UNAVAILABLE):
                 raise reply
-        if atomic:
-            results = _executed(results)
         for result in results:
             if isinstance(result, ResponseError):
                 if _DUPLICATE_ID in str(result):
@@ -383,20 +371,3 @@ class StreamPublisher:
             self._unconfirmed_events -= len(dropped.events)
             self.unconfirmed_dropped += len(dropped.events)
             log.warning("stream events no replica acknowledged were dropped", extra={"n": len(dropped.events)})
-
-
-def _executed(results: list[Any]) -> list[Any]:
-    """The writes' own replies from ``MULTI``, one reply per queued command and ``EXEC``'s list, in that order.
-
-    A command refused as it was queued (``READONLY`` after a failover, ``OOM``) aborts the whole ``EXEC``: that
-    refusal is raised, as its reply would have been in a plain pipeline. So is a lost connection."""
-    opened, queued, executed = results[0], results[1:-1], results[-1]
-    for reply in (opened, *queued, executed):
-        if isinstance(reply, REDIS_UNAVAILABLE):
-            raise reply
-    if isinstance(executed, list):
-        return executed
-    for reply in queued:
-        if isinstance(reply, Exception):
-            raise reply
-    raise executed if isinstance(executed, Exception) else ResponseError(f"EXEC answered {executed!r}")

@@ -21,7 +21,7 @@ from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_pickup_state
-from schemas import DoneEvent, Names, TokenEvent, Usage
+from schemas import Names, TokenEvent
 
 
 async def test_pickup_reads_carry_the_buffered_writes_in_one_round_trip(redis_url: str, unique_prefix: str) -> None:
@@ -49,42 +49,6 @@ async def test_pickup_reads_carry_the_buffered_writes_in_one_round_trip(redis_ur
         await redis.delete(names.request_key(picked), names.cancel_key(picked), names.request_key(other))
         await redis.delete(names.stream_key(picked))
         await redis.aclose()
-
-
-async def test_a_flush_of_several_appends_wakes_a_blocked_reader_once_with_all_of_them(
-    redis_url: str, unique_prefix: str
-) -> None:
-    names = Names(unique_prefix)
-    redis, reader = Redis.from_url(redis_url), Redis.from_url(redis_url)
-    rid = uuid.uuid4().hex
-    key = names.stream_key(rid)
-    publisher = StreamPublisher(redis, names, ttl_s=600)
-    try:
-        await redis.xadd(key, {"x": "before"}, id="0-1")
-        publisher.add(TokenEvent(request_id=rid, seq=1, text="b", token_ids=[8]))  # seq 1 is entry 0-2
-        publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[7]))  # an id already taken
-        publisher.add(TokenEvent(request_id=rid, seq=2, text="c", token_ids=[9]))
-        publisher.add(
-            DoneEvent(
-                request_id=rid,
-                seq=3,
-                finish_reason="length",
-                usage=Usage(prompt_tokens=1, completion_tokens=3, total_tokens=4),
-            )
-        )
-        blocked = asyncio.create_task(reader.xread({key: "0-1"}, block=5000))
-        await asyncio.sleep(0.2)  # the XREAD is parked on the stream
-        await publisher.flush()
-        reply = await asyncio.wait_for(blocked, 5)
-        # One wake-up with every append of the flush (a plain pipeline woke it with the first alone); the append
-        # whose id was taken is skipped as a duplicate, the others still applied.
-        assert [entry_id for entry_id, _ in reply[0][1]] == [b"0-2", b"0-3", b"0-4"]
-        assert publisher.duplicates == 1 and publisher.pending == 0
-        assert 0 < await redis.ttl(key) <= 600  # the done's EXPIRE went with them
-    finally:
-        await redis.delete(key)
-        await redis.aclose()
-        await reader.aclose()
 
 
 async def test_a_stream_interval_sends_fewer_events_with_the_same_tokens_and_text(
