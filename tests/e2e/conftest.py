@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,30 @@ MODEL_NAME = "tiny-e2e"
 REPO_MODELS = Path(__file__).resolve().parents[2] / ".sluicegate" / "models"
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (and to ``bind(0)``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing uses now, below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is an ephemeral one: between this call and the service binding it, any outgoing
+    connection (a Kafka or Redis client of the many processes under test) may take it as its local port, and the
+    service then fails with "address already in use" (seen once in CI: ingress under ``up``)."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(20000, low) if low > 21000 else random.randrange(low // 2, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="session")
