@@ -48,7 +48,10 @@ CAPPED_KEY = "sk-capped-standard"
 @contextlib.asynccontextmanager
 async def running_app(app: Any) -> AsyncIterator[str]:
     """A real uvicorn server for an ASGI app on a free port, on this event loop; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+    # Shutdown bounded as the services' own servers bound it (ingress/server.py): a streaming connection still
+    # open at teardown is closed after the grace instead of holding the test forever (a CI teardown hung 120 s).
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, timeout_graceful_shutdown=10)
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + 10
     while not server.started:
