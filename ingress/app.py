@@ -6,7 +6,6 @@ builds it; :mod:`ingress.server` runs it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +19,7 @@ from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, instrument_app, instrument_celery, tracer
 
 from .auth import KeyRing
@@ -73,9 +73,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         try:
             yield
         finally:
-            warmup.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await warmup
+            await cancel_and_wait(warmup)
             await sweeper.close()
             await service.close()
 

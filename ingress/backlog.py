@@ -30,6 +30,7 @@ from schemas import TIERS, Names, Tier, WorkerHeartbeat, tier_rank
 from sluicegate.api.errors import ApiError
 from sluicegate.kafka import create_admin, create_consumer
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 from .telemetry import IngressMetrics
 
@@ -92,11 +93,7 @@ class BacklogMonitor:
 
     async def close(self) -> None:
         """Stop refreshes and Kafka clients."""
-        for task in list(self._refreshing.values()):
-            task.cancel()
-        for task in list(self._refreshing.values()):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._refreshing.values())
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.stop()

@@ -29,6 +29,7 @@ from router.versions import VersionChoice
 from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
 from sluicegate.api.bodies import AnyBody, ChatCompletionBody, NativeRequestBody
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 from .telemetry import IngressMetrics
 
@@ -73,10 +74,7 @@ class ModelRoutes:
             self._watch = asyncio.create_task(self._watch_file())
 
     async def close(self) -> None:
-        for task in [*([self._watch] if self._watch else []), *self._watchers]:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._watch, *self._watchers)
 
     # --- choosing a version -----------------------------------------------------------------------
     def weights(self, route: str, spec: RouteSpec) -> dict[str, float]:

@@ -5,7 +5,6 @@ request timeout passes or the stream cannot go on, so no worker keeps generating
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +18,7 @@ from sluicegate.api.assembler import StreamAssembler
 from sluicegate.api.errors import ApiError, error_body
 from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
 from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, running_usage, sse
+from sluicegate.task_stop import cancel_and_wait
 
 from .service import IngressService
 from .telemetry import IngressMetrics
@@ -65,14 +65,8 @@ async def follow_or_cancel(
     try:
         await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
-        if not result.done():
-            result.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
-    if not result.done() or result.cancelled():
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await result
+        await cancel_and_wait(watcher, None if result.done() else result)
+    if result.cancelled():
         await service.cancel(request_id, tenant, reason="client_disconnected")
         return False
     try:

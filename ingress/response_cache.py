@@ -44,6 +44,7 @@ from schemas import (
     stream_event_adapter,
 )
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 from .telemetry import IngressMetrics
 
@@ -201,11 +202,7 @@ class ResponseCache:
 
     async def close(self) -> None:
         """Stop the fills still following streams."""
-        for task in list(self._fills):
-            task.cancel()
-        for task in list(self._fills):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._fills)
 
 
 def _renumbered(raw: bytes | str, request_id: str) -> list[StreamEvent] | None:

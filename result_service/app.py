@@ -7,7 +7,6 @@ canceller, and closes them in reverse order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,6 +21,7 @@ from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, instrument_app
 
 from . import page, sse, websocket
@@ -85,10 +85,7 @@ def create_app(
             yield
         finally:
             await hub.close()
-            if warm_up is not None:
-                warm_up.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await warm_up
+            await cancel_and_wait(warm_up)
             if control is not None:
                 await cancel.aclose()
                 await control.aclose()

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from starlette.websockets import WebSocketDisconnect
 
 from sluicegate.stream_follower import SlowConsumer, Subscription
+from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import tracing_enabled
 
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
@@ -109,9 +110,7 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
             try:
                 await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (sender, receiver):
-                    task.cancel()
-                await asyncio.gather(sender, receiver, return_exceptions=True)
+                await cancel_and_wait(sender, receiver)
 
     if receiver.done() and not receiver.cancelled() and receiver.exception() is None:
         invalid = receiver.result()

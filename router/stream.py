@@ -37,6 +37,7 @@ from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, context_from_headers, shutdown_tracing, tracer, tracing_enabled
 from sluicegate.usage.quota import QuotaClaim, Quotas, claim_for
 from sluicegate.usage.rollup import keep_rolling_up
@@ -254,9 +255,7 @@ class RouterProcessor:
         try:
             await self._loop(stop)
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            await cancel_and_wait(watch)
 
     async def _loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -309,9 +308,10 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
             await consumer.stop()
     finally:
         if rollup is not None:
-            if not stop.is_set():  # the router failed: the rollup goes with it (its records are re-read later)
-                rollup.cancel()
-            await asyncio.gather(rollup, return_exceptions=True)
+            if stop.is_set():  # it ends by itself, after its last rollup
+                await asyncio.gather(rollup, return_exceptions=True)
+            else:  # the router failed: the rollup goes with it (its records are re-read later)
+                await cancel_and_wait(rollup)
         await producer.stop()
         await redis.aclose()
         if server is not None:

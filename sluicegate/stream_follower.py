@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 
 from schemas import Names, stream_entry_id
 
+from .task_stop import cancel_and_wait
 from .telemetry import untraced
 
 log = logging.getLogger(__name__)
@@ -227,11 +228,7 @@ class _Reader(Generic[T]):
         self._task = asyncio.create_task(self._run(), name=f"stream-reader-{self.index}")
 
     async def close(self) -> None:
-        for task in (self._waker, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._waker, self._task)
         if self._conn is not None:
             # A cancelled blocking read leaves a reply pending: the connection cannot be reused.
             await self._conn.disconnect()

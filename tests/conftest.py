@@ -35,7 +35,7 @@ from sluicegate.settings import Settings
 log = logging.getLogger("tests.backbone")
 
 # tests/needs.py: what a test needs is a skip on a developer's machine and a failure under CI=true.
-pytest_plugins = ("needs",)
+pytest_plugins = ("needs", "hang_report")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Not the defaults (9092/6379): a developer's own `sluicegate dev up` stack stays untouched.

@@ -22,6 +22,7 @@ from gpu_workers.engine import EngineFront, RequestDelta, RequestStream
 from gpu_workers.engine.lora.request import LoRARequest
 from schemas import ChoiceResult, InferenceRequest, StreamEvent, TokenEvent, tier_rank
 from schemas.events import FinishReason
+from sluicegate.task_stop import cancel_and_wait
 
 from .adapters import lora_kwargs
 from .choices import ChoiceTracker
@@ -179,6 +180,4 @@ async def _merged(streams: dict[int, RequestStream]) -> AsyncIterator[tuple[int,
             else:
                 yield index, item
     finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+        await cancel_and_wait(*pumps)

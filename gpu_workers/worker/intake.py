@@ -34,6 +34,7 @@ from schemas import TIERS, InferenceRequest, Names
 from schemas.names import Tier
 from sluicegate.api.limits import request_token_cost
 from sluicegate.dead_letters import Rejection, validate_record
+from sluicegate.task_stop import cancel_and_wait
 
 from .config import WorkerConfig
 from .fair_intake import FairIntake, Held
@@ -312,9 +313,7 @@ class Intake:
 
     async def final_commit(self) -> None:
         """The last commit of a draining worker, in place of any scheduled one."""
-        if self._commit_task is not None:
-            self._commit_task.cancel()
-            await asyncio.gather(self._commit_task, return_exceptions=True)
+        await cancel_and_wait(self._commit_task)
         await self.commit()
 
     async def hand_off(self, revoked: set[TopicPartition]) -> None:

@@ -43,6 +43,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from gpu_workers.engine import EngineFront
 from schemas import TIERS, Names, WorkerHeartbeat
 from sluicegate.lora.checks import serve_checks
+from sluicegate.task_stop import cancel_and_wait
 
 from .adapters import Adapters
 from .config import WorkerConfig
@@ -170,9 +171,7 @@ class Worker:
             self._stopping.set()
             stopper.cancel()
             await self._drain()
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await cancel_and_wait(*loops)
             await self.heartbeats.remove()
 
     async def _drain(self) -> None:

@@ -8,12 +8,12 @@ too; the sweeper is what makes a result outlive its stream when none does, and s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from redis.exceptions import RedisError
 
 from sluicegate.stream_entries import parse_entry
+from sluicegate.task_stop import cancel_and_wait
 
 from ..service import IngressService
 from .relay import current
@@ -42,11 +42,8 @@ class ResponseSweeper:
 
     async def close(self) -> None:
         """Stop sweeping."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

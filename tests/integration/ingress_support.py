@@ -39,6 +39,7 @@ from schemas import (
 )
 from sluicegate.kafka import create_admin, create_consumer, ensure_topics
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 MODEL = "tiny-llama"
 KEY = "sk-integration-key"
@@ -165,11 +166,11 @@ class FakeWorker:
 
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None and self._consumer is not None
-        for task in (self._task, *self._answers):
-            task.cancel()
-        for task in (self._task, *self._answers):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tasks = (self._task, *self._answers)
+        await cancel_and_wait(*tasks)
+        for task in tasks:
+            if not task.cancelled():
+                task.result()  # a fake answer that failed fails the test
         await self._consumer.stop()
 
     async def _run(self) -> None:

@@ -29,6 +29,7 @@ from schemas import BatchOutputLine, DeadLetter, InferenceRequest, Names
 from sluicegate.kafka import create_producer, ensure_topics
 from sluicegate.lora.checks import serve_checks
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -77,8 +78,7 @@ async def checker(settings: Settings, redis: Redis) -> AsyncIterator[None]:
     """A live worker's adapter-check loop for the model."""
     task = asyncio.create_task(serve_checks(redis, settings.topic_prefix, MODEL, config_checker(MODEL)))
     yield
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_and_wait(task)
 
 
 def client(url: str, key: str) -> AsyncOpenAI:

@@ -20,6 +20,7 @@ from sluicegate.lora.checks import AdapterCheck, CheckVerdict, NoCheckerError, a
 from sluicegate.lora.registry import AdapterExistsError, LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver, Resolved, UnknownAdapterError
 from sluicegate.redis_client import create_redis
+from sluicegate.task_stop import cancel_and_wait
 from sluicegate.usage.ledger import usage_record
 from sluicegate.usage.report import usage_report
 from sluicegate.usage.rollup import UsageAggregates
@@ -90,8 +91,7 @@ async def test_check_is_answered_by_a_serving_worker(redis: Redis, unique_prefix
         missing = await ask_check(redis, unique_prefix, "tiny", "gone", str(tmp_path / "nope"), timeout=5)
         assert not missing.ok and "no adapter_config.json" in (missing.reason or "")
     finally:
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
+        await cancel_and_wait(server)
     names = Names(unique_prefix)
     assert await redis.llen(names.lora_checks_key("tiny")) == 0
 
@@ -104,8 +104,7 @@ async def test_a_verify_that_raises_is_a_one_line_refusal(redis: Redis, unique_p
     try:
         verdict = await ask_check(redis, unique_prefix, "tiny", "x", "/x", timeout=5)
     finally:
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
+        await cancel_and_wait(server)
     assert verdict.ok is False and verdict.reason == "x: header spans lines"
 
 
@@ -132,8 +131,7 @@ async def test_worker_drops_checks_whose_asker_gave_up(redis: Redis, unique_pref
         # A fresh check after the stale and the malformed one is still answered: bad input loses nothing else.
         verdict = await ask_check(redis, unique_prefix, "tiny", "fresh", "/f", timeout=5)
     finally:
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
+        await cancel_and_wait(server)
     assert verdict.ok and calls == ["fresh"]
     assert await redis.exists(names.lora_verdict_key("stale1")) == 0
 

@@ -6,7 +6,6 @@ call round trip, cancel, delete, tenants, refused fields, and the sweeper that s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from redis.asyncio import Redis
 from ingress.auth import hash_key
 from schemas import CancelRequest, InferenceRequest, Names
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -70,9 +70,7 @@ async def ingress(settings: Settings, redis: Redis, cleanup_topics: None) -> Asy
         async with running_ingress(settings) as url:
             yield url
     finally:
-        beats.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beats
+        await cancel_and_wait(beats)
 
 
 def client(url: str, key: str = KEY) -> openai.AsyncOpenAI:

@@ -50,6 +50,7 @@ from schemas import (
 from schemas.names import HEADER_REQUEST_ID, Tier
 from sluicegate.kafka import create_admin, create_producer
 from sluicegate.settings import Settings
+from sluicegate.task_stop import cancel_and_wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -480,8 +481,7 @@ async def test_a_record_emitted_without_waking_goes_with_the_next_woken_flush(
         assert [len(batch) for batch in batches] == [2]  # one pipeline: the record and the first token
         assert await redis.get(key) == b"running"
     finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
+        await cancel_and_wait(loop)
         await redis.delete(key, names.stream_key(rid))
         await redis.aclose()
 
