@@ -36,7 +36,8 @@ from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 from sluicegate.stream_entries import StreamEntry, parse_entry
-from sluicegate.stream_follower import START_SEQ, FollowerConfig, SlowConsumer, StreamFollower
+from sluicegate.stream_follower import FollowerConfig, StreamFollower
+from sluicegate.stream_subscription import START_SEQ, SlowConsumer
 from sluicegate.telemetry import untraced
 from sluicegate.usage.quota import QuotaClaim, Quotas
 

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 from schemas import Names, RequestRecord, TraceContext
 from schemas.common import RequestId
 from sluicegate.stream_entries import parse_entry
-from sluicegate.stream_follower import START_SEQ, Subscription
+from sluicegate.stream_subscription import START_SEQ, Subscription
 from sluicegate.stream_tokens import InvalidStreamToken, verify_stream_token
 
 from .hub import StreamHub

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 
 from schemas import TraceContext
-from sluicegate.stream_follower import SlowConsumer
+from sluicegate.stream_subscription import SlowConsumer
 from sluicegate.telemetry import tracing_enabled
 
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe

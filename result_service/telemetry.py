@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from schemas import TraceContext
-from sluicegate.stream_follower import START_SEQ
+from sluicegate.stream_subscription import START_SEQ
 from sluicegate.telemetry import context_from_traceparent, tracing_enabled
 
 from .access import StreamGrant

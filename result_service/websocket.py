@@ -18,7 +18,7 @@ from fastapi import APIRouter, WebSocket
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocketDisconnect
 
-from sluicegate.stream_follower import SlowConsumer, Subscription
+from sluicegate.stream_subscription import SlowConsumer, Subscription
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import tracing_enabled
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from schemas import seq_from_entry_id
 from sluicegate.stream_entries import parse_entry
-from sluicegate.stream_follower import START_SEQ
+from sluicegate.stream_subscription import START_SEQ
 
 
 class BadLastId(ValueError):

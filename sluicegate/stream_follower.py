@@ -8,11 +8,11 @@ the event), and appended to every subscriber's bounded buffer. When a stream joi
 wakes the blocked reader so its next ``XREAD`` includes the new key (sent alone, or in the subscriber's own
 first pipeline: :meth:`StreamFollower.execute_waking`); the block timeout is a backstop.
 
-A subscriber that joins a stream the follower already reads first fetches, with ``XRANGE``, the
-entries between its resume point and the reader's cursor for that stream, then continues from its
-buffer. Only a stream's reader advances that cursor, so everything after it reaches the buffer;
-dedupe by ``seq`` makes the seam exact. A subscriber whose buffer overflows is dropped
-(:class:`SlowConsumer`) and resumes losslessly by subscribing again after its ``last_seq``.
+A subscriber (``sluicegate.stream_subscription.Subscription``) that joins a stream the follower already
+reads first fetches, with ``XRANGE``, the entries between its resume point and the reader's cursor for that
+stream, then continues from its buffer. Only a stream's reader advances that cursor, so everything after it
+reaches the buffer; dedupe by ``seq`` makes the seam exact. A subscriber whose buffer overflows is dropped
+(``SlowConsumer``) and resumes losslessly by subscribing again after its ``last_seq``.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import asyncio
 import contextlib
 import logging
 import zlib
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -33,28 +32,16 @@ from redis.exceptions import RedisError
 
 from schemas import Names, stream_entry_id
 
+from .stream_subscription import START_SEQ, StreamState, Subscription, T
 from .task_stop import cancel_and_wait
 from .telemetry import untraced
 
 log = logging.getLogger(__name__)
 
-#: The resume point before the first entry: "nothing seen yet".
-START_SEQ = -1
 # Seconds a blocking read may take beyond its BLOCK before the connection counts as dead.
 _READ_GRACE_S = 10.0
 
 
-class Followed(Protocol):
-    """What a decoded entry must tell the follower: its seq (for dedupe) and whether it ends the stream."""
-
-    @property
-    def seq(self) -> int: ...
-
-    @property
-    def terminal(self) -> bool: ...
-
-
-T = TypeVar("T", bound=Followed)
 #: Turns one entry (stream key, entry id, fields) into the subscribers' item, or None to skip it.
 Decode = Callable[[str, bytes | str, Any], T | None]
 
@@ -86,136 +73,13 @@ class FollowerConfig:
                 raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _entry_id_after(seq: int) -> str:
-    """The entry id to read after to get the events following ``seq`` (``0-0``: from the start)."""
-    return stream_entry_id(seq) if seq >= 0 else "0-0"
-
-
-class SlowConsumer(Exception):
-    """The subscriber fell more than ``max_pending`` events behind and was dropped."""
-
-
-class _Stream(Generic[T]):
-    """The follower's state for one stream key: its read cursor and its subscribers."""
-
-    __slots__ = ("cursor", "ended", "key", "read_after", "reader", "subscribers")
-
-    def __init__(self, key: str, cursor: int, reader: _Reader[T]) -> None:
-        self.key = key
-        #: Seq of the last event the reader passed on; only the reader moves it.
-        self.cursor = cursor
-        #: Id of the last entry the reader consumed, valid or not (a malformed entry is read only once).
-        self.read_after = _entry_id_after(cursor)
-        self.ended = False
-        self.reader = reader
-        self.subscribers: set[Subscription[T]] = set()
-
-
-class Subscription(Generic[T]):
-    """One subscriber's view of one stream: history first, then the live tail, each event exactly once."""
-
-    def __init__(self, follower: StreamFollower[T], stream: _Stream[T], after_seq: int, fail_fast: bool) -> None:
-        self._follower = follower
-        self._stream = stream
-        self.key = stream.key
-        #: Seq of the last event handed out; resume point.
-        self.last_seq = after_seq
-        # Entries (after_seq, history_until] passed the reader before we joined: read them with XRANGE.
-        self._history_after: str | None = _entry_id_after(after_seq) if stream.cursor > after_seq else None
-        self._history_until = stream.cursor
-        self._batches: deque[list[T]] = deque()
-        self._pending = 0
-        self._ready = asyncio.Event()
-        self.overflowed = False
-        #: Raise the reader's Redis errors here instead of waiting while it reconnects.
-        self.fail_fast = fail_fast
-        self._error: BaseException | None = None
-        #: True once the terminal event (done or error) has been handed out.
-        self.finished = False
-
-    def _push(self, items: list[T]) -> None:
-        if self.overflowed:
-            return
-        # Falling behind is what counts, not a large batch (one XREAD can return read_count entries).
-        if self._pending and self._pending + len(items) > self._follower.config.max_pending:
-            self.overflowed = True
-            self._batches.clear()
-            self._follower._detach(self)
-        else:
-            self._batches.append(items)
-            self._pending += len(items)
-        self._ready.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        self._error = exc
-        self._ready.set()
-
-    def _accept(self, items: Sequence[T]) -> list[T]:
-        out: list[T] = []
-        last = self.last_seq
-        for item in items:
-            if item.seq <= last:
-                continue
-            out.append(item)
-            last = item.seq
-            if item.terminal:
-                self.finished = True
-                break
-        self.last_seq = last
-        return out
-
-    async def next_batch(self, max_wait_s: float | None = None) -> list[T]:
-        """The next events in order (never empty unless ``max_wait_s`` passed or the stream finished).
-
-        Raises :class:`SlowConsumer` once the subscriber has been dropped for falling behind, and
-        ``RedisError``/``OSError`` when a history read fails (or, with ``fail_fast``, the live read).
-        """
-        while not self.finished:
-            if self.overflowed:
-                raise SlowConsumer(f"more than {self._follower.config.max_pending} events behind")
-            if self._history_after is not None:
-                items, self._history_after = await self._follower._read_history(
-                    self.key, self._history_after, self._history_until
-                )
-                out = self._accept(items)
-                if out:
-                    return out
-                continue
-            if self._batches:
-                batch = self._batches.popleft()
-                self._pending -= len(batch)
-                out = self._accept(batch)
-                if out:
-                    return out
-                continue
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise error
-            if self._stream.ended and self.last_seq >= self._stream.cursor:
-                # Joined after the terminal event it had already seen: nothing more will come.
-                self.finished = True
-                break
-            self._ready.clear()
-            if max_wait_s is None:
-                await self._ready.wait()
-            else:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the wait as a task of its
-                # own, an extra event-loop hop on every event's way to the subscriber.
-                try:
-                    async with asyncio.timeout(max_wait_s):
-                        await self._ready.wait()
-                except TimeoutError:
-                    return []
-        return []
-
-
 class _Reader(Generic[T]):
     """One dedicated connection running one multi-stream XREAD over its share of the streams."""
 
     def __init__(self, follower: StreamFollower[T], index: int) -> None:
         self.follower = follower
         self.index = index
-        self.streams: dict[str, _Stream[T]] = {}
+        self.streams: dict[str, StreamState[T]] = {}
         self._changed = asyncio.Event()
         self._generation = 0
         self._in_flight: int | None = None
@@ -306,7 +170,7 @@ class _Reader(Generic[T]):
                 for stream in self.streams.values():
                     for sub in stream.subscribers:
                         if sub.fail_fast:
-                            sub._fail(exc)
+                            sub.fail(exc)
                 # A stream that joins meanwhile cuts the wait short: its subscriber hears of Redis at once.
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
@@ -321,7 +185,7 @@ class _Reader(Generic[T]):
                 # reader's next XREAD (a loopback send that also does Redis's receive work) does.
                 await asyncio.sleep(0)
 
-    def _dispatch(self, reply: Any, requested: dict[str, _Stream[T]]) -> None:
+    def _dispatch(self, reply: Any, requested: dict[str, StreamState[T]]) -> None:
         decode = self.follower.decode
         per_stream = reply.items() if isinstance(reply, dict) else reply
         for raw_key, entries in per_stream:
@@ -343,7 +207,7 @@ class _Reader(Generic[T]):
                     break
             if items:
                 for sub in list(stream.subscribers):
-                    sub._push(items)
+                    sub.push(items)
 
 
 class StreamFollower(Generic[T]):
@@ -407,7 +271,7 @@ class StreamFollower(Generic[T]):
         stream = reader.streams.get(key)
         if stream is None:
             # The first subscriber sets where the reader starts, so it needs no history read.
-            stream = _Stream(key, after_seq, reader)
+            stream = StreamState(key, after_seq, reader)
             reader.streams[key] = stream
             reader.added(wake=wake)
         sub = Subscription(self, stream, after_seq, fail_fast)
@@ -415,15 +279,15 @@ class StreamFollower(Generic[T]):
         try:
             yield sub
         finally:
-            self._detach(sub)
+            self.detach(sub)
 
-    def _detach(self, sub: Subscription[T]) -> None:
-        stream = sub._stream
+    def detach(self, sub: Subscription[T]) -> None:
+        stream = sub.stream
         stream.subscribers.discard(sub)
         if not stream.subscribers and stream.reader.streams.get(stream.key) is stream:
             del stream.reader.streams[stream.key]
 
-    async def _read_history(self, key: str, after_id: str, until_seq: int) -> tuple[list[T], str | None]:
+    async def read_history(self, key: str, after_id: str, until_seq: int) -> tuple[list[T], str | None]:
         """One XRANGE page of the entries after ``after_id`` up to seq ``until_seq``, and the id to
         continue after (None once the range is exhausted; entries trimmed or expired just end it early)."""
         page = self.config.history_page
@@ -442,7 +306,7 @@ class StreamFollower(Generic[T]):
         A new subscriber usually reads something first (the result service's probe): the wake-up rides in that
         round trip instead of one of its own (issue 31). When it woke nothing (the XREAD had not reached Redis
         yet) or the pipeline failed, the reader's own retrying wake-up takes over."""
-        reader = sub._stream.reader
+        reader = sub.stream.reader
         client_id = reader._client_id if reader.needs_wake else None
         if client_id is not None:
             pipe.client_unblock(client_id)

@@ -48,7 +48,7 @@ from schemas import (
 )
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
-from sluicegate.stream_follower import SlowConsumer, Subscription
+from sluicegate.stream_subscription import SlowConsumer, Subscription
 from sluicegate.stream_tokens import issue_stream_token
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

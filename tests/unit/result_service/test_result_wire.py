@@ -9,7 +9,7 @@ import pytest
 
 from result_service.wire import BadLastId, parse_last_id, to_relayed
 from schemas import DoneEvent, ErrorEvent, RestartEvent, TokenEvent, Usage
-from sluicegate.stream_follower import START_SEQ
+from sluicegate.stream_subscription import START_SEQ
 
 
 @pytest.mark.parametrize(
