@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,11 @@ class Response:
         return json.loads(self.body)
 
 
+#: Called with each piece of a streamed body (``b""`` first, when the response head arrives) and the caller's
+#: clock at its arrival.
+OnData = Callable[[bytes, float], None]
+
+
 class _StaleConnection(ConnectionError):
     """The server had closed this kept-alive connection before the request reached it."""
 
@@ -38,7 +44,7 @@ class _Connection:
         self.served = 0  # requests answered on this connection: a stale one is always a reused one
         self.answered = False
 
-    async def request(self, data: bytes, clock: Any) -> Response:
+    async def request(self, data: bytes, clock: Any, on_data: OnData | None = None) -> Response:
         self.answered = False
         sent_at = clock()
         self.writer.write(data)
@@ -60,8 +66,13 @@ class _Connection:
                 self.h11.receive_data(received)
             elif isinstance(event, h11.Response):
                 status = event.status_code
+                if on_data is not None:
+                    on_data(b"", clock())  # the head: a streamed answer's "accepted"
             elif isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
+                if on_data is not None:
+                    on_data(bytes(event.data), clock())  # stamped as it arrives, not when the answer ends
+                else:
+                    chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 self.served += 1
                 return Response(status, b"".join(chunks), sent_at)
@@ -88,9 +99,16 @@ class Http1Pool:
         self._all: set[_Connection] = set()
 
     async def post_json(
-        self, path: str, body: Any, *, clock: Any, headers: list[tuple[str, str]] | None = None
+        self,
+        path: str,
+        body: Any,
+        *,
+        clock: Any,
+        headers: list[tuple[str, str]] | None = None,
+        on_data: OnData | None = None,
     ) -> Response:
-        """POST ``body`` as JSON; ``clock()`` stamps the moment the bytes are written.
+        """POST ``body`` as JSON; ``clock()`` stamps the moment the bytes are written. With ``on_data`` the body
+        is streamed to it as it arrives (the returned ``Response.body`` is then empty).
 
         A kept-alive connection the server closed while it sat idle (uvicorn drops them after 5 s) fails
         before any answer arrives; the request then goes once more, on a new connection.
@@ -108,18 +126,24 @@ class Http1Pool:
                 self._discard(conn)
                 continue
             try:
-                return await self._send(conn, path, headers, payload, clock)
+                return await self._send(conn, path, headers, payload, clock, on_data)
             except _StaleConnection:
                 continue
-        return await self._send(await self._open(), path, headers, payload, clock)
+        return await self._send(await self._open(), path, headers, payload, clock, on_data)
 
     async def _send(
-        self, conn: _Connection, path: str, headers: list[tuple[str, str]], payload: bytes, clock: Any
+        self,
+        conn: _Connection,
+        path: str,
+        headers: list[tuple[str, str]],
+        payload: bytes,
+        clock: Any,
+        on_data: OnData | None,
     ) -> Response:
         request = h11.Request(method="POST", target=path, headers=headers)
         data = conn.h11.send(request) + conn.h11.send(h11.Data(data=payload)) + conn.h11.send(h11.EndOfMessage())
         try:
-            response = await conn.request(data, clock)
+            response = await conn.request(data, clock, on_data)
         except BaseException:
             self._discard(conn)
             raise

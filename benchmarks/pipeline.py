@@ -20,6 +20,10 @@ when the XADD of its first token is sent, which splits the overhead into four st
 * ``relay``: XADD sent -> the client has the event (Redis, result service XREAD, WebSocket frame). The
   client opens the WebSocket after the POST answers, so its connect overlaps the earlier stages.
 
+``--api openai`` sends each request as a streamed ``POST /v1/completions`` instead, the way the OpenAI SDK does:
+ingress follows the Redis stream itself and writes server-sent events on the same connection, so the result
+service idles and ``relay`` ends at ingress's SSE chunk.
+
 Relay throughput reuses :func:`benchmarks.relay.run_scenario` (``max`` mode: producers append as fast as
 Redis takes them) against this pipeline's result service, with 100 and 500 clients, 10 per stream.
 
@@ -176,6 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="pin the worker and its engine to the last CPU and everything else (backbone, services, clients) to "
         "the others (taskset-style, every thread), once the stack is up",
     )
+    parser.add_argument(
+        "--api",
+        choices=("native", "openai"),
+        default="native",
+        help="native: POST /v1/requests, then follow the stream over the result service's WebSocket; openai: a "
+        "streamed POST /v1/completions, whose events ingress relays itself (the OpenAI SDK's path: no result "
+        "service, no second connection)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -211,12 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress(f"warm-up: {args.warmup:g} s at {args.warmup_rate:g} req/s ...")
             asyncio.run(
                 run_rate(
-                    stack, args.warmup_rate, args.warmup, max_tokens=args.max_tokens, seed=args.seed, label="warm "
+                    stack,
+                    args.warmup_rate,
+                    args.warmup,
+                    max_tokens=args.max_tokens,
+                    seed=args.seed,
+                    label="warm ",
+                    api=args.api,
                 )
             )
         for rate in rates:
             progress(f"{rate:g} req/s for {args.duration:g} s ...")
-            before, cpu_before = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())
+            before, cpu_before = asyncio.run(ingress_timers(stack, args.api)), cpu_seconds(stack.pids())
             with Profiles(args.profile, f"{rate:g}rps", stack.pids()) if args.profile else contextlib.nullcontext():
                 samples = asyncio.run(
                     run_rate(
@@ -226,9 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         max_tokens=args.max_tokens,
                         seed=args.seed,
                         mixed_tracing=args.tracing == "mixed",
+                        api=args.api,
                     )
                 )
-            after, cpu_after = asyncio.run(ingress_timers(stack)), cpu_seconds(stack.pids())
+            after, cpu_after = asyncio.run(ingress_timers(stack, args.api)), cpu_seconds(stack.pids())
             stack.check_alive()
             level = Level(rate, args.duration, samples)
             level.cpu_ms = {
@@ -293,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if levels:
         print(
-            "overhead = (first token on the WebSocket - POST sent) - engine TTFT, where the engine TTFT "
+            f"requests: {API_PATHS[args.api]}\n"
+            "overhead = (first token at the client - POST sent) - engine TTFT, where the engine TTFT "
             "(first_token_time - arrival_time of the request's RequestMetrics) is recorded worker-side, "
             "per request, by the worker under test\n"
         )
@@ -318,6 +338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(relay_table(relay_rows))
     failed = any(level.errors for level in levels) or any(row.outcome.errors for row in relay_rows)
     return 1 if failed else 0
+
+
+API_PATHS = {
+    "native": "POST /v1/requests, then the stream over the result service's WebSocket",
+    "openai": "POST /v1/completions with stream=true, its server-sent events relayed by ingress (the 'relay' "
+    "stage ends at ingress's SSE chunk; 'POST' is the response head; the ingress handler lasts the whole stream)",
+}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The pipeline benchmark's load and meters: open-loop Poisson arrivals that POST a request and follow its
-stream over the WebSocket (stamping bytes as they arrive), ingress's own timers from ``/metrics``, CPU time
-per process, and the transport floor (Kafka and a Redis stream alone, at the same pace).
+stream over the WebSocket (``native``: the result service relays it), or POST a streamed OpenAI completion and
+read its server-sent events from ingress (``openai``: the path the OpenAI SDK takes), stamping bytes as they
+arrive; ingress's own timers from ``/metrics``, CPU time per process, and the transport floor (Kafka and a
+Redis stream alone, at the same pace).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +26,11 @@ from benchmarks.common import percentile, process_cpu_seconds
 from benchmarks.http1 import Http1Pool
 from benchmarks.pipeline_stack import API_KEY, MODEL_NAME, Stack
 from sluicegate.settings import Settings
+
+#: Which way the load generator talks to the pipeline: ``native`` POST + WebSocket relay, or ``openai`` streamed
+#: completions from ingress.
+Api = Literal["native", "openai"]
+ROUTES: dict[Api, str] = {"native": "/v1/requests", "openai": "/v1/completions"}
 
 
 @dataclass
@@ -104,6 +111,58 @@ async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, 
         sample.error = sample.error or repr(exc)
 
 
+class _SseReader:
+    """Reads a streamed ``/v1/completions`` answer as its bytes arrive: the first chunk with a choice is the
+    first token (with ``logprobs`` ingress sends one for every stream event), ``[DONE]`` the end; the request id is
+    the completion id without its ``cmpl-`` prefix, and the tokens come from the closing usage chunk."""
+
+    def __init__(self, sample: Sample) -> None:
+        self.sample = sample
+        self._buffer = b""
+
+    def __call__(self, data: bytes, now: float) -> None:
+        sample = self.sample
+        if not data:
+            sample.accepted = now
+            return
+        self._buffer += data
+        *frames, self._buffer = self._buffer.split(b"\n\n")
+        for frame in frames:
+            payload = frame.removeprefix(b"data: ").strip()
+            if payload == b"[DONE]":
+                sample.done = now
+                continue
+            if not payload:
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                sample.error = sample.error or f"error chunk: {chunk['error']}"
+                continue
+            sample.request_id = sample.request_id or chunk["id"].removeprefix("cmpl-")
+            if chunk.get("choices"):
+                sample.first = sample.first or now
+            if chunk.get("usage"):
+                sample.tokens = chunk["usage"]["completion_tokens"]
+
+
+async def _one_openai_request(client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float) -> None:
+    reader = _SseReader(sample)
+    # logprobs: a chunk for every token, even one whose text the detokenizer holds back (a partial character),
+    # as the native stream has an event for every token: without it the first chunk can be the second token's.
+    openai_body = {**body, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 1}
+    try:
+        response = await asyncio.wait_for(
+            client.post_json("/v1/completions", openai_body, clock=time.time, on_data=reader), timeout_s
+        )
+        sample.sent = response.sent_at
+        if response.status != 200:
+            sample.error = f"POST answered {response.status}"
+        elif not sample.done and sample.error is None:
+            sample.error = "the stream ended without [DONE]"
+    except (OSError, TimeoutError, ValueError) as exc:  # ValueError: h11's protocol errors, bad JSON
+        sample.error = sample.error or repr(exc)
+
+
 def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
     """Poisson arrival offsets (seconds) over ``duration_s``."""
     offsets, t = [], rng.expovariate(rate)
@@ -122,6 +181,7 @@ async def run_rate(
     seed: int,
     label: str = "",
     mixed_tracing: bool = False,
+    api: Api = "native",
 ) -> list[Sample]:
     """Open-loop arrivals at ``rate`` for ``duration_s``; returns once every request ended (or timed out).
 
@@ -150,20 +210,22 @@ async def run_rate(
                 "temperature": 0,
                 "ignore_eos": True,
             }
-            tasks.append(asyncio.create_task(_one_request(client, body, sample, timeout_s=60)))
+            one = _one_request if api == "native" else _one_openai_request
+            tasks.append(asyncio.create_task(one(client, body, sample, timeout_s=60)))
         if tasks:
             await asyncio.wait(tasks)
     return samples
 
 
-async def ingress_timers(stack: Stack) -> dict[str, tuple[float, int]]:
+async def ingress_timers(stack: Stack, api: Api = "native") -> dict[str, tuple[float, int]]:
     """Ingress's own timers from ``/metrics``: (sum of seconds, count) of the Kafka publish (until every
-    in-sync replica acknowledged) and of ``POST /v1/requests`` handling."""
+    in-sync replica acknowledged) and of the ``POST`` handling (``/v1/requests``, or ``/v1/completions`` whose
+    handling lasts until its stream ends)."""
     async with httpx.AsyncClient(timeout=10) as client:
         text = (await client.get(f"{stack.ingress_url}/metrics")).text
     wanted = {
         "publish": ("sluicegate_ingress_publish_seconds", {}),
-        "handler": ("sluicegate_ingress_request_seconds", {"route": "/v1/requests", "method": "POST"}),
+        "handler": ("sluicegate_ingress_request_seconds", {"route": ROUTES[api], "method": "POST"}),
     }
     timers = {}
     for name, (family_name, labels) in wanted.items():

@@ -1,5 +1,6 @@
-"""The benchmarks' lean HTTP/1.1 client against a real uvicorn server: keep-alive reuse, the send stamp, and a
-kept-alive connection the server closed while idle."""
+"""The benchmarks' lean HTTP/1.1 client against a real uvicorn server: keep-alive reuse, the send stamp, a
+kept-alive connection the server closed while idle, and a streamed answer handed over piece by piece as it
+arrives (what the pipeline benchmark's ``--api openai`` reads its server-sent events with)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from benchmarks.http1 import Http1Pool
 
@@ -27,6 +29,17 @@ async def echo_server(keep_alive_s: float) -> AsyncIterator[tuple[str, int, list
         if "traceparent" in request.headers:
             got["traceparent"] = request.headers["traceparent"]
         return got
+
+    @app.post("/drip")
+    async def drip(request: Request) -> StreamingResponse:
+        pieces = (await request.json())["pieces"]
+
+        async def body() -> AsyncIterator[str]:
+            for piece in pieces:
+                yield piece
+                await asyncio.sleep(0.05)  # apart in time, so each arrives alone
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, timeout_keep_alive=keep_alive_s)
     server = uvicorn.Server(config)
@@ -78,3 +91,19 @@ async def test_a_server_that_is_gone_is_an_error() -> None:
     async with Http1Pool(host, port) as pool:
         with pytest.raises(OSError):
             await pool.post_json("/echo", {}, clock=time.time)
+
+
+async def test_a_streamed_answer_is_handed_over_as_it_arrives() -> None:
+    async with echo_server(5.0) as (host, port, _), Http1Pool(host, port) as pool:
+        got: list[tuple[bytes, float]] = []
+        response = await pool.post_json(
+            "/drip",
+            {"pieces": ["data: 1\n\n", "data: 2\n\n"]},
+            clock=time.monotonic,
+            on_data=lambda b, t: got.append((b, t)),
+        )
+        assert response.status == 200 and response.body == b""
+        assert [b for b, _ in got] == [b"", b"data: 1\n\n", b"data: 2\n\n"]  # the head first, then each piece
+        assert got[2][1] - got[1][1] >= 0.04  # stamped on arrival, not when the answer ended
+        again = await pool.post_json("/echo", {"n": 1}, clock=time.monotonic)  # the connection is reused after it
+        assert again.json()["got"] == {"n": 1}
