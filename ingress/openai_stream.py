@@ -110,41 +110,51 @@ async def sse_events(
             usage = running_usage(prompt_tokens, assembler.completion_tokens)
         return sse(ids.choices_chunk([choice], include_usage=include_usage, usage=usage))
 
+    # What one read of the stream gives goes out as one write: each write is a trip through the middleware and a
+    # socket send, and a request's last token, its finish, usage and [DONE] often arrive together (issue 31).
+    pending: list[str] = []
     try:
         for choice in chunks.opening():
             yield chunk(choice)
         try:
-            async for event in service.events(ids.request_id, timeout_s=service.settings.request_timeout_s):
-                deltas = assembler.feed_choices(event)
-                if assembler.diverged:
-                    cancel_reason = "stream_diverged"
-                    message = "The worker restarted this request and produced different text."
-                    yield sse(error_body(message, type_="server_error", code="stream_diverged"))
-                    return
-                if first_text and any(d.text for d in deltas):
-                    metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
-                    first_text = False
-                for choice in chunks.feed(deltas):
-                    yield chunk(choice)
+            async for batch in service.event_batches(ids.request_id, timeout_s=service.settings.request_timeout_s):
+                for event in batch:
+                    deltas = assembler.feed_choices(event)
+                    if assembler.diverged:
+                        cancel_reason = "stream_diverged"
+                        message = "The worker restarted this request and produced different text."
+                        pending.append(sse(error_body(message, type_="server_error", code="stream_diverged")))
+                        yield "".join(pending)
+                        return
+                    if first_text and any(d.text for d in deltas):
+                        metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
+                        first_text = False
+                    pending.extend(chunk(choice) for choice in chunks.feed(deltas))
+                if pending and not assembler.finished:  # a finished stream's chunks go out with its closing ones
+                    yield "".join(pending)
+                    pending.clear()
         except TimeoutError as exc:
             cancel_reason = "timeout"
-            yield sse(error_body(str(exc), type_="server_error", code="timeout"))
+            pending.append(sse(error_body(str(exc), type_="server_error", code="timeout")))
+            yield "".join(pending)
             return
         except ApiError as exc:
             cancel_reason = "relay_failed"
-            yield sse(exc.body())
+            pending.append(sse(exc.body()))
+            yield "".join(pending)
             return
         cancel_reason = None
         failure = stream_failure(assembler)
         if failure is not None:
-            yield sse(failure.body())
+            pending.append(sse(failure.body()))
+            yield "".join(pending)
             return
         assert assembler.done is not None
-        for choice in chunks.close_all(assembler):
-            yield chunk(choice)
+        pending.extend(chunk(choice) for choice in chunks.close_all(assembler))
         if include_usage:
-            yield sse(ids.usage_chunk(assembler.done.usage))
-        yield SSE_DONE
+            pending.append(sse(ids.usage_chunk(assembler.done.usage)))
+        pending.append(SSE_DONE)
+        yield "".join(pending)
     finally:
         if cancel_reason is not None:
             # Free the worker. Shielded, because after a disconnect this runs inside the response's

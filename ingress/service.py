@@ -408,7 +408,15 @@ class IngressService:
 
     # --- results --------------------------------------------------------------------------------
     async def events(self, request_id: str, *, timeout_s: float) -> AsyncIterator[StreamEvent]:
-        """The request's stream events from the first, following the live tail until a terminal event.
+        """The request's stream events from the first, following the live tail until a terminal event (as
+        :meth:`event_batches`, one by one)."""
+        async for batch in self.event_batches(request_id, timeout_s=timeout_s):
+            for event in batch:
+                yield event
+
+    async def event_batches(self, request_id: str, *, timeout_s: float) -> AsyncIterator[list[StreamEvent]]:
+        """The request's stream events from the first, following the live tail until a terminal event, as the
+        reads deliver them (never an empty batch).
 
         Raises ``TimeoutError`` when the stream has not ended within ``timeout_s`` overall, and the 503
         ``ApiError`` when Redis fails. Malformed entries are logged and skipped.
@@ -424,8 +432,9 @@ class IngressService:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             raise TimeoutError(f"no result for request {request_id} within {timeout_s:.0f}s")
-                        for entry in await sub.next_batch(max_wait_s=remaining):
-                            yield entry.event
+                        batch = await sub.next_batch(max_wait_s=remaining)
+                        if batch:
+                            yield [entry.event for entry in batch]
                     return
             except SlowConsumer:
                 # Our reader (the HTTP client) fell behind the buffer: resume after what it has, from Redis.

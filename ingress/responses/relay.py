@@ -120,10 +120,17 @@ async def sse_events(
             if event["sequence_number"] > after:
                 yield sse_frame(event)
         try:
-            async for stream_event in service.events(record.request_id, timeout_s=service.settings.request_timeout_s):
-                for event in builder.feed(stream_event):
-                    if event["sequence_number"] > after:
-                        yield sse_frame(event)
+            # One write per read of the stream, as in openai_stream: a token's delta and a stream's closing events
+            # (text done, part done, item done, completed) each go out together.
+            async for batch in service.event_batches(record.request_id, timeout_s=service.settings.request_timeout_s):
+                frames = [
+                    sse_frame(event)
+                    for stream_event in batch
+                    for event in builder.feed(stream_event)
+                    if event["sequence_number"] > after
+                ]
+                if frames:
+                    yield "".join(frames)
         except TimeoutError as exc:
             cancel_reason = "timeout"
             yield sse_frame(error_event(max(after + 1, builder.sequence), "timeout", str(exc)))
