@@ -188,6 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "streamed POST /v1/completions, whose events ingress relays itself (the OpenAI SDK's path: no result "
         "service, no second connection)",
     )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="ask every request for logprobs with this many alternatives (0: the sampled token's alone); with --api "
+        "openai it makes every token a chunk, so the first token is stamped when it arrives even if its text is "
+        "held back (part of a character), as the native stream's events are",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folder (service logs, model)")
     args = parser.parse_args(argv)
@@ -230,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seed=args.seed,
                     label="warm ",
                     api=args.api,
+                    logprobs=args.logprobs,
                 )
             )
         for rate in rates:
@@ -245,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         seed=args.seed,
                         mixed_tracing=args.tracing == "mixed",
                         api=args.api,
+                        logprobs=args.logprobs,
                     )
                 )
             after, cpu_after = asyncio.run(ingress_timers(stack, args.api)), cpu_seconds(stack.pids())
@@ -305,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: {model} on CPU, 1 torch thread; stream interval {served.stream_interval_ms:g} ms; "
         f"prompts ~8 tokens, "
-        f"max_tokens {args.max_tokens}, greedy; Poisson arrivals, {args.duration:g} s per rate; "
+        f"max_tokens {args.max_tokens}, greedy{'' if args.logprobs is None else f', logprobs {args.logprobs}'}; "
+        f"Poisson arrivals, {args.duration:g} s per rate; "
         f"{args.partitions} partitions per topic; service log level {args.log_level}; tracing {args.tracing}"
         f"{f' (ratio {args.trace_sample_ratio:g})' if args.tracing == 'on' else ''}; "
         f"metrics {args.metrics}"

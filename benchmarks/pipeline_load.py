@@ -113,7 +113,9 @@ async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, 
 
 class _SseReader:
     """Reads a streamed ``/v1/completions`` answer as its bytes arrive: the first chunk with a choice is the
-    first token (with ``logprobs`` ingress sends one for every stream event), ``[DONE]`` the end; the request id is
+    first token, ``[DONE]`` the end. Ingress sends a chunk for a token with text, or with logprobs when asked
+    for: without ``logprobs`` a first token whose text the detokenizer holds back (part of a character, as the
+    tiny random model often draws) shows up with the next one; the request id is
     the completion id without its ``cmpl-`` prefix, and the tokens come from the closing usage chunk."""
 
     def __init__(self, sample: Sample) -> None:
@@ -147,9 +149,7 @@ class _SseReader:
 
 async def _one_openai_request(client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float) -> None:
     reader = _SseReader(sample)
-    # logprobs: a chunk for every token, even one whose text the detokenizer holds back (a partial character),
-    # as the native stream has an event for every token: without it the first chunk can be the second token's.
-    openai_body = {**body, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 1}
+    openai_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     try:
         response = await asyncio.wait_for(
             client.post_json("/v1/completions", openai_body, clock=time.time, on_data=reader), timeout_s
@@ -182,6 +182,7 @@ async def run_rate(
     label: str = "",
     mixed_tracing: bool = False,
     api: Api = "native",
+    logprobs: int | None = None,
 ) -> list[Sample]:
     """Open-loop arrivals at ``rate`` for ``duration_s``; returns once every request ended (or timed out).
 
@@ -209,6 +210,7 @@ async def run_rate(
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
+                **({} if logprobs is None else {"logprobs": logprobs}),
             }
             one = _one_request if api == "native" else _one_openai_request
             tasks.append(asyncio.create_task(one(client, body, sample, timeout_s=60)))
