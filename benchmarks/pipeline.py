@@ -53,7 +53,14 @@ from pathlib import Path
 from benchmarks import relay
 from benchmarks.common import fmt, percentile, progress, use_uvloop
 from benchmarks.otlp_sink import OtlpSink
-from benchmarks.pipeline_load import TransportFloor, cpu_seconds, ingress_timers, measure_transport_floor, run_rate
+from benchmarks.pipeline_load import (
+    API_PATHS,
+    TransportFloor,
+    cpu_seconds,
+    ingress_timers,
+    measure_transport_floor,
+    run_rate,
+)
 from benchmarks.pipeline_report import (
     Level,
     RelayRow,
@@ -349,13 +356,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(relay_table(relay_rows))
     failed = any(level.errors for level in levels) or any(row.outcome.errors for row in relay_rows)
     return 1 if failed else 0
-
-
-API_PATHS = {
-    "native": "POST /v1/requests, then the stream over the result service's WebSocket",
-    "openai": "POST /v1/completions with stream=true, its server-sent events relayed by ingress (the 'relay' "
-    "stage ends at ingress's SSE chunk; 'POST' is the response head; the ingress handler lasts the whole stream)",
-}
 
 
 if __name__ == "__main__":

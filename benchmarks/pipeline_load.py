@@ -31,6 +31,12 @@ from sluicegate.settings import Settings
 #: completions from ingress.
 Api = Literal["native", "openai"]
 ROUTES: dict[Api, str] = {"native": "/v1/requests", "openai": "/v1/completions"}
+#: What each way is, as the report says it.
+API_PATHS: dict[Api, str] = {
+    "native": "POST /v1/requests, then the stream over the result service's WebSocket",
+    "openai": "POST /v1/completions with stream=true, its server-sent events relayed by ingress (the 'relay' "
+    "stage ends at ingress's SSE chunk; 'POST' is the response head; the ingress handler lasts the whole stream)",
+}
 
 
 @dataclass
@@ -113,10 +119,12 @@ async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, 
 
 class _SseReader:
     """Reads a streamed ``/v1/completions`` answer as its bytes arrive: the first chunk with a choice is the
-    first token, ``[DONE]`` the end. Ingress sends a chunk for a token with text, or with logprobs when asked
-    for: without ``logprobs`` a first token whose text the detokenizer holds back (part of a character, as the
-    tiny random model often draws) shows up with the next one; the request id is
-    the completion id without its ``cmpl-`` prefix, and the tokens come from the closing usage chunk."""
+    first token, ``[DONE]`` the end; the request id is the completion id without its ``cmpl-`` prefix, and the
+    tokens come from the closing usage chunk.
+
+    Ingress sends a chunk for a token with text, or with logprobs when asked for: without ``logprobs`` a first
+    token whose text the detokenizer holds back (part of a character, as the tiny random model often draws) shows
+    up with the next one."""
 
     def __init__(self, sample: Sample) -> None:
         self.sample = sample

@@ -123,8 +123,7 @@ async def sse_events(
                     if assembler.diverged:
                         cancel_reason = "stream_diverged"
                         message = "The worker restarted this request and produced different text."
-                        pending.append(sse(error_body(message, type_="server_error", code="stream_diverged")))
-                        yield "".join(pending)
+                        yield "".join(pending) + sse(error_body(message, type_="server_error", code="stream_diverged"))
                         return
                     if first_text and any(d.text for d in deltas):
                         metrics.time_to_first_token.labels(ids.model).observe(time.perf_counter() - accepted_at)
@@ -135,19 +134,16 @@ async def sse_events(
                     pending.clear()
         except TimeoutError as exc:
             cancel_reason = "timeout"
-            pending.append(sse(error_body(str(exc), type_="server_error", code="timeout")))
-            yield "".join(pending)
+            yield "".join(pending) + sse(error_body(str(exc), type_="server_error", code="timeout"))
             return
         except ApiError as exc:
             cancel_reason = "relay_failed"
-            pending.append(sse(exc.body()))
-            yield "".join(pending)
+            yield "".join(pending) + sse(exc.body())
             return
         cancel_reason = None
         failure = stream_failure(assembler)
         if failure is not None:
-            pending.append(sse(failure.body()))
-            yield "".join(pending)
+            yield "".join(pending) + sse(failure.body())
             return
         assert assembler.done is not None
         pending.extend(chunk(choice) for choice in chunks.close_all(assembler))
