@@ -114,7 +114,7 @@ else
         model_dir=/dev/shm/sluicegate-gpu-model
     fi
     phase env 60 environment
-    phase tests 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests/unit/engine
+    phase tests 180 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests/unit/engine
     phase parity 90 "$PY" -m benchmarks.gpu_parity
     phase lora 120 lora_phase --device cuda
     phase bench $((budget + 90)) "$PY" benchmarks/engine_gpu.py --budget-s "$budget" --model-dir "$model_dir" \

@@ -53,6 +53,22 @@ def best_ms(steps: dict[str, Callable[[], object]], rounds: int, device: torch.d
     return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
+def graphed(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` captured once in a CUDA graph (after a warm-up run that compiles its kernels); returns the replay.
+
+    The engine runs adapter steps eagerly today, so the eager time is what serving pays; the replay is what the
+    same kernels cost without the host's launch overhead, i.e. what capturing adapter steps would buy."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def model_calls(
     tokens: int, slots: int, rank: int, dtype: torch.dtype, device: torch.device, targets: set[str]
 ) -> tuple[Callable[[], None], Callable[[LoRABatch], None]]:
@@ -106,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     targets = set(args.targets.split(","))
     print(f"torch {torch.__version__}, {device}, {args.threads} thread(s), best of {args.rounds}, rank {args.rank}, "
           f"targets {args.targets}, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    print("| dtype | batch | base linears ms | add_lora gather ms | add_lora segments ms |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    cuda = device.type == "cuda"
+    extra = (" base in a CUDA graph ms | add_lora in a CUDA graph ms |", " ---: | ---: |") if cuda else ("", "")
+    print("| dtype | batch | base linears ms | add_lora gather ms | add_lora segments ms |" + extra[0])
+    print("| --- | --- | ---: | ---: | ---: |" + extra[1])
     decode = [(i % args.adapters, 1) for i in range(args.tokens)]
     per = args.prefill // args.prefill_segments
     prefill = [(i % args.adapters, per) for i in range(args.prefill_segments)]
@@ -118,18 +136,19 @@ def main(argv: list[str] | None = None) -> int:
             base_step, lora_step = model_calls(tokens, args.adapters, args.rank, dtype, device, targets)
             batch = LoRABatch.from_runs(runs, device)
             # Both torch strategies whatever the threshold picks (on CUDA both read as the Triton path).
-            ms = best_ms(
-                {
-                    "base": base_step,
-                    "gather": lambda b=dataclasses.replace(batch, use_segments=False), f=lora_step: f(b),
-                    "segments": lambda b=dataclasses.replace(batch, use_segments=True), f=lora_step: f(b),
-                },
-                args.rounds,
-                device,
-            )
+            steps: dict[str, Callable[[], object]] = {
+                "base": base_step,
+                "gather": lambda b=dataclasses.replace(batch, use_segments=False), f=lora_step: f(b),
+                "segments": lambda b=dataclasses.replace(batch, use_segments=True), f=lora_step: f(b),
+            }
+            if cuda:
+                steps["base graph"] = graphed(base_step)
+                steps["lora graph"] = graphed(lambda b=batch, f=lora_step: f(b))
+            ms = best_ms(steps, args.rounds, device)
             chosen = "segments" if batch.use_segments else "gather"
+            graph_cols = f" {ms['base graph']:.2f} | {ms['lora graph']:.2f} |" if cuda else ""
             print(f"| {str(dtype).removeprefix('torch.')} | {name} (picks {chosen}) | {ms['base']:.1f} | "
-                  f"{ms['gather']:.1f} | {ms['segments']:.1f} |", flush=True)  # fmt: skip
+                  f"{ms['gather']:.1f} | {ms['segments']:.1f} |{graph_cols}", flush=True)  # fmt: skip
     return 0
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gpu_workers.engine.quantization import (
+    CPU_QUANTIZATIONS,
     SUPPORTED_QUANTIZATIONS,
     BitsAndBytesUnavailableError,
     CpuInt4Linear,
@@ -288,6 +289,10 @@ def test_weight_memory_bytes_counts_tied_weights_once() -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_quantize_llama_on_gpu(method: str, float_model: LlamaForCausalLM, prompts: torch.Tensor) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
+    if method in CPU_QUANTIZATIONS:  # kept for torch's CPU kernels: refused on a GPU with the formats to use there
+        with pytest.raises(QuantizationUnsupportedError, match=r"needs device='cpu'.*AWQ / GPTQ"):
+            quantize_model(copy.deepcopy(float_model).to(device), method)
+        return
     if method == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         with pytest.raises(QuantizationUnsupportedError, match="compute capability"):
             check_quantization_supported(method, device)
