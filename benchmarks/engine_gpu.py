@@ -29,6 +29,8 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
    draft model (a quarter of the layers, the target's others silenced: ``spec_decode_cpu.build_draft``).
 8. tensor parallelism over every visible GPU (skipped with one GPU): decode ITL at c=1 and tok/s at c=8
    against one GPU, greedy outputs checked equal.
+9. multi-LoRA (``benchmarks/lora_gpu.py``): rank-16 q/v adapters against base requests at c=1 and c=8, with the
+   decode graphs' LoRA variants and eagerly.
 
 Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
@@ -67,13 +69,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Everything is local; never let a library try the hub (the GPU box has no network).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks import lora_gpu
 from benchmarks.common import fmt, percentile
 from benchmarks.int4_checkpoint import write_random_int4
 from benchmarks.kv_cache_fp8 import Workload as KVFp8Workload
 from benchmarks.kv_cache_fp8 import compare as compare_kv_cache_dtypes
 from benchmarks.kv_cache_fp8 import report as kv_cache_report
 from benchmarks.spec_decode_cpu import build_draft, compare_speculation, edit_workload, generate_greedy
-from gpu_workers.engine import EngineConfig, LLMEngine, SamplingParams
+from gpu_workers.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from gpu_workers.engine.models.random_checkpoint import SPECIAL_TOKENS, build_tokenizer
 from gpu_workers.engine.quantization import check_quantization_supported, weight_memory_bytes
 
@@ -200,7 +203,7 @@ def smoke_setup(budget_s: float) -> Setup:
 
 # What --skip takes: parts of the bf16 engine's run, then the later phases (later_phases()).
 ENGINE_PHASES = ("sweep", "cascade_off", "prefix_off")
-LATER_PHASES = ("fp8", "bnb-int8", "bnb-nf4", "awq", "gptq", "ngram", "draft_model", "tp", "peers", "kv_fp8")
+LATER_PHASES = ("fp8", "bnb-int8", "bnb-nf4", "awq", "gptq", "ngram", "draft_model", "tp", "lora", "peers", "kv_fp8")
 PHASES = ENGINE_PHASES + LATER_PHASES
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -404,6 +407,7 @@ def make_engine(
     max_num_seqs: int | None = None,
     speculative_config: dict[str, Any] | None = None,
     tensor_parallel_size: int = 1,
+    **options: Any,
 ) -> LLMEngine:
     config = EngineConfig(
         speculative_config=speculative_config,
@@ -415,6 +419,7 @@ def make_engine(
         max_num_seqs=max_num_seqs or setup.max_num_seqs,
         quantization=quantization,
         seed=0,
+        **options,
     )
     start = time.perf_counter()
     engine = LLMEngine(config)
@@ -452,14 +457,16 @@ def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def burst(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> RunStats:
-    """Submit every prompt at once and step until all finish."""
+def burst(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, loras: list[LoRARequest | None] | None = None
+) -> RunStats:
+    """Submit every prompt at once (prompt ``i`` with ``loras[i]``, when given) and step until all finish."""
     stats = RunStats()
     submitted: dict[str, float] = {}
     times: dict[str, list[float]] = {}
     start = time.perf_counter()
-    for prompt in prompts:
-        rid = engine.add_request(prompt, _params(max_tokens))
+    for i, prompt in enumerate(prompts):
+        rid = engine.add_request(prompt, _params(max_tokens), lora_request=loras[i] if loras else None)
         submitted[rid] = time.perf_counter()
         times[rid] = []
     while engine.has_unfinished():
@@ -847,6 +854,8 @@ def print_report(results: dict[str, Any]) -> None:
             print(f"\n- {label} decode at concurrency 1: ITL p50 {q['itl_p50_ms']:.2f} ms.")
         elif q:
             print(f"\n- {label}: {q.get('skipped')}")
+    if "rows" in results.get("lora", {}):
+        print("\n" + lora_gpu.report(results["lora"]))
     if "capacity_ratio" in results.get("kv_fp8", {}):
         print("\n" + kv_cache_report(results["kv_fp8"], "FP8 KV cache against the bf16 cache (Triton backend)"))
     if results["budget_skipped"]:
@@ -1100,6 +1109,7 @@ def later_phases(
         ("ngram", "spec_decode", 60, lambda: spec_phase(setup, path)),
         ("draft_model", "spec_draft_model", 60, lambda: spec_phase(setup, path, "draft_model")),
         ("tp", "tensor_parallel", 120, lambda: tp_phase(setup, path)),
+        ("lora", "lora", 90, lambda: lora_gpu.lora_phase(setup, path, make_engine, burst, log)),
         (
             "peers",
             "hf_peers",

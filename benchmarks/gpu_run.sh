@@ -21,7 +21,7 @@
 #   --only      comma-separated subset of env,tests,parity,lora,bench
 #   --budget-s  engine_gpu.py's wall-clock budget (default 240)
 #   --skip      passed to engine_gpu.py --skip (sweep, cascade_off, prefix_off, fp8, bnb-int8, bnb-nf4, awq, gptq,
-#               ngram, draft_model, tp, peers, kv_fp8)
+#               ngram, draft_model, tp, lora, peers, kv_fp8)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

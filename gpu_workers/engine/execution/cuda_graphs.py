@@ -18,6 +18,10 @@ once. Capture fixes every tensor address and every host-side launch decision, so
 * With a backend that has a cascade path, buckets of two or more rows get a second graph that
   runs cascade attention reading the shared-prefix length from device memory; the runner picks it
   when the batch shares a prefix (see ``ModelRunner``), the plain graph otherwise.
+* With LoRA adapters (``lora=`` the model's ``LoRAContext``), every bucket also gets a graph with the LoRA
+  layers on: a per-row ``LoRABatch`` reads each row's adapter slot from a static buffer (-1 for base and
+  padding rows), so one graph serves any mix of resident adapters. Eager, such a step pays two kernel
+  launches per adapted projection slice, which on an H100 made it ~8x the base step's launches (docs/benchmarks.md).
 
 Only decode-only batches replay graphs; prefill and mixed steps run eagerly. Graphs are captured
 on CUDA only, after the KV cache is allocated (its addresses are baked in), with the attention
@@ -30,6 +34,7 @@ eagerly, which is how the padding logic is checked on a CPU.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import AttentionMetadata
+from ..lora.kernels import LoRABatch
+from ..lora.layers import LoRAContext
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +83,8 @@ class DecodeRows:
     block_tables: list[list[int]]
     # Whole-block prefix all rows share physically (0: none, or cascade not wanted).
     common_prefix_len: int = 0
+    # Each row's LoRA adapter slot (-1: the base model); None when no row uses an adapter.
+    lora_slots: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -84,7 +93,9 @@ class DecodeRows:
 class StaticDecodeBuffers:
     """Fixed-address device tensors a captured decode graph reads, plus their host staging."""
 
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device, *, lora: bool = False
+    ) -> None:
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
@@ -106,6 +117,12 @@ class StaticDecodeBuffers:
         self._host_i32 = torch.empty(max_batch + 1, dtype=torch.int32, pin_memory=pin)
         self._host_i64.copy_(self._i64)
         self._host_i32.copy_(self._i32)
+        # LoRA: each row's adapter slot (-1: base model or padding), and the per-row segments' constant lengths.
+        self.lora_slots: torch.Tensor | None = None
+        if lora:
+            self.lora_slots = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+            self._lora_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+            self._host_lora = torch.full((max_batch,), -1, dtype=torch.int32, pin_memory=pin)
         # Block tables are staged compactly ([rows, used width]) so a step copies only what it uses.
         self._host_tables = torch.empty(max_batch * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         # Marks when the last copies out of the staging buffers are done; a step that samples
@@ -126,6 +143,14 @@ class StaticDecodeBuffers:
             # itself is read from prefix_len when the graph runs.
             common_prefix_len=self.block_size if cascade else 0,
             common_prefix_len_device=self.prefix_len if cascade else None,
+        )
+
+    def lora_batch(self, batch_size: int) -> LoRABatch:
+        """The per-row ``LoRABatch`` of the first ``batch_size`` rows; fixed for the life of a graph."""
+        if self.lora_slots is None:
+            raise RuntimeError("these decode buffers were built without LoRA slots")
+        return LoRABatch.per_row(
+            self.lora_slots[:batch_size], self.query_start_loc[:batch_size], self._lora_lens[:batch_size]
         )
 
     def load(self, rows: DecodeRows, batch_size: int) -> None:
@@ -149,6 +174,11 @@ class StaticDecodeBuffers:
         # Whole buffers (a few KiB, contiguous): rows past batch_size are not read by this bucket.
         self._i64.copy_(host64, non_blocking=True)
         self._i32.copy_(host32, non_blocking=True)
+        if self.lora_slots is not None:
+            self._host_lora[:batch_size] = torch.tensor((rows.lora_slots or [-1] * n) + [-1] * pad, dtype=torch.int32)
+            self.lora_slots.copy_(self._host_lora, non_blocking=True)
+        elif rows.lora_slots is not None:
+            raise ValueError("a decode batch with LoRA slots, but these buffers were built without them")
         # Entries past a row's own blocks are never read, so only the used width is written.
         host_tables = self._host_tables[: n * width].view(n, width)
         host_tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in rows.block_tables], dtype=torch.int32))
@@ -171,6 +201,7 @@ class DecodeGraphRunner:
         *,
         cascade: bool,
         capture: bool = True,
+        lora: LoRAContext | None = None,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -179,9 +210,12 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         self.cascade = cascade
         self.capture_enabled = capture
-        self.buffers = StaticDecodeBuffers(self.sizes[-1], -(-max_model_len // block_size), block_size, device)
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.lora = lora
+        blocks = -(-max_model_len // block_size)
+        self.buffers = StaticDecodeBuffers(self.sizes[-1], blocks, block_size, device, lora=lora is not None)
+        # Keyed by (batch size, cascade, LoRA layers on).
+        self._graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool, bool], torch.Tensor] = {}
         self.num_replays = 0
 
     @property
@@ -192,9 +226,17 @@ class DecodeGraphRunner:
     def num_captured(self) -> int:
         return len(self._graphs)
 
-    def variants(self, size: int) -> list[bool]:
-        """Cascade on/off variants worth having for a bucket (cascade needs two rows)."""
-        return [False, True] if self.cascade and size >= 2 else [False]
+    def variants(self, size: int) -> list[tuple[bool, bool]]:
+        """(cascade, LoRA) variants worth having for a bucket: cascade needs two rows, LoRA an engine with adapters."""
+        cascades = [False, True] if self.cascade and size >= 2 else [False]
+        loras = [False, True] if self.lora is not None else [False]
+        return [(cascade, lora) for cascade in cascades for lora in loras]
+
+    def _lora_active(self, size: int, with_lora: bool) -> contextlib.AbstractContextManager[None]:
+        """The LoRA layers' per-row batch around a forward of a LoRA variant; nothing for the others."""
+        if not with_lora or self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.active(self.buffers.lora_batch(size))
 
     def capture(self) -> None:
         """Capture every bucket, largest first, all in one memory pool (graphs replay one at a
@@ -205,17 +247,18 @@ class DecodeGraphRunner:
         buf = self.buffers
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                for cascade in self.variants(size):
+                for cascade, with_lora in self.variants(size):
                     meta = buf.metadata(size, self.max_model_len, cascade)
                     ids, positions = buf.input_ids[:size], buf.positions[:size]
-                    # A real run first: compiles kernels and settles lazily built state outside capture.
-                    self.forward(ids, positions, meta)
-                    torch.cuda.synchronize(buf.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = self.forward(ids, positions, meta)
-                    self._graphs[(size, cascade)] = graph
-                    self._outputs[(size, cascade)] = out
+                    with self._lora_active(size, with_lora):
+                        # A real run first: compiles kernels and settles lazily built state outside capture.
+                        self.forward(ids, positions, meta)
+                        torch.cuda.synchronize(buf.device)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            out = self.forward(ids, positions, meta)
+                    self._graphs[(size, cascade, with_lora)] = graph
+                    self._outputs[(size, cascade, with_lora)] = out
         torch.cuda.synchronize(buf.device)
         logger.info("captured %d decode CUDA graphs for batch sizes %s", len(self._graphs), self.sizes)
 
@@ -227,14 +270,17 @@ class DecodeGraphRunner:
         if size is None:
             raise ValueError(f"decode batch of {n} rows exceeds the largest captured size {self.max_batch}")
         cascade = self.cascade and rows.common_prefix_len > 0
+        with_lora = rows.lora_slots is not None
+        if with_lora and self.lora is None:
+            raise ValueError("a decode batch with LoRA slots, but this runner has no LoRA layers")
         self.buffers.load(rows, size)
-        key = (size, cascade)
+        key = (size, cascade, with_lora)
         graph = self._graphs.get(key)
         if graph is None:
             # Not captured (capture=False): the same padded inputs, run eagerly.
             buf = self.buffers
             meta = buf.metadata(size, self.max_model_len, cascade)
-            with torch.inference_mode():
+            with torch.inference_mode(), self._lora_active(size, with_lora):
                 return self.forward(buf.input_ids[:size], buf.positions[:size], meta)[:n]
         graph.replay()
         self.num_replays += 1

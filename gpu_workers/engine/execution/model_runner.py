@@ -16,8 +16,8 @@ per-KV-head scales (``attention/kv_quant.py``) that every layer's attention read
 checkpoint does not give are computed on the cache's first step (run eagerly), then fixed.
 
 With LoRA adapters (``lora/``) each step's ``LoRABatch`` (a slot per token, from ``PreparedBatch.runs``) is set
-on the model's ``LoRAContext`` around the forward. Decode CUDA graphs are captured without adapters: a decode
-batch in which some sequence uses an adapter runs eagerly, base-model decode batches still replay graphs.
+on the model's ``LoRAContext`` around the forward. Decode CUDA graphs have a LoRA variant per bucket: a decode
+batch in which some sequence uses an adapter replays it with each row's slot written into a static buffer.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ class ModelRunner:
             self.device,
             cascade=self.use_cascade,
             capture=capture,
+            lora=self.lora.context if self.lora is not None else None,
         )
         graphs.capture()
         self.decode_graphs = graphs
@@ -364,10 +365,8 @@ class ModelRunner:
         # An FP8 cache without given scales computes them on its first step, eagerly (never in a graph).
         calibrate = self.kv_scales is not None and not self.kv_scales.fixed
         decode_only = all(n == 1 for n in batch.num_new_tokens) and not any(s.pooling for s in batch.seqs)
-        # Graphs were captured without adapters: a batch using one runs eagerly.
-        uses_lora = self.lora is not None and any(s.lora_request is not None for s in batch.seqs)
         fits = graphs is not None and len(batch.seqs) <= graphs.max_batch
-        if graphs is not None and fits and not calibrate and decode_only and not uses_lora:
+        if graphs is not None and fits and not calibrate and decode_only:
             return self._execute_decode_graph(graphs, batch.seqs)
         prepared = self.prepare(batch)
         prepared.meta.calibrate_kv_scales = calibrate
@@ -435,6 +434,8 @@ class ModelRunner:
         self, graphs: DecodeGraphRunner, seqs: list[Sequence]
     ) -> tuple[list[Sequence], torch.Tensor | None]:
         rows = self._decode_rows(seqs)
+        if self.lora is not None:
+            rows.lora_slots = self.lora.row_slots(seqs)
         logits_rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
         hidden = graphs.run(rows)
         if not logits_rows:

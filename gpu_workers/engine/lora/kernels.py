@@ -7,6 +7,10 @@ attribute reads. Adapter weights are slot-stacked per projection slice: ``a [S, 
 ``b [S, out, R]`` with every adapter's rank zero-padded to ``R``; padded rows/columns are zeros, so
 they add nothing.
 
+A decode CUDA graph replays one fixed batch shape, so it uses :meth:`LoRABatch.per_row`: one segment per row of a
+padded decode batch, reading each row's slot from a device buffer the runner rewrites before every replay (-1 for
+base-model and padding rows, which every path masks). Nothing in it depends on which adapters a step uses.
+
 Dispatch: the Triton kernels (``triton_lora.py``, segment style) on CUDA tensors, or on CPU tensors
 under Triton's interpreter when :data:`TRITON_ON_CPU` is set (the unit tests); the torch path
 everywhere else. The torch path has two strategies, chosen per step in :meth:`LoRABatch.from_runs`:
@@ -58,8 +62,42 @@ class LoRABatch:
     lora_tokens: torch.Tensor
     lora_slots: torch.Tensor
     num_lora_tokens: int
-    max_slot: int  # -1 when no token uses an adapter
+    max_slot: int  # -1 when no token uses an adapter, or when unknown on the host (``per_row``)
     use_segments: bool  # the torch path's strategy for this step
+    # ``per_row``: the slots live only in device memory and may be -1 (base or padding row), so the host lists
+    # hold no slots and every row counts as an adapter token (the gather path masks the -1 rows).
+    slots_on_device: bool = False
+
+    @property
+    def num_segments(self) -> int:
+        """Segments the Triton kernels' grid covers (host int)."""
+        return len(self.seg_lens_list)
+
+    @classmethod
+    def per_row(cls, slots: torch.Tensor, starts: torch.Tensor, ones: torch.Tensor) -> LoRABatch:
+        """A decode batch of ``len(slots)`` one-token rows whose adapter slots are read from ``slots`` (int32 device
+        tensor, -1 = base model) when the kernels run, not when the batch is built: the form a CUDA graph captures
+        once and replays with new slots. ``starts`` must hold ``0..len(slots)-1`` and ``ones`` ones (int32, as long)."""
+        rows = slots.shape[0]
+        if starts.shape[0] != rows or ones.shape[0] != rows:
+            raise ValueError(f"per-row LoRA batch: {rows} slots, {starts.shape[0]} starts, {ones.shape[0]} lengths")
+        return cls(
+            token_slots=slots,
+            num_tokens=rows,
+            seg_starts=starts,
+            seg_lens=ones,
+            seg_slots=slots,
+            seg_starts_list=tuple(range(rows)),
+            seg_lens_list=(1,) * rows,
+            seg_slots_list=(),
+            max_seg_len=1,
+            lora_tokens=starts,
+            lora_slots=slots,
+            num_lora_tokens=rows,
+            max_slot=-1,
+            use_segments=False,
+            slots_on_device=True,
+        )
 
     @classmethod
     def from_runs(cls, runs: list[tuple[int, int]], device: torch.device | str) -> LoRABatch:
@@ -160,7 +198,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         if triton_add is not None:
             triton_add(ys, x, a, b, scales, batch)
             return
-    if batch.use_segments:
+    if batch.use_segments and not batch.slots_on_device:
         _add_lora_segments(ys, x, a, b, scales, batch)
     else:
         _add_lora_gather(ys, x, a, b, scales, batch)
@@ -190,11 +228,15 @@ def _add_lora_gather(ys: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     """Per-token gathered weights, two batched matrix-vector products: a fixed number of ops per call."""
     all_lora = batch.num_lora_tokens == batch.num_tokens
     slots = batch.lora_slots
+    row_scales: torch.Tensor | None = None
+    if batch.slots_on_device:  # rows of slot -1 read slot 0's weights, scaled by zero
+        row_scales = scales.index_select(0, slots.clamp(min=0)) * (slots >= 0)
+        slots = slots.clamp(min=0)
     xl = x if all_lora else x.index_select(0, batch.lora_tokens)
     # [L, 1, in] @ [L, in, R]: the row-vector orientation is the one CPU bmm kernels run fast.
     h = torch.bmm(xl.unsqueeze(1), a.index_select(0, slots).transpose(1, 2))
     # Scale in fp32 (the opmath of the in-place mul), rounded once to x's dtype.
-    h.mul_(scales.index_select(0, slots).view(-1, 1, 1))
+    h.mul_((row_scales if row_scales is not None else scales.index_select(0, slots)).view(-1, 1, 1))
     delta = torch.bmm(b.index_select(0, slots), h.transpose(1, 2)).squeeze(2)
     if all_lora:
         ys.add_(delta)

@@ -87,8 +87,11 @@ class LoRALinear(nn.Module):
         if batch is None or not batch.has_lora:
             return y
         xl = x if x.dtype == self.lora_dtype else x.to(self.lora_dtype)
+        # A batch whose slots are read on the device (a decode CUDA graph) computes every slice: which slices the
+        # resident adapters target may change after capture, and an untargeted slice's zero weights add nothing.
+        every_slice = batch.slots_on_device
         for s, a, b, scales, targeting in zip(self.slices, self.a, self.b, self.scales, self.targeting, strict=True):
-            if targeting:
+            if targeting or every_slice:
                 add_lora(y, xl, a, b, scales, batch, out_offset=s.out_offset)
         return y
 

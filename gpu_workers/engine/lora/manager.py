@@ -5,7 +5,8 @@
   a queued request cannot find its adapter gone; past ``max_cpu_loras`` the least recently used unused one goes.
 * The scheduler calls ``on_add`` / ``on_finish`` as sequences enter and leave, and ``acquire`` / ``release`` as
   they start and stop running: ``acquire`` pins the adapter into a device slot or says the sequence must wait.
-* The model runner asks ``batch_for`` for the step's ``LoRABatch`` and sets it with ``context.active``.
+* The model runner asks ``batch_for`` for the step's ``LoRABatch`` and sets it with ``context.active``, or, for a
+  decode step replayed as a CUDA graph, ``row_slots`` for the slots it writes into the graph's buffer.
 
 An id is the adapter's identity for the engine's life (it seeds the prefix cache's block hashes), so an id seen
 before with another name is refused (another path is taken as a copy of the same adapter).
@@ -171,13 +172,19 @@ class LoRAManager:
         """The step's ``LoRABatch`` for ``(sequence, new tokens)`` in token order; None when no token uses one."""
         if not any(seq.lora_request is not None for seq, _ in runs):
             return None
-        slot_runs = []
-        for seq, n in runs:
-            slot = -1
-            if seq.lora_request is not None:
-                found = self.slots.slot_of(seq.lora_request.lora_int_id)
-                if found is None:
-                    raise RuntimeError(f"request {seq.request_id} runs without its adapter in a device slot")
-                slot = found
-            slot_runs.append((slot, n))
-        return LoRABatch.from_runs(slot_runs, self.device)
+        return LoRABatch.from_runs([(self.slot_for(seq), n) for seq, n in runs], self.device)
+
+    def row_slots(self, seqs: list[Sequence]) -> list[int] | None:
+        """Each decode row's adapter slot (-1: base model), for a decode CUDA graph; None when no row uses one."""
+        if not any(seq.lora_request is not None for seq in seqs):
+            return None
+        return [self.slot_for(seq) for seq in seqs]
+
+    def slot_for(self, seq: Sequence) -> int:
+        """The device slot of the sequence's adapter, -1 for a base-model sequence."""
+        if seq.lora_request is None:
+            return -1
+        slot = self.slots.slot_of(seq.lora_request.lora_int_id)
+        if slot is None:
+            raise RuntimeError(f"request {seq.request_id} runs without its adapter in a device slot")
+        return slot

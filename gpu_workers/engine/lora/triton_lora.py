@@ -163,7 +163,7 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
 def add_lora_triton(ys: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
                     batch: LoRABatch) -> None:  # fmt: skip
     """``ys [T, out]`` (a column slice of y) ``+=`` the LoRA delta of every segment; shapes checked by the caller."""
-    num_segs = len(batch.seg_slots_list)
+    num_segs = batch.num_segments
     if num_segs == 0:
         return
     rank, in_features = a.shape[1], a.shape[2]

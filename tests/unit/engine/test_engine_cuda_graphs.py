@@ -78,6 +78,25 @@ def test_static_buffers_pad_rows_so_they_store_nothing() -> None:
         buf.load(DecodeRows([1], [0], [0], [1], [list(range(7))]), batch_size=1)
 
 
+def test_static_buffers_carry_lora_slots_with_padding_rows_on_the_base_model() -> None:
+    buf = StaticDecodeBuffers(max_batch=8, max_blocks_per_seq=4, block_size=16, device=torch.device("cpu"), lora=True)
+    assert buf.lora_slots is not None
+    rows = DecodeRows([1, 2, 3], [0, 0, 0], [0, 16, 32], [1, 1, 1], [[0], [1], [2]], lora_slots=[2, -1, 0])
+    buf.load(rows, batch_size=4)
+    assert buf.lora_slots[:4].tolist() == [2, -1, 0, -1]
+    batch = buf.lora_batch(4)
+    assert batch.slots_on_device and batch.num_tokens == 4 and batch.num_segments == 4
+    assert batch.seg_starts.tolist() == [0, 1, 2, 3] and batch.seg_lens.tolist() == [1, 1, 1, 1]
+    # The batch reads the buffer itself: the next step's slots show through the same batch object.
+    buf.load(DecodeRows([1, 2], [1, 1], [1, 17], [2, 2], [[0], [1]]), batch_size=2)
+    assert batch.seg_slots.tolist() == [-1, -1, 0, -1] and buf.lora_slots[:2].tolist() == [-1, -1]
+    plain = StaticDecodeBuffers(max_batch=4, max_blocks_per_seq=4, block_size=16, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="without them"):
+        plain.load(rows, batch_size=4)
+    with pytest.raises(RuntimeError, match="without LoRA slots"):
+        plain.lora_batch(2)
+
+
 def test_graphs_need_cuda_and_are_off_on_cpu(model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]) -> None:
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphRunner(lambda *a: a[0], [1, 2], 64, 16, torch.device("cpu"), cascade=False, capture=True)

@@ -49,6 +49,10 @@ def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
     assert results["tensor_parallel"]["greedy_equal"] is True
     # Draft-model speculation (the target's first layers as the draft) ran and kept greedy output exact.
     assert results["spec_draft_model"]["c1"]["verification_steps"] > 0
+    # Multi-LoRA through the engine: base and adapter rows at c=1 and c=8, eager here (no CUDA graphs on a CPU).
+    lora_rows = results["lora"]["rows"]
+    assert [r["workload"] for r in lora_rows[:4]] == ["c=1, base", "c=1, adapter", "c=8, base", "c=8, 4 adapters"]
+    assert len(lora_rows) == 8 and all(r["itl_p50_ms"] > 0 and r["tok_s"] > 0 for r in lora_rows)
     names = [t["name"] for t in results["targets"]]
     assert "c=1 decode ITL p50 / floor (weights read per token)" in names and "tok/s vs transformers CB, c=4" in names
 

@@ -234,3 +234,28 @@ def test_triton_kernels_mask_base_and_padding_segments(monkeypatch: pytest.Monke
     ref = _reference(y, x, a, b, scales, token_slots, 0)
     add_lora(y, x, a, b, scales, per_token)
     _assert_matches(y, ref)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_per_row_batch_reads_slots_when_it_runs(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LoRABatch.per_row`` (a decode graph's batch): the slots are read from the device buffer at each call, so a
+    buffer rewritten after the batch was built takes effect; base and padding rows (-1) stay untouched on both paths,
+    even with a poison slot 0 an unmasked -1 would read."""
+    device = _triton_ready(monkeypatch) if path == "triton" else "cpu"
+    rows = 6
+    slots = torch.full((rows,), 3, dtype=torch.int32, device=device)  # stale: overwritten below
+    batch = LoRABatch.per_row(
+        slots, torch.arange(rows, dtype=torch.int32, device=device), torch.ones(rows, dtype=torch.int32, device=device)
+    )
+    assert batch.has_lora and batch.num_segments == rows and batch.max_seg_len == 1 and batch.slots_on_device
+    a, b, scales, _ = _stacks(4, 16, 40, 30, torch.float32, device, 9)
+    scales[0] = 1e3  # the poison slot
+    token_slots = [2, -1, 0, 3, -1, -1]
+    slots.copy_(torch.tensor(token_slots, dtype=torch.int32))
+    x = torch.randn(rows, 40, device=device)
+    y = torch.randn(rows, 30, device=device)
+    ref = _reference(y, x, a, b, scales, token_slots, 0)
+    add_lora(y, x, a, b, scales, batch)
+    _assert_matches(y, ref)
+    with pytest.raises(ValueError, match="per-row LoRA batch"):
+        LoRABatch.per_row(slots, slots[:2], slots)
