@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluicegate.models.naming import default_public_name
+from sluicegate.models.naming import default_public_name, gguf_checkpoint
 from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
 from sluicegate.settings import Settings
 from sluicegate.stack.devstack import StackInfo
@@ -47,7 +47,8 @@ def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None)
     are none. An unnamed model is called by ``default_public_name`` (a GGUF file's stem, lower-cased).
 
     ``model_name`` (the older ``--model-name``) names a single unnamed model. Two models under one public
-    name would share one worker group and one topic, so that is a ``ValueError``, as is an empty part.
+    name would share one worker group and one topic, so that is a ``ValueError``, as is an empty part. A GGUF
+    model gets the CPU dtype and quantization of ``gguf_cpu_options``.
     """
     if not specs:
         return [None]
@@ -58,7 +59,9 @@ def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None)
         path, sep, name = spec.rpartition("=") if "=" in spec else (spec, "", "")
         if not path or (sep and not name):
             raise ValueError(f"--model {spec!r}: expected PATH or PATH=NAME")
-        out.append(ModelSpec(path, name or model_name or default_public_name(path)))
+        dtype, quantization = gguf_cpu_options(path)
+        out.append(ModelSpec(path, name or model_name or default_public_name(path), dtype=dtype,
+                             quantization=quantization))  # fmt: skip
     names = [m.name for m in out if m is not None]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -95,6 +98,18 @@ def default_model_quantization(dtype: str) -> str:
     0.969 dequantized (docs/quality.md).
     """
     return "cpu-int4" if dtype == "bfloat16" else ""
+
+
+def gguf_cpu_options(model: str) -> tuple[str, str]:
+    """(dtype, quantization) a GGUF checkpoint is served in on a CPU, as the default model is: bfloat16 where the CPU
+    has bf16 instructions, with the file's own quantization kept (``gguf``: 4-bit tensors through torch's int4
+    kernel, Q8_0 as int8, other types dequantized), so nothing is quantized further than the file is; float32,
+    dequantized, elsewhere (the int4 kernel is slow in other activation dtypes). ``("", "")`` for anything but a
+    GGUF: a Hugging Face folder keeps the engine's choice."""
+    if gguf_checkpoint(model) is None:
+        return "", ""
+    dtype = default_model_dtype()
+    return dtype, ("gguf" if dtype == "bfloat16" else "")
 
 
 def default_model(settings: Settings, *, model_name: str | None = None) -> ModelSpec:

@@ -24,6 +24,7 @@ from sluicegate.stack.launcher import (
     default_model,
     default_model_dtype,
     default_model_quantization,
+    gguf_cpu_options,
     parse_model_specs,
 )
 
@@ -66,10 +67,34 @@ def test_a_gguf_model_is_named_after_its_file_lower_cased(tmp_path: Path) -> Non
     (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"")
     assert default_public_name(str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")) == "smollm2-135m-instruct.q4_1"
     # A folder whose only checkpoint is one .gguf is that file; a Hugging Face folder keeps its own name.
-    assert parse_model_specs([f"{folder}/"]) == [ModelSpec(f"{folder}/", "smollm2-135m-instruct.q4_1")]
+    dtype, quantization = gguf_cpu_options(str(folder))
+    assert parse_model_specs([f"{folder}/"]) == [
+        ModelSpec(f"{folder}/", "smollm2-135m-instruct.q4_1", dtype=dtype, quantization=quantization)
+    ]
     (folder / "config.json").write_text("{}")
     assert default_public_name(str(folder)) == "smol"
-    assert parse_model_specs([f"{folder}/x.GGUF=mine"]) == [ModelSpec(f"{folder}/x.GGUF", "mine")]
+    assert parse_model_specs([str(folder)]) == [ModelSpec(str(folder), "smol")]  # the engine's dtype
+    assert parse_model_specs([f"{folder}/x.GGUF=mine"]) == [
+        ModelSpec(f"{folder}/x.GGUF", "mine", dtype=dtype, quantization=quantization)
+    ]
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "gguf"), ("float32", "")])
+def test_a_gguf_model_is_served_as_the_default_model_is_on_this_cpu(
+    dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``up --model file.gguf`` on a CPU: bf16 with the file's own quantization kept where the CPU has bf16
+    instructions, float32 dequantized elsewhere; an operator's SLUICEGATE_DTYPE / SLUICEGATE_QUANTIZATION win."""
+    monkeypatch.setattr(launcher, "default_model_dtype", lambda: dtype)
+    monkeypatch.delenv("SLUICEGATE_DTYPE", raising=False)
+    monkeypatch.delenv("SLUICEGATE_QUANTIZATION", raising=False)
+    (spec,) = parse_model_specs([str(tmp_path / "Other-1B.Q4_K_M.gguf")])
+    assert spec is not None and (spec.dtype, spec.quantization) == (dtype, quantization)
+    env = launcher._model_env(spec, "cpu")
+    assert env["SLUICEGATE_DTYPE"] == dtype and env.get("SLUICEGATE_QUANTIZATION", "") == quantization
+    assert "SLUICEGATE_DTYPE" not in launcher._model_env(spec, "cuda")
+    monkeypatch.setenv("SLUICEGATE_DTYPE", "float16")
+    assert "SLUICEGATE_DTYPE" not in launcher._model_env(spec, "cpu")
 
 
 def test_the_default_model_falls_back_to_random_weights_and_says_why(
