@@ -99,7 +99,7 @@ def report(result: dict[str, Any]) -> str:
         "| engine | workload | ITL p50 ms | out tok/s | ITL / same engine's base |",
         "|---|---|---:|---:|---:|",
     ]
-    for r in result["rows"]:
+    for r in rows:
         ratio = r["itl_p50_ms"] / base[(r["mode"], r["workload"].split(",")[0])]
         lines.append(f"| {r['mode']} | {r['workload']} | {r['itl_p50_ms']:.2f} | {r['tok_s']:.0f} | {ratio:.2f}x |")
     return "\n".join(lines)

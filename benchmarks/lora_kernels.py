@@ -56,8 +56,8 @@ def best_ms(steps: dict[str, Callable[[], object]], rounds: int, device: torch.d
 def graphed(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` captured once in a CUDA graph (after a warm-up run that compiles its kernels); returns the replay.
 
-    The engine runs adapter steps eagerly today, so the eager time is what serving pays; the replay is what the
-    same kernels cost without the host's launch overhead, i.e. what capturing adapter steps would buy."""
+    The eager time is what a step the engine runs eagerly pays (prefill and mixed steps); the replay is what the
+    same kernels cost without the host's launch overhead, as in the decode CUDA graphs' LoRA variants."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -230,8 +230,9 @@ def _add_lora_gather(ys: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     slots = batch.lora_slots
     row_scales: torch.Tensor | None = None
     if batch.slots_on_device:  # rows of slot -1 read slot 0's weights, scaled by zero
-        row_scales = scales.index_select(0, slots.clamp(min=0)) * (slots >= 0)
+        valid = slots >= 0
         slots = slots.clamp(min=0)
+        row_scales = scales.index_select(0, slots) * valid
     xl = x if all_lora else x.index_select(0, batch.lora_tokens)
     # [L, 1, in] @ [L, in, R]: the row-vector orientation is the one CPU bmm kernels run fast.
     h = torch.bmm(xl.unsqueeze(1), a.index_select(0, slots).transpose(1, 2))
