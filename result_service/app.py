@@ -24,7 +24,7 @@ from sluicegate.settings import Settings
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, instrument_app
 
-from . import page, sse, websocket
+from . import page, sse, websocket, websocket_mux
 from .context import RelayContext
 from .control_producer import ControlProducer
 from .hub import RelayConfig, StreamHub
@@ -99,6 +99,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.include_router(websocket.router)
+    app.include_router(websocket_mux.router)
     app.include_router(sse.router)
     app.include_router(page.router)
 

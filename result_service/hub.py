@@ -25,11 +25,15 @@ class RelayConfig(FollowerConfig):
     sse_keepalive_s: float = 15.0
     #: CLIENT SETNAME of every connection, so operators can count the service's connections.
     client_name: str = "sluicegate-result"
+    #: Streams one multiplexed socket (``/v1/streams``) may follow at once; each holds a task and a buffer.
+    mux_max_streams: int = 256
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.sse_keepalive_s <= 0:
             raise ValueError(f"RelayConfig.sse_keepalive_s must be > 0, got {self.sse_keepalive_s}")
+        if self.mux_max_streams < 1:
+            raise ValueError(f"RelayConfig.mux_max_streams must be >= 1, got {self.mux_max_streams}")
 
 
 class StreamHub(StreamFollower[Relayed]):

@@ -52,7 +52,10 @@ class RelayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.connections = Counter(
-            "sluicegate_relay_connections", "Relayed connections, by transport.", ["transport"], registry=r
+            "sluicegate_relay_connections",
+            "Relayed connections (streams on a multiplexed socket), by transport.",
+            ["transport"],
+            registry=r,
         )
         self.resumes = Counter(
             "sluicegate_relay_resumes",

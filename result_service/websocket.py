@@ -43,7 +43,7 @@ def _reason(text: str) -> str:
     return text if len(encoded) <= _MAX_REASON else encoded[: _MAX_REASON - 3].decode(errors="ignore") + "..."
 
 
-async def _close(websocket: WebSocket, code: int, reason: str) -> None:
+async def close_socket(websocket: WebSocket, code: int, reason: str) -> None:
     # The client may be gone already; there is nobody left to tell.
     with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
         await websocket.close(code, _reason(reason))
@@ -87,7 +87,7 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
     try:
         grant = authorise(ctx.settings.stream_token_secret, request_id, params.get("token"), params.get("last_id"))
     except (AccessDenied, BadStreamRequest) as exc:
-        await _close(websocket, CLOSE_POLICY_VIOLATION, str(exc))
+        await close_socket(websocket, CLOSE_POLICY_VIOLATION, str(exc))
         return
     # Subscribed before the probe, so that the probe's round trip also wakes the hub's reader for this stream.
     async with ctx.hub.subscribe(grant.request_id, grant.after_seq, wake=False) as sub:
@@ -95,13 +95,13 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
             status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled(), waking=sub)
         except RedisError as exc:
             log.error("relay.probe_failed request_id=%s error=%r", request_id, exc)
-            await _close(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect later")
+            await close_socket(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect later")
             return
         if status is StreamStatus.FINISHED:
-            await _close(websocket, CLOSE_NORMAL, why)
+            await close_socket(websocket, CLOSE_NORMAL, why)
             return
         if status is StreamStatus.EXPIRED:
-            await _close(websocket, CLOSE_STREAM_GONE, why)
+            await close_socket(websocket, CLOSE_STREAM_GONE, why)
             return
 
         with ctx.metrics.relaying("websocket", grant, trace):
@@ -115,22 +115,22 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
     if receiver.done() and not receiver.cancelled() and receiver.exception() is None:
         invalid = receiver.result()
         if invalid is not None:
-            await _close(websocket, CLOSE_POLICY_VIOLATION, invalid)
+            await close_socket(websocket, CLOSE_POLICY_VIOLATION, invalid)
         return  # otherwise the client left
     if sender.cancelled():
         return
     error = sender.exception()
     if error is None:
-        await _close(websocket, CLOSE_NORMAL, "stream finished")
+        await close_socket(websocket, CLOSE_NORMAL, "stream finished")
     elif isinstance(error, SlowConsumer):
         log.info("relay.slow_consumer_dropped request_id=%s", request_id)
         ctx.metrics.slow_consumers.labels("websocket").inc()
-        await _close(websocket, CLOSE_TRY_AGAIN_LATER, "client too slow: reconnect with last_id to resume")
+        await close_socket(websocket, CLOSE_TRY_AGAIN_LATER, "client too slow: reconnect with last_id to resume")
     elif isinstance(error, (WebSocketDisconnect, OSError)):
         return
     elif isinstance(error, RedisError):
         log.error("relay.history_failed request_id=%s error=%r", request_id, error)
-        await _close(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect with last_id")
+        await close_socket(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect with last_id")
     else:
         log.error("relay.failed request_id=%s", request_id, exc_info=error)
-        await _close(websocket, 1011, "internal error; reconnect with last_id")
+        await close_socket(websocket, 1011, "internal error; reconnect with last_id")

@@ -11,6 +11,7 @@ from .adapters import LoRAAdapter
 from .batches import Batch, BatchInputLine, BatchOutputLine, FileObject
 from .control import CancelRequest, DeadLetter, FinalResult, RequestRecord, WorkerHeartbeat
 from .events import StreamEvent
+from .relay import CLIENT_MESSAGE, NOTICE
 from .requests import InferenceRequest
 from .usage import UsageRecord
 
@@ -29,6 +30,8 @@ EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
     "FileObject": FileObject,
     "UsageRecord": UsageRecord,
     "LoRAAdapter": LoRAAdapter,
+    "RelayClientMessage": CLIENT_MESSAGE,
+    "RelayNotice": NOTICE,
 }
 
 #: Where the checked-in copies live.

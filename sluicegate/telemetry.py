@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # Paths whose requests get no HTTP server span: probes and scrapes, and the result service's stream relays
 # (a browser's WebSocket sends no traceparent, so that span was a trace of its own per connection; the relay's
 # span, in the request's own trace, covers the connection: result_service/telemetry.py).
-EXCLUDED_URLS = "healthz,readyz,metrics,v1/streams/"
+EXCLUDED_URLS = "healthz,readyz,metrics,v1/streams"
 
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-([0-9a-f]{2})$")
 
