@@ -189,9 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--api",
-        choices=("native", "openai"),
+        choices=("native", "mux", "openai"),
         default="native",
-        help="native: POST /v1/requests, then follow the stream over the result service's WebSocket; openai: a "
+        help="native: POST /v1/requests, then follow the stream over the result service's WebSocket; mux: the same, "
+        "every stream on one multiplexed WebSocket (/v1/streams) that the load generator keeps open; openai: a "
         "streamed POST /v1/completions, whose events ingress relays itself (the OpenAI SDK's path: no result "
         "service, no second connection)",
     )

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from websockets.protocol import State
 from websockets.uri import parse_uri
 
 from benchmarks import relay
@@ -29,11 +30,13 @@ from sluicegate.settings import Settings
 
 #: Which way the load generator talks to the pipeline: ``native`` POST + WebSocket relay, or ``openai`` streamed
 #: completions from ingress.
-Api = Literal["native", "openai"]
-ROUTES: dict[Api, str] = {"native": "/v1/requests", "openai": "/v1/completions"}
+Api = Literal["native", "mux", "openai"]
+ROUTES: dict[Api, str] = {"native": "/v1/requests", "mux": "/v1/requests", "openai": "/v1/completions"}
 #: What each way is, as the report says it.
 API_PATHS: dict[Api, str] = {
     "native": "POST /v1/requests, then the stream over the result service's WebSocket",
+    "mux": "POST /v1/requests, then the stream on one multiplexed WebSocket of the result service (/v1/streams) that "
+    "follows every request of the run",
     "openai": "POST /v1/completions with stream=true, its server-sent events relayed by ingress (the 'relay' "
     "stage ends at ingress's SSE chunk; 'POST' is the response head; the ingress handler lasts the whole stream)",
 }
@@ -55,21 +58,16 @@ class Sample:
     traced: bool | None = None
 
 
-class _StreamReader(relay.SansIOWebSocket):
-    """Follows one request's stream, stamping events as their bytes arrive, so the client's own scheduling
-    delays do not count as pipeline latency."""
+class _Followed:
+    """One request's stream as a client reads it: events in order, the first token's and the end's arrival."""
 
-    clock = staticmethod(time.time)
-
-    def __init__(self, url: str, sample: Sample) -> None:
-        super().__init__(url)
+    def __init__(self, sample: Sample) -> None:
         self.sample = sample
         self.next_seq = 0
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def on_text(self, data: str | bytes, now: float) -> None:
+    def on_event(self, event: dict[str, Any], now: float) -> bool:
+        """Account for one event; True when it ended the stream."""
         sample = self.sample
-        event = json.loads(data)
         if event["seq"] != self.next_seq and sample.error is None:
             sample.error = f"seq {event['seq']} where {self.next_seq} was due"
         self.next_seq = event["seq"] + 1
@@ -80,6 +78,24 @@ class _StreamReader(relay.SansIOWebSocket):
             sample.done = now
             if event["type"] == "error":
                 sample.error = f"error event: {event.get('code')}: {event.get('message')}"
+            return True
+        return False
+
+
+class _StreamReader(relay.SansIOWebSocket):
+    """Follows one request's stream, stamping events as their bytes arrive, so the client's own scheduling
+    delays do not count as pipeline latency."""
+
+    clock = staticmethod(time.time)
+
+    def __init__(self, url: str, sample: Sample) -> None:
+        super().__init__(url)
+        self.sample = sample
+        self.followed = _Followed(sample)
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_text(self, data: str | bytes, now: float) -> None:
+        self.followed.on_event(json.loads(data), now)
 
     def on_handshake_failed(self, message: str) -> None:
         if self.sample.error is None:
@@ -93,7 +109,71 @@ class _StreamReader(relay.SansIOWebSocket):
             self.closed.set_result(None)
 
 
-async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float) -> None:
+class _MuxReader(relay.SansIOWebSocket):
+    """One multiplexed socket (``/v1/streams``) following every request of a run, each stamped as its bytes
+    arrive."""
+
+    clock = staticmethod(time.time)
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.followed: dict[str, tuple[_Followed, asyncio.Future[None]]] = {}
+        self.lost: Exception | None = None
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self.opened.done() and self.ws.state is State.OPEN:
+            self.opened.set_result(None)
+
+    def follow(self, request_id: str, token: str, sample: Sample) -> asyncio.Future[None]:
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.followed[request_id] = (_Followed(sample), ended)
+        message = {"type": "subscribe", "request_id": request_id, "token": token}
+        self.ws.send_text(json.dumps(message).encode())
+        self._flush()
+        return ended
+
+    def on_text(self, data: str | bytes, now: float) -> None:
+        event = json.loads(data)
+        rid = event.get("request_id")
+        if rid not in self.followed:
+            return
+        followed, ended = self.followed[rid]
+        if event["type"] in ("closed", "invalid"):
+            followed.sample.error = f"{event['type']}: {event}"
+            done = True
+        else:
+            done = followed.on_event(event, now)
+        if done:
+            del self.followed[rid]
+            ended.set_result(None)
+
+    def on_handshake_failed(self, message: str) -> None:
+        self.lost = RuntimeError(message)
+        if not self.opened.done():
+            self.opened.set_exception(self.lost)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = exc or ConnectionError("the multiplexed socket closed")
+        for followed, ended in self.followed.values():
+            followed.sample.error = followed.sample.error or f"multiplexed socket lost: {self.lost!r}"
+            if not ended.done():
+                ended.set_result(None)
+        self.followed.clear()
+
+
+async def _open_mux(stack: Stack) -> _MuxReader:
+    url = stack.result_url.replace("http://", "ws://") + "/v1/streams"
+    uri = parse_uri(url)
+    _, reader = await asyncio.get_running_loop().create_connection(lambda: _MuxReader(url), uri.host, uri.port)
+    await asyncio.wait_for(reader.opened, 10)
+    return reader
+
+
+async def _one_request(
+    client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float, mux: _MuxReader | None = None
+) -> None:
     headers = None
     if sample.traced is not None:
         # A caller's traceparent: the services' parent-based sampler follows its sampled flag (01 or 00).
@@ -108,6 +188,9 @@ async def _one_request(client: Http1Pool, body: dict[str, Any], sample: Sample, 
             return
         submitted = response.json()
         sample.request_id = submitted["request_id"]
+        if mux is not None:
+            await asyncio.wait_for(mux.follow(sample.request_id, submitted["stream_token"], sample), timeout_s)
+            return
         url = f"{submitted['stream_url']}?token={submitted['stream_token']}"
         uri = parse_uri(url)
         loop = asyncio.get_running_loop()
@@ -200,6 +283,7 @@ async def run_rate(
     headers = {"Authorization": f"Bearer {API_KEY}"}
     samples: list[Sample] = []
     host, port = stack.ingress_url.removeprefix("http://").rsplit(":", 1)
+    mux = await _open_mux(stack) if api == "mux" else None
     async with Http1Pool(host, int(port), headers) as client:
         loop = asyncio.get_running_loop()
         tasks = []
@@ -220,10 +304,14 @@ async def run_rate(
                 "ignore_eos": True,
                 **({} if logprobs is None else {"logprobs": logprobs}),
             }
-            one = _one_request if api == "native" else _one_openai_request
-            tasks.append(asyncio.create_task(one(client, body, sample, timeout_s=60)))
+            if api == "openai":
+                tasks.append(asyncio.create_task(_one_openai_request(client, body, sample, timeout_s=60)))
+            else:
+                tasks.append(asyncio.create_task(_one_request(client, body, sample, timeout_s=60, mux=mux)))
         if tasks:
             await asyncio.wait(tasks)
+    if mux is not None and mux.transport is not None:
+        mux.transport.close()
     return samples
 
 
