@@ -234,6 +234,59 @@ def test_a_dropped_websocket_resumes_from_last_id_with_exactly_the_streams_text(
     assert resumed["lastId"] is not None and resumed["firstSeq"] == seq_from_entry_id(resumed["lastId"]) + 1
 
 
+_FOLLOW_TWO_ON_ONE_SOCKET = """
+const [ingress, key, model, streams, done] = arguments;
+const submit = async (prompt) => {
+  const response = await fetch(`${ingress}/v1/requests`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${key}`, "content-type": "application/json" },
+    body: JSON.stringify({ model, prompt, max_tokens: 12, temperature: 0 }),
+  });
+  return response.json();
+};
+(async () => {
+  const socket = new WebSocket(streams);
+  await new Promise((resolve) => (socket.onopen = resolve));
+  const messages = [];
+  const ended = new Set();
+  const submitted = [await submit("one river"), await submit("two gates")];
+  socket.onmessage = (message) => {
+    const event = JSON.parse(message.data);
+    messages.push(event);
+    if (["done", "error", "closed"].includes(event.type)) ended.add(event.request_id);
+    if (ended.size === submitted.length) done({ ids: submitted.map((s) => s.request_id), messages });
+  };
+  socket.send("not json");
+  for (const { request_id, stream_token: token } of submitted) {
+    socket.send(JSON.stringify({ type: "subscribe", request_id, token }));
+  }
+})().catch((error) => done({ error: String(error) }));
+"""
+
+
+def test_a_browser_follows_two_requests_on_one_multiplexed_socket(
+    browser: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """The result service's ``/v1/streams`` in Chromium's own WebSocket: two requests' streams arrive whole on one
+    socket, each exactly as the Redis stream holds it, after an ``invalid`` notice for a bad message."""
+    browser.get(f"{pipeline.result_url}/")  # the page's origin, which ingress's CORS allows
+    browser.set_script_timeout(60)
+    streams = pipeline.result_url.replace("http://", "ws://") + "/v1/streams"
+    got = browser.execute_async_script(
+        _FOLLOW_TWO_ON_ONE_SOCKET, pipeline.ingress_url, pipeline.api_key, pipeline.model, streams
+    )
+    assert "error" not in got, got
+    messages = got["messages"]
+    assert messages[0]["type"] == "invalid"
+    for request_id in got["ids"]:
+        relayed = [m for m in messages if m.get("request_id") == request_id]
+        events = pipeline.wait_stream_end(request_id)
+        assert [m["seq"] for m in relayed] == [e.seq for e in events]
+        assert relayed[-1]["type"] == "done" and stream_text(events) == "".join(
+            m.get("text", "") for m in relayed if m["type"] == "token"
+        )
+
+
 def test_refused_requests_are_explained_to_the_person(
     page: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
 ) -> None:
