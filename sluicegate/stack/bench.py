@@ -1,5 +1,6 @@
-"""``sluicegate bench``: a load generator for any OpenAI-compatible endpoint, and for Sluicegate's own two paths
-that no other tool drives (Kafka-native producers on ``llm.inbound``, and a Batch API job).
+"""``sluicegate bench``: a load generator for any OpenAI-compatible endpoint, and for Sluicegate's own paths that no
+other tool drives (the native API with its streams on one WebSocket, Kafka-native producers on ``llm.inbound``,
+and a Batch API job).
 
 The workload is the prompts of a JSONL dataset (``--dataset``; by default ``data/bench_prompts.jsonl`` shipped
 beside this module, ~100 varied prompts) or synthetic prompts of ``--input-len`` words. Each run of a sweep sends
@@ -26,7 +27,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_DATASET = Path(__file__).resolve().parent / "data" / "bench_prompts.jsonl"
 EXIT_NO_SUCCESS = 1
@@ -103,6 +107,17 @@ def request_body(args: argparse.Namespace, model: str, prompt: Prompt, *, stream
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return path, body
+
+
+def api_error(response: httpx.Response) -> str:
+    """The server's one-line message for a non-2xx answer (OpenAI's error shape, else the body's start)."""
+    try:
+        body = response.json()
+        error = body.get("error", body) if isinstance(body, dict) else {}
+        message = error.get("message") if isinstance(error, dict) else None
+    except ValueError:
+        message = None
+    return f"{response.status_code} {message or response.text[:200].strip() or response.reason_phrase}"
 
 
 # --- what one request measured --------------------------------------------------------------------------------------
@@ -347,7 +362,12 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("--target", choices=["openai", "kafka", "batch"], default="openai", help="default openai")
+    bench.add_argument(
+        "--target",
+        choices=["openai", "native", "kafka", "batch"],
+        default="openai",
+        help="default openai; native: POST /requests, streams on one multiplexed WebSocket",
+    )
     bench.add_argument("--base-url", help="OpenAI base URL (default: SLUICEGATE_API_BASE_URL or the local ingress)")
     bench.add_argument("--api-key", help="API key (default: OPENAI_API_KEY, then SLUICEGATE_API_KEY)")
     bench.add_argument("--model", help="model name (default: the server's first model, or SLUICEGATE_MODEL_NAME)")
@@ -370,11 +390,13 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
     bench.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    native = bench.add_argument_group("--target kafka")
-    native.add_argument("--kafka-bootstrap", help="default: SLUICEGATE_KAFKA_BOOTSTRAP")
-    native.add_argument("--redis-url", help="where the token streams are read (default: SLUICEGATE_REDIS_URL)")
-    native.add_argument("--topic-prefix", help="default: SLUICEGATE_TOPIC_PREFIX")
-    native.add_argument("--priority", choices=["interactive", "standard", "batch"], default="interactive")
+    kafka = bench.add_argument_group("--target kafka")
+    kafka.add_argument("--kafka-bootstrap", help="default: SLUICEGATE_KAFKA_BOOTSTRAP")
+    kafka.add_argument("--redis-url", help="where the token streams are read (default: SLUICEGATE_REDIS_URL)")
+    kafka.add_argument("--topic-prefix", help="default: SLUICEGATE_TOPIC_PREFIX")
+    kafka.add_argument(
+        "--priority", choices=["interactive", "standard", "batch"], default="interactive", help="kafka and native"
+    )
     batch = bench.add_argument_group("--target batch")
     batch.add_argument("--poll-interval", type=float, default=1.0, help="seconds between batch polls (default 1)")
     bench.set_defaults(handler=_bench)

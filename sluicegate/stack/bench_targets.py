@@ -1,10 +1,12 @@
 """``sluicegate bench``'s sweep: the OpenAI-compatible target, the runs of a sweep and the report (the workload,
-statistics and the parser are in :mod:`sluicegate.stack.bench`, the Kafka-native and batch targets in
-``bench_kafka`` and ``bench_batch``).
+statistics and the parser are in :mod:`sluicegate.stack.bench`, the native, Kafka-native and batch targets
+in ``bench_native``, ``bench_kafka`` and ``bench_batch``).
 
 * ``openai``: ``POST {base}/chat/completions`` (or ``/completions``) over ``httpx``, streamed with
   ``stream_options.include_usage`` so the token counts are the server's own; TTFT is the first content chunk,
   ITL the gaps between content chunks. Any OpenAI-compatible server works.
+* ``native``: ``POST {base}/requests``, then the request's stream on one multiplexed WebSocket of the result
+  service (``/v1/streams``) kept for the run (:mod:`sluicegate.stack.bench_native`).
 * ``kafka``: an :class:`~schemas.InferenceRequest` per prompt produced to ``llm.inbound`` (acknowledged, as a
   Kafka-native producer does), then the request's Redis stream (``llm:stream:<id>``) read with ``XREAD BLOCK``
   until its ``done``/``error`` event; TTFT is produce-sent to the first token entry, counts from ``done``'s usage.
@@ -34,6 +36,7 @@ from sluicegate.stack.bench import (
     Prompt,
     Sample,
     Slo,
+    api_error,
     drive,
     load_prompts,
     parse_levels,
@@ -44,18 +47,7 @@ from sluicegate.stack.bench import (
 )
 from sluicegate.stack.bench_batch import batch_table, run_batch
 from sluicegate.stack.bench_kafka import KafkaTarget, unreachable
-
-
-def _api_error(response: httpx.Response) -> str:
-    """The server's one-line message for a non-2xx answer (OpenAI's error shape, else the body's start)."""
-    try:
-        body = response.json()
-        error = body.get("error", body) if isinstance(body, dict) else {}
-        message = error.get("message") if isinstance(error, dict) else None
-    except ValueError:
-        message = None
-    return f"{response.status_code} {message or response.text[:200].strip() or response.reason_phrase}"
-
+from sluicegate.stack.bench_native import NativeTarget
 
 # --- the OpenAI-compatible path ------------------------------------------------------------------------------
 
@@ -75,7 +67,7 @@ class OpenAITarget:
         except httpx.HTTPError as exc:
             raise unreachable(str(self.client.base_url), exc) from exc
         if response.status_code in (401, 403):
-            raise BenchError(f"{self.client.base_url}models: {_api_error(response)} (check --api-key)")
+            raise BenchError(f"{self.client.base_url}models: {api_error(response)} (check --api-key)")
         if response.status_code != 200:
             return  # some servers have no model listing: the first request will say what is wrong
         served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
@@ -92,7 +84,7 @@ class OpenAITarget:
             response = await self.client.post(path, json=body)
             sample.e2e = time.monotonic() - sample.sent
             if response.status_code != 200:
-                sample.error = _api_error(response)
+                sample.error = api_error(response)
                 return
             self._usage(sample, response.json().get("usage"))
             return
@@ -101,7 +93,7 @@ class OpenAITarget:
         async with self.client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                sample.error = _api_error(response)
+                sample.error = api_error(response)
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -175,6 +167,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise BenchError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if not args.stream and args.slo_ttft_ms is not None:
         raise BenchError("--slo-ttft-ms needs streaming (TTFT is not seen with --no-stream)")
+    if args.target == "native" and not args.stream:
+        raise BenchError("--target native always streams (its requests are followed on the result service)")
     if args.target == "batch" and (args.rate or args.concurrency):
         raise BenchError("--target batch sends one batch: --rate and --concurrency do not apply")
 
@@ -187,13 +181,16 @@ async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo) -> l
         else [(int(c), None) for c in parse_levels(args.concurrency or "1", "--concurrency", integer=True)]
     )
     async with _client(args, max((c or len(prompts)) for c, _ in levels)) as http:
-        target: OpenAITarget | KafkaTarget
+        target: OpenAITarget | KafkaTarget | NativeTarget
         if args.target == "kafka":
             target = KafkaTarget(args)
             await target.start()
         else:
             target = OpenAITarget(args, http)
             await target.preflight()
+            if args.target == "native":
+                args.model = target.model
+                target = NativeTarget(args, http)
         args.model = target.model
         runs = []
         try:
@@ -201,14 +198,14 @@ async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo) -> l
                 label = f"rate {rate:g}/s" if rate else f"concurrency {concurrency}"
                 runs.append(await _one_run(args, target, prompts, slo, label, concurrency, rate))
         finally:
-            if isinstance(target, KafkaTarget):
+            if isinstance(target, KafkaTarget | NativeTarget):
                 await target.close()
     return runs
 
 
 async def _one_run(
     args: argparse.Namespace,
-    target: OpenAITarget | KafkaTarget,
+    target: OpenAITarget | KafkaTarget | NativeTarget,
     prompts: list[Prompt],
     slo: Slo,
     label: str,
@@ -268,7 +265,8 @@ def run_bench(args: argparse.Namespace) -> int:
         console.print(batch_table(batch))
     else:
         runs = asyncio.run(_sweep(args, prompts, slo))
-        report |= {"base_url": _base_url(args) if args.target == "openai" else None, "model": args.model, "runs": runs}
+        base_url = _base_url(args) if args.target in ("openai", "native") else None
+        report |= {"base_url": base_url, "model": args.model, "runs": runs}
         console.print(render_table(runs, slo))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,6 +1,7 @@
 """``sluicegate bench`` against the running stack (tiny model), as a user runs it: the OpenAI path at a fixed
-concurrency and at a Poisson rate, its JSON consistent with itself, goodput 0 under an impossible SLO; the
-Kafka-native path (``llm.inbound`` in, Redis stream out); a Batch API job; and one-line errors for bad input."""
+concurrency and at a Poisson rate, its JSON consistent with itself, goodput 0 under an impossible SLO; the native
+path (``POST /v1/requests``, every stream on one multiplexed WebSocket); the Kafka-native path (``llm.inbound`` in,
+Redis stream out); a Batch API job; and one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -95,6 +96,18 @@ def test_kafka_native_path(pipeline: Pipeline, tmp_path: Path) -> None:
     (run,) = got["runs"]
     assert_consistent(run, 4)
     assert run["output_tokens"] == 4 * 6
+
+
+def test_native_path_on_one_multiplexed_socket(pipeline: Pipeline, tmp_path: Path) -> None:
+    got = report(
+        pipeline, tmp_path, "--target", "native", "--concurrency", "1,3", "--num-prompts", "6", "--output-len", "6",
+        "--ignore-eos", "--endpoint", "completions",
+    )  # fmt: skip
+    assert got["model"] == pipeline.model and got["target"] == "native"
+    for run in got["runs"]:
+        assert_consistent(run, 6)
+        assert run["output_tokens"] == 6 * 6  # from each done event's usage
+        assert run["itl_ms"]["p50"] > 0  # several token events per request, each stamped as it arrived
 
 
 def test_batch_path(pipeline: Pipeline, batch_worker: Service, tmp_path: Path) -> None:
