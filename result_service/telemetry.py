@@ -1,11 +1,11 @@
 """The result service's metrics (``GET /metrics``) and its relay span.
 
-Metrics: connections and resumes by ``last_id`` per transport, connections open now, clients dropped as too
-slow, and the hub's fan-out (streams followed, subscribers reading them) read at scrape time. While tracing is
-on, each relayed connection gets a span in the request's own trace, whose context the request's status record
-carries (a browser's WebSocket sends no ``traceparent``). The stream routes get no HTTP server span
-(``sluicegate.telemetry.EXCLUDED_URLS``: it was a one-span trace of its own per connection); were one current,
-the relay span would link to it.
+Metrics: connections and resumes by ``last_id`` per transport, connections open now, multiplexed sockets open now,
+clients dropped as too slow, and the hub's fan-out (streams followed, subscribers reading them) read at scrape time.
+While tracing is on, each relayed connection gets a span in the request's own trace, whose context the request's
+status record carries (a browser's WebSocket sends no ``traceparent``). The stream routes get no HTTP server span
+(``sluicegate.telemetry.EXCLUDED_URLS``: it was a one-span trace of its own per connection); were one current, the
+relay span would link to it.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ class RelayMetrics:
             registry=r,
         )
         self.open = Gauge("sluicegate_relay_open_connections", "Connections relaying now.", ["transport"], registry=r)
+        self.mux_sockets = Gauge(
+            "sluicegate_relay_mux_sockets",
+            "Multiplexed stream sockets (/v1/streams) open now; their streams count as websocket-mux connections.",
+            registry=r,
+        )
         self.slow_consumers = Counter(
             "sluicegate_relay_slow_consumers", "Clients dropped for falling too far behind.", ["transport"], registry=r
         )

@@ -160,13 +160,16 @@ class _Session:
 @router.websocket("/v1/streams")
 async def multiplexed_streams(websocket: WebSocket) -> None:
     """Relay any number of requests' streams on one socket; see the module docstring and :mod:`schemas.relay`."""
-    session = _Session(websocket, relay_context(websocket))
+    ctx = relay_context(websocket)
+    session = _Session(websocket, ctx)
     await websocket.accept()
     receiver = asyncio.create_task(session.receive_commands())
     too_slow = asyncio.create_task(session.too_slow.wait())
+    ctx.metrics.mux_sockets.inc()
     try:
         await asyncio.wait({receiver, too_slow}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        ctx.metrics.mux_sockets.dec()
         await cancel_and_wait(receiver, too_slow)
         await session.close()
     if session.too_slow.is_set():

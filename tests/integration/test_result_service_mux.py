@@ -255,20 +255,27 @@ async def test_a_client_that_stops_reading_is_dropped_with_1013_and_resubscribes
         assert seqs + [e["seq"] for e in rest] == list(range(301))
 
 
+async def gauges(service: Running) -> dict[str, float]:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{service.ws_url.replace('ws://', 'http://')}/metrics")).text
+    wanted = ("sluicegate_relay_subscribers", "sluicegate_relay_mux_sockets")
+    lines = text.splitlines()
+    return {name: float(line.split()[-1]) for line in lines for name in wanted if line.startswith(name + " ")}
+
+
 async def test_the_client_leaving_ends_its_subscriptions(service: Running, redis: Redis, names: Names) -> None:
     request = rid()
     async with connect(f"{service.ws_url}/v1/streams") as ws:
         await ws.send(subscribe(request))
         await append(redis, names, token_events(request, 0, 1))
         await ws.recv()
-    subscribers = -1
+        assert await gauges(service) == {"sluicegate_relay_subscribers": 1, "sluicegate_relay_mux_sockets": 1}
+    now: dict[str, float] = {}
     for _ in range(100):
-        async with httpx.AsyncClient() as http:
-            metrics = (await http.get(f"{service.ws_url.replace('ws://', 'http://')}/metrics")).text.splitlines()
-        subscribers = next(int(float(m.split()[-1])) for m in metrics if m.startswith("sluicegate_relay_subscribers "))
-        if subscribers == 0:
+        now = await gauges(service)
+        if not any(now.values()):
             break
         await asyncio.sleep(0.05)
-    assert subscribers == 0
+    assert now == {"sluicegate_relay_subscribers": 0, "sluicegate_relay_mux_sockets": 0}
     with pytest.raises(ConnectionClosed):
         await ws.recv()
