@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--api",
-        choices=("native", "mux", "openai"),
+        choices=list(API_PATHS),
         default="native",
         help="native: POST /v1/requests, then follow the stream over the result service's WebSocket; mux: the same, "
         "every stream on one multiplexed WebSocket (/v1/streams) that the load generator keeps open; openai: a "

@@ -118,7 +118,6 @@ class _MuxReader(relay.SansIOWebSocket):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.followed: dict[str, tuple[_Followed, asyncio.Future[None]]] = {}
-        self.lost: Exception | None = None
         self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def data_received(self, data: bytes) -> None:
@@ -150,14 +149,13 @@ class _MuxReader(relay.SansIOWebSocket):
             ended.set_result(None)
 
     def on_handshake_failed(self, message: str) -> None:
-        self.lost = RuntimeError(message)
         if not self.opened.done():
-            self.opened.set_exception(self.lost)
+            self.opened.set_exception(RuntimeError(message))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = exc or ConnectionError("the multiplexed socket closed")
+        lost = exc or ConnectionError("the multiplexed socket closed")
         for followed, ended in self.followed.values():
-            followed.sample.error = followed.sample.error or f"multiplexed socket lost: {self.lost!r}"
+            followed.sample.error = followed.sample.error or f"multiplexed socket lost: {lost!r}"
             if not ended.done():
                 ended.set_result(None)
         self.followed.clear()

@@ -34,6 +34,8 @@ CLOSE_NORMAL = 1000
 CLOSE_POLICY_VIOLATION = 1008
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_STREAM_GONE = 4404
+#: The close code for a probe that finds nothing left to relay.
+ENDED_CLOSE_CODES = {StreamStatus.FINISHED: CLOSE_NORMAL, StreamStatus.EXPIRED: CLOSE_STREAM_GONE}
 # RFC 6455 caps the close reason at 123 bytes.
 _MAX_REASON = 123
 
@@ -97,11 +99,8 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
             log.error("relay.probe_failed request_id=%s error=%r", request_id, exc)
             await close_socket(websocket, CLOSE_TRY_AGAIN_LATER, "stream store unavailable; reconnect later")
             return
-        if status is StreamStatus.FINISHED:
-            await close_socket(websocket, CLOSE_NORMAL, why)
-            return
-        if status is StreamStatus.EXPIRED:
-            await close_socket(websocket, CLOSE_STREAM_GONE, why)
+        if status is not StreamStatus.OPEN:
+            await close_socket(websocket, ENDED_CLOSE_CODES[status], why)
             return
 
         with ctx.metrics.relaying("websocket", grant, trace):

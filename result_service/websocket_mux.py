@@ -29,7 +29,13 @@ from sluicegate.validation_errors import summarize
 
 from .access import AccessDenied, BadStreamRequest, StreamGrant, StreamStatus, authorise, probe
 from .context import RelayContext, relay_context
-from .websocket import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_STREAM_GONE, CLOSE_TRY_AGAIN_LATER, close_socket
+from .websocket import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_TRY_AGAIN_LATER,
+    ENDED_CLOSE_CODES,
+    close_socket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +141,7 @@ class _Session:
             async with ctx.hub.subscribe(rid, grant.after_seq, wake=False) as sub:
                 status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled(), waking=sub)
                 if status is not StreamStatus.OPEN:
-                    code = CLOSE_NORMAL if status is StreamStatus.FINISHED else CLOSE_STREAM_GONE
-                    await self.notice(StreamClosed(request_id=rid, code=code, reason=why))
+                    await self.notice(StreamClosed(request_id=rid, code=ENDED_CLOSE_CODES[status], reason=why))
                     return
                 with ctx.metrics.relaying(TRANSPORT, grant, trace):
                     while not sub.finished:

@@ -135,6 +135,16 @@ class Sample:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    #: When the last content arrived (for the next ITL).
+    last_content_at: float | None = field(default=None, init=False, repr=False)
+
+    def content_at(self, now: float) -> None:
+        """Content (a chunk or token event) arrived at ``now``: the first gives TTFT, each later one an ITL."""
+        if self.ttft is None or self.last_content_at is None:
+            self.ttft = now - self.sent
+        else:
+            self.itls.append(now - self.last_content_at)
+        self.last_content_at = now
 
     @property
     def ok(self) -> bool:

@@ -93,7 +93,7 @@ class KafkaTarget:
         await self.producer.send_and_wait(
             self.names.inbound_topic, request.model_dump_json().encode(), key=request_id.encode()
         )
-        key, last_id, last = self.names.stream_key(request_id), "0-0", sample.sent
+        key, last_id = self.names.stream_key(request_id), "0-0"
         deadline = sample.sent + args.timeout
         while time.monotonic() < deadline:
             replies = await self.redis.xread({key: last_id}, block=1000, count=256)
@@ -103,11 +103,7 @@ class KafkaTarget:
                     last_id = entry_id
                     event = parse_stream_event(fields[STREAM_FIELD.encode()])
                     if event.type == "token":
-                        if sample.ttft is None:
-                            sample.ttft = now - sample.sent
-                        else:
-                            sample.itls.append(now - last)
-                        last = now
+                        sample.content_at(now)
                     elif event.type == "done":
                         sample.e2e = now - sample.sent
                         sample.prompt_tokens = event.usage.prompt_tokens

@@ -26,18 +26,13 @@ class _Followed:
 
     def __init__(self, sample: Sample) -> None:
         self.sample = sample
-        self.last = sample.sent
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def on_message(self, message: dict[str, Any], now: float) -> None:
         sample, kind = self.sample, message.get("type")
         if kind == "token":
             if message.get("token_ids"):
-                if sample.ttft is None:
-                    sample.ttft = now - sample.sent
-                else:
-                    sample.itls.append(now - self.last)
-                self.last = now
+                sample.content_at(now)
             return
         if kind == "restart":
             return

@@ -89,7 +89,6 @@ class OpenAITarget:
             self._usage(sample, response.json().get("usage"))
             return
         chunks = 0
-        last = sample.sent
         async with self.client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -107,12 +106,7 @@ class OpenAITarget:
                     return
                 self._usage(sample, chunk.get("usage"))
                 if any(self._content(choice) for choice in chunk.get("choices") or ()):
-                    now = time.monotonic()
-                    if sample.ttft is None:
-                        sample.ttft = now - sample.sent
-                    else:
-                        sample.itls.append(now - last)
-                    last = now
+                    sample.content_at(time.monotonic())
                     chunks += 1
         sample.e2e = time.monotonic() - sample.sent
         if not sample.output_tokens:

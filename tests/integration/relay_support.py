@@ -4,9 +4,10 @@ for a relay app, and WebSocket readers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,19 @@ async def start_server(settings: Settings, config: RelayConfig) -> tuple[uvicorn
         await asyncio.sleep(0.01)
     host, port = sock.getsockname()[:2]
     return server, task, f"{host}:{port}"
+
+
+@contextlib.asynccontextmanager
+async def running_relay(settings: Settings, config: RelayConfig) -> AsyncIterator[Running]:
+    """A relay app for ``settings`` served on a free port for the block's duration."""
+    server, task, address = await start_server(settings, config)
+    try:
+        yield Running(
+            settings, Names(settings.topic_prefix), config.client_name, f"http://{address}", f"ws://{address}"
+        )
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 15)
 
 
 async def open_unread_websocket(url: str) -> tuple[ClientProtocol, asyncio.StreamReader, asyncio.StreamWriter]:

@@ -31,6 +31,7 @@ from relay_support import (
     overflow_until_dropped,
     read_stream,
     receive_all,
+    running_relay,
     start_server,
     token_events,
 )
@@ -77,13 +78,9 @@ async def relay_config(request: pytest.FixtureRequest) -> RelayConfig:
 
 
 @pytest.fixture
-async def service(settings: Settings, names: Names, relay_config: RelayConfig) -> AsyncIterator[Running]:
-    server, task, address = await start_server(settings, relay_config)
-    try:
-        yield Running(settings, names, relay_config.client_name, f"http://{address}", f"ws://{address}")
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 15)
+async def service(settings: Settings, relay_config: RelayConfig) -> AsyncIterator[Running]:
+    async with running_relay(settings, relay_config) as relay:
+        yield relay
 
 
 # --- WebSocket relay ---------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ socket, each with the single-stream socket's guarantees, and bad input answered 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from collections import defaultdict
@@ -25,7 +24,7 @@ from relay_support import (
     open_unread_websocket,
     overflow_until_dropped,
     read_stream,
-    start_server,
+    running_relay,
     token_events,
 )
 from websockets.asyncio.client import ClientConnection, connect
@@ -51,19 +50,9 @@ def names(settings: Settings) -> Names:
     return Names(settings.topic_prefix)
 
 
-@contextlib.asynccontextmanager
-async def running(settings: Settings, config: RelayConfig) -> AsyncIterator[Running]:
-    server, task, address = await start_server(settings, config)
-    try:
-        yield Running(settings, Names(settings.topic_prefix), config.client_name, "", f"ws://{address}")
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 15)
-
-
 @pytest.fixture
 async def service(settings: Settings) -> AsyncIterator[Running]:
-    async with running(settings, RelayConfig(client_name=f"mux-test-{uuid.uuid4().hex[:8]}")) as relay:
+    async with running_relay(settings, RelayConfig(client_name=f"mux-test-{uuid.uuid4().hex[:8]}")) as relay:
         yield relay
 
 
@@ -188,7 +177,7 @@ async def test_unsubscribe_stops_one_stream_and_a_later_subscription_resumes_it(
 async def test_a_socket_follows_at_most_its_limit_of_streams(settings: Settings, redis: Redis, names: Names) -> None:
     config = RelayConfig(mux_max_streams=2, client_name=f"mux-test-{uuid.uuid4().hex[:8]}")
     first, second, third = rid(), rid(), rid()
-    async with running(settings, config) as relay:
+    async with running_relay(settings, config) as relay:
         async with connect(f"{relay.ws_url}/v1/streams") as ws:
             for request in (first, second, third):
                 await ws.send(subscribe(request))
@@ -240,7 +229,7 @@ async def test_a_client_that_stops_reading_is_dropped_with_1013_and_resubscribes
 ) -> None:
     config = RelayConfig(max_pending=16, read_count=16, client_name=f"mux-test-{uuid.uuid4().hex[:8]}")
     request = rid()
-    async with running(settings, config) as relay:
+    async with running_relay(settings, config) as relay:
         unread = await open_unread_websocket(f"{relay.ws_url}/v1/streams")
         unread[0].send_text(subscribe(request).encode())
         unread[2].write(b"".join(unread[0].data_to_send()))
@@ -257,7 +246,7 @@ async def test_a_client_that_stops_reading_is_dropped_with_1013_and_resubscribes
 
 async def gauges(service: Running) -> dict[str, float]:
     async with httpx.AsyncClient() as http:
-        text = (await http.get(f"{service.ws_url.replace('ws://', 'http://')}/metrics")).text
+        text = (await http.get(f"{service.http_url}/metrics")).text
     wanted = ("sluicegate_relay_subscribers", "sluicegate_relay_mux_sockets")
     lines = text.splitlines()
     return {name: float(line.split()[-1]) for line in lines for name in wanted if line.startswith(name + " ")}
