@@ -14,6 +14,7 @@ import random
 import secrets
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -109,7 +110,7 @@ class _StreamReader(relay.SansIOWebSocket):
             self.closed.set_result(None)
 
 
-class _MuxReader(relay.SansIOWebSocket):
+class MuxReader(relay.SansIOWebSocket):
     """One multiplexed socket (``/v1/streams``) following every request of a run, each stamped as its bytes
     arrive."""
 
@@ -161,16 +162,16 @@ class _MuxReader(relay.SansIOWebSocket):
         self.followed.clear()
 
 
-async def _open_mux(stack: Stack) -> _MuxReader:
-    url = stack.result_url.replace("http://", "ws://") + "/v1/streams"
+async def open_mux(url: str) -> MuxReader:
+    """A multiplexed socket open at ``url`` (``ws://host:port/v1/streams``), ready to follow requests."""
     uri = parse_uri(url)
-    _, reader = await asyncio.get_running_loop().create_connection(lambda: _MuxReader(url), uri.host, uri.port)
+    _, reader = await asyncio.get_running_loop().create_connection(lambda: MuxReader(url), uri.host, uri.port)
     await asyncio.wait_for(reader.opened, 10)
     return reader
 
 
-async def _one_request(
-    client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float, mux: _MuxReader | None = None
+async def submit_and_follow(
+    client: Http1Pool, body: dict[str, Any], sample: Sample, timeout_s: float, mux: MuxReader | None = None
 ) -> None:
     headers = None
     if sample.traced is not None:
@@ -252,13 +253,36 @@ async def _one_openai_request(client: Http1Pool, body: dict[str, Any], sample: S
         sample.error = sample.error or repr(exc)
 
 
-def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+def arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
     """Poisson arrival offsets (seconds) over ``duration_s``."""
     offsets, t = [], rng.expovariate(rate)
     while t < duration_s:
         offsets.append(t)
         t += rng.expovariate(rate)
     return offsets
+
+
+#: Starts request number ``i``, ``lateness`` seconds behind its arrival: its sample and the coroutine that fills it.
+Launch = Callable[[int, float], tuple[Sample, Coroutine[Any, Any, None]]]
+
+
+async def open_loop(rate: float, duration_s: float, rng: random.Random, launch: Launch) -> list[Sample]:
+    """Poisson arrivals at ``rate`` for ``duration_s``, each started by ``launch`` whatever the earlier ones are doing
+    (an open loop: a slow server gets the same arrivals); returns once every request ended."""
+    samples: list[Sample] = []
+    tasks = []
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for i, offset in enumerate(arrivals(rate, duration_s, rng)):
+        delay = start + offset - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sample, request = launch(i, max(0.0, loop.time() - start - offset))
+        samples.append(sample)
+        tasks.append(asyncio.create_task(request))
+    if tasks:
+        await asyncio.wait(tasks)
+    return samples
 
 
 async def run_rate(
@@ -279,20 +303,12 @@ async def run_rate(
     be, so one run compares the two under the same machine load."""
     rng = random.Random(f"{seed}-{rate}-{label}")
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    samples: list[Sample] = []
     host, port = stack.ingress_url.removeprefix("http://").rsplit(":", 1)
-    mux = await _open_mux(stack) if api == "mux" else None
+    mux = await open_mux(stack.result_url.replace("http://", "ws://") + "/v1/streams") if api == "mux" else None
     async with Http1Pool(host, int(port), headers) as client:
-        loop = asyncio.get_running_loop()
-        tasks = []
-        start = loop.time()
-        for i, offset in enumerate(_arrivals(rate, duration_s, rng)):
-            delay = start + offset - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            traced = i % 2 == 0 if mixed_tracing else None
-            sample = Sample(lateness=max(0.0, loop.time() - start - offset), traced=traced)
-            samples.append(sample)
+
+        def launch(i: int, lateness: float) -> tuple[Sample, Coroutine[Any, Any, None]]:
+            sample = Sample(lateness=lateness, traced=i % 2 == 0 if mixed_tracing else None)
             # Different prompts spread the requests over partitions (the router keys on the prompt prefix).
             body = {
                 "model": MODEL_NAME,
@@ -303,11 +319,10 @@ async def run_rate(
                 **({} if logprobs is None else {"logprobs": logprobs}),
             }
             if api == "openai":
-                tasks.append(asyncio.create_task(_one_openai_request(client, body, sample, timeout_s=60)))
-            else:
-                tasks.append(asyncio.create_task(_one_request(client, body, sample, timeout_s=60, mux=mux)))
-        if tasks:
-            await asyncio.wait(tasks)
+                return sample, _one_openai_request(client, body, sample, timeout_s=60)
+            return sample, submit_and_follow(client, body, sample, timeout_s=60, mux=mux)
+
+        samples = await open_loop(rate, duration_s, rng, launch)
     if mux is not None and mux.transport is not None:
         mux.transport.close()
     return samples
