@@ -350,12 +350,14 @@ def real_pipeline(
     from sluicegate.stack.launcher import DEFAULT_MODEL_NAME, default_model_dtype, default_model_quantization
 
     # Several prompts at once (the structured-output test) share the engine's batch; the default KV budget of the
-    # tiny model is too small for a 135M model's longer prompts.
+    # tiny model is too small for a 135M model's longer prompts. The cache holds at least one request of the model's
+    # whole context (8192 tokens), and its entries take the model's dtype: 0.17 GiB of bfloat16, 0.35 of float32 (the
+    # dtype ``up`` picks on a CPU without bf16 instructions, an AVX2-only host).
     dtype = default_model_dtype()
     env = {
         "SLUICEGATE_DTYPE": dtype,
         "SLUICEGATE_QUANTIZATION": default_model_quantization(dtype),
-        "SLUICEGATE_KV_CACHE_GB": "0.3",
+        "SLUICEGATE_KV_CACHE_GB": "0.3" if dtype == "bfloat16" else "0.6",
     }
     with running_pipeline(
         kafka_bootstrap, redis_url, smollm2_path, tmp_path_factory, env, model_name=DEFAULT_MODEL_NAME
