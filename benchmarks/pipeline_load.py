@@ -253,7 +253,7 @@ async def _one_openai_request(client: Http1Pool, body: dict[str, Any], sample: S
         sample.error = sample.error or repr(exc)
 
 
-def arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
     """Poisson arrival offsets (seconds) over ``duration_s``."""
     offsets, t = [], rng.expovariate(rate)
     while t < duration_s:
@@ -273,7 +273,7 @@ async def open_loop(rate: float, duration_s: float, rng: random.Random, launch: 
     tasks = []
     loop = asyncio.get_running_loop()
     start = loop.time()
-    for i, offset in enumerate(arrivals(rate, duration_s, rng)):
+    for i, offset in enumerate(_arrivals(rate, duration_s, rng)):
         delay = start + offset - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)

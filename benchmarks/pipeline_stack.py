@@ -218,7 +218,7 @@ class Stack:
             step()
 
 
-def _backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Callable[[], None] | None]:
+def backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Callable[[], None] | None]:
     """Kafka bootstrap, Redis URL, their pids when known, and how to stop them: the addresses given, or a
     private dev stack (stopped afterwards if started here)."""
     if args.kafka_bootstrap and args.redis_url:
@@ -238,7 +238,7 @@ def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, st
     ``extra_env`` is added to every service's environment (settings a benchmark needs beyond these)."""
     from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
-    bootstrap, redis_url, backbone_pids, down = _backbone(args)
+    bootstrap, redis_url, backbone_pids, down = backbone(args)
     weights: dict[str, str] = {}
     if getattr(args, "model", "tiny") == "smollm2":
         from sluicegate.stack.launcher import default_model

@@ -51,7 +51,6 @@ from benchmarks.common import (
     markdown_table,
     percentile,
     progress,
-    start_private_stack,
     use_uvloop,
 )
 
@@ -329,18 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         asyncio.run(worker_main())
         return 0
+    from benchmarks.pipeline_stack import backbone
     from sluicegate.kafka import ensure_topics
 
     load_before = os.getloadavg()
-    if bool(args.kafka_bootstrap) != bool(args.redis_url):
-        parser.error("pass both --kafka-bootstrap and --redis-url, or neither")
-    stack = None
-    backbone: dict[str, int] = {}
-    if args.kafka_bootstrap is None:
-        progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (full JIT) ...")
-        stack = start_private_stack(args.kafka_port, args.redis_port, full_jit=True)
-        args.kafka_bootstrap, args.redis_url = stack.info.kafka_bootstrap, stack.info.redis_url
-        backbone = {"kafka": stack.info.kafka_pid or 0, "redis": stack.info.redis_pid or 0}
+    args.broker_jit = "full"  # a private broker compiles as a production one does, as in the pipeline benchmark
+    args.kafka_bootstrap, args.redis_url, backbone_pids, down = backbone(args)
     topic = f"skeleton.{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), ENV_KAFKA: args.kafka_bootstrap}
     env |= {ENV_REDIS: args.redis_url, ENV_TOPIC: topic}
@@ -354,14 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         worker_command = [sys.executable, "-m", "benchmarks.skeleton_path", "--role", "worker"]
         children["worker"] = subprocess.Popen(worker_command, env=env)
         pids = {name: child.pid for name, child in children.items()}
-        rows = asyncio.run(_measure(args, ports, {k: v for k, v in (pids | backbone).items() if v}))
+        rows = asyncio.run(_measure(args, ports, pids | backbone_pids))
     finally:
         for child in children.values():
             child.terminate()
         for child in children.values():
             child.wait(timeout=30)
-        if stack is not None:
-            stack.close()
+        if down is not None:
+            down()
     print(
         f"\nrequest-path skeleton on {os.cpu_count()} CPUs; load average before: "
         + " ".join(f"{x:.2f}" for x in load_before)

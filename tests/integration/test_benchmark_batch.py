@@ -3,31 +3,16 @@ test Kafka and Redis, with a real Celery batch worker."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_support import run_benchmark
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_batch_benchmark_smoke(kafka_bootstrap: str, redis_url: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEGATE_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
     argv = ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url, "--lines", "20", "--rate", "2"]
     argv += ["--baseline", "2", "--warmup", "0", "--batch-timeout", "120"]
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.batch", *argv],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    result = run_benchmark("batch", argv, timeout_s=280)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     out = result.stdout
     assert "status completed; 20 completed, 0 failed" in out, out

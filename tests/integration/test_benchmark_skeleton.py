@@ -3,31 +3,16 @@ Kafka and Redis at a tiny size, and prints its table with every request streamed
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from benchmark_support import run_benchmark
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_skeleton_benchmark_smoke(kafka_bootstrap: str, redis_url: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICEGATE_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
     argv = ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url, "--rates", "20", "--duration", "2"]
     argv += ["--warmup", "0", "--floor-messages", "20"]
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.skeleton_path", *argv],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=220,
-    )
+    result = run_benchmark("skeleton_path", argv, timeout_s=220)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     row = next(line for line in result.stdout.splitlines() if line.startswith("| 20 |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
