@@ -170,7 +170,9 @@ async def worker_main() -> None:
         bootstrap_servers=os.environ[ENV_KAFKA],
         group_id="skeleton-worker",
         enable_auto_commit=False,
-        auto_offset_reset="latest",
+        # The topic is this run's own: read from its start, so a request sent before the group's first join (a
+        # cold broker takes seconds to elect a coordinator) is served late rather than skipped.
+        auto_offset_reset="earliest",
     )
     redis = aioredis.Redis.from_url(os.environ[ENV_REDIS])
     producer = AIOKafkaProducer(bootstrap_servers=os.environ[ENV_KAFKA], acks="all", enable_idempotence=True)
@@ -265,13 +267,34 @@ async def run_rate(front_port: int, relay_port: int, rate: float, duration_s: fl
     return samples
 
 
+async def _wait_carried(front_port: int, relay_port: int, timeout_s: float = 120.0) -> None:
+    """Return once one request went the whole way (the worker has joined its group and every client is
+    connected), so nothing measured waits for start-up."""
+    from benchmarks.http1 import Http1Pool
+    from benchmarks.pipeline_load import Sample, open_mux, submit_and_follow
+
+    deadline = time.monotonic() + timeout_s
+    mux = await open_mux(f"ws://127.0.0.1:{relay_port}/v1/streams")
+    try:
+        async with Http1Pool("127.0.0.1", front_port, {}) as client:
+            while True:
+                sample = Sample()
+                await submit_and_follow(client, {"prompt": "probe"}, sample, timeout_s=10, mux=mux)
+                if sample.error is None and sample.first:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no request went through the skeleton in {timeout_s:g} s: {sample.error}")
+    finally:
+        mux.transport.close()
+
+
 async def _measure(args: argparse.Namespace, ports: tuple[int, int], pids: dict[str, int]) -> list[list[str]]:
     from benchmarks.pipeline_load import cpu_seconds, measure_transport_floor
     from sluicegate.settings import Settings
 
     front_port, relay_port = ports
     await asyncio.gather(_wait_port(front_port), _wait_port(relay_port))
-    await asyncio.sleep(3.0)  # the worker joins its group
+    await _wait_carried(front_port, relay_port)
     if args.warmup > 0:
         progress(f"warm-up: {args.warmup:g} s at 100 req/s ...")
         await run_rate(front_port, relay_port, 100, args.warmup, args.seed + 1)
