@@ -137,6 +137,32 @@ class Backbone:
                 cleanup()
 
 
+def _xdist_controller(config: pytest.Config) -> bool:
+    """True in the pytest-xdist controller of a parallel run (``-n N``, N > 0); False in its workers and
+    in a plain run."""
+    return bool(getattr(config.option, "numprocesses", 0)) and not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist the controller brings Kafka and Redis up once, before its workers start, and hands
+    them the addresses through the environment they inherit: each worker starting (and, when done, stopping)
+    the one local stack on the test ports would pull it from under the others."""
+    if _xdist_controller(config):
+        provider = Backbone()
+        os.environ["SLUICEGATE_TEST_KAFKA_BOOTSTRAP"] = provider.kafka()
+        os.environ["SLUICEGATE_TEST_REDIS_URL"] = provider.redis()
+        config.stash[_CONTROLLER_BACKBONE] = provider
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    provider = config.stash.get(_CONTROLLER_BACKBONE, None)
+    if provider is not None:
+        provider.close()
+
+
+_CONTROLLER_BACKBONE = pytest.StashKey[Backbone]()
+
+
 @pytest.fixture(scope="session")
 def backbone() -> Iterator[Backbone]:
     """The session's Kafka/Redis provider; starts nothing until an address is asked for."""

@@ -72,4 +72,7 @@ fi
 if [[ "$action" == up ]]; then
     exec "$PY" -m sluicegate.stack.cli up "$@"
 fi
-exec "$PY" -m pytest -q "$@"
+# Two pytest workers, whole files each (a module's pipeline and fixtures stay in one process): much of the suite
+# waits on brokers, subprocesses and sleeps, so two share a 2-core machine well. SLUICEGATE_TEST_WORKERS=0 runs
+# in one process; `-n N` after `test` overrides it too.
+exec "$PY" -m pytest -q -n "${SLUICEGATE_TEST_WORKERS:-2}" --dist loadfile "$@"
