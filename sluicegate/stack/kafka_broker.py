@@ -92,6 +92,17 @@ def _log_opts(layout: StackLayout) -> list[str]:
     return [f"-Dkafka.logs.dir={layout.kafka_logs}", f"-Dlog4j.configuration={infra_file(LOG4J_CONFIG).as_uri()}"]
 
 
+def new_cluster_id() -> str:
+    """A random cluster id in Kafka's ``Uuid`` text form (16 random bytes, URL-safe base64 without padding).
+
+    Like Kafka's own ``Uuid.randomUuid``, never one that starts with "-": ``kafka-storage format -t -Xy...``
+    takes it for an option and stops with "expected one argument" (1 id in 64; seen once in CI)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 def _format_storage(layout: StackLayout, java: str, libs: Path, cluster_id: str = "") -> None:
     """Format the KRaft metadata log once (``meta.properties`` marks a formatted folder)."""
     if (layout.kafka_dir / "data" / "meta.properties").exists():
@@ -101,8 +112,7 @@ def _format_storage(layout: StackLayout, java: str, libs: Path, cluster_id: str 
         id_file.write_text(cluster_id + "\n")
     cluster_id = id_file.read_text().strip() if id_file.exists() else ""
     if not cluster_id:
-        # Kafka's Uuid text form: 16 random bytes, URL-safe base64 without padding.
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        cluster_id = new_cluster_id()
         id_file.write_text(cluster_id + "\n")
     cmd = [
         java,
@@ -113,8 +123,8 @@ def _format_storage(layout: StackLayout, java: str, libs: Path, cluster_id: str 
         str(libs / "*"),
         "kafka.tools.StorageTool",
         "format",
-        "-t",
-        cluster_id,
+        # One argument: an id that starts with "-" (made before new_cluster_id avoided them) is not an option.
+        f"--cluster-id={cluster_id}",
         "-c",
         str(layout.kafka_props),
         "--ignore-formatted",

@@ -11,15 +11,13 @@ read. With 3 or more nodes the default and internal topics get 3 replicas and ``
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from sluicegate.kafka import probe_kafka
 from sluicegate.settings import Settings
-from sluicegate.stack.kafka_broker import Quorum, kafka_owner, start_kafka
+from sluicegate.stack.kafka_broker import Quorum, kafka_owner, new_cluster_id, start_kafka
 from sluicegate.stack.layout import DevStackError, StackLayout
 from sluicegate.stack.processes import running_pid
 
@@ -86,7 +84,7 @@ def start_nodes(
     id_file = nodes[0].kafka_dir / "cluster.id"
     cluster_id = id_file.read_text().strip() if id_file.exists() else ""
     if not cluster_id:
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        cluster_id = new_cluster_id()
     nodes[0].kafka_dir.mkdir(parents=True, exist_ok=True)
     _size_file(nodes[0]).write_text(f"{brokers}\n")
     pids = {}
