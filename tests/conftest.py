@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import os
 
+# One torch (OpenMP) thread per process: the suite runs on two pytest-xdist workers beside the workers, engines
+# and brokers it starts, and a process whose OpenMP threads outnumber the free cores spins at every barrier - on
+# the 2-core CI machine a worker's engine under a busy neighbour made 6 tokens a second with two threads, 80 with
+# one. Children (services, engine processes) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 # Triton fixes its language helpers at first import, so interpreter mode (the Triton kernels run on
@@ -31,6 +37,8 @@ from pathlib import Path
 import pytest
 
 from sluicegate.settings import Settings
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 log = logging.getLogger("tests.backbone")
 
