@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ingress_support import KEY, MODEL, FakeWorker, delete_prefixed_keys, delete_prefixed_topics, running_ingress
 from redis.asyncio import Redis
+from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
@@ -27,6 +29,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.schemas import APIOperation
 
 from ingress.app import create_app
 from sluicegate.settings import Settings
@@ -115,16 +118,26 @@ def _document() -> dict[str, Any]:
 
 
 schema = schemathesis.openapi.from_dict(_document())
+# One test per operation, named by it. ``schema.parametrize()`` gave its 31 items one node id under pytest 9, and
+# pytest-xdist, which schedules by node id, then ran one operation of the 31.
+OPERATIONS = [result.ok() for result in schema.get_all_operations()]
 
 
-@schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-def test_ingress_conforms_to_its_openapi_document(case: schemathesis.Case, live_ingress: ThreadedIngress) -> None:
-    body = case.body
-    if isinstance(body, dict) and isinstance(body.get("model"), str):
-        # Most generated bodies name the served model, so they travel through Kafka to the fake worker and
-        # back; the rest keep their random model and exercise the 404 path. Chosen by content, not by chance,
-        # so Hypothesis can replay and shrink a failure.
-        if zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()) % 4:
-            body["model"] = MODEL
-    case.call_and_validate(base_url=live_ingress.url, headers=AUTH, checks=CHECKS, timeout=30)
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[operation.label for operation in OPERATIONS])
+def test_ingress_conforms_to_its_openapi_document(operation: APIOperation, live_ingress: ThreadedIngress) -> None:
+    # Valid and invalid requests alike, as schemathesis's own fuzzing phase draws them.
+    cases = st.one_of([operation.as_strategy(generation_mode=mode) for mode in GenerationMode])
+
+    @given(case=cases)
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def conforms(case: schemathesis.Case) -> None:
+        body = case.body
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            # Most generated bodies name the served model, so they travel through Kafka to the fake worker and
+            # back; the rest keep their random model and exercise the 404 path. Chosen by content, not by chance,
+            # so Hypothesis can replay and shrink a failure.
+            if zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()) % 4:
+                body["model"] = MODEL
+        case.call_and_validate(base_url=live_ingress.url, headers=AUTH, checks=CHECKS, timeout=30)
+
+    conforms()

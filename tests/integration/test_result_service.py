@@ -214,6 +214,9 @@ async def test_expired_stream_of_a_finished_request_is_reported(service: Running
         ("no-dot-here", "invalid stream token"),
         (issue_stream_token("another-secret", "x", TENANT, lifetime_s=3600), "invalid stream token"),
     ],
+    # Fixed ids: a signed token carries its issue time, and pytest-xdist refuses a run whose workers collected
+    # differently named tests.
+    ids=["empty", "bad-signature", "no-dot", "another-secret"],
 )
 async def test_bad_tokens_are_refused_with_1008(service: Running, redis: Redis, token: str, reason: str) -> None:
     rid = f"req-{uuid.uuid4().hex[:8]}"

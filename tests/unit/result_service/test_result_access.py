@@ -27,6 +27,9 @@ def test_a_valid_token_grants_the_tenant_and_the_latest_resume_point_wins() -> N
         (issue_stream_token(SECRET, "req-1", "acme", lifetime_s=3600).replace("acme", "evil"), "invalid stream token"),
         ("garbage", "invalid stream token"),
     ],
+    # Fixed ids: the signed tokens carry their issue time, and pytest-xdist refuses a run whose workers collected
+    # differently named tests.
+    ids=["none", "empty", "another-request", "another-secret", "another-tenant", "garbage"],
 )
 def test_bad_tokens_are_denied(token: str | None, message: str) -> None:
     with pytest.raises(AccessDenied, match=message):
