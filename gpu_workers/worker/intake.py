@@ -105,6 +105,7 @@ class Intake:
         self.held: FairIntake[Record] = FairIntake(config.tenant_weights)  # fetched, not started
         self._room = asyncio.Event()
         self._commit_task: asyncio.Task[None] | None = None
+        self._commit_wanted = False  # a request finished since the scheduled commit took its offsets
         self.joined = False  # the group consumer has joined (readiness)
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
@@ -290,12 +291,20 @@ class Intake:
     def _schedule_commit(self) -> None:
         """Commit soon, once for all requests finishing within ``commit_interval_s``: a commit per request
         costs the broker and this event loop a round trip each, on the machine that serves first tokens."""
+        self._commit_wanted = True
         if self._commit_task is None or self._commit_task.done():
             self._commit_task = asyncio.create_task(self._commit_later(), name="worker-commit")
 
     async def _commit_later(self) -> None:
-        await asyncio.sleep(self.config.commit_interval_s)
-        await self.commit()
+        while True:
+            await asyncio.sleep(self.config.commit_interval_s)
+            # What finishes while the commit is on its way to the broker was not in it: go round once more
+            # rather than leave that offset uncommitted until some later request finishes (a crash would then
+            # re-deliver a request that had already ended).
+            self._commit_wanted = False
+            await self.commit()
+            if not self._commit_wanted:
+                return
 
     async def commit(self) -> None:
         """Commit every partition's watermark that moved (only partitions still assigned here)."""
