@@ -3,7 +3,8 @@
 Kafka and Redis come, in order, from addresses in the environment (``SLUICEGATE_TEST_KAFKA_BOOTSTRAP``,
 ``SLUICEGATE_TEST_REDIS_URL``), from testcontainers when a Docker daemon answers, or from the local dev
 stack (``sluicegate.stack.devstack``) on test ports, sharing the repository's ``.sluicegate`` jar cache.
-They are lazy: a test that asks for neither never starts anything.
+They are lazy: a test that asks for neither never starts anything (except under pytest-xdist, whose controller
+starts them once for all its workers).
 """
 
 from __future__ import annotations
@@ -145,6 +146,9 @@ class Backbone:
                 cleanup()
 
 
+_CONTROLLER_BACKBONE = pytest.StashKey[Backbone]()
+
+
 def _xdist_controller(config: pytest.Config) -> bool:
     """True in the pytest-xdist controller of a parallel run (``-n N``, N > 0); False in its workers and
     in a plain run."""
@@ -166,9 +170,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     provider = config.stash.get(_CONTROLLER_BACKBONE, None)
     if provider is not None:
         provider.close()
-
-
-_CONTROLLER_BACKBONE = pytest.StashKey[Backbone]()
 
 
 @pytest.fixture(scope="session")
