@@ -37,6 +37,7 @@ SEATS = 4
 LOOKAHEAD = 4 * SEATS  # the worker's default: SLUICEGATE_WORKER_LOOKAHEAD unset
 # Absolute allowance on top of 2x idle TTFT: scheduling noise of ~7 processes sharing 2 CPU cores.
 TTFT_SLACK_S = 0.15
+LOADED_SAMPLES = 7
 
 
 def report(name: str, **figures: Any) -> None:
@@ -104,7 +105,7 @@ def test_interactive_ttft_under_batch_saturation_stays_within_twice_idle(pipelin
         assert time.monotonic() < deadline, pipeline.heartbeats()
         time.sleep(0.05)
     loaded = []
-    for _ in range(5):
+    for _ in range(LOADED_SAMPLES):
         # The worker holds a full lookahead of batch work: only its per-tier room lets this request in.
         assert _unfinished(pipeline, batch) > LOOKAHEAD, "the batch load drained too early to measure"
         rid, took = time_to_first_token(pipeline, **chat)
@@ -113,6 +114,9 @@ def test_interactive_ttft_under_batch_saturation_stays_within_twice_idle(pipelin
         time.sleep(0.2)
     for rid in batch:
         assert_finished_whole(pipeline, rid, batch_tokens)
+    # The first batch requests to finish held their seats from the start of the load: how long an interactive
+    # request would have waited for a seat had it no way past the batch work.
+    seat_wait_s = min(_latency_seconds(pipeline, rid) for rid in batch)
 
     idle_ttft, loaded_ttft = statistics.median(idle), statistics.median(loaded)
     report(
@@ -123,12 +127,19 @@ def test_interactive_ttft_under_batch_saturation_stays_within_twice_idle(pipelin
         loaded_median_ms=round(loaded_ttft * 1000, 1),
         ratio=round(loaded_ttft / idle_ttft, 2),
         batch_requests=len(batch),
+        batch_seat_wait_ms=round(seat_wait_s * 1000, 1),
         seats=SEATS,
         lookahead=LOOKAHEAD,
         slack_ms=TTFT_SLACK_S * 1000,
     )
     assert loaded_ttft <= 2 * idle_ttft + TTFT_SLACK_S, (idle, loaded)
-    assert max(loaded) <= 2 * max(idle) + 2 * TTFT_SLACK_S, (idle, loaded)
+    # The tail: a request that had to wait for a batch seat to free would wait up to a whole batch generation
+    # (seconds), so none may come near half of one. Beyond that, one sample may be caught by a burst on the shared
+    # box (under pytest-xdist another test file is starting services on the other core meanwhile: CI saw 543 ms
+    # against 90-120 ms idle once); more than one over the tight bound is a regression.
+    assert max(loaded) < seat_wait_s / 2, (loaded, seat_wait_s)
+    over = [t for t in loaded if t > 2 * max(idle) + 2 * TTFT_SLACK_S]
+    assert len(over) <= 1, (idle, loaded)
 
 
 def test_a_flooding_tenant_does_not_starve_another_tenant_of_its_tier(pipeline: Pipeline) -> None:
@@ -165,6 +176,12 @@ def test_a_flooding_tenant_does_not_starve_another_tenant_of_its_tier(pipeline: 
     # but the few longest of them.
     assert min(started_after) >= 8, started_after
     assert min(finished_after) >= 6, finished_after
+
+
+def _latency_seconds(pipeline: Pipeline, rid: str) -> float:
+    """Submit to finish by the request's status record (ingress writes ``created_at``, the worker the end)."""
+    record = pipeline.wait_record(rid, "finished")
+    return (record.updated_at - record.created_at).total_seconds()
 
 
 def _unfinished(pipeline: Pipeline, ids: list[str]) -> int:
