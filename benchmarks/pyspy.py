@@ -9,12 +9,15 @@ work, which the benchmark's CPU table does not count as the pipeline's.
 
 ``top_frames(svg)`` reads a flame graph back: the samples under each function, summed over its boxes (py-spy's
 SVG titles every box ``name (file:line) (N samples, P%)``; a function that calls itself counts more than once).
-``python -m benchmarks.pyspy FILE.svg`` prints the largest.
+``self_frames(svg)`` counts only the samples in which a function was the innermost frame (its own time, where the
+CPU went: a socket write shows up there, the request handler above it does not). ``python -m benchmarks.pyspy
+FILE.svg`` prints the largest of either (``--self``).
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import re
 import shutil
 import signal
@@ -25,6 +28,11 @@ from pathlib import Path
 from types import TracebackType
 
 _TITLE = re.compile(r"<title>(?P<name>.*?) \((?P<samples>[\d,]+) samples?, (?P<pct>[\d.]+)%\)</title>")
+# A box with its place: py-spy writes each box's depth as ``y`` and its span in samples as ``fg:x``/``fg:w``.
+_BOX = re.compile(
+    r"<title>(?P<name>.*?) \([\d,]+ samples?, [\d.]+%\)</title>"
+    r"<rect [^>]*?y=\"(?P<y>[\d.]+)\"[^>]*?fg:x=\"(?P<x>\d+)\" fg:w=\"(?P<w>\d+)\""
+)
 
 
 def _is_python(pid: int) -> bool:
@@ -74,7 +82,7 @@ class Profiles:
 
 def frames(svg: Path) -> list[tuple[str, int]]:
     """Every frame box of a py-spy flame graph: (title, samples), in document order."""
-    return [(m["name"], int(m["samples"].replace(",", ""))) for m in _TITLE.finditer(svg.read_text())]
+    return [(html.unescape(m["name"]), int(m["samples"].replace(",", ""))) for m in _TITLE.finditer(svg.read_text())]
 
 
 def top_frames(svg: Path, count: int = 25) -> list[tuple[str, int, float]]:
@@ -94,14 +102,44 @@ def top_frames(svg: Path, count: int = 25) -> list[tuple[str, int, float]]:
     return [(name, samples, samples / total) for name, samples in ranked]
 
 
+def self_frames(svg: Path, count: int = 25) -> list[tuple[str, int, float]]:
+    """The ``count`` functions with the most samples of their own (innermost frame): (function, samples, share).
+
+    A box's own samples are its span less its children's, the boxes one row further from the root inside it.
+    """
+    boxes = [
+        (html.unescape(m["name"]), float(m["y"]), int(m["x"]), int(m["w"])) for m in _BOX.finditer(svg.read_text())
+    ]
+    if not boxes:
+        return []
+    root = max(boxes, key=lambda box: box[3])
+    total = root[3]
+    rows = sorted({y for _, y, _, _ in boxes})
+    if len(rows) < 2:
+        return [(root[0], total, 1.0)]
+    # py-spy draws the root at the bottom (icicle graphs put it at the top): children lie a row away from it.
+    step = (rows[1] - rows[0]) if root[1] == rows[0] else (rows[0] - rows[1])
+    by_row: dict[float, list[tuple[int, int]]] = defaultdict(list)
+    for _, y, x, w in boxes:
+        by_row[y].append((x, w))
+    own: dict[str, int] = defaultdict(int)
+    for name, y, x, w in boxes:
+        children = sum(cw for cx, cw in by_row.get(y + step, ()) if x <= cx and cx + cw <= x + w)
+        own[name] += w - children
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:count]
+    return [(name, samples, samples / total) for name, samples in ranked]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The largest frames of py-spy flame graphs.")
     parser.add_argument("svg", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--self", dest="own", action="store_true", help="rank by the samples a function was innermost")
     args = parser.parse_args(argv)
+    rank = self_frames if args.own else top_frames
     for path in args.svg:
         print(f"\n{path}")
-        for name, samples, share in top_frames(path, args.top):
+        for name, samples, share in rank(path, args.top):
             print(f"  {100 * share:5.1f}%  {samples:7d}  {name}")
     return 0
 
