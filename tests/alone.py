@@ -28,20 +28,19 @@ import pytest
 MARKER = "alone"
 
 
+_FOLDER = pytest.StashKey[Path]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{MARKER}: runs while no other test runs (under pytest-xdist the other workers wait)"
     )
-
-
-def _lock_dir(config: pytest.Config) -> Path | None:
-    """The run's lock folder in an xdist worker; None in a plain run or in the controller."""
+    # Only xdist's workers lock: a plain run has no neighbour, and the controller runs no tests.
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None or not hasattr(config, "workerinput"):
-        return None
-    folder = Path(tempfile.gettempdir()) / f"sluicegate-pytest-{run_id}"
-    folder.mkdir(exist_ok=True)
-    return folder
+    if run_id is not None and hasattr(config, "workerinput"):
+        folder = Path(tempfile.gettempdir()) / f"sluicegate-pytest-{run_id}"
+        folder.mkdir(exist_ok=True)
+        config.stash[_FOLDER] = folder
 
 
 @contextlib.contextmanager
@@ -66,7 +65,7 @@ def held(folder: Path, exclusive: bool) -> Iterator[None]:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
-    folder = _lock_dir(item.config)
+    folder = item.config.stash.get(_FOLDER, None)
     if folder is None:
         return (yield)
     with held(folder, exclusive=item.get_closest_marker(MARKER) is not None):

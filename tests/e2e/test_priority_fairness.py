@@ -138,9 +138,8 @@ def test_interactive_ttft_under_batch_saturation_stays_within_twice_idle(pipelin
     )
     assert loaded_ttft <= 2 * idle_ttft + TTFT_SLACK_S, (idle, loaded)
     # The tail: a request that had to wait for a batch seat to free would wait up to a whole batch generation
-    # (seconds), so none may come near half of one. Beyond that, one sample may be caught by a burst on the shared
-    # box (under pytest-xdist another test file is starting services on the other core meanwhile: CI saw 543 ms
-    # against 90-120 ms idle once); more than one over the tight bound is a regression.
+    # (seconds), so none may come near half of one. Beyond that, one sample may be caught by a burst of the ~7
+    # processes sharing the box; more than one over the tight bound is a regression.
     assert max(loaded) < seat_wait_s / 2, (loaded, seat_wait_s)
     over = [t for t in loaded if t > 2 * max(idle) + 2 * TTFT_SLACK_S]
     assert len(over) <= 1, (idle, loaded)
