@@ -36,6 +36,11 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+#: Ports this process already handed out: two services given ports before either binds must not get the same one
+#: (it happened: both workers of a test took one metrics port, and one ran unobserved).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A port nothing uses now, below the kernel's ephemeral range.
 
@@ -45,11 +50,14 @@ def free_port() -> int:
     low = _ephemeral_low()
     for _ in range(500):
         port = random.randrange(low // 2, low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _HANDED_OUT.add(port)
         return port
     raise RuntimeError("no free port below the ephemeral range")
 
@@ -258,6 +266,25 @@ class Pipeline:
             self._redis = None
 
 
+#: Pipelines running in this process now, whose service logs a failing test's report carries.
+_RUNNING: list[Pipeline] = []
+#: How much of each service's log a failure report shows (the files themselves stay under pytest's basetemp).
+REPORT_LOG_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test's report ends with the tail of every running service's log: CI keeps only its output, and
+    a pipeline's failure (a stall, a lost request) is usually told only by what the services logged."""
+    report = yield
+    if report.failed and report.when in ("setup", "call"):
+        for pipe in _RUNNING:
+            for path in sorted(pipe.log_dir.glob("*.log")):
+                lines = path.read_text(errors="replace").splitlines()[-REPORT_LOG_LINES:]
+                report.sections.append((f"service log {path.name} (last {len(lines)} lines)", "\n".join(lines)))
+    return report
+
+
 @contextlib.contextmanager
 def running_pipeline(
     kafka_bootstrap: str,
@@ -306,6 +333,7 @@ def running_pipeline(
         kafka_bootstrap=kafka_bootstrap,
         model=model_name,
     )
+    _RUNNING.append(pipe)
     try:
         pipe.start_worker("worker-a")
         router = pipe.start("router", "router")
@@ -317,6 +345,7 @@ def running_pipeline(
         assert router.alive(), router.log()
         yield pipe
     finally:
+        _RUNNING.remove(pipe)
         pipe.stop_all()
 
 
