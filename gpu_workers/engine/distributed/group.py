@@ -4,6 +4,10 @@ The group is a private c10d process group over its own ``TCPStore`` (not ``torch
 so several engines, each with its own ranks, can live in one process (tests) and nothing global is touched.
 gloo on CPU, NCCL on CUDA. A rank that dies closes its connections: the next collective on any other rank
 raises instead of waiting (gloo reports the closed peer at once; both backends also have ``timeout``).
+
+``timeout`` bounds a collective under way, never the other ranks' wait for rank 0's next command: an engine idles
+between requests for as long as nobody asks, and a rank that gave up waiting would leave the group and fail the
+next request (it did: a worker idle for a minute under the 60 s default stopped at its next request).
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+#: How long ranks 1.. wait for rank 0's next command: in effect forever (finite, as the backends' clocks need).
+#: Rank 0's death still ends the wait at once, its connections closing.
+COMMAND_WAIT = timedelta(days=3650)
 
 
 def free_port() -> int:
@@ -56,13 +64,17 @@ class TPGroup:
         self.pg.allgather([parts], [tensor]).wait()
         return torch.cat(parts, dim=-1)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, timeout: timedelta | None = None) -> None:
+        """Rank 0's ``tensor`` into every rank's, within ``timeout`` (None: the group's)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        if timeout is not None:
+            opts.timeout = timeout
         self.pg.broadcast([tensor], opts).wait()
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0 sends ``obj`` (pickled); every other rank returns what it sent."""
+        """Rank 0 sends ``obj`` (pickled); every other rank waits for it, however long rank 0 idles (see
+        ``COMMAND_WAIT``), and returns what it sent."""
         if self.rank == 0:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
@@ -71,7 +83,7 @@ class TPGroup:
             self._broadcast(payload)
             return obj
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._broadcast(size)
+        self._broadcast(size, COMMAND_WAIT)
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._broadcast(payload)
         return pickle.loads(payload.cpu().numpy().tobytes())

@@ -1,16 +1,22 @@
 """Tensor parallelism on CPU, 2 ranks under gloo: greedy tokens equal tensor_parallel_size=1 for Llama, Mistral
 (one KV head: replicated on both ranks), Qwen2 (Q/K/V biases) and tied-embedding Llama 3 (GQA 4:1, vocab-parallel
 embedding shared with the LM head), with chunked prefill, prefix caching and n > 1 (copy-on-write block copies);
-unsupported combinations are refused by name; a rank that dies fails the step, not hangs."""
+unsupported combinations are refused by name; a rank that dies fails the step, not hangs; an engine idle for longer
+than the group's timeout still serves (its other ranks wait for commands however long), and rank 0's death ends
+that wait at once."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpu_workers.engine import LLM, EngineConfig, SamplingParams
@@ -107,3 +113,54 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(
     follower.join(timeout=10)
     with pytest.raises(RuntimeError):
         llm.generate([[8, 9, 10]], greedy)
+
+
+@pytest.mark.slow
+def test_an_engine_idle_past_the_group_timeout_still_serves(
+    model_dir: Callable[[str], Path], tp_llms: Callable[..., LLM]
+) -> None:
+    # The group's timeout bounds collectives under way; the other ranks' wait for rank 0's next command is not
+    # one. A follower that timed out there left the group, and the engine failed its next request.
+    timeout_s = 10
+    llm = tp_llms(model_dir("llama"), tensor_parallel_timeout_s=timeout_s)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], greedy)[0].token_ids
+    time.sleep(timeout_s + 3)
+    assert llm.generate([[5, 6, 7]], greedy)[0].token_ids == first
+    ranks = llm.engine.tp_ranks
+    assert ranks is not None and all(p.is_alive() for p in ranks.processes)
+
+
+RANK_ZERO = """
+import sys, time
+from gpu_workers.engine import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2, tensor_parallel_timeout_s=60)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    print(llm.engine.tp_ranks.processes[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_follower_waiting_for_commands_leaves_when_rank_zero_dies(
+    model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    # The followers' wait for commands has no deadline that matters, so rank 0's death must end it: a rank 0 killed
+    # with its worker (kill -9) would otherwise leave its followers behind, holding their shards' memory.
+    script = tmp_path / "rank_zero.py"
+    script.write_text(RANK_ZERO)
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    rank_zero = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir("llama"))], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert rank_zero.stdout is not None
+        follower = psutil.Process(int(rank_zero.stdout.readline()))
+        rank_zero.kill()
+        rank_zero.wait(timeout=30)
+        follower.wait(timeout=20)  # psutil.TimeoutExpired if the follower is still waiting
+    finally:
+        rank_zero.kill()
