@@ -138,6 +138,6 @@ def test_a_dead_rank_fails_its_worker_over(pipeline: Pipeline, edit_prompt: tupl
     assert delivered and delivered[-1].type == "token", "the rank was not killed mid-generation"
     # The owner notices at its next step and stops (its requests go back to Kafka), rather than hang.
     service.process.wait(timeout=60)
-    assert "engine" in service.log().lower()
+    assert "worker.engine_failed" in service.log_path.read_text(errors="replace"), service.log()
 
     assert_continued_exactly(pipeline, client, rid, owner, expected)
