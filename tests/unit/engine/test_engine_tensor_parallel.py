@@ -152,10 +152,12 @@ def test_a_follower_waiting_for_commands_leaves_when_rank_zero_dies(
     script = tmp_path / "rank_zero.py"
     script.write_text(RANK_ZERO)
     root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     rank_zero = subprocess.Popen(
         [sys.executable, str(script), str(model_dir("llama"))], stdout=subprocess.PIPE, text=True, env=env
     )
+    follower: psutil.Process | None = None
     try:
         assert rank_zero.stdout is not None
         follower = psutil.Process(int(rank_zero.stdout.readline()))
@@ -164,3 +166,5 @@ def test_a_follower_waiting_for_commands_leaves_when_rank_zero_dies(
         follower.wait(timeout=20)  # psutil.TimeoutExpired if the follower is still waiting
     finally:
         rank_zero.kill()
+        if follower is not None and follower.is_running():  # a failed run must not leave it waiting forever
+            follower.kill()
