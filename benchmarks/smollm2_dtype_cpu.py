@@ -5,13 +5,18 @@ also under a float32 model). Batch 1, greedy, a fixed number of new tokens, best
 interleaved so a busy machine slows them alike. ``sluicegate up`` serves the default model in the faster float
 dtype (``sluicegate.stack.launcher.default_model_dtype``).
 
-    python -m benchmarks.smollm2_dtype_cpu [--tokens 64] [--rounds 3] [--threads 2] [--variants float32 gguf]
+Each variant's prefill is timed too: a ``--prefill-tokens`` prompt of fresh random token ids each round (so the
+prefix cache never answers it), one new token.
+
+    python -m benchmarks.smollm2_dtype_cpu [--tokens 64] [--prefill-tokens 400] [--rounds 3] [--threads 2]
+        [--variants float32 gguf]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -25,6 +30,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gguf": {"quantization": "gguf"},
     "gguf, float32 model": {"dtype": "float32", "quantization": "gguf"},
     "cpu-int4": {"quantization": "cpu-int4"},
+    "cpu-int4, float32 model": {"dtype": "float32", "quantization": "cpu-int4"},
     "cpu-int8": {"quantization": "cpu-int8"},
 }
 
@@ -32,6 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     path = fetch_smollm2(REPO_MODELS)
-    engines = {v: LLM(str(path), max_model_len=512, num_kv_blocks=64, **VARIANTS[v]) for v in args.variants}
+    engines = {v: LLM(str(path), max_model_len=1024, num_kv_blocks=128, **VARIANTS[v]) for v in args.variants}
     first = next(iter(engines.values()))
     encoded = first.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Tell me about rivers."}], add_generation_prompt=True, tokenize=True
@@ -54,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [int(i) for i in (encoded if isinstance(encoded, list) else encoded["input_ids"])]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     best = dict.fromkeys(engines, float("inf"))
+    best_prefill = dict.fromkeys(engines, float("inf"))
+    one_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(0)
     for llm in engines.values():
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
     for _ in range(args.rounds):
@@ -61,18 +71,25 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             llm.generate([prompt], params)
             best[name] = min(best[name], time.perf_counter() - started)
+            long_prompt = [rng.randrange(1000, 40000) for _ in range(args.prefill_tokens)]
+            started = time.perf_counter()
+            llm.generate([long_prompt], one_token)
+            best_prefill[name] = min(best_prefill[name], time.perf_counter() - started)
     load_after = os.getloadavg()
     print(
         f"SmolLM2-135M-Instruct, batch 1, {len(prompt)}-token prompt + {args.tokens} tokens, "
         f"{torch.get_num_threads()} threads, best of {args.rounds}; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after"
     )
-    print("| variant | model dtype | weights MiB | tokens/s |\n| --- | --- | ---: | ---: |")
+    print(
+        f"| variant | model dtype | weights MiB | tokens/s | prefill of {args.prefill_tokens} tokens ms |\n"
+        "| --- | --- | ---: | ---: | ---: |"
+    )
     for name, llm in engines.items():
         loaded = llm.engine.loaded
         mib = weight_memory_bytes(loaded.model) / 2**20
         dtype = str(loaded.dtype).removeprefix("torch.")
-        print(f"| {name} | {dtype} | {mib:.0f} | {args.tokens / best[name]:.1f} |")
+        print(f"| {name} | {dtype} | {mib:.0f} | {args.tokens / best[name]:.1f} | {best_prefill[name] * 1000:.0f} |")
     if "float32" in best and "bfloat16" in best:
         print(f"bfloat16 / float32: {best['float32'] / best['bfloat16']:.2f}x")
     return 0

@@ -69,43 +69,56 @@ def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None)
     return out
 
 
-def default_model_dtype(cpu_flags: str | None = None) -> str:
-    """The dtype SmolLM2 decodes fastest in on this machine's CPU: bfloat16 where the CPU has bf16 instructions
-    (``avx512_bf16`` or ``amx_bf16``), float32 elsewhere (without them bf16 matmuls convert and lose).
+# CPU flags under which the default model runs fastest in bfloat16 with its 4-bit weights kept: native bf16
+# instructions, and AVX2, where torch's int4 kernel still beats a dequantized float32 model (see below).
+_KEPT_INT4_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx2"})
 
-    Measured with benchmarks/smollm2_dtype_cpu.py (batch 1, 64 new tokens, best of 3-5 interleaved runs) on the
-    2-core AMD EPYC development VM, which has AVX512_BF16, while other jobs shared it: float32 never passed
-    4.7 tok/s (4.7, 4.2, 3.9), bfloat16 reached 9.4 and 22.2 (one busier run: 3.6 against 4.2). Decode is bound
-    by reading the weights, and bf16 halves them.
+
+def default_model_dtype(cpu_flags: str | None = None) -> str:
+    """The dtype SmolLM2 is served in on this machine's CPU: bfloat16 (with its 4-bit weights kept, see
+    :func:`default_model_quantization`) where the CPU has bf16 instructions (``avx512_bf16``, ``amx_bf16``) or
+    AVX2; float32, dequantized, elsewhere (an x86 CPU older than AVX2, or an ARM CPU: not measured).
+
+    Measured with benchmarks/smollm2_dtype_cpu.py (batch 1, 2 threads, a 35-token prompt + 64 new tokens, best of 3
+    interleaved rounds):
+
+    - on the 2-core AMD EPYC VM with AVX512_BF16 (2026-11-26): cpu-int4 in bfloat16 50.1 tok/s, bfloat16
+      dequantized 26.5, float32 never past 4.7 while other jobs shared the machine;
+    - on the 2-core AMD EPYC VM with AVX2 and no AVX-512 (2026-11-29, quiet): cpu-int4 in bfloat16 30.2 tok/s,
+      in float32 22.8, bfloat16 dequantized 18.8, float32 dequantized 10.0. A 400-token prefill takes 1.9 s
+      in cpu-int4 against 1.0 s in float32 (5.7 s in dequantized bfloat16: without bf16 instructions its matmuls
+      convert), so the kept weights win from the 14th generated token on.
+
+    Teacher-forced top-1 agreement of cpu-int4 with the exact model was 0.965 on the first VM and 0.971 on the
+    second (docs/quality.md).
     """
     if cpu_flags is None:
         try:
             cpu_flags = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpu_flags = ""
-    flags = set(cpu_flags.split())
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    return "bfloat16" if set(cpu_flags.split()) & _KEPT_INT4_FLAGS else "float32"
 
 
 def default_model_quantization(dtype: str) -> str:
     """How the default model's weights are kept on this CPU: ``cpu-int4`` (the GGUF's 4-bit blocks as they are,
-    through torch's int4 kernel) where the model runs in bfloat16, the only activation dtype that kernel is fast
-    in; nothing (dequantized) elsewhere.
+    through torch's int4 kernel, the LM head bfloat16) where the model runs in bfloat16; nothing (dequantized)
+    elsewhere.
 
-    Measured with benchmarks/smollm2_dtype_cpu.py and benchmarks/vs_llamacpp.py on the 2-core development VM
-    (docs/benchmarks.md, 2026-11-26): batch 1, 2 threads, 50.1 tok/s against 26.5 for bfloat16 and 39.3 for
-    ``gguf`` (whose int8 LM head is slower than a bf16 one); top-1 agreement with the exact model 0.965 against
-    0.969 dequantized (docs/quality.md).
+    On the AVX512_BF16 VM (docs/benchmarks.md, 2026-11-26): batch 1, 2 threads, 50.1 tok/s against 26.5 for
+    bfloat16 and 39.3 for ``gguf`` (whose int8 LM head is slower than a bf16 one). On the AVX2 VM (2026-11-29):
+    30.2 against 18.8 and 28.8. Top-1 agreement with the exact model 0.965 against 0.969 dequantized
+    (docs/quality.md).
     """
     return "cpu-int4" if dtype == "bfloat16" else ""
 
 
 def gguf_cpu_options(model: str) -> tuple[str, str]:
     """(dtype, quantization) a GGUF checkpoint is served in on a CPU, as the default model is: bfloat16 where the CPU
-    has bf16 instructions, with the file's own quantization kept (``gguf``: 4-bit tensors through torch's int4
-    kernel, Q8_0 as int8, other types dequantized), so nothing is quantized further than the file is; float32,
-    dequantized, elsewhere (the int4 kernel is slow in other activation dtypes). ``("", "")`` for anything but a
-    GGUF: a Hugging Face folder keeps the engine's choice."""
+    has bf16 instructions or AVX2, with the file's own quantization kept (``gguf``: 4-bit tensors through torch's
+    int4 kernel, Q8_0 as int8, other types dequantized), so nothing is quantized further than the file is; float32,
+    dequantized, elsewhere (see :func:`default_model_dtype`). ``("", "")`` for anything but a GGUF: a Hugging Face
+    folder keeps the engine's choice."""
     if gguf_checkpoint(model) is None:
         return "", ""
     dtype = default_model_dtype()

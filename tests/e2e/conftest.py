@@ -383,7 +383,7 @@ def real_pipeline(
     # Several prompts at once (the structured-output test) share the engine's batch; the default KV budget of the
     # tiny model is too small for a 135M model's longer prompts. The cache holds at least one request of the model's
     # whole context (8192 tokens), and its entries take the model's dtype: 0.17 GiB of bfloat16, 0.35 of float32 (the
-    # dtype ``up`` picks on a CPU without bf16 instructions, an AVX2-only host).
+    # dtype ``up`` picks on a CPU with neither bf16 instructions nor AVX2).
     dtype = default_model_dtype()
     env = {
         "SLUICEGATE_DTYPE": dtype,
