@@ -69,9 +69,20 @@ def parse_model_specs(specs: list[str] | None, *, model_name: str | None = None)
     return out
 
 
+# Native bf16 instructions: any bfloat16 model runs fast.
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # CPU flags under which the default model runs fastest in bfloat16 with its 4-bit weights kept: native bf16
 # instructions, and AVX2, where torch's int4 kernel still beats a dequantized float32 model (see below).
-_KEPT_INT4_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx2"})
+_KEPT_INT4_FLAGS = _BF16_FLAGS | {"avx2"}
+
+
+def _cpu_flags(cpu_flags: str | None) -> set[str]:
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu_flags = ""
+    return set(cpu_flags.split())
 
 
 def default_model_dtype(cpu_flags: str | None = None) -> str:
@@ -92,12 +103,7 @@ def default_model_dtype(cpu_flags: str | None = None) -> str:
     Teacher-forced top-1 agreement of cpu-int4 with the exact model was 0.965 on the first VM and 0.971 on the
     second (docs/quality.md).
     """
-    if cpu_flags is None:
-        try:
-            cpu_flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpu_flags = ""
-    return "bfloat16" if set(cpu_flags.split()) & _KEPT_INT4_FLAGS else "float32"
+    return "bfloat16" if _cpu_flags(cpu_flags) & _KEPT_INT4_FLAGS else "float32"
 
 
 def default_model_quantization(dtype: str) -> str:
@@ -113,16 +119,18 @@ def default_model_quantization(dtype: str) -> str:
     return "cpu-int4" if dtype == "bfloat16" else ""
 
 
-def gguf_cpu_options(model: str) -> tuple[str, str]:
-    """(dtype, quantization) a GGUF checkpoint is served in on a CPU, as the default model is: bfloat16 where the CPU
-    has bf16 instructions or AVX2, with the file's own quantization kept (``gguf``: 4-bit tensors through torch's
-    int4 kernel, Q8_0 as int8, other types dequantized), so nothing is quantized further than the file is; float32,
-    dequantized, elsewhere (see :func:`default_model_dtype`). ``("", "")`` for anything but a GGUF: a Hugging Face
-    folder keeps the engine's choice."""
+def gguf_cpu_options(model: str, cpu_flags: str | None = None) -> tuple[str, str]:
+    """(dtype, quantization) a GGUF checkpoint is served in on a CPU: bfloat16 where the CPU has bf16 instructions,
+    with the file's own quantization kept (``gguf``: 4-bit tensors through torch's int4 kernel, Q8_0 as int8, other
+    types dequantized), so nothing is quantized further than the file is; float32, dequantized, elsewhere.
+    ``("", "")`` for anything but a GGUF: a Hugging Face folder keeps the engine's choice.
+
+    Unlike the default model, a GGUF of the user's is not put in bfloat16 on an AVX2-only CPU: its tensors may be
+    F16 or Q8_0 rather than 4-bit, and a dequantized bfloat16 model there prefills 5.5x slower than float32 (see
+    :func:`default_model_dtype`); only the default model's all-4-bit file was measured faster."""
     if gguf_checkpoint(model) is None:
         return "", ""
-    dtype = default_model_dtype()
-    return dtype, ("gguf" if dtype == "bfloat16" else "")
+    return ("bfloat16", "gguf") if _cpu_flags(cpu_flags) & _BF16_FLAGS else ("float32", "")
 
 
 def default_model(settings: Settings, *, model_name: str | None = None) -> ModelSpec:

@@ -79,13 +79,15 @@ def test_a_gguf_model_is_named_after_its_file_lower_cased(tmp_path: Path) -> Non
     ]
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "gguf"), ("float32", "")])
-def test_a_gguf_model_is_served_as_the_default_model_is_on_this_cpu(
-    dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize(
+    ("flags", "dtype", "quantization"), [("avx2 avx512_bf16", "bfloat16", "gguf"), ("avx2", "float32", "")]
+)
+def test_a_gguf_model_is_served_in_the_cpus_dtype(
+    flags: str, dtype: str, quantization: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``up --model file.gguf`` on a CPU: bf16 with the file's own quantization kept where the CPU has bf16
     instructions, float32 dequantized elsewhere; an operator's SLUICEGATE_DTYPE / SLUICEGATE_QUANTIZATION win."""
-    monkeypatch.setattr(launcher, "default_model_dtype", lambda: dtype)
+    monkeypatch.setattr(launcher, "_cpu_flags", lambda _flags: set(flags.split()))
     monkeypatch.delenv("SLUICEGATE_DTYPE", raising=False)
     monkeypatch.delenv("SLUICEGATE_QUANTIZATION", raising=False)
     (spec,) = parse_model_specs([str(tmp_path / "Other-1B.Q4_K_M.gguf")])
@@ -160,6 +162,25 @@ def test_the_default_dtype_follows_the_cpus_instructions(flags: str, dtype: str)
     # 4-bit kept weights exactly where the model runs in bf16, the activation dtype torch's CPU int4 kernel is
     # measured fastest in
     assert default_model_quantization(dtype) == ("cpu-int4" if dtype == "bfloat16" else "")
+
+
+@pytest.mark.parametrize(
+    ("flags", "options"),
+    [
+        ("fpu avx2 avx512f avx512_bf16", ("bfloat16", "gguf")),
+        ("fpu avx2 amx_bf16", ("bfloat16", "gguf")),
+        # AVX2 alone: a user's GGUF may hold F16 or Q8_0 tensors, which bf16 would make slow there
+        ("fpu sse4_2 avx avx2 fma", ("float32", "")),
+        ("fp asimd", ("float32", "")),
+    ],
+)
+def test_a_users_gguf_runs_in_bf16_only_under_bf16_instructions(
+    flags: str, options: tuple[str, str], tmp_path: Path
+) -> None:
+    gguf = tmp_path / "model.Q8_0.gguf"
+    gguf.write_bytes(b"")
+    assert gguf_cpu_options(str(gguf), flags) == options
+    assert gguf_cpu_options(str(tmp_path / "hf-folder-or-hub-id"), flags) == ("", "")
 
 
 def test_models_lists_what_the_workers_say_of_their_model() -> None:
