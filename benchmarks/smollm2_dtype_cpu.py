@@ -6,7 +6,8 @@ interleaved so a busy machine slows them alike. ``sluicegate up`` serves the def
 dtype (``sluicegate.stack.launcher.default_model_dtype``).
 
 Each variant's prefill is timed too: a ``--prefill-tokens`` prompt of fresh random token ids each round (so the
-prefix cache never answers it), one new token.
+prefix cache never answers it), one new token. ``cpu-int4, kernel only`` is ``cpu-int4`` with its long-prefill
+path turned off (``cpu_linear.DENSE_MIN_ROWS`` out of reach): every projection through the int4 kernel.
 
     python -m benchmarks.smollm2_dtype_cpu [--tokens 64] [--prefill-tokens 400] [--rounds 3] [--threads 2]
         [--variants float32 gguf]
@@ -32,7 +33,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cpu-int4": {"quantization": "cpu-int4"},
     "cpu-int4, float32 model": {"dtype": "float32", "quantization": "cpu-int4"},
     "cpu-int8": {"quantization": "cpu-int8"},
+    "cpu-int4, kernel only": {"quantization": "cpu-int4"},
 }
+KERNEL_ONLY = frozenset({"cpu-int4, kernel only"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from gpu_workers.engine import LLM, SamplingParams
-    from gpu_workers.engine.quantization import weight_memory_bytes
+    from gpu_workers.engine.quantization import cpu_linear, weight_memory_bytes
     from sluicegate.models.smollm2 import fetch_smollm2
 
     if args.threads:
@@ -66,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     for llm in engines.values():
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
+    dense_min_rows = cpu_linear.DENSE_MIN_ROWS
     for _ in range(args.rounds):
         for name, llm in engines.items():
+            cpu_linear.DENSE_MIN_ROWS = 10**9 if name in KERNEL_ONLY else dense_min_rows
             started = time.perf_counter()
             llm.generate([prompt], params)
             best[name] = min(best[name], time.perf_counter() - started)

@@ -15,9 +15,17 @@ and only their bfloat16 path is vectorized: float32 runs a scalar loop, measured
 (and than a float32 ``nn.Linear``) on AVX512. So the layers keep their scales in bfloat16 and run the kernel in
 bfloat16 whatever the model's dtype: a float32 model's activations are rounded to bfloat16 on the way in and the
 result is widened back.
+
+Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel is slower than unpacking the codes into a float32
+weight and running a float32 GEMM, so ``CpuInt4Linear`` does that instead: the weight is unpacked per call into a
+scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's own, exactly (a
+test pins the unpacking against the kernel's float32 path). ``benchmarks/int4_dense_prefill.py`` measured the
+crossing point.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -27,6 +35,29 @@ INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 INT4_OUT_MULTIPLE = 16  # the packer's tile along N
 # Group size of 4-bit weights quantized from float (GGUF Q4_0 / Q4_1 / Q4_K blocks are groups of 32 too).
 DEFAULT_INT4_GROUP = 32
+# Rows from which an int4 layer multiplies by an unpacked float32 weight instead of calling the kernel: unpacking
+# costs about as much as the kernel's 128-row product on the measured AVX2 CPU (benchmarks/int4_dense_prefill.py).
+DENSE_MIN_ROWS = 128
+# Floats of unpacked weight held at a time (64 MiB): one buffer per thread, reused by every layer; a layer
+# larger than this unpacks a piece of its output columns at a time.
+_SCRATCH_FLOATS = 16 * 2**20
+
+
+class _ScratchBuffers(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_scratch_buffers = _ScratchBuffers()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """``numel`` float32 of this thread's scratch buffer, grown as needed (up to ``_SCRATCH_FLOATS``)."""
+    buffer = _scratch_buffers.buffer
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch_buffers.buffer = torch.empty(numel, dtype=torch.float32)
+    return buffer[:numel]
+
+
 _OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm")
 
 
@@ -145,9 +176,71 @@ class CpuInt4Linear(nn.Module):
         sz = self.scales_and_zeros.float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).t().to(dtype)
 
+    def _column_pieces(self) -> list[tuple[int, int]]:
+        """Output columns in pieces whose unpacked weight fits the scratch buffer: whole 32-row blocks, and a
+        last block of 16 rows on its own (it is packed differently)."""
+        n, k = self.out_features, self.in_features
+        whole = n - n % 32
+        width = max(32, (_SCRATCH_FLOATS // k) // 32 * 32)
+        pieces = [(start, min(start + width, whole)) for start in range(0, whole, width)]
+        return pieces + ([(whole, n)] if whole < n else [])
+
+    def _unpack(self, start: int, stop: int, into: torch.Tensor) -> torch.Tensor:
+        """Columns ``start:stop`` of the kernel's weight transposed, ``(q - 8) * scale + zero`` in float32,
+        written into ``into`` (``[K, stop - start]``, contiguous).
+
+        The packer stores rows in blocks of 32 as ``[K, 16]`` bytes each: the low nibble of byte ``j`` is row
+        ``32 b + j`` and the high nibble row ``32 b + 16 + j``. A last block of 16 rows (``N`` is a multiple of
+        16, not always of 32) is ``[K, 8]`` bytes holding rows ``2 j`` and ``2 j + 1``. Laid out K-major, the
+        codes are ``W^T`` with no transpose copy, and each group's scale and zero broadcast along its rows.
+        """
+        k, g, width = self.in_features, self.group_size, stop - start
+        whole = self.out_features // 32
+        flat = self.packed.view(-1)
+        if start < whole * 32:
+            blocks = flat[: whole * k * 16].view(whole, k, 16)[start // 32 : stop // 32].permute(1, 0, 2)
+            dense = into.view(k, width // 32, 32)
+            dense[..., :16] = blocks & 15
+            dense[..., 16:] = blocks >> 4
+        else:
+            tail = flat[whole * k * 16 :].view(k, 8)
+            pairs = into.view(k, 8, 2)
+            pairs[..., 0] = tail & 15
+            pairs[..., 1] = tail >> 4
+        sz = self.scales_and_zeros[:, start:stop].float().unsqueeze(1)
+        # (q - 8) * s + z, fused as the kernel's float32 path computes it (bit for bit: the tests compare).
+        codes = into.view(k // g, g, width).sub_(8)
+        torch.addcmul(sz[..., 1], codes, sz[..., 0], out=codes)
+        return into
+
+    def dense_weight_t(self) -> torch.Tensor:
+        """The kernel's weight transposed, float32 ``[K, N]``, unpacked from the packed codes (a new tensor)."""
+        pieces = [
+            self._unpack(a, b, torch.empty(self.in_features, b - a, device=self.packed.device))
+            for a, b in self._column_pieces()
+        ]
+        return torch.cat(pieces, dim=1)
+
+    def _dense_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat @ W^T`` in float32 through the unpacked weight, a piece of columns at a time in the scratch
+        buffer (a fresh ``[K, N]`` tensor per call costs page faults that more than double the unpacking)."""
+        x = flat.float()
+        pieces = self._column_pieces()
+        k = self.in_features
+        if len(pieces) == 1:
+            return torch.mm(x, self._unpack(0, self.out_features, _scratch(k * self.out_features).view(k, -1)))
+        out = torch.empty(x.shape[0], self.out_features, device=x.device)
+        for start, stop in pieces:
+            out[:, start:stop] = torch.mm(x, self._unpack(start, stop, _scratch(k * (stop - start)).view(k, -1)))
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] >= DENSE_MIN_ROWS and flat.device.type == "cpu":
+            out = self._dense_mm(flat)
+        else:
+            flat = flat.to(KERNEL_DTYPE).contiguous()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         return _finish(x, out, self.bias, self.out_features)
 
 

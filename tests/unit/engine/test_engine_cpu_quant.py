@@ -32,7 +32,7 @@ from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.models.gguf_checkpoint import GGUFLoadError
 from gpu_workers.engine.models.gguf_convert import TENSOR_INDEX
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
-from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear
+from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear, cpu_linear
 
 from .gguf_files import DEQUANTIZE_ONLY, write_gguf
 from .int4_packer import write_int4_checkpoint
@@ -139,6 +139,33 @@ def test_kept_4bit_gguf_matches_the_dequantized_engine(
         assert (held - want).abs().max() <= 2.0**-7 * want.abs().max(), name
     if qtype != T.Q4_K:  # random Q4_K blocks make a model whose logits say nothing
         _compare(kept, ref, capsys, f"{variant} {qtype.name}")
+
+
+def test_a_long_prefill_through_unpacked_weights_matches_the_kernel(
+    tiny: Callable[[str], Path], tmp_path: Path, make_llm: Callable[..., LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt past ``DENSE_MIN_ROWS`` prefills through the unpacked float32 weights; the same prompt with the
+    threshold out of reach goes through the int4 kernel. In a bfloat16 model both see the same bfloat16 inputs
+    and weights and round their float32 sums to bfloat16, so they differ by summation order only."""
+    write_gguf(tiny("qwen2"), tmp_path / "m.gguf", T.Q4_1)
+    kept = make_llm(tmp_path / "m.gguf", quantization="gguf", num_kv_blocks=48)
+    prompt = [random.Random(5).randrange(3, 512) for _ in range(cpu_linear.DENSE_MIN_ROWS + 32)]
+    unpacked = {"calls": 0}
+    dense_mm = CpuInt4Linear._dense_mm
+
+    def counted(layer: CpuInt4Linear, flat: torch.Tensor) -> torch.Tensor:
+        unpacked["calls"] += 1
+        return dense_mm(layer, flat)
+
+    monkeypatch.setattr(CpuInt4Linear, "_dense_mm", counted)
+    dense = engine_logits(kept, prompt)
+    assert unpacked["calls"] == len(_layers(kept))  # every projection and the LM head (all positions' logits)
+    monkeypatch.setattr(cpu_linear, "DENSE_MIN_ROWS", 10**9)
+    kernel = engine_logits(kept, prompt)
+    assert unpacked["calls"] == len(_layers(kept))
+    cosine = F.cosine_similarity(dense.flatten(), kernel.flatten(), dim=0).item()
+    assert cosine >= 0.99999, cosine
+    assert (dense.argmax(-1) == kernel.argmax(-1)).float().mean().item() >= 0.99
 
 
 def test_kept_q8_0_gguf_is_int8_per_channel(

@@ -11,8 +11,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.quantization import QuantizationUnsupportedError, check_quantization_supported
+from gpu_workers.engine.quantization import QuantizationUnsupportedError, check_quantization_supported, cpu_linear
 from gpu_workers.engine.quantization.cpu_linear import (
+    DENSE_MIN_ROWS,
     CpuInt4Linear,
     CpuInt8Linear,
     int4_shape_problem,
@@ -74,6 +75,62 @@ def test_kernel_shape_limits_are_named() -> None:
     assert "not a multiple of the group size 128" in str(int4_shape_problem(48, 576, 128))
     with pytest.raises(ValueError, match=r"int4 CPU layer \[40, 64\]: out_features=40"):
         CpuInt4Linear(64, 40, bias=False)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group"), [(48, 512, 32), (1536, 576, 32), (64, 256, 128), (16, 512, 256), (80, 288, 32)]
+)
+def test_int4_codes_unpack_into_the_kernels_own_weight(n: int, k: int, group: int) -> None:
+    """The unpacked float32 weight a long prefill multiplies by is, bit for bit, the one the kernel's float32
+    path multiplies by: the nibble order, the K-major layout and the per-group scale and zero all match."""
+    torch.manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scale, zero = torch.rand(n, k // group) * 0.1 + 1e-3, torch.randn(n, k // group) * 0.1
+    layer = CpuInt4Linear.from_codes(codes, scale, zero, group)
+    got = layer.dense_weight_t()
+    assert got.shape == (k, n) and got.dtype == torch.float32
+    assert torch.equal(got.t(), layer.dequantized_weight())
+    # And against the codes themselves, so a swapped nibble order could not pass on both sides.
+    s, z = _expand(scale.bfloat16().float(), group), _expand(zero.bfloat16().float(), group)
+    torch.testing.assert_close(got.t(), (codes - 8).float() * s + z, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_layer_takes_the_dense_path_from_the_row_threshold_on(dtype: torch.dtype) -> None:
+    """Below ``DENSE_MIN_ROWS`` rows the kernel multiplies (its bfloat16 rounding of the input shows); from it on,
+    the unpacked float32 weight does, exactly as a float32 matmul by the dequantized weight. Both add the bias,
+    keep the input's dtype and leading dimensions."""
+    torch.manual_seed(7)
+    layer = CpuInt4Linear.from_float(torch.randn(96, 256) * 0.05, bias=torch.randn(96).to(dtype), group_size=32)
+    w = layer.dequantized_weight()
+    for rows, dense in ((DENSE_MIN_ROWS - 1, False), (DENSE_MIN_ROWS, True), (3 * DENSE_MIN_ROWS, True)):
+        x = torch.randn(1, rows, 256).to(dtype)
+        out = layer(x)
+        assert out.shape == (1, rows, 96) and out.dtype == dtype
+        exact = (x.float().reshape(rows, 256) @ w.t()).to(dtype) + layer.bias
+        if dense:
+            torch.testing.assert_close(out, exact.reshape(1, rows, 96), rtol=1e-5, atol=1e-5)
+        else:
+            kernel = x.reshape(rows, 256).bfloat16().float() @ w.t() + layer.bias.float()
+            torch.testing.assert_close(out.float().reshape(rows, 96), kernel, rtol=2e-2, atol=2e-2)
+    if dtype == torch.float32:  # the kernel rounds a float32 input to bfloat16: the two paths differ there
+        x = torch.randn(DENSE_MIN_ROWS, 256)
+        exact = x @ w.t() + layer.bias
+        below = layer(x[: DENSE_MIN_ROWS - 1])
+        assert (below - exact[: DENSE_MIN_ROWS - 1]).abs().max() > 1e-4
+
+
+def test_a_layer_larger_than_the_scratch_buffer_unpacks_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for 64 columns at a time, a 112-row layer goes through pieces of 64 and 32 rows and its last
+    16-row block, and multiplies exactly as by the whole weight."""
+    monkeypatch.setattr(cpu_linear, "_SCRATCH_FLOATS", 64 * 256)
+    torch.manual_seed(8)
+    layer = CpuInt4Linear.from_float(torch.randn(112, 256) * 0.05, group_size=64)
+    assert layer._column_pieces() == [(0, 64), (64, 96), (96, 112)]
+    w = layer.dequantized_weight()
+    assert torch.equal(layer.dense_weight_t().t(), w)
+    x = torch.randn(DENSE_MIN_ROWS, 256)
+    torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
 def _k_blocks(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

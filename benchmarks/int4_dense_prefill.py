@@ -1,0 +1,72 @@
+"""Where a kept int4 projection should stop calling torch's int4 kernel and multiply by an unpacked float32
+weight instead: the crossing point behind ``DENSE_MIN_ROWS`` in ``gpu_workers/engine/quantization/cpu_linear.py``.
+
+For SmolLM2-135M's projections as the engine merges them (qkv 960x576, o 576x576, gate/up 3072x576, down
+576x1536; groups of 32), per number of rows (the tokens of one step), one layer's four products through each
+path with bfloat16 activations, as ``up`` runs them: ``kernel`` (``_weight_int4pack_mm_for_cpu``) and
+``unpacked`` (the layer's own dense path: the weight unpacked into its scratch buffer, then a float32 GEMM).
+Best of ``--rounds``.
+
+    python -m benchmarks.int4_dense_prefill [--threads 2] [--rounds 7] [--rows 16 64 128 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from gpu_workers.engine.quantization.cpu_linear import DENSE_MIN_ROWS, KERNEL_DTYPE, CpuInt4Linear
+
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+ROWS = (16, 32, 64, 96, 128, 192, 256, 400, 512)
+
+
+def best_ms(call: Callable[[], object], rounds: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    layers = [CpuInt4Linear.from_float(torch.randn(n, k) * 0.05) for n, k in SHAPES]
+
+    def kernel(xs: list[torch.Tensor]) -> None:
+        for layer, x in zip(layers, xs, strict=True):
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group_size, layer.scales_and_zeros)
+
+    def unpacked(xs: list[torch.Tensor]) -> None:
+        for layer, x in zip(layers, xs, strict=True):
+            layer._dense_mm(x).to(KERNEL_DTYPE)
+
+    one_row = [torch.randn(1, k).to(KERNEL_DTYPE) for _, k in SHAPES]
+    unpack_ms = best_ms(lambda: unpacked(one_row), args.rounds)
+    print(f"torch {torch.__version__}, {args.threads} threads; unpacking one layer's weights: {unpack_ms:.2f} ms")
+    print(f"DENSE_MIN_ROWS = {DENSE_MIN_ROWS}\n")
+    print("| rows | int4 kernel ms | unpacked + float32 GEMM ms | kernel / unpacked |")
+    print("|---:|---:|---:|---:|")
+    with torch.inference_mode():
+        for rows in args.rows:
+            xs = [torch.randn(rows, k).to(KERNEL_DTYPE) for _, k in SHAPES]
+            k_ms = best_ms(lambda xs=xs: kernel(xs), args.rounds)
+            u_ms = best_ms(lambda xs=xs: unpacked(xs), args.rounds)
+            print(f"| {rows} | {k_ms:.2f} | {u_ms:.2f} | {k_ms / u_ms:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
