@@ -32,6 +32,12 @@ def _logprobs(plan: ChoicePlan, logprobs: list[TokenLogprob], offset: int = 0) -
     return chat_logprobs(logprobs) if plan.kind == "chat" else completion_logprobs(logprobs, offset)
 
 
+def _with_calls(reason: FinishReason) -> str:
+    """A choice that made tool calls ends with ``tool_calls`` when the model finished them; one cut short
+    (``length``: the arguments may not parse) or ended otherwise keeps its reason, as OpenAI and vLLM say."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def whole_choices(assembler: StreamAssembler, plan: ChoicePlan) -> list[dict[str, Any]]:
     """Every choice of a finished request."""
     choices = []
@@ -46,7 +52,7 @@ def whole_choices(assembler: StreamAssembler, plan: ChoicePlan) -> list[dict[str
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = calls
-            reason = "tool_calls" if reason == "stop" or plan.tools.mode != "auto" else reason
+            reason = _with_calls(reason)
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return choices
 
@@ -106,9 +112,7 @@ class ChoiceChunks:
         out = (
             [self._choice(index, message, None, None) for message in tools.finish()] if self.plan.kind == "chat" else []
         )
-        final: str = reason
-        if tools.called and (reason == "stop" or self.plan.tools.mode != "auto"):
-            final = "tool_calls"
+        final = _with_calls(reason) if tools.called else reason
         out.append(self._choice(index, {}, None, final))
         return out
 

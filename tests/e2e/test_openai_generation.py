@@ -179,6 +179,13 @@ def test_named_tool_choice_forces_a_valid_call(pipeline: Pipeline) -> None:
     assert sum(1 for c in chunks for ch in c.choices for d in ch.delta.tool_calls or []) > 3, "arguments in pieces"
     assert _finish(chunks) == "tool_calls"
 
+    # Cut short by max_tokens, the call's arguments do not parse: the choice says "length", as OpenAI's does.
+    cut = _chat(pipeline, tools=TOOLS, tool_choice=choice, max_tokens=3)
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    (partial,) = cut.choices[0].message.tool_calls
+    assert partial.function.name == "get_weather" and partial.function.arguments.startswith("{")
+    assert _finish(_streamed(pipeline, tools=TOOLS, tool_choice=choice, max_tokens=3)) == "length"
+
 
 def test_required_tool_choice_calls_offered_tools(pipeline: Pipeline) -> None:
     schemas = {"get_weather": WEATHER, "get_time": TIME}

@@ -157,6 +157,31 @@ def test_streamed_named_call_sends_header_then_argument_fragments() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("plan", "text"),
+    [
+        (ToolPlan("named", "get_weather", NAMES), '{"city": "Os'),
+        (HERMES, 'ok <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'),
+    ],
+    ids=["named", "auto"],
+)
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_a_call_ends_with_tool_calls_only_when_the_model_finished_it(plan: ToolPlan, text: str, reason: str) -> None:
+    """A choice with calls that ``max_tokens`` cut keeps ``length`` (a forced call's arguments may not parse),
+    whole and streamed; one the model finished says ``tool_calls``."""
+    events = [
+        TokenEvent(request_id="r", seq=0, text=text, token_ids=[1]),
+        DoneEvent(request_id="r", seq=1, finish_reason=reason, usage=USAGE),  # type: ignore[arg-type]
+    ]
+    assembler = StreamAssembler()
+    chunks = ChoiceChunks(ChoicePlan("chat", tools=plan))
+    streamed = [c for e in events for c in chunks.feed(assembler.feed_choices(e))] + chunks.close_all(assembler)
+    want = "tool_calls" if reason == "stop" else "length"
+    assert [c["finish_reason"] for c in streamed if c["finish_reason"]] == [want]
+    (whole,) = whole_choices(assembler, ChoicePlan("chat", tools=plan))
+    assert whole["finish_reason"] == want and whole["message"]["tool_calls"]
+
+
 USAGE = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
 
 
