@@ -14,8 +14,9 @@ from sluicegate.api.errors import ApiError, invalid
 B = TypeVar("B", bound=BaseModel)
 
 
-async def parse_body(request: Request, model: type[B], *, root_field: str) -> B:
-    """The JSON body validated as ``model``: 400 for malformed JSON, 422/400 naming the bad field."""
+async def parse_body(request: Request, model: type[B], *, root_field: str, context: dict[str, Any] | None = None) -> B:
+    """The JSON body validated as ``model`` (with pydantic's validation ``context``, for an endpoint that takes
+    more than the model's other users): 400 for malformed JSON, 422/400 naming the bad field."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -31,7 +32,7 @@ async def parse_body(request: Request, model: type[B], *, root_field: str) -> B:
             code="invalid_json",
         )
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         raise invalid(exc, root_field=root_field) from exc
 

@@ -8,22 +8,61 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import Request
 
-from schemas import StreamEvent
+from schemas import StreamEvent, Usage
 from sluicegate.api.assembler import StreamAssembler
+from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
 from sluicegate.api.errors import ApiError, error_body
 from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
 from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, running_usage, sse
 from sluicegate.task_stop import cancel_and_wait
 
+from .app_state import service_of
 from .service import IngressService
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamPart:
+    """One request of a response that several requests answer (a completion's list of prompts)."""
+
+    request_id: str
+    choice_offset: int
+    on_done: Callable[[Usage], object]
+
+
+def body_events(
+    request: Request,
+    ids: ResponseIds,
+    body: ChatCompletionBody | CompletionBody,
+    *,
+    tenant: str,
+    plan: ChoicePlan,
+    accepted_at: float,
+    part: StreamPart | None = None,
+) -> AsyncIterator[str]:
+    """:func:`sse_events` with the stream options of an OpenAI ``body``. A part of several does not know its
+    prompt's count (ingress counted the last prompt accepted), so its running usage waits for ``done``."""
+    service = service_of(request)
+    return sse_events(
+        service,
+        ids,
+        tenant=tenant,
+        include_usage=body.include_usage,
+        accepted_at=accepted_at,
+        metrics=service.metrics,
+        plan=plan,
+        continuous_usage=body.continuous_usage,
+        prompt_tokens=None if part is not None else getattr(request.state, "prompt_tokens", None),
+        part=part,
+    )
 
 
 def stream_failure(assembler: StreamAssembler) -> ApiError | None:
@@ -87,9 +126,12 @@ async def sse_events(
     plan: ChoicePlan | None = None,
     continuous_usage: bool = False,
     prompt_tokens: int | None = None,
+    part: StreamPart | None = None,
 ) -> AsyncIterator[str]:
     """OpenAI server-sent events for one request; cancels it when the client goes away mid-stream (or the
-    relay cannot go on).
+    relay cannot go on). As a ``part`` of a response that several requests answer, the request followed is the
+    part's, its choices are numbered after the earlier parts', and it ends without the usage chunk and ``[DONE]``
+    (the part's usage goes to ``part.on_done``; a part that ends without calling it failed).
 
     ``continuous_usage`` is vLLM's ``continuous_usage_stats``: every chunk carries the usage so far instead of
     null, counting the prompt as ``prompt_tokens`` (ingress's exact count). Where ingress could not count the
@@ -97,6 +139,8 @@ async def sse_events(
     and the closing chunks carry the worker's exact figures.
     """
     cancel_reason: str | None = "client_disconnected"
+    request_id = part.request_id if part is not None else ids.request_id
+    offset = part.choice_offset if part is not None else 0
     first_text = True
     chunks = ChoiceChunks(plan or ChoicePlan(ids.kind))
     assembler = StreamAssembler()
@@ -108,6 +152,8 @@ async def sse_events(
             usage = running_usage(done.prompt_tokens, done.completion_tokens)
         elif continuous_usage and prompt_tokens is not None:
             usage = running_usage(prompt_tokens, assembler.completion_tokens)
+        if offset:
+            choice = choice | {"index": choice["index"] + offset}
         return sse(ids.choices_chunk([choice], include_usage=include_usage, usage=usage))
 
     # What one read of the stream gives goes out as one write: each write is a trip through the middleware and a
@@ -117,7 +163,7 @@ async def sse_events(
         for choice in chunks.opening():
             yield chunk(choice)
         try:
-            async for batch in service.event_batches(ids.request_id, timeout_s=service.settings.request_timeout_s):
+            async for batch in service.event_batches(request_id, timeout_s=service.settings.request_timeout_s):
                 for event in batch:
                     deltas = assembler.feed_choices(event)
                     if assembler.diverged:
@@ -147,6 +193,10 @@ async def sse_events(
             return
         assert assembler.done is not None
         pending.extend(chunk(choice) for choice in chunks.close_all(assembler))
+        if part is not None:
+            part.on_done(assembler.done.usage)
+            yield "".join(pending)
+            return
         if include_usage:
             pending.append(sse(ids.usage_chunk(assembler.done.usage)))
         pending.append(SSE_DONE)
@@ -157,6 +207,6 @@ async def sse_events(
             # cancelled scope, where any unshielded await would be cancelled at once.
             with anyio.CancelScope(shield=True), anyio.move_on_after(service.settings.kafka_timeout_s + 1):
                 try:
-                    await service.cancel(ids.request_id, tenant, reason=cancel_reason)
+                    await service.cancel(request_id, tenant, reason=cancel_reason)
                 except Exception as exc:
-                    log.warning("ingress.cancel_failed request_id=%s error=%r", ids.request_id, exc)
+                    log.warning("ingress.cancel_failed request_id=%s error=%r", request_id, exc)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the whole
-answer, or server-sent events with ``stream``), and the model listing ``GET /v1/models[/{model}]`` (models
-with a live worker, the routed public names one of whose versions has one, and the LoRA adapters the caller's
-tenant may use whose base model is listed, with ``parent`` = that base as vLLM shows them)."""
+answer, or server-sent events with ``stream``; a completion's list of prompts in :mod:`ingress.several_prompts`),
+and the model listing ``GET /v1/models[/{model}]`` (models with a live worker, the routed public names one of whose
+versions has one, and the LoRA adapters the caller's tenant may use whose base model is listed, with ``parent`` =
+that base as vLLM shows them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from schemas import LoRAAdapter
-from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
+from sluicegate.api.bodies import SEVERAL_PROMPTS, ChatCompletionBody, CompletionBody
 from sluicegate.api.errors import ApiError
 from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import Kind, ResponseIds
@@ -24,8 +25,9 @@ from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
 from ..lean_route import lean_post
-from ..openai_stream import collect_or_cancel, sse_events, stream_failure
+from ..openai_stream import body_events, collect_or_cancel, stream_failure
 from ..openapi import ChatCompletion, ModelCard, ModelList, TextCompletion, errors, json_body, ok
+from ..several_prompts import answer_prompts
 
 router = APIRouter(tags=["openai"])
 
@@ -49,17 +51,7 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
     headers = {"x-request-id": inference.request_id}
     service = service_of(request)
     if body.stream:
-        stream = sse_events(
-            service,
-            ids,
-            tenant=inference.tenant,
-            include_usage=body.include_usage,
-            accepted_at=accepted_at,
-            metrics=service.metrics,
-            plan=plan,
-            continuous_usage=body.continuous_usage,
-            prompt_tokens=getattr(request.state, "prompt_tokens", None),
-        )
+        stream = body_events(request, ids, body, tenant=inference.tenant, plan=plan, accepted_at=accepted_at)
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
     assembler = await collect_or_cancel(request, service, inference.request_id, inference.tenant)
@@ -94,7 +86,9 @@ async def chat_completions(request: Request) -> Response:
 )
 async def completions(request: Request) -> Response:
     caller = await authenticate(request)
-    body = await parse_body(request, CompletionBody, root_field="prompt")
+    body = await parse_body(request, CompletionBody, root_field="prompt", context=SEVERAL_PROMPTS)
+    if len(body.prompts()) > 1:
+        return await answer_prompts(request, caller, body)
     return await _answer(request, caller, body, "completion")
 
 

@@ -311,6 +311,11 @@ class ChatCompletionBody(_OpenAIBody):
 
 
 _TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+#: Most prompts one ``/v1/completions`` call may carry (as many as an embeddings call's inputs).
+MAX_COMPLETION_PROMPTS = 2048
+#: Validation context under which ``CompletionBody`` takes a list of several prompts: the online endpoint, which
+#: sends each as its own request. Elsewhere (a batch line, one request) several prompts are refused by name.
+SEVERAL_PROMPTS = {"several_prompts": True}
 PromptField = Annotated[
     str
     | Annotated[list[str], Field(min_length=1)]
@@ -318,12 +323,21 @@ PromptField = Annotated[
     | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]], Field(min_length=1)],
     WithJsonSchema(
         {
-            "description": "One prompt: text, token ids, or a one-element list of either.",
+            "description": (
+                "A prompt (text or token ids), or a list of prompts: each is its own request, and its choices "
+                "follow the previous prompt's in `choices` (prompt i's choice j has index i * n + j). A batch "
+                "line takes one prompt."
+            ),
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": MAX_COMPLETION_PROMPTS,
+                },
                 _TOKEN_IDS_SCHEMA,
-                {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_COMPLETION_PROMPTS},
             ],
         }
     ),
@@ -343,19 +357,31 @@ class CompletionBody(_OpenAIBody):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            return value
-        if isinstance(value[0], int):
-            return value  # type: ignore[return-value]
-        if len(value) > 1:
-            raise _unsupported("a list of several prompts is not supported; send one request per prompt")
-        only = value[0]
-        if isinstance(only, str) and not only:
+    def _prompts(
+        cls, value: str | list[str] | list[int] | list[list[int]], info: ValidationInfo
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        """One prompt as it is (a one-element list unwrapped); several only under ``SEVERAL_PROMPTS``."""
+        if isinstance(value, str) or isinstance(value[0], int):
+            prompts: list[Any] = [value]
+        else:
+            prompts = value
+            if len(prompts) > 1 and not (info.context or {}).get("several_prompts"):
+                raise _unsupported("a list of several prompts is not supported here; send one request per prompt")
+            if len(prompts) > MAX_COMPLETION_PROMPTS:
+                raise ValueError(f"at most {MAX_COMPLETION_PROMPTS} prompts per request, got {len(prompts)}")
+        if any(isinstance(p, str) and not p for p in prompts):
             raise ValueError("prompt must not be empty")
-        return only  # type: ignore[return-value]
+        return prompts[0] if len(prompts) == 1 else value
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the body (one, unless the online endpoint took a list)."""
+        prompt = self.prompt
+        several = isinstance(prompt, list) and not isinstance(prompt[0], int)
+        return list(prompt) if several else [prompt]  # type: ignore[arg-type, list-item]
+
+    def one_per_prompt(self) -> list[CompletionBody]:
+        """The body once per prompt, each a request of its own."""
+        return [self.model_copy(update={"prompt": p}) for p in self.prompts()]
 
     @field_validator("echo")
     @classmethod

@@ -55,6 +55,19 @@ def test_tokenize_and_detokenize_match_the_models_tokenizer(pipeline: Pipeline, 
     assert _post(pipeline, "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
 
 
+def test_one_prompt_of_a_list_over_the_context_refuses_the_whole_call(pipeline: Pipeline) -> None:
+    """Each prompt of a list is checked as its own request: one too long is the call's 400, naming the context,
+    and the prompts already queued are withdrawn; the next call is served."""
+    client = OpenAI(base_url=f"{pipeline.ingress_url}/v1", api_key=pipeline.api_key, max_retries=0, timeout=60)
+    long = "The river ran quietly past the old mill " * 20
+    assert _tokenize(pipeline, {"prompt": long})["count"] > CONTEXT
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model=pipeline.model, prompt=["short one", long], max_tokens=4)
+    assert caught.value.code == "context_length_exceeded", caught.value.body
+    out = client.completions.create(model=pipeline.model, prompt=["short one", "two"], max_tokens=4)
+    assert [c.index for c in out.choices] == [0, 1]
+
+
 def test_prompt_plus_max_tokens_over_the_context_is_a_400_at_once(pipeline: Pipeline) -> None:
     client = OpenAI(base_url=f"{pipeline.ingress_url}/v1", api_key=pipeline.api_key, max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "The river ran quietly past the old mill " * 6}]

@@ -298,6 +298,38 @@ def test_n_choices_streamed_and_not(pipeline: Pipeline) -> None:
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
 
 
+def test_a_list_of_prompts_is_one_request_each_streamed_and_not(pipeline: Pipeline) -> None:
+    """OpenAI's list ``prompt`` on /v1/completions: prompt i's choice j is choice i * n + j, the usage is the sum,
+    and streamed the parts' chunks interleave before one usage chunk and one [DONE]."""
+    client = _client(pipeline)
+    prompts = ["The river", "Once upon a time", "A cat sat"]
+    ask = {"model": pipeline.model, "max_tokens": 5, "temperature": 1.0, "seed": 3, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **ask).usage.prompt_tokens for p in prompts]
+    out = client.completions.create(prompt=prompts, n=2, **ask)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert all(c.text and c.finish_reason == "length" for c in out.choices), out.choices
+    assert out.usage.completion_tokens == 30 and out.usage.prompt_tokens == sum(alone)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 30
+
+    chunks = list(
+        client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **ask)
+    )
+    texts: dict[int, str] = {}
+    ends: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                ends[choice.index] = choice.finish_reason
+    assert sorted(texts) == list(range(6)) and all(texts.values()) and ends == dict.fromkeys(range(6), "length")
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert chunks[-1].usage.prompt_tokens == sum(alone)
+
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **ask)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+
+
 def test_sampling_extras_reach_the_engine(pipeline: Pipeline, llm: LLM) -> None:
     """Penalties, min_p and logit_bias: the pipeline's greedy output equals the engine's own with the same
     params, and differs from plain greedy (so they were not dropped on the way)."""

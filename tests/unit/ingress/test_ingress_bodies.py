@@ -12,6 +12,8 @@ from schemas import TraceContext, utcnow
 from sluicegate.api.bodies import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
+    MAX_COMPLETION_PROMPTS,
+    SEVERAL_PROMPTS,
     ChatCompletionBody,
     CompletionBody,
     NativeRequestBody,
@@ -173,9 +175,24 @@ def test_invalid_values_are_422_naming_the_field(model: type[BaseModel], body: d
     assert f"'{param}'" in payload["message"]
 
 
-def test_several_prompts_in_one_completion_are_unsupported() -> None:
+def test_several_prompts_in_one_completion_only_where_the_endpoint_takes_them() -> None:
+    """A batch line is one request: several prompts are refused there. The online endpoint validates with
+    ``SEVERAL_PROMPTS`` and sends each prompt as its own request."""
     error = rejected(CompletionBody, {"model": "m", "prompt": ["a", "b"]})
     assert error.status == 400 and "one request per prompt" in error.message
+
+    def several(prompt: Any) -> CompletionBody:
+        return CompletionBody.model_validate({"model": "m", "prompt": prompt, "n": 2}, context=SEVERAL_PROMPTS)
+
+    body = several(["a", "b", "c"])
+    assert body.prompts() == ["a", "b", "c"]
+    assert [(b.prompt, b.n) for b in body.one_per_prompt()] == [("a", 2), ("b", 2), ("c", 2)]
+    assert several([[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    assert several([1, 2]).prompts() == [[1, 2]] and several(["a"]).prompts() == ["a"] and several("a").prompt == "a"
+    for prompt, words in ((["a", ""], "must not be empty"), (["a"] * (MAX_COMPLETION_PROMPTS + 1), "at most")):
+        with pytest.raises(ValidationError) as caught:
+            several(prompt)
+        assert words in str(caught.value)
 
 
 def test_guided_regex_goes_with_auto_tools() -> None:
