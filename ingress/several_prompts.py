@@ -1,6 +1,7 @@
 """``POST /v1/completions`` with a list of prompts: each prompt is its own request (:mod:`ingress.fan_out`), and
 the answer puts their choices together as OpenAI and vLLM do. Prompt ``i``'s choice ``j`` has index ``i * n + j``,
-and the usage is the sum of the prompts'. The response's id is the first prompt's request id.
+and the usage is the sum of the prompts'. The response's id is the first prompt's request id; the
+``x-request-ids`` header lists every prompt's.
 
 Streamed, the parts' chunks go out as each part produces them, interleaved; one usage chunk (with
 ``include_usage``) and one ``[DONE]`` close the stream once every part has finished. A part that fails ends the
@@ -49,7 +50,8 @@ async def answer_prompts(request: Request, caller: ApiKey, body: CompletionBody)
     ids = ResponseIds("completion", first.request_id, answered_model(first), int(time.time()))
     n = first.sampling.n
     plan = ChoicePlan("completion", n=n, logprobs=first.sampling.logprobs is not None)
-    headers = {"x-request-id": first.request_id}
+    # Every part's id too (``x-request-ids``, in prompt order), so a client can follow or cancel each one.
+    headers = {"x-request-id": first.request_id, "x-request-ids": ",".join(i.request_id for i in accepted)}
     if body.stream:
         events = _merged_events(request, accepted, ids, plan, body, accepted_at)
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}

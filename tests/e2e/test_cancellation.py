@@ -193,3 +193,29 @@ def test_cancel_while_queued_in_kafka_is_honoured_at_pickup(pipeline: Pipeline) 
     log = pipeline.find("worker-late").log_path.read_text(errors="replace")
     assert any("worker.cancelled_before_start" in line and cancelled in line for line in log.splitlines())
     report("cancel_while_queued", stream_events=len(events), completion_tokens=0)
+
+
+def test_a_client_leaving_a_list_of_prompts_aborts_every_prompt(pipeline: Pipeline) -> None:
+    """A streamed /v1/completions of several prompts is several requests: the client leaving cancels them all."""
+    body = {
+        "model": pipeline.model,
+        "prompt": [PROMPT, PROMPT + " again"],
+        "max_tokens": LONG,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", f"{pipeline.ingress_url}/v1/completions", json=body, headers=pipeline.headers(), timeout=60
+    ) as response:
+        assert response.status_code == 200
+        rids = response.headers["x-request-ids"].split(",")
+        assert len(rids) == 2 and rids[0] == response.headers["x-request-id"]
+        indexes: set[int] = set()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                indexes.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if indexes == {0, 1}:
+                break  # both prompts are generating: leaving the block closes the connection mid-stream
+    for rid in rids:
+        assert_aborted(pipeline, rid)
