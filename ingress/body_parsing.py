@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from sluicegate import json_input
 from sluicegate.api.errors import ApiError, invalid
 
 B = TypeVar("B", bound=BaseModel)
@@ -19,7 +20,7 @@ async def parse_body(request: Request, model: type[B], *, root_field: str, conte
     more than the model's other users): 400 for malformed JSON, 422/400 naming the bad field."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
+        data = json_input.loads(raw)
     except ValueError as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):

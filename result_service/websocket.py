@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 
 from fastapi import APIRouter, WebSocket
 from redis.exceptions import RedisError
 from starlette.websockets import WebSocketDisconnect
 
+from sluicegate import json_input
 from sluicegate.stream_subscription import SlowConsumer, Subscription
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import tracing_enabled
@@ -68,8 +68,8 @@ async def _receive_commands(websocket: WebSocket, ctx: RelayContext, grant: Stre
         if raw is None:
             raw = (message.get("bytes") or b"").decode(errors="replace")
         try:
-            command = json.loads(raw)
-        except json.JSONDecodeError:
+            command = json_input.loads(raw)
+        except ValueError:
             command = None
         if not isinstance(command, dict) or command.get("type") != "cancel":
             return 'unsupported client message: the only one accepted is {"type": "cancel"}'

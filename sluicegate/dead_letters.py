@@ -10,7 +10,6 @@ Records are duck-typed (``topic``, ``partition``, ``offset``, ``value``, ``heade
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +19,7 @@ from pydantic import ValidationError
 
 from schemas import DeadLetter, InferenceRequest
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate import json_input
 from sluicegate.validation_errors import summarize
 
 #: Kafka record headers as aiokafka reads and writes them.
@@ -68,7 +68,7 @@ def request_id_of(value: bytes | None, headers: Iterable[tuple[str, bytes | None
     if rid:
         return rid
     try:
-        body = json.loads(value or b"")
+        body = json_input.loads(value or b"")
     except ValueError:
         return None
     value_id = body.get("request_id") if isinstance(body, dict) else None
@@ -108,7 +108,7 @@ def validate_record(
 def _classify(value: bytes, headers: Iterable[tuple[str, bytes | None]] | None, exc: ValidationError) -> Rejection:
     """Why a value that is not an ``InferenceRequest`` is not one."""
     try:
-        body = json.loads(value)
+        body = json_input.loads(value)
     except ValueError as err:
         return Rejection("invalid_json", f"not valid JSON: {err}", header(headers, HEADER_REQUEST_ID))
     if not isinstance(body, dict):

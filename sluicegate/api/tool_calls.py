@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from schemas import ToolCallFormat, ToolSpec
+from sluicegate import json_input
 
 from .response_format import NamedToolChoice, ToolChoice, effective_tool_choice
 
@@ -77,8 +78,8 @@ def _hermes(text: str, names: frozenset[str]) -> tuple[str | None, list[dict[str
     calls = []
     for block in _HERMES_BLOCK.findall(text[start:]):
         try:
-            call = _named_call(json.loads(block), names, ("arguments", "parameters"))
-        except json.JSONDecodeError:
+            call = _named_call(json_input.loads(block), names, ("arguments", "parameters"))
+        except ValueError:
             return None
         if call is None:
             return None
@@ -94,12 +95,11 @@ def _llama(text: str, names: frozenset[str]) -> tuple[str | None, list[dict[str,
     if not body.startswith("{"):
         return None
     calls = []
-    decoder = json.JSONDecoder()
     pos = 0
     while pos < len(body):
         try:
-            obj, end = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError:
+            obj, end = json_input.raw_decode(body, pos)
+        except ValueError:
             return None
         call = _named_call(obj, names, ("parameters", "arguments"))
         if call is None:
@@ -120,8 +120,8 @@ def parse_output(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, 
         return None, [_call(plan.named, text)]
     if plan.mode == "required":
         try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
+            items = json_input.loads(text)
+        except ValueError:
             return text, None  # cut short (max_tokens): what there is, as content
         calls = [_named_call(item, plan.tool_names, ("parameters",)) for item in items if isinstance(items, list)]
         if not calls or any(c is None for c in calls):

@@ -5,13 +5,13 @@ the line. Used at upload (the whole file, before it is stored) and when a batch 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
 from schemas import BatchInputLine
+from sluicegate import json_input
 from sluicegate.validation_errors import summarize
 
 
@@ -37,7 +37,7 @@ class FileSummary:
 def parse_line(raw: bytes, number: int) -> BatchInputLine:
     """One input line, or :class:`InputFileError` naming line ``number`` (1-based) and what is wrong."""
     try:
-        data = json.loads(raw)
+        data = json_input.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputFileError(f"Line {number} is not valid JSON: {exc}", code="invalid_json_line", line=number) from None
     if not isinstance(data, dict):

@@ -269,12 +269,26 @@ async def test_invalid_inbound_messages_go_to_dlq_with_the_field_named(pipeline:
     bad_temperature = native_request(pipeline)
     bad_temperature["sampling"] = {**bad_temperature["sampling"], "temperature": 7.5}
     good = native_request(pipeline, max_tokens=4)
-    # One key puts all three on one partition, the good one last: the router keeps going past bad records.
+    # Brackets nested deeper than Python's recursion limit: once a RecursionError that crashed the router on
+    # every start (the record was never committed). Its id travels in the record's header.
+    deep_id = f"deep-{uuid.uuid4().hex[:8]}"
+    deep = b'{"request_id": "' + deep_id.encode() + b'", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    producer = create_producer(bootstrap=pipeline.kafka_bootstrap, client_id="e2e-native-producer")
+    await producer.start()
+    try:
+        await producer.send_and_wait(
+            Names(pipeline.prefix).inbound_topic, deep, key=b"dlq-test", headers=[(HEADER_REQUEST_ID, deep_id.encode())]
+        )
+    finally:
+        await producer.stop()
+    # One key puts them all on one partition, the good one last: the router keeps going past bad records.
     await produce_inbound(pipeline, [bad_tier, bad_temperature, good], key="dlq-test")
 
     letters = await read_topic(
-        pipeline, Names(pipeline.prefix).dlq_topic, {bad_tier["request_id"], bad_temperature["request_id"]}
+        pipeline, Names(pipeline.prefix).dlq_topic, {bad_tier["request_id"], bad_temperature["request_id"], deep_id}
     )
+    deep_letter = DeadLetter.model_validate_json(letters[deep_id][0])
+    assert deep_letter.reason == "invalid_json" and "nested too deeply" in deep_letter.detail, deep_letter.detail
     for body, field in ((bad_tier, "priority"), (bad_temperature, "sampling.temperature")):
         value, headers = letters[body["request_id"]]
         letter = DeadLetter.model_validate_json(value)

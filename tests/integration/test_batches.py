@@ -135,6 +135,8 @@ async def test_bad_uploads_and_batches_get_clear_errors(ingress: str, settings: 
         assert wrong_purpose.value.code == "invalid_purpose"
         with pytest.raises(openai.BadRequestError, match="Line 3 is not valid JSON"):
             await api.files.create(file=("in.jsonl", good + b"not json\n"), purpose="batch")
+        with pytest.raises(openai.BadRequestError, match="Line 3 is not valid JSON: JSON nested too deeply"):
+            await api.files.create(file=("in.jsonl", good + b"[" * 1100 + b"]" * 1100 + b"\n"), purpose="batch")
         dup = jsonl([chat_line("same", "1"), chat_line("x", "2"), chat_line("same", "3")])
         with pytest.raises(openai.BadRequestError, match="Line 3: custom_id 'same' is already used on line 1"):
             await api.files.create(file=("in.jsonl", dup), purpose="batch")

@@ -83,6 +83,12 @@ async def test_validation_errors_are_422_or_400_naming_the_field(client: httpx.A
     assert_openai_error(response, 422, "invalid_value", "priority")
     response = await client.post("/v1/completions", content=b"{oops", headers=AUTH)
     assert_openai_error(response, 400, "invalid_json")
+    # Nested past Python's recursion limit: once a plain-text 500 and a dropped connection.
+    deep = b'{"model": "m", "prompt": ' + b"[" * 1100 + b"]" * 1100 + b"}"  # under the app's 4 KB body limit
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/requests", "/v1/embeddings", "/v1/responses"):
+        response = await client.post(path, content=deep, headers=AUTH)
+        assert_openai_error(response, 400, "invalid_json")
+        assert "nested too deeply" in response.json()["error"]["message"], path
     response = await client.post("/v1/completions", json=[1, 2], headers=AUTH)
     assert_openai_error(response, 422, "invalid_value")
 

@@ -45,6 +45,15 @@ def test_llama_json_calls_with_and_without_python_tag() -> None:
     assert [n for n, _ in _calls(parse_output(both, LLAMA)[1])] == ["get_time", "get_weather"]
 
 
+def test_text_nested_too_deeply_to_parse_stays_content() -> None:
+    deep = "[" * 3000 + "]" * 3000
+    assert parse_output(deep, ToolPlan("required", None, NAMES)) == (deep, None)
+    hermes = "<tool_call>" + deep + "</tool_call>"
+    assert parse_output(hermes, HERMES) == (hermes, None)
+    llama = '{"a":' * 3000 + "1" + "}" * 3000
+    assert parse_output(llama, LLAMA) == (llama, None)
+
+
 def test_text_that_is_not_a_call_of_an_offered_tool_stays_content() -> None:
     for text, plan in [
         ("Just prose.", HERMES),

@@ -10,7 +10,7 @@ from aiokafka.structs import ConsumerRecord
 
 from router.publish import request_headers
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
-from sluicegate.dead_letters import Rejection, dead_letter, validate_record
+from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 
@@ -23,6 +23,10 @@ def test_valid_record_becomes_a_request() -> None:
 
 def test_unparseable_and_empty_records_are_rejected() -> None:
     assert validate_record(b"{not json").reason == "invalid_json"  # type: ignore[union-attr]
+    # Nested past Python's recursion limit: a RecursionError once, which crashed the router on every start.
+    deep = validate_record(b'{"request_id": "x", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}")
+    assert isinstance(deep, Rejection) and deep.reason == "invalid_json" and "nested too deeply" in deep.detail
+    assert request_id_of(b"[" * 3000 + b"]" * 3000) is None
     assert validate_record(b"").reason == "empty_message"  # type: ignore[union-attr]
     assert validate_record(None).reason == "empty_message"  # type: ignore[union-attr]
 
