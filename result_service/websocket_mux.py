@@ -146,6 +146,9 @@ class _Session:
                 with ctx.metrics.relaying(TRANSPORT, grant, trace):
                     while not sub.finished:
                         await self.send([item.payload for item in await sub.next_batch()])
+                if sub.resumed_past_end:  # no done came: say why the subscription ends, as the probe would have
+                    code = ENDED_CLOSE_CODES[StreamStatus.FINISHED]
+                    await self.notice(StreamClosed(request_id=rid, code=code, reason="stream already finished"))
         except SlowConsumer:
             log.info("relay.slow_consumer_dropped request_id=%s transport=%s", rid, TRANSPORT)
             ctx.metrics.slow_consumers.labels(TRANSPORT).inc()

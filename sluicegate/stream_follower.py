@@ -270,8 +270,10 @@ class StreamFollower(Generic[T]):
         reader = self._reader_for(key)
         stream = reader.streams.get(key)
         if stream is None:
-            # The first subscriber sets where the reader starts, so it needs no history read.
-            stream = StreamState(key, after_seq, reader)
+            # The reader starts at the stream's beginning, whatever the first subscriber's resume point: one
+            # past the stream's end (its terminal event lies behind it) would otherwise never be read, leaving
+            # that subscriber, and any who joins it, waiting for good. The subscriber drops what it has seen.
+            stream = StreamState(key, START_SEQ, reader)
             reader.streams[key] = stream
             reader.added(wake=wake)
         sub = Subscription(self, stream, after_seq, fail_fast)

@@ -79,8 +79,11 @@ class Subscription(Generic[T]):
         #: Raise the reader's Redis errors here instead of waiting while it reconnects.
         self.fail_fast = fail_fast
         self._error: BaseException | None = None
-        #: True once the terminal event (done or error) has been handed out.
+        #: True once the terminal event (done or error) has been handed out, or is known to lie at or before the
+        #: resume point (``resumed_past_end``).
         self.finished = False
+        #: Finished without handing out a terminal event: the subscriber resumed at or past the stream's end.
+        self.resumed_past_end = False
 
     def push(self, items: list[T]) -> None:
         if self.overflowed:
@@ -104,6 +107,9 @@ class Subscription(Generic[T]):
         last = self.last_seq
         for item in items:
             if item.seq <= last:
+                if item.terminal:  # the stream ended at or before the resume point: nothing more will come
+                    self.finished = self.resumed_past_end = True
+                    break
                 continue
             out.append(item)
             last = item.seq
@@ -142,7 +148,7 @@ class Subscription(Generic[T]):
                 raise error
             if self.stream.ended and self.last_seq >= self.stream.cursor:
                 # Joined after the terminal event it had already seen: nothing more will come.
-                self.finished = True
+                self.finished = self.resumed_past_end = True
                 break
             self._ready.clear()
             if max_wait_s is None:

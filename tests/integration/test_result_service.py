@@ -195,6 +195,19 @@ async def test_resume_after_the_end_closes_at_once(service: Running, redis: Redi
     assert "finished" in got.reason
 
 
+async def test_resume_past_the_end_of_a_running_stream_closes_when_it_ends(service: Running, redis: Redis) -> None:
+    """The resume point lies at or past where the stream will end, which has not ended yet: the terminal event
+    arrives behind the resume point, and the socket closes then (it once stayed open for good)."""
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    await append(redis, service.names, token_events(rid, 0, 2))
+    async with connect(service.stream_url(rid, last_id=stream_entry_id(5))) as ws:
+        reader = asyncio.create_task(receive_all(ws))
+        await asyncio.sleep(0.2)
+        await append(redis, service.names, [done_event(rid, 2)])
+        got = await asyncio.wait_for(reader, 5)
+    assert got.events == [] and got.code == 1000
+
+
 async def test_expired_stream_of_a_finished_request_is_reported(service: Running, redis: Redis, names: Names) -> None:
     rid = f"req-{uuid.uuid4().hex[:8]}"
     record = RequestRecord(
@@ -263,10 +276,13 @@ async def test_malformed_last_id_and_request_id_are_refused(service: Running) ->
     assert "request id" in got.reason
 
 
-async def test_unsupported_client_message_closes_with_1008(service: Running) -> None:
+@pytest.mark.parametrize("message", [json.dumps({"type": "hello"}), "[" * 5000 + "]" * 5000], ids=["unknown", "deep"])
+async def test_unsupported_client_message_closes_with_1008(service: Running, message: str) -> None:
+    """Anything but a cancel, JSON nested past Python's recursion limit too (it once dropped the connection
+    without a close frame)."""
     rid = f"req-{uuid.uuid4().hex[:8]}"
     async with connect(service.stream_url(rid)) as ws:
-        await ws.send(json.dumps({"type": "hello"}))
+        await ws.send(message)
         got = await asyncio.wait_for(receive_all(ws), 5)
     assert got.code == 1008
     assert "cancel" in got.reason

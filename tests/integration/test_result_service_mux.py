@@ -132,6 +132,19 @@ async def test_resume_points_and_ended_streams_answer_per_subscription(
     assert streams[expired][0]["code"] == 4404 and "expired" in streams[expired][0]["reason"]
 
 
+async def test_a_resume_point_past_a_running_streams_end_is_closed_when_it_ends(
+    service: Running, redis: Redis, names: Names
+) -> None:
+    running = rid()
+    await append(redis, names, token_events(running, 0, 2))
+    async with connect(f"{service.ws_url}/v1/streams") as ws:
+        await ws.send(subscribe(running, last_id=stream_entry_id(5)))
+        await asyncio.sleep(0.2)
+        await append(redis, names, [done_event(running, 2)])
+        messages = await read_until(ws, {running})
+    assert messages == [{"type": "closed", "request_id": running, "code": 1000, "reason": "stream already finished"}]
+
+
 async def test_bad_input_is_answered_and_the_other_streams_go_on(service: Running, redis: Redis, names: Names) -> None:
     good, refused = rid(), rid()
     async with connect(f"{service.ws_url}/v1/streams") as ws:
