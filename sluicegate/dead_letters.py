@@ -86,7 +86,8 @@ def validate_record(
 
     Reasons: ``empty_message``, ``invalid_json``, ``not_an_object``, ``schema_violation:<field>`` (the first
     offending field, e.g. ``schema_violation:priority`` for an unknown tier; errors about the message as a
-    whole are reported on ``prompt``) and, with ``check_deadline``, ``deadline_exceeded``. The rejection's
+    whole are reported on ``prompt``), ``unreadable_record`` (reading it failed otherwise) and, with
+    ``check_deadline``, ``deadline_exceeded``. The rejection's
     request id is :func:`request_id_of`'s.
 
     The worker passes ``check_deadline=False``: a deadline is about *starting*, and only the stream can tell
@@ -98,7 +99,13 @@ def validate_record(
         request = InferenceRequest.model_validate_json(value)
     except ValidationError as exc:
         # Parsed a second time only for a refused record: a valid one (the common case) is parsed once.
-        return _classify(value, headers, exc)
+        try:
+            return _classify(value, headers, exc)
+        except Exception as err:
+            # A record the consumer cannot read must still reach the DLQ: raised, it would stop the consumer on it
+            # at every start (it is never committed), a poison pill for its whole partition.
+            detail = f"the record could not be read: {err!r}"
+            return Rejection("unreadable_record", detail, header(headers, HEADER_REQUEST_ID))
     if check_deadline and request.expired(now):
         assert request.deadline is not None
         return Rejection("deadline_exceeded", f"deadline {request.deadline.isoformat()} passed", request.request_id)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
+import pytest
 from aiokafka.structs import ConsumerRecord
 
 from router.publish import request_headers
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
+from sluicegate import dead_letters
 from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
@@ -29,6 +31,19 @@ def test_unparseable_and_empty_records_are_rejected() -> None:
     assert request_id_of(b"[" * 3000 + b"]" * 3000) is None
     assert validate_record(b"").reason == "empty_message"  # type: ignore[union-attr]
     assert validate_record(None).reason == "empty_message"  # type: ignore[union-attr]
+
+
+def test_a_record_that_fails_to_be_read_is_rejected_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever goes wrong reading a refused record, it is dead-lettered: raised, it would stop the consumer on
+    that record at every start."""
+
+    def broken(*_args: object) -> Rejection:
+        raise RuntimeError("a reader bug")
+
+    monkeypatch.setattr(dead_letters, "_classify", broken)
+    got = validate_record(b'{"prompt": 42}', [("request_id", b"r-9")])
+    assert isinstance(got, Rejection) and got.reason == "unreadable_record" and got.request_id == "r-9"
+    assert "a reader bug" in got.detail
 
 
 def test_schema_violations_name_the_field() -> None:
