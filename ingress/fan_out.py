@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from fastapi import Request
 
-from schemas import InferenceRequest
+from schemas import DoneEvent, InferenceRequest
 from sluicegate.api.assembler import StreamAssembler
 from sluicegate.api.bodies import AnyBody
 
@@ -59,11 +59,13 @@ async def cancel_each(request: Request, accepted: Sequence[InferenceRequest], *,
     )
 
 
-async def collect_each(request: Request, accepted: Sequence[InferenceRequest]) -> list[StreamAssembler] | None:
-    """Each part's whole result, in order, each finished well; None when the client left. A part that failed is
-    raised (as its own answer would be) after the parts not read yet are cancelled."""
+async def collect_each(
+    request: Request, accepted: Sequence[InferenceRequest]
+) -> list[tuple[StreamAssembler, DoneEvent]] | None:
+    """Each part's whole result and its ``done``, in order, each finished well; None when the client left. A part
+    that failed is raised (as its own answer would be) after the parts not read yet are cancelled."""
     service = service_of(request)
-    assemblers: list[StreamAssembler] = []
+    results: list[tuple[StreamAssembler, DoneEvent]] = []
     for position, inference in enumerate(accepted):
         rest = accepted[position + 1 :]
         try:
@@ -78,5 +80,6 @@ async def collect_each(request: Request, accepted: Sequence[InferenceRequest]) -
         if failure is not None:
             await cancel_each(request, rest, reason="sibling_refused")
             raise failure
-        assemblers.append(assembler)
-    return assemblers
+        assert assembler.done is not None  # ended, and not with an error: stream_failure would have said
+        results.append((assembler, assembler.done))
+    return results

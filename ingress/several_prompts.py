@@ -56,15 +56,15 @@ async def answer_prompts(request: Request, caller: ApiKey, body: CompletionBody)
         events = _merged_events(request, accepted, ids, plan, body, accepted_at)
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    assemblers = await collect_each(request, accepted)
-    if assemblers is None:
+    results = await collect_each(request, accepted)
+    if results is None:
         return Response(status_code=499)  # the client left; every prompt is cancelled
     choices = [
         choice | {"index": position * n + choice["index"]}
-        for position, assembler in enumerate(assemblers)
+        for position, (assembler, _) in enumerate(results)
         for choice in whole_choices(assembler, plan)
     ]
-    usage = summed_usage([a.done.usage for a in assemblers if a.done is not None])
+    usage = summed_usage([done.usage for _, done in results])
     return JSONResponse(ids.choices_response(choices, usage), headers=headers)
 
 
@@ -101,7 +101,7 @@ async def _merged_events(
             if position not in usages:
                 return  # that part failed and said so in its last event: the others are cancelled below
         if body.include_usage:
-            yield sse(ids.usage_chunk(summed_usage([usages[p] for p in sorted(usages)])))
+            yield sse(ids.usage_chunk(summed_usage(list(usages.values()))))
         yield SSE_DONE
     finally:
         # Each part cancels its request as it stops. Shielded: after a disconnect this runs in a cancelled scope.

@@ -33,10 +33,10 @@ async def embeddings(request: Request) -> Response:
     caller = await authenticate(request)
     body = await parse_body(request, EmbeddingBody, root_field="input")
     accepted = await accept_each(request, caller, body.items(), _ENDPOINT)
-    assemblers = await collect_each(request, accepted)
-    if assemblers is None:
+    results = await collect_each(request, accepted)
+    if results is None:
         return Response(status_code=499)  # the client left; every input is cancelled
-    dones = [a.done for a in assemblers if a.done is not None]
+    dones = [done for _, done in results]
     model = answered_model(accepted[0]) if accepted else body.model
     headers = {"x-request-id": accepted[0].request_id} if accepted else {}
     vectors = [done.embedding for done in dones]

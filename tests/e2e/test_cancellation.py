@@ -13,6 +13,7 @@ import json
 import signal
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -146,18 +147,22 @@ async def test_websocket_cancel_message_aborts_the_request(pipeline: Pipeline) -
     report("cancel_websocket", events=len(received), done_after_s=round(took, 3))
 
 
-def test_openai_client_disconnect_aborts_the_request(pipeline: Pipeline) -> None:
+def streamed_completion(pipeline: Pipeline, prompt: str | list[str]) -> AbstractContextManager[httpx.Response]:
+    """A long streamed /v1/completions, read by hand so that leaving the block drops the connection mid-stream."""
     body = {
         "model": pipeline.model,
-        "prompt": PROMPT,
+        "prompt": prompt,
         "max_tokens": LONG,
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream(
-        "POST", f"{pipeline.ingress_url}/v1/completions", json=body, headers=pipeline.headers(), timeout=60
-    ) as response:
+    url = f"{pipeline.ingress_url}/v1/completions"
+    return httpx.stream("POST", url, json=body, headers=pipeline.headers(), timeout=60)
+
+
+def test_openai_client_disconnect_aborts_the_request(pipeline: Pipeline) -> None:
+    with streamed_completion(pipeline, PROMPT) as response:
         assert response.status_code == 200
         rid = response.headers["x-request-id"]
         chunks = 0
@@ -197,17 +202,7 @@ def test_cancel_while_queued_in_kafka_is_honoured_at_pickup(pipeline: Pipeline) 
 
 def test_a_client_leaving_a_list_of_prompts_aborts_every_prompt(pipeline: Pipeline) -> None:
     """A streamed /v1/completions of several prompts is several requests: the client leaving cancels them all."""
-    body = {
-        "model": pipeline.model,
-        "prompt": [PROMPT, PROMPT + " again"],
-        "max_tokens": LONG,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.stream(
-        "POST", f"{pipeline.ingress_url}/v1/completions", json=body, headers=pipeline.headers(), timeout=60
-    ) as response:
+    with streamed_completion(pipeline, [PROMPT, PROMPT + " again"]) as response:
         assert response.status_code == 200
         rids = response.headers["x-request-ids"].split(",")
         assert len(rids) == 2 and rids[0] == response.headers["x-request-id"]

@@ -225,13 +225,17 @@ class CpuInt4Linear(nn.Module):
         """``flat @ W^T`` in float32 through the unpacked weight, a piece of columns at a time in the scratch
         buffer (a fresh ``[K, N]`` tensor per call costs page faults that more than double the unpacking)."""
         x = flat.float()
-        pieces = self._column_pieces()
         k = self.in_features
-        if len(pieces) == 1:
-            return torch.mm(x, self._unpack(0, self.out_features, _scratch(k * self.out_features).view(k, -1)))
+
+        def unpacked(start: int, stop: int) -> torch.Tensor:
+            return self._unpack(start, stop, _scratch(k * (stop - start)).view(k, -1))
+
+        pieces = self._column_pieces()
+        if len(pieces) == 1:  # the common case: no copy into a separate output
+            return torch.mm(x, unpacked(*pieces[0]))
         out = torch.empty(x.shape[0], self.out_features, device=x.device)
         for start, stop in pieces:
-            out[:, start:stop] = torch.mm(x, self._unpack(start, stop, _scratch(k * (stop - start)).view(k, -1)))
+            out[:, start:stop] = torch.mm(x, unpacked(start, stop))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
