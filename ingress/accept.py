@@ -87,7 +87,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         counted: int | None = None  # the prompt's exact tokens, when counted with the model's tokenizer
         if service.settings.ingress_count_prompt_tokens:
             inference, counted = await _fit_context(service.tokenizers, inference, body, heartbeats)
-        request.state.prompt_tokens = counted  # the running usage of a ``continuous_usage_stats`` stream
+        counted_prompts(request)[request_id] = counted  # the running usage of a ``continuous_usage_stats`` stream
         quota = claim_for(inference, service.settings, key_id=caller.key_id, key_limits=limits, prompt_tokens=counted)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
@@ -125,6 +125,15 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return inference
+
+
+def counted_prompts(request: Request) -> dict[str, int | None]:
+    """The prompt tokens ingress counted for each request this HTTP request accepted, by request id (one, or
+    one per prompt of a list); None where it could not count them."""
+    counts: dict[str, int | None] | None = getattr(request.state, "counted_prompts", None)
+    if counts is None:
+        counts = request.state.counted_prompts = {}
+    return counts
 
 
 def answered_model(inference: InferenceRequest) -> str:

@@ -22,6 +22,7 @@ from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
 from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, running_usage, sse
 from sluicegate.task_stop import cancel_and_wait
 
+from .accept import counted_prompts
 from .app_state import service_of
 from .service import IngressService
 from .telemetry import IngressMetrics
@@ -36,6 +37,9 @@ class StreamPart:
     request_id: str
     choice_offset: int
     on_done: Callable[[Usage], object]
+    # Why the response stopped this part before its end, asked as it stops: the client leaving, or another
+    # part failing.
+    stopped_because: Callable[[], str]
 
 
 def body_events(
@@ -48,9 +52,10 @@ def body_events(
     accepted_at: float,
     part: StreamPart | None = None,
 ) -> AsyncIterator[str]:
-    """:func:`sse_events` with the stream options of an OpenAI ``body``. A part of several does not know its
-    prompt's count (ingress counted the last prompt accepted), so its running usage waits for ``done``."""
+    """:func:`sse_events` with the stream options of an OpenAI ``body``, each request's running usage counting
+    the prompt ingress counted for it (a part's own prompt, for a list of prompts)."""
     service = service_of(request)
+    request_id = part.request_id if part is not None else ids.request_id
     return sse_events(
         service,
         ids,
@@ -60,7 +65,7 @@ def body_events(
         metrics=service.metrics,
         plan=plan,
         continuous_usage=body.continuous_usage,
-        prompt_tokens=None if part is not None else getattr(request.state, "prompt_tokens", None),
+        prompt_tokens=counted_prompts(request).get(request_id),
         part=part,
     )
 
@@ -202,6 +207,8 @@ async def sse_events(
         pending.append(SSE_DONE)
         yield "".join(pending)
     finally:
+        if cancel_reason == "client_disconnected" and part is not None:
+            cancel_reason = part.stopped_because()
         if cancel_reason is not None:
             # Free the worker. Shielded, because after a disconnect this runs inside the response's
             # cancelled scope, where any unshielded await would be cancelled at once.

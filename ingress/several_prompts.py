@@ -78,10 +78,16 @@ async def _merged_events(
 ) -> AsyncIterator[str]:
     """Every part's chunks as they come, then the closing usage chunk and ``[DONE]``."""
     usages: dict[int, Usage] = {}
+    stop_reason = "client_disconnected"  # until a part fails: then the others stop because it did
     queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
     async def pump(position: int, inference: InferenceRequest) -> None:
-        part = StreamPart(inference.request_id, position * plan.n, lambda usage: usages.__setitem__(position, usage))
+        part = StreamPart(
+            inference.request_id,
+            position * plan.n,
+            on_done=lambda usage: usages.__setitem__(position, usage),
+            stopped_because=lambda: stop_reason,
+        )
         events = body_events(request, ids, body, tenant=inference.tenant, plan=plan, accepted_at=accepted_at, part=part)
         try:
             async for text in events:
@@ -99,6 +105,7 @@ async def _merged_events(
                 continue
             running -= 1
             if position not in usages:
+                stop_reason = "sibling_failed"
                 return  # that part failed and said so in its last event: the others are cancelled below
         if body.include_usage:
             yield sse(ids.usage_chunk(summed_usage(list(usages.values()))))

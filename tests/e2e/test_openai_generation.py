@@ -326,6 +326,15 @@ def test_a_list_of_prompts_is_one_request_each_streamed_and_not(pipeline: Pipeli
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
     assert chunks[-1].usage.prompt_tokens == sum(alone)
 
+    # vLLM's continuous_usage_stats: each part's chunks count that part's own prompt from its first chunk on.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    running = list(client.completions.create(prompt=prompts, n=2, stream=True, stream_options=options, **ask))
+    parts = [chunk for chunk in running[:-1] if chunk.choices]
+    assert parts and all(chunk.usage is not None for chunk in parts)
+    for chunk in parts:
+        assert chunk.usage.prompt_tokens == alone[chunk.choices[0].index // 2], chunk
+    assert running[-1].usage.prompt_tokens == sum(alone)
+
     ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **ask)
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from openai.types import Completion
 
-from ingress.openai_stream import sse_events
+from ingress.openai_stream import StreamPart, sse_events
 from ingress.telemetry import IngressMetrics
 from schemas import DoneEvent, StreamEvent, TokenEvent, Usage
 from sluicegate.api.openai_format import ResponseIds
@@ -82,3 +82,24 @@ async def test_the_last_tokens_read_with_the_end_share_its_write() -> None:
         c["choices"][0]["text"] for piece in got for c in frames(piece) if isinstance(c, dict) and c["choices"]
     )
     assert text == "Hi!"
+
+
+async def test_a_part_stopped_before_its_end_is_cancelled_for_the_reason_its_response_gives() -> None:
+    """A part of a list of prompts that the merged response stops (another part failed) cancels its request
+    under the response's reason, not as a client that left."""
+    service = ReplayedStream([[tok(0, "Hel")], [tok(1, "lo")]])
+    ids = ResponseIds("completion", "r", "m", int(time.time()))
+    part = StreamPart("r2", 2, on_done=lambda usage: None, stopped_because=lambda: "sibling_failed")
+    pieces = sse_events(
+        service,  # type: ignore[arg-type]
+        ids,
+        tenant="t",
+        include_usage=True,
+        accepted_at=time.perf_counter(),
+        metrics=IngressMetrics(),
+        part=part,
+    )
+    first = await anext(pieces)
+    assert frames(first)[0]["choices"][0]["index"] == 2  # numbered after the earlier part's two choices
+    await pieces.aclose()
+    assert service.cancelled == ["sibling_failed"]
