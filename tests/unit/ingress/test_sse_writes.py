@@ -42,18 +42,22 @@ def tok(seq: int, text: str) -> TokenEvent:
     return TokenEvent(request_id="r", seq=seq, text=text, token_ids=[seq])
 
 
-async def writes(batches: list[list[StreamEvent]]) -> tuple[list[str], ReplayedStream]:
-    service = ReplayedStream(batches)
+def events(service: ReplayedStream, part: StreamPart | None = None) -> AsyncIterator[str]:
     ids = ResponseIds("completion", "r", "m", int(time.time()))
-    pieces = sse_events(
+    return sse_events(
         service,  # type: ignore[arg-type]
         ids,
         tenant="t",
         include_usage=True,
         accepted_at=time.perf_counter(),
         metrics=IngressMetrics(),
+        part=part,
     )
-    return [piece async for piece in pieces], service
+
+
+async def writes(batches: list[list[StreamEvent]]) -> tuple[list[str], ReplayedStream]:
+    service = ReplayedStream(batches)
+    return [piece async for piece in events(service)], service
 
 
 def frames(piece: str) -> list[Any]:
@@ -88,17 +92,8 @@ async def test_a_part_stopped_before_its_end_is_cancelled_for_the_reason_its_res
     """A part of a list of prompts that the merged response stops (another part failed) cancels its request
     under the response's reason, not as a client that left."""
     service = ReplayedStream([[tok(0, "Hel")], [tok(1, "lo")]])
-    ids = ResponseIds("completion", "r", "m", int(time.time()))
     part = StreamPart("r2", 2, on_done=lambda usage: None, stopped_because=lambda: "sibling_failed")
-    pieces = sse_events(
-        service,  # type: ignore[arg-type]
-        ids,
-        tenant="t",
-        include_usage=True,
-        accepted_at=time.perf_counter(),
-        metrics=IngressMetrics(),
-        part=part,
-    )
+    pieces = events(service, part)
     first = await anext(pieces)
     assert frames(first)[0]["choices"][0]["index"] == 2  # numbered after the earlier part's two choices
     await pieces.aclose()
