@@ -188,14 +188,16 @@ async def _fit_context(
     view = await tokenizers.get(inference.model) if context is not None else None
     if view is None:
         return inference, None
+    embed = inference.task == "embed"  # prefill only: the prompt alone must fit
+    param = "input" if embed else "messages" if inference.messages is not None else "prompt"
+    if isinstance(inference.prompt, list):
+        view.check_in_vocabulary(inference.prompt, param=param)  # a 400 now, not an error event from the worker
     try:
         prompt_tokens = len(view.encode_request(inference))
     except Exception:  # a template's own refusal: the worker reports it with its own message
         return inference, None
-    embed = inference.task == "embed"  # prefill only: the prompt alone must fit
     wanted = 0 if embed else inference.sampling.max_tokens
     explicit = embed or bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
-    param = "input" if embed else "messages" if inference.messages is not None else "prompt"
     fitted = check_prompt_fits(prompt_tokens, wanted, context, explicit=explicit, param=param)
     if fitted == wanted:
         return inference, prompt_tokens

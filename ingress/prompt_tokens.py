@@ -61,6 +61,13 @@ class ModelTokenizerView:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def check_in_vocabulary(self, ids: list[int], *, param: str) -> None:
+        """A 400 naming ``param`` for the first token id the model does not have."""
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in ids if not 0 <= t < size), None)
+        if bad is not None:
+            raise ApiError(400, f"Token id {bad} is outside the vocabulary (size {size}).", param=param)
+
 
 class ModelTokenizers:
     """The published tokenizers, re-read from Redis at most every ``refresh_s`` and reloaded only when the

@@ -61,8 +61,5 @@ async def detokenize(request: Request) -> dict[str, Any]:
     caller = await authenticate(request)
     body = await parse_body(request, DetokenizeBody, root_field="tokens")
     view, _ = await _tokenizer(request, caller, body.model)
-    size = view.tokenizer.get_vocab_size(with_added_tokens=True)
-    bad = [t for t in body.tokens if not 0 <= t < size]
-    if bad:
-        raise ApiError(400, f"Token id {bad[0]} is outside the vocabulary (size {size}).", param="tokens")
+    view.check_in_vocabulary(body.tokens, param="tokens")
     return {"prompt": view.decode(body.tokens)}

@@ -89,3 +89,17 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_at_once(pipeline: Pipe
     assert out.usage.prompt_tokens == prompt_tokens and out.usage.completion_tokens == max_tokens - 1
     out = client.chat.completions.create(model=pipeline.model, messages=messages, extra_body={"ignore_eos": True})
     assert out.usage.total_tokens == CONTEXT
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(pipeline: Pipeline) -> None:
+    """Token-id prompts are checked against the published tokenizer in ingress: a 400 that names ``prompt`` (or
+    ``input``) before anything is queued, as vLLM answers, not an error from the worker without a field."""
+    client = OpenAI(base_url=f"{pipeline.ingress_url}/v1", api_key=pipeline.api_key, max_retries=0, timeout=60)
+    _tokenize(pipeline, {"prompt": "wait for the tokenizer"})
+    with pytest.raises(BadRequestError) as caught:
+        client.completions.create(model=pipeline.model, prompt=[5, 10**6], max_tokens=2)
+    assert caught.value.body["param"] == "prompt" and "10000" in caught.value.message
+    with pytest.raises(BadRequestError) as caught:
+        client.embeddings.create(model=pipeline.model, input=[[3, 4], [10**6]])
+    assert caught.value.body["param"] == "input"
+    assert client.completions.create(model=pipeline.model, prompt=[5, 6], max_tokens=2).choices[0].text is not None
