@@ -21,7 +21,7 @@ import signal
 import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, RecordMetadata, TopicPartition
 from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from schemas import InferenceRequest, Names, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.errors import ApiError
-from sluicegate.dead_letters import Rejection, dead_letter, header, validate_record
+from sluicegate.dead_letters import Rejection, dead_letter, header, request_id_of, validate_record
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver
@@ -61,6 +61,10 @@ def _trace_carrier(record: ConsumerRecord) -> dict[str, str]:
     return carrier
 
 
+def _too_large(exc: MessageSizeTooLargeError) -> str:
+    return f"the routed record is larger than Kafka takes: {exc}"
+
+
 class RouterProcessor:
     """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
 
@@ -68,8 +72,8 @@ class RouterProcessor:
     (no live worker, not in ``served_models``; or an unknown adapter), ``invalid_adapter`` (an adapter of another
     base model than the record's ``model``), ``deadline_unmeetable`` (its deadline is sooner than the workers'
     backlog), ``insufficient_quota`` (over its tenant's token quota; a record's ``key_id`` is not checked: the keys
-    file is ingress's) and ``routing_failed`` (an unexpected error routing one
-    record).
+    file is ingress's), ``record_too_large`` (its routed copy is larger than the producer or the broker takes) and
+    ``routing_failed`` (an unexpected error routing one record).
     """
 
     def __init__(
@@ -187,14 +191,24 @@ class RouterProcessor:
         if not isinstance(outcome, Rejection):
             try:
                 return await self._route(record, *outcome)
+            except MessageSizeTooLargeError as exc:  # the record's fault: retried, it would never fit
+                await self._release(outcome[0].request_id)
+                outcome = Rejection("record_too_large", _too_large(exc), outcome[0].request_id)
             except (KafkaError, TimeoutError, OSError):
                 raise  # the backbone failed, not the record: the batch is retried
             except Exception as exc:
                 log.exception("router.route_failed offset=%s partition=%s", record.offset, record.partition)
-                if self.quotas is not None:  # it will not run: give its tokens back (a replay reserves anew)
-                    with contextlib.suppress(RedisError, OSError):
-                        await self.quotas.release(outcome[0].request_id)
+                await self._release(outcome[0].request_id)
                 outcome = Rejection("routing_failed", repr(exc), outcome[0].request_id)
+        return await self._dead_letter(outcome, record)
+
+    async def _release(self, request_id: str) -> None:
+        """A request that will not run gives its reserved tokens back (a replay reserves anew)."""
+        if self.quotas is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.quotas.release(request_id)
+
+    async def _dead_letter(self, outcome: Rejection, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
         value, headers = dead_letter(outcome, record)
         log.info(
             "router.dead_letter reason=%s offset=%s partition=%s detail=%s",
@@ -228,11 +242,24 @@ class RouterProcessor:
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Route or dead-letter every record, wait for all acks, then commit past the batch."""
         started = time.perf_counter()
-        futures = []
+        sent: list[tuple[ConsumerRecord, asyncio.Future[RecordMetadata]]] = []
         for records in batch.values():
             for record in records:
-                futures.append(await self._dispatch(record))
-        await asyncio.gather(*futures)
+                sent.append((record, await self._dispatch(record)))
+        results = await asyncio.gather(*(future for _, future in sent), return_exceptions=True)
+        # A routed copy the broker refused for its size (its message.max.bytes is below the producer's limit) is
+        # the record's fault too: dead-lettered (the letter is cut to fit), not retried forever with the batch.
+        letters = []
+        for (record, _), result in zip(sent, results, strict=True):
+            if isinstance(result, MessageSizeTooLargeError):
+                request_id = request_id_of(record.value, record.headers)
+                rejection = Rejection("record_too_large", _too_large(result), request_id)
+                if rejection.request_id is not None:
+                    await self._release(rejection.request_id)
+                letters.append(await self._dead_letter(rejection, record))
+            elif isinstance(result, BaseException):
+                raise result
+        await asyncio.gather(*letters)
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
         if offsets:
             await self.consumer.commit(offsets)

@@ -115,6 +115,9 @@ class DeadLetter(Message):
     source_partition: int | None = None
     source_offset: int | None = None
     payload: str = Field(description="The original message value, decoded as UTF-8 with replacement.")
+    payload_truncated: bool = Field(
+        False, description="The payload was cut so the letter fits in one Kafka record; it cannot be replayed."
+    )
     request_id: str | None = None
     failed_at: AwareDatetime = Field(default_factory=utcnow)
 

@@ -29,6 +29,12 @@ Headers = list[tuple[str, bytes]]
 #: refused by Kafka, while its sender retries until Kafka takes it.
 DETAIL_LIMIT = 4000
 
+#: The most a dead letter's value may take. Its payload is the refused record, JSON-escaped, which can be several
+#: times the record's size (a quote or a control character takes 2-6 bytes): a record the broker took whole
+#: could otherwise make a letter no producer may send, and the sender would retry it forever. Under Kafka's
+#: default ``message.max.bytes`` (1 MB), so any broker's DLQ takes it.
+LETTER_LIMIT = 1_000_000
+
 
 class SourceRecord(Protocol):
     """What a dead letter needs of the refused record (aiokafka's ``ConsumerRecord`` has it)."""
@@ -143,4 +149,16 @@ def dead_letter(rejection: Rejection, record: SourceRecord) -> tuple[bytes, Head
         value = header(record.headers, name)
         if value:
             headers.append((name, value.encode()))
-    return letter.model_dump_json().encode(), headers
+    return _fitted(letter), headers
+
+
+def _fitted(letter: DeadLetter) -> bytes:
+    """The letter's JSON, its payload cut (and marked so) until it fits in :data:`LETTER_LIMIT` bytes."""
+    value = letter.model_dump_json().encode()
+    while len(value) > LETTER_LIMIT:
+        # Each pass keeps the share of the payload that would fit if its escaping were even; escaping is
+        # uneven, so another pass may cut again (at least a tenth each time: a few passes at most).
+        keep = min(int(len(letter.payload) * LETTER_LIMIT / len(value)), len(letter.payload) * 9 // 10)
+        letter = letter.model_copy(update={"payload": letter.payload[:keep], "payload_truncated": True})
+        value = letter.model_dump_json().encode()
+    return value

@@ -144,6 +144,8 @@ def _matches(entry: DlqEntry, reason: str | None, request_id: str | None) -> boo
 
 def check_payload(letter: DeadLetter) -> InferenceRequest | str:
     """The request to replay, or why it still cannot be served."""
+    if letter.payload_truncated:
+        return "its payload was cut to fit the letter: the original record is not kept whole"
     try:
         request = InferenceRequest.model_validate_json(letter.payload)
     except ValidationError as exc:

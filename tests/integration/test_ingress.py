@@ -523,3 +523,45 @@ async def test_router_routes_valid_and_dead_letters_invalid(
     finally:
         await admin.close()
     assert sum(max(0, meta.offset) for meta in offsets.values()) == 5
+
+
+async def test_records_too_large_to_route_or_to_quote_are_dead_lettered_and_the_router_goes_on(
+    settings: Settings, redis: Redis, cleanup_topics: None
+) -> None:
+    """Two records the broker took whole but that could not go on as they were, each once held its partition
+    (the batch retried forever, re-routing the records batched with it): a 2.2 MB record of quotes, whose letter
+    quoted it at twice its size, and a valid request near the 4 MiB limit whose routed copy (every default
+    written out) was a few hundred bytes over. Both are dead-lettered, cut to fit, and the next record is routed
+    once."""
+    names = Names(settings.topic_prefix)
+    await heartbeat(redis, names)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_router(settings, stop=stop))
+    near = {"request_id": "big-1", "model": MODEL, "sampling": {"max_tokens": 4}, "prompt": ""}
+    near["prompt"] = "a" * (4_194_000 - len(json.dumps(near, separators=(",", ":"))))
+    after = InferenceRequest(request_id="after-1", model=MODEL, prompt="route me", priority="batch")
+    producer = create_producer(settings)
+    await producer.start()
+    try:
+        await ensure_topics(settings.kafka_bootstrap, {names.inbound_topic: 3}, 1)
+        inbound = (b'"' * 2_200_000, json.dumps(near, separators=(",", ":")).encode(), after.model_dump_json().encode())
+        for value in inbound:
+            await producer.send_and_wait(names.inbound_topic, value, key=b"k")
+        async with (
+            reader(settings, names.request_topic(MODEL, "batch"), partitions=3) as routed_reader,
+            reader(settings, names.dlq_topic, partitions=3) as dlq_reader,
+        ):
+            letters = await consume(dlq_reader, 2, timeout_s=30)
+            routed = await consume(routed_reader, 1, timeout_s=30)
+            await asyncio.sleep(2.5)  # a retried batch would route it again after the router's 1 s backoff
+            again = await routed_reader.getmany(timeout_ms=1000)
+            assert not any(again.values()), again
+    finally:
+        await producer.stop()
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    assert [InferenceRequest.model_validate_json(r.value).request_id for r in routed] == ["after-1"]
+    reasons = {dict(r.headers)["reason"].decode(): DeadLetter.model_validate_json(r.value) for r in letters}
+    assert set(reasons) == {"invalid_json", "record_too_large"}
+    assert reasons["record_too_large"].request_id == "big-1"
+    assert all(letter.payload_truncated for letter in reasons.values())

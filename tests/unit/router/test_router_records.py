@@ -13,6 +13,7 @@ from router.publish import request_headers
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
 from sluicegate import dead_letters
 from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
+from sluicegate.dlq import check_payload
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 
@@ -92,6 +93,21 @@ def test_dead_letter_keeps_payload_position_and_trace() -> None:
     assert letter.payload.endswith("{broken")
     assert dict(headers)["reason"] == b"invalid_json"
     assert "traceparent" in dict(headers)
+
+
+@pytest.mark.parametrize("body", [b'"' * 2_200_000, b"\x01" * 400_000, b"a" * 3_000_000])
+def test_a_dead_letter_always_fits_in_one_record(body: bytes) -> None:
+    """JSON-escaping makes a letter up to six times its record (a quote takes 2 bytes, a control character 6):
+    a record the broker took whole must still give a letter Kafka takes, cut and marked so, never replayed."""
+    record = ConsumerRecord("llm.inbound", 0, 7, 0, 0, b"k", body, None, 1, len(body), [])
+    value, _ = dead_letter(Rejection("invalid_json", "bad", "r-big"), record)
+    letter = DeadLetter.model_validate_json(value)
+    assert len(value) <= dead_letters.LETTER_LIMIT and letter.payload_truncated
+    assert body.decode().startswith(letter.payload) and len(letter.payload) > dead_letters.LETTER_LIMIT // 10
+    assert check_payload(letter) == "its payload was cut to fit the letter: the original record is not kept whole"
+    one = ConsumerRecord("llm.inbound", 0, 8, 0, 0, b"k", b"x", None, 1, 1, [])
+    small = DeadLetter.model_validate_json(dead_letter(Rejection("invalid_json", "bad"), one)[0])
+    assert small.payload == "x" and not small.payload_truncated
 
 
 def test_request_headers_prefer_the_carrier_then_the_request_trace() -> None:
