@@ -66,7 +66,7 @@ async def request_status(request: Request, caller: Caller, request_id: str) -> J
 )
 async def cancel_request(request: Request, caller: Caller, request_id: str) -> JSONResponse:
     record = await _owned_record(request, caller, request_id)
-    if record.status in ("finished", "failed"):
+    if record.status in ("finished", "failed", "cancelled"):
         raise ApiError(409, f"Request '{request_id}' already {record.status}.", code="request_finished")
     await service_of(request).cancel(request_id, caller.tenant, reason="client_cancelled")
     return JSONResponse({"request_id": request_id, "status": "cancelling"}, status_code=202)

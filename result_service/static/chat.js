@@ -4,6 +4,9 @@
 "use strict";
 
 const STORAGE_KEY = "sluicegate.chat.settings";
+// This tab's conversation and the turn in flight, so a reload shows the conversation again and follows the
+// reply from its stream (kept on the server after it ends) instead of losing it while it keeps generating.
+const SESSION_KEY = "sluicegate.chat.session";
 
 const $ = (selector) => document.querySelector(selector);
 const log = $("#log");
@@ -12,9 +15,12 @@ const settingsForm = $("#settings");
 const composer = $("#composer");
 const sendButton = $("#send");
 const stopButton = $("#stop");
+const newChatButton = $("#new-chat");
 
 let settings = {};
 let conversation = []; // [{role, content}] sent with every turn
+let busy = false; // a turn is being submitted or received: set at once, so a second Enter cannot start another
+let pending = null; // the turn in flight once ingress accepted it: {prompt, messages, streamUrl, token, requestId}
 let current = null; // the ReplyStream being received
 let latest = null; // the most recent ReplyStream, kept after its turn ends (for tests)
 
@@ -175,33 +181,86 @@ async function submit(prompt) {
         messages,
         max_tokens: settings.maxTokens,
         temperature: settings.temperature,
+        // A person is waiting: ahead of standard and batch work (a key capped lower gets its cap).
+        priority: "interactive",
       }),
     });
     if (!response.ok) throw new Error(explainError(await readError(response)));
     const { request_id: requestId, stream_url: streamUrl, stream_token: token } = await response.json();
-    view.element.dataset.requestId = requestId;
+    pending = { prompt, messages, streamUrl, token, requestId };
+    saveSession();
     setStatus(`queued as ${requestId}`);
-    current = new ReplyStream(streamUrl, token, view, {
-      startedAt,
-      onStatus: setStatus,
-      onChange: () => (log.scrollTop = log.scrollHeight),
-    });
-    latest = current;
-    const outcome = await current.finished;
-    // Keep the turn (a stopped one too) so the next message has its context; drop a failed one.
-    if (outcome.ok) {
-      conversation = [...messages.filter((m) => m.role !== "system"), { role: "assistant", content: current.text }];
-    }
-    setStatus(outcome.ok ? "idle" : "failed");
+    await follow(pending, view, startedAt);
   } catch (err) {
-    view.element.classList.add("failed");
-    view.element.dataset.state = "failed";
-    view.note.textContent = err.message;
-    setStatus("failed");
+    showFailure(view, err.message);
   } finally {
-    current = null;
-    setBusy(false);
+    endTurn();
   }
+}
+
+/** Receive an accepted turn's reply into ``view``; keep the turn (a stopped one too) as context, drop a failed one. */
+async function follow(turn, view, startedAt) {
+  view.element.dataset.requestId = turn.requestId;
+  current = new ReplyStream(turn.streamUrl, turn.token, view, {
+    startedAt,
+    onStatus: setStatus,
+    onChange: scrollToEnd,
+  });
+  latest = current;
+  const outcome = await current.finished;
+  if (outcome.ok) {
+    conversation = [...turn.messages.filter((m) => m.role !== "system"), { role: "assistant", content: current.text }];
+  }
+  setStatus(outcome.ok ? "idle" : "failed");
+}
+
+function showFailure(view, message) {
+  view.element.classList.add("failed");
+  view.element.dataset.state = "failed";
+  view.note.textContent = message;
+  setStatus("failed");
+}
+
+function endTurn() {
+  current = null;
+  pending = null;
+  saveSession();
+  setBusy(false);
+  scrollToEnd(); // the outcome's note (an error, a stop) is the last thing on the page: show it
+}
+
+function scrollToEnd() {
+  log.scrollTop = log.scrollHeight;
+}
+
+function saveSession() {
+  try {
+    sessionStorage.setItem(SESSION_KEY, JSON.stringify({ conversation, pending }));
+  } catch (err) {
+    console.warn("could not keep the conversation for a reload", err);
+  }
+}
+
+/** After a reload: the conversation as it was, and the reply that was arriving followed from its stream. */
+function restoreSession() {
+  let saved = {};
+  try {
+    saved = JSON.parse(sessionStorage.getItem(SESSION_KEY) || "{}");
+  } catch {
+    saved = {};
+  }
+  conversation = Array.isArray(saved.conversation) ? saved.conversation : [];
+  for (const message of conversation) addMessage(message.role, message.content);
+  const turn = saved.pending;
+  if (!turn || !turn.streamUrl || !turn.token) return;
+  pending = turn;
+  addMessage("user", turn.prompt);
+  const view = addMessage("assistant", "");
+  setBusy(true);
+  setStatus(`following ${turn.requestId} again`);
+  follow(turn, view, performance.now())
+    .catch((err) => showFailure(view, err.message))
+    .finally(endTurn);
 }
 
 /** fetch, with a network failure (ingress down, CORS refused) turned into words for the person. */
@@ -213,9 +272,11 @@ async function reachIngress(url, init) {
   }
 }
 
-function setBusy(busy) {
-  sendButton.disabled = busy;
-  stopButton.disabled = !busy;
+function setBusy(on) {
+  busy = on;
+  sendButton.disabled = on;
+  stopButton.disabled = !on;
+  newChatButton.disabled = on; // the reply would land in the cleared chat: Stop first
 }
 
 // --- wiring -------------------------------------------------------------------------------------
@@ -223,7 +284,7 @@ function setBusy(busy) {
 composer.addEventListener("submit", (event) => {
   event.preventDefault();
   const prompt = composer.elements.prompt.value.trim();
-  if (!prompt || current) return;
+  if (!prompt || busy) return;
   if (!settings.apiKey || !settings.model) {
     openSettings(true);
     setStatus("set the API key and model first");
@@ -256,9 +317,10 @@ $("#refresh-models").addEventListener("click", () => {
 
 $("#toggle-settings").addEventListener("click", () => openSettings(!settingsForm.classList.contains("open")));
 
-$("#new-chat").addEventListener("click", () => {
-  if (current) return;
+newChatButton.addEventListener("click", () => {
+  if (busy) return;
   conversation = [];
+  saveSession();
   log.replaceChildren();
   setStatus("idle");
 });
@@ -274,3 +336,4 @@ window.sluicegateChat = {
 };
 
 loadSettings();
+restoreSession();

@@ -89,7 +89,7 @@ def browser() -> Iterator[webdriver.Chrome]:
 def open_page(browser: webdriver.Chrome, pipeline: Pipeline) -> webdriver.Chrome:
     """The pipeline's chat page, freshly loaded with no saved settings."""
     browser.get(f"{pipeline.result_url}/")
-    browser.execute_script("localStorage.clear()")
+    browser.execute_script("localStorage.clear(); sessionStorage.clear()")
     browser.get(f"{pipeline.result_url}/")
     # /config.json filled the ingress URL and (listing ingress's models) the model.
     wait_for(lambda: field(browser, "model").get_attribute("value") == pipeline.model, "model from /config.json")
@@ -232,6 +232,56 @@ def test_a_dropped_websocket_resumes_from_last_id_with_exactly_the_streams_text(
     assert first["lastId"] is None and first["droppedByPage"] is True
     # The resume asked for everything after the last event seen, and the stream went on from exactly there.
     assert resumed["lastId"] is not None and resumed["firstSeq"] == seq_from_entry_id(resumed["lastId"]) + 1
+
+
+def test_a_reload_mid_reply_shows_the_conversation_and_follows_the_reply_to_its_end(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """The conversation and the turn in flight live in the tab's sessionStorage: after a reload the page shows
+    them again and follows the reply from its stream, which the worker went on generating, to the same text."""
+    configure(page, apiKey=pipeline.api_key, maxTokens="40", temperature="0")
+    first = send(page, "First question")
+    assert wait_ended(first) == "done", first.text
+    first_reply = reply_text(page, first)
+    message = send(page)
+    request_id = message.get_attribute("data-request-id") or wait_for(
+        lambda: message.get_attribute("data-request-id"), "the request id"
+    )
+    wait_for(lambda: reply_text(page, message), "some streamed text")
+    page.refresh()
+    messages = wait_for(
+        lambda: (
+            [*page.find_elements(By.CSS_SELECTOR, ".message")][:4][3:]
+            and (page.find_elements(By.CSS_SELECTOR, ".message"))
+        ),
+        "the four messages again",
+    )
+    assert [m.get_attribute("class").split()[1] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert reply_text(page, messages[1]) == first_reply
+    followed = messages[3]
+    assert followed.get_attribute("data-request-id") == request_id
+    assert wait_ended(followed) == "done", followed.text
+    assert reply_text(page, followed) == stream_text(pipeline.wait_stream_end(request_id))
+    # The followed turn is context for the next one, as if the page had never been reloaded.
+    history = page.execute_script("return sessionStorage.getItem('sluicegate.chat.session')")
+    assert [m["role"] for m in json.loads(history)["conversation"]] == ["user", "assistant"] * 2
+
+
+def test_a_second_enter_while_a_turn_is_in_flight_starts_nothing(page: webdriver.Chrome, pipeline: Pipeline) -> None:
+    """Enter submits the form even with Send disabled: a second message typed while the first is still being
+    submitted must not start a second turn beside it (it once did, and the first turn's end broke the second)."""
+    configure(page, apiKey=pipeline.api_key, maxTokens="30", temperature="0")
+    page.execute_script(
+        """const form = document.querySelector('#composer');
+        form.elements.prompt.value = 'one'; form.requestSubmit();
+        form.elements.prompt.value = 'two'; form.requestSubmit();"""
+    )
+    assert len(page.find_elements(By.CSS_SELECTOR, ".message.user")) == 1
+    assert not page.find_element(By.ID, "new-chat").is_enabled()
+    (message,) = page.find_elements(By.CSS_SELECTOR, ".message.assistant")
+    assert wait_ended(message) == "done", message.text
+    assert page.find_element(By.CSS_SELECTOR, '#composer [name="prompt"]').get_attribute("value") == "two"
+    assert page.find_element(By.ID, "new-chat").is_enabled()
 
 
 _FOLLOW_TWO_ON_ONE_SOCKET = """

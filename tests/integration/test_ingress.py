@@ -320,6 +320,11 @@ async def test_status_is_per_tenant_and_delete_cancels(ingress: str, settings: S
         assert status["status"] == "finished" and status["result"]["text"] == "done!"
         assert status["result"]["usage"]["total_tokens"] == 3
         assert (await owner.delete(f"/v1/requests/{rid}")).json()["error"]["code"] == "request_finished"
+        # A cancelled one too: a second DELETE is a 409, not another "cancelling".
+        await redis.set(names.request_key(rid), record.model_copy(update={"status": "cancelled"}).model_dump_json())
+        again = await owner.delete(f"/v1/requests/{rid}")
+        assert again.status_code == 409 and again.json()["error"]["code"] == "request_finished", again.text
+        assert "already cancelled" in again.json()["error"]["message"]
 
 
 async def test_unknown_model_is_404_unless_configured(ingress: str, settings: Settings, redis: Redis) -> None:
