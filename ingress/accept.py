@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 
 from fastapi import Request
 from opentelemetry import propagate
@@ -149,6 +150,8 @@ def _with_header_deadline(body: AnyBody, header: str | None) -> AnyBody:
         return body
     try:
         deadline = parse_deadline(header)
+        if isinstance(deadline, datetime) and deadline <= utcnow():
+            raise ValueError(f"deadline {deadline.isoformat()} has already passed")  # the header's fault, not a field's
     except ValueError as exc:
         raise ApiError(400, f"{DEADLINE_HEADER}: {exc}", code="invalid_value", param=DEADLINE_HEADER) from exc
     return body.model_copy(update={"deadline": deadline})

@@ -19,7 +19,7 @@ from sluicegate.api.assembler import StreamAssembler
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody
 from sluicegate.api.errors import ApiError, error_body
 from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
-from sluicegate.api.openai_format import ERROR_STATUS, SSE_DONE, ResponseIds, running_usage, sse
+from sluicegate.api.openai_format import SSE_DONE, ResponseIds, running_usage, sse, worker_failure
 from sluicegate.task_stop import cancel_and_wait
 
 from .accept import counted_prompts
@@ -73,8 +73,7 @@ def body_events(
 def stream_failure(assembler: StreamAssembler) -> ApiError | None:
     """The error to answer for a stream that ended badly, or None."""
     if assembler.error is not None:
-        code = assembler.error.code
-        return ApiError(ERROR_STATUS.get(code, 500), assembler.error.message, code=code)
+        return worker_failure(assembler.error.code, assembler.error.message)
     if assembler.done is not None and assembler.done.finish_reason == "error":
         return ApiError(500, "The request failed on the worker.", code="worker_error")
     return None

@@ -29,6 +29,7 @@ from router.router import Route, Router
 from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
 from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import Limits
+from sluicegate.api.openai_format import worker_failure
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.lora.registry import LoRARegistry
@@ -244,6 +245,12 @@ class IngressService:
             raise unavailable("Kafka", exc) from exc
         self.router.set_heartbeats(request.model, heartbeats)
         route = self.router.route(request, max_tier=max_tier)
+        if request.expired():
+            # Passed while it was checked (a deadline of a few ms): answered as the worker would, not queued.
+            self.metrics.rejected.labels("deadline_exceeded").inc()
+            assert request.deadline is not None
+            message = f"The deadline {request.deadline.isoformat()} passed before the request was queued."
+            raise worker_failure("deadline_exceeded", message)
         if (unmeetable := deadline_unmeetable(request, route.tier, heartbeats)) is not None:
             self.metrics.rejected.labels("deadline_unmeetable").inc()
             # Retrying cannot bring the deadline back: the SDKs are told not to.

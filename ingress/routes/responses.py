@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from redis.exceptions import RedisError
 
 from sluicegate.api.errors import ApiError
-from sluicegate.api.openai_format import ERROR_STATUS
+from sluicegate.api.openai_format import worker_failure
 from sluicegate.api.tool_calls import plan_for
 
 from ..accept import SUBMIT_ERRORS, accept, answered_model, tool_call_format
@@ -106,8 +106,7 @@ async def create_response(request: Request) -> Response:
     if body.stored:
         await store.finalize(record, response)
     if builder.failure is not None:
-        code, message = builder.failure
-        raise ApiError(ERROR_STATUS.get(code, 500), message, code=code)
+        raise worker_failure(*builder.failure)
     return JSONResponse(response, headers=headers)
 
 

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from schemas import TokenLogprob, TopLogprob, Usage
 
+from .errors import ApiError
+
 Kind = Literal["chat", "completion"]
 
 #: HTTP status for a worker error code when the response has not started yet.
@@ -24,7 +26,17 @@ ERROR_STATUS: dict[str, int] = {
     "overloaded": 503,
 }
 
+#: Worker error codes a retry of the same request cannot help: a deadline already passed, a request cancelled on
+#: purpose. The OpenAI SDKs retry every 409 and 5xx unless told not to (``x-should-retry: false``).
+NOT_RETRYABLE = frozenset({"deadline_exceeded", "cancelled"})
+
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def worker_failure(code: str, message: str) -> ApiError:
+    """The HTTP error for a request whose stream ended in the worker's ``error`` event with ``code``."""
+    headers = {"x-should-retry": "false"} if code in NOT_RETRYABLE else None
+    return ApiError(ERROR_STATUS.get(code, 500), message, code=code, headers=headers)
 
 
 def sse(payload: dict[str, Any]) -> str:

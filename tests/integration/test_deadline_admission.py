@@ -7,7 +7,6 @@ record with that reason; requests whose deadline is far enough, or whose tier ha
 from __future__ import annotations
 
 import asyncio
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,17 +49,23 @@ async def test_an_unmeetable_deadline_is_refused_at_once_and_nothing_is_queued(
     # A second worker, more loaded: the least loaded one's figure decides.
     await heartbeat(redis, names, worker="w2", backlog_seconds={"standard": 900.0})
     async with running_ingress(settings) as url:
-        sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY)  # the SDK's default retries stay on
+        sent: list[httpx.Request] = []
+
+        async def count(request: httpx.Request) -> None:
+            sent.append(request)
+
+        # The SDK's default retries stay on; every request it sends is counted.
+        http_client = httpx.AsyncClient(event_hooks={"request": [count]})
+        sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, http_client=http_client)
         messages = [{"role": "user", "content": "hi"}]
-        started = time.monotonic()
         with pytest.raises(openai.RateLimitError) as header_refusal:
             await sdk.chat.completions.create(
                 model=MODEL, messages=messages, max_tokens=4, extra_headers={"X-Request-Deadline": "5"}
             )
         with pytest.raises(openai.RateLimitError) as body_refusal:
             await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"deadline": 30})
-        # Refused at once: no SDK retry, no wait for a worker.
-        assert time.monotonic() - started < 2.0
+        # Refused at once, and not retried by the SDK (x-should-retry: false): one request each.
+        assert len(sent) == 2, [r.url for r in sent]
         for refusal in (header_refusal.value, body_refusal.value):
             assert refusal.status_code == 429
             assert refusal.code == "deadline_unmeetable" and refusal.type == "rate_limit_error"
@@ -83,9 +88,21 @@ async def test_an_unmeetable_deadline_is_refused_at_once_and_nothing_is_queued(
             bad = await http.post(
                 "/v1/requests", json={"model": MODEL, "prompt": "x"}, headers={"X-Request-Deadline": "soon"}
             )
+            past = await http.post(
+                "/v1/requests",
+                json={"model": MODEL, "prompt": "x"},
+                headers={"X-Request-Deadline": "2020-01-01T00:00:00Z"},
+            )
+            # One microsecond: passed by the time it would be queued. The worker's answer for a passed deadline,
+            # at once, and not retried by the SDKs.
+            gone = await http.post("/v1/requests", json={"model": MODEL, "prompt": "x", "deadline": 1e-6})
         accepted = [r.json()["request_id"] for r in (roomy, urgent, plain)]
         assert [r.status_code for r in (roomy, urgent, plain)] == [202, 202, 202]
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Deadline"
+        assert past.status_code == 400 and past.json()["error"]["param"] == "X-Request-Deadline", past.text
+        assert "has already passed" in past.json()["error"]["message"]
+        assert gone.status_code == 504 and gone.json()["error"]["code"] == "deadline_exceeded", gone.text
+        assert gone.headers["x-should-retry"] == "false"
 
     async with reader(settings, *names.request_topics(MODEL), partitions=settings.topic_partitions) as consumer:
         records = await consume(consumer, len(accepted))
