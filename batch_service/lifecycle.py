@@ -20,7 +20,7 @@ import time
 
 import anyio.to_thread
 
-from router.heartbeats import read_heartbeats
+from router.heartbeats import read_heartbeats, read_live_models
 from router.publish import request_headers, send_routed
 from schemas import (
     BATCH_TERMINAL,
@@ -31,7 +31,7 @@ from schemas import (
     batch_request_id,
     parse_batch_request_id,
 )
-from sluicegate.api.limits import Limits
+from sluicegate.api.limits import Limits, model_context
 from sluicegate.batches.files import StoredFile
 from sluicegate.batches.lines import InputFileError
 from sluicegate.batches.store import LineOutcome
@@ -98,6 +98,10 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
     stored = StoredFile.model_validate_json(raw)
     known = {m.decode() for m in await runtime.redis.smembers(runtime.names.models_key)}
     known |= {m.strip() for m in settings.served_models.split(",") if m.strip()}
+    # Each live model's context, which a line's max_tokens must fit in (as online; a model without a live worker
+    # now is left to the worker's own check).
+    live = await read_live_models(runtime.redis, runtime.names, max_age_s=3 * settings.heartbeat_interval_s)
+    contexts = {model: context for model, beats in live.items() if (context := model_context(beats)) is not None}
     await runtime.routes.refresh()
     # Adapter names resolve as online (sluicegate.lora.resolve), against the registry as it is now: the prepare
     # thread gets a snapshot, not Redis.
@@ -120,6 +124,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
                 route=lambda request: runtime.routes.routed(resolve_request(adapters, request)),
                 trace=trace,
                 key_id=state.get("key_id"),
+                contexts=contexts,
             )
         )
     except InputFileError as exc:

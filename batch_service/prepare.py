@@ -11,7 +11,7 @@ the line. The requests go to a "prepared" JSONL file next to the input, cut into
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -23,7 +23,7 @@ from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, EmbeddingI
 from sluicegate.api.build import build_request
 from sluicegate.api.embeddings import EmbeddingBody
 from sluicegate.api.errors import ApiError, invalid
-from sluicegate.api.limits import Limits, check_prompt_tokens, checked_max_tokens
+from sluicegate.api.limits import Limits, check_context, check_prompt_tokens, checked_max_tokens
 from sluicegate.api.tool_calls import Mode, ToolPlan, plan_for
 from sluicegate.batches.files import FileStore
 from sluicegate.batches.lines import InputFileError, numbered_lines, parse_line
@@ -120,9 +120,11 @@ def build_line(
     route: Route | None = None,
     trace: TraceContext | None = None,
     key_id: str | None = None,
+    contexts: Mapping[str, int] | None = None,
 ) -> BuiltLine | LineOutcome:
     """The pipeline request for one line's body (and its tool plan), or the error the online API would have
-    answered."""
+    answered. ``contexts``: each model's context length as its live workers report it, which ``max_tokens`` must
+    fit in, as online."""
     if endpoint == "/v1/embeddings":
         return _build_embedding_line(
             body,
@@ -165,12 +167,15 @@ def build_line(
         # the version the route chooses (router.route_table, as online), which then has to be known, as the
         # online API checks the version it routed to.
         request = route(request) if route is not None else request
+        fitted = check_context(parsed, max_tokens, (contexts or {}).get(request.model))
     except ApiError as exc:
         return _refusal(exc)
     except ValidationError as exc:
         return _refusal(invalid(exc))
     if known_models is not None and request.model not in known_models:
         return _unknown_model(request.model)
+    if fitted != max_tokens:  # a default above the context, lowered to it
+        request = request.model_copy(update={"sampling": request.sampling.model_copy(update={"max_tokens": fitted})})
     tools = (
         LineTools.of(plan_for(parsed.tools, parsed.tool_choice, None))
         if isinstance(parsed, ChatCompletionBody)
@@ -252,6 +257,7 @@ def prepare(
     route: Route | None = None,
     trace: TraceContext | None = None,
     key_id: str | None = None,
+    contexts: Mapping[str, int] | None = None,
 ) -> Prepared:
     """Validate the input file and write the prepared file. Blocking (run it in a thread). ``trace``: the
     context every line's request carries (the batch's validation, so a line's spans join the batch's trace).
@@ -294,6 +300,7 @@ def prepare(
                 route=route,
                 trace=trace,
                 key_id=key_id,
+                contexts=contexts,
             )
             if isinstance(built, LineOutcome):
                 result.errors.append((number, built))

@@ -24,7 +24,14 @@ from sluicegate.api.bodies import AnyBody
 from sluicegate.api.build import advertised_tool_call_format, build_request
 from sluicegate.api.deadlines import DEADLINE_HEADER, parse_deadline
 from sluicegate.api.errors import ApiError, invalid
-from sluicegate.api.limits import Limits, check_prompt_tokens, check_rate_cost, checked_max_tokens
+from sluicegate.api.limits import (
+    Limits,
+    check_context,
+    check_prompt_tokens,
+    check_rate_cost,
+    checked_max_tokens,
+    model_context,
+)
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
 from sluicegate.usage.quota import claim_for
 
@@ -61,7 +68,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     max_tokens = checked_max_tokens(body, limits)
     check_rate_cost(prompt_tokens + max_tokens, limits)
     heartbeats = await service.model_heartbeats(body.model)
-    max_tokens = check_context(body, max_tokens, heartbeats)
+    max_tokens = check_context(body, max_tokens, model_context(heartbeats))
     request.state.tool_call_format = advertised_tool_call_format(heartbeats)
     with _request_span(request, endpoint) as (span, carrier):
         trace = None
@@ -155,29 +162,6 @@ def _with_header_deadline(body: AnyBody, header: str | None) -> AnyBody:
     except ValueError as exc:
         raise ApiError(400, f"{DEADLINE_HEADER}: {exc}", code="invalid_value", param=DEADLINE_HEADER) from exc
     return body.model_copy(update={"deadline": deadline})
-
-
-def model_context(heartbeats: list[WorkerHeartbeat]) -> int | None:
-    """The model's context length as its workers report it (the smallest, should they differ)."""
-    lengths = [b.max_model_len for b in heartbeats if b.max_model_len]
-    return min(lengths) if lengths else None
-
-
-def check_context(body: AnyBody, max_tokens: int, heartbeats: list[WorkerHeartbeat]) -> int:
-    """``max_tokens`` within the model's context: a default above it is lowered to it, an explicit value above
-    it is a 400 naming the parameter (the request could never finish as asked)."""
-    context = model_context(heartbeats)
-    if context is None or max_tokens <= context:
-        return max_tokens
-    field = "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set else "max_tokens"
-    if field not in body.model_fields_set:
-        return context
-    raise ApiError(
-        400,
-        f"'{field}' is {max_tokens}, more than the model's context length of {context} tokens.",
-        code="context_length_exceeded",
-        param=field,
-    )
 
 
 async def _fit_context(

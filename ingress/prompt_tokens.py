@@ -111,11 +111,15 @@ def check_prompt_fits(
         return max_tokens
     if not explicit and prompt_tokens < context:
         return context - prompt_tokens
-    raise ApiError(
-        400,
-        f"This model's maximum context length is {context} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-        "Please reduce the length of the messages or completion.",
-        code="context_length_exceeded",
-        param=param,
-    )
+    if param == "input":  # an embedding: the input alone, nothing generated
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you requested {prompt_tokens} "
+            "tokens in the input. Please reduce the length of the input."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    raise ApiError(400, message, code="context_length_exceeded", param=param)

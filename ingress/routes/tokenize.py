@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from sluicegate.api.errors import ApiError
+from sluicegate.api.limits import model_context
 
-from ..accept import model_context
 from ..app_state import service_of
 from ..auth import ApiKey, authenticate
 from ..body_parsing import parse_body

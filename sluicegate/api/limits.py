@@ -9,12 +9,13 @@ not an undercount on scripts whose characters take several bytes).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import InferenceRequest
+from schemas import InferenceRequest, WorkerHeartbeat
 from sluicegate.settings import Settings
 
 from .bodies import AnyBody, ChatCompletionBody, CompletionBody, EmbeddingInput
@@ -150,6 +151,28 @@ def checked_max_tokens(body: AnyBody, limits: Limits) -> int:
         422,
         f"'{field}' is {wanted}, above this API key's limit of {limits.max_tokens} tokens.",
         code="max_tokens_exceeded",
+        param=field,
+    )
+
+
+def model_context(heartbeats: Iterable[WorkerHeartbeat]) -> int | None:
+    """The model's context length as its workers report it (the smallest, should they differ)."""
+    lengths = [b.max_model_len for b in heartbeats if b.max_model_len]
+    return min(lengths) if lengths else None
+
+
+def check_context(body: AnyBody, max_tokens: int, context: int | None) -> int:
+    """``max_tokens`` within the model's ``context`` (None: not known): a default above it is lowered to it, an
+    explicit value above it is a 400 naming the parameter (the request could never finish as asked)."""
+    if context is None or max_tokens <= context:
+        return max_tokens
+    field = "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set else "max_tokens"
+    if field not in body.model_fields_set:
+        return context
+    raise ApiError(
+        400,
+        f"'{field}' is {max_tokens}, more than the model's context length of {context} tokens.",
+        code="context_length_exceeded",
         param=field,
     )
 

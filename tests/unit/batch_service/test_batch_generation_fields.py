@@ -133,3 +133,26 @@ def test_an_auto_tool_call_is_read_in_the_models_advertised_format() -> None:
     # Text that is no call of an offered tool stays content.
     plain = _output_body("auto", "No tools needed.", fmt="hermes").choices[0]
     assert (plain.finish_reason, plain.message.content, plain.message.tool_calls) == ("stop", "No tools needed.", None)
+
+
+def test_max_tokens_over_the_models_context_is_the_online_refusal() -> None:
+    """A line's ``max_tokens`` is checked against its model's context as online: an explicit one over it is the
+    same 400 naming ``max_tokens`` (not an error from the worker minutes later), a default is lowered to it."""
+    line = {"model": "m", "messages": [{"role": "user", "content": "Say a word."}]}
+    common: dict[str, Any] = {
+        "endpoint": "/v1/chat/completions",
+        "request_id": "b1-L0",
+        "tenant": "t",
+        "limits": Limits(),
+        "deadline": utcnow() + timedelta(hours=1),
+        "known_models": None,
+        "contexts": {"m": 64},
+    }
+    refused = build_line(line | {"max_tokens": 9000}, **common)
+    assert isinstance(refused, LineOutcome) and (refused.status_code, refused.param) == (400, "max_tokens")
+    assert refused.code == "context_length_exceeded"
+    assert refused.message == "'max_tokens' is 9000, more than the model's context length of 64 tokens."
+    lowered = build_line(line, **common)
+    assert isinstance(lowered, BuiltLine) and lowered.request.sampling.max_tokens == 64
+    fits = build_line(line | {"max_tokens": 10}, **common)
+    assert isinstance(fits, BuiltLine) and fits.request.sampling.max_tokens == 10
