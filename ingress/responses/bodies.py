@@ -5,9 +5,10 @@ system message, the conversation's items as chat messages, ``max_output_tokens``
 shape (the chat path's tool-call parsing reads the output).
 
 Fields Sluicegate does not implement are refused by name with a 400 (``reasoning``, ``include``, ``truncation``
-"auto", ``conversation``, ``prompt``, ``top_logprobs``, ``max_tool_calls``, built-in tools and their
-``tool_choice``), unknown fields too; fields that change nothing (``user``, ``safety_identifier``,
-``prompt_cache_key``, ``service_tier``, ``metadata``...) are accepted and echoed. Sluicegate's extras (in the SDK's
+"auto", ``conversation``, ``prompt``, ``top_logprobs``, ``text.verbosity`` other than "medium", built-in tools and
+their ``tool_choice``), unknown fields too; fields that change nothing (``user``, ``safety_identifier``,
+``prompt_cache_key``, ``prompt_cache_retention``, ``service_tier``, ``metadata``, ``max_tool_calls``, which counts
+built-in tool calls only...) are accepted and echoed. Sluicegate's extras (in the SDK's
 ``extra_body``) are the chat path's: ``priority``, ``seed`` and ``ignore_eos``.
 """
 
@@ -167,6 +168,7 @@ class ResponseCreateBody(_Body):
     user: EndUser | None = None
     safety_identifier: str | None = Field(None, max_length=64)
     prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     service_tier: str | None = Field(None, max_length=32)
     priority: Tier | None = Field(None, description="Sluicegate's tier (extra_body).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed (extra_body, as on chat).")
@@ -177,9 +179,10 @@ class ResponseCreateBody(_Body):
     conversation: Annotated[Any, _only(None, description="Conversations are not supported.")] = None
     prompt: Annotated[Any, _only(None, description="Prompt templates are not supported.")] = None
     top_logprobs: Annotated[int | None, _only(0, None)] = None
-    max_tool_calls: Annotated[int | None, _only(None)] = None
+    # OpenAI's cap on calls to built-in tools (web search...), which are refused here: it changes nothing.
+    max_tool_calls: int | None = Field(None, ge=1)
 
-    @field_validator("reasoning", "conversation", "prompt", "max_tool_calls")
+    @field_validator("reasoning", "conversation", "prompt")
     @classmethod
     def _absent(cls, value: Any) -> Any:
         if value is not None:
@@ -286,11 +289,12 @@ def echo_fields(body: ResponseCreateBody) -> dict[str, Any]:
     return {
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
-        "max_tool_calls": None,
+        "max_tool_calls": body.max_tool_calls,
         "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
         "prompt_cache_key": body.prompt_cache_key,
+        "prompt_cache_retention": body.prompt_cache_retention,
         "reasoning": {"effort": None, "summary": None},
         "safety_identifier": body.safety_identifier,
         "service_tier": "default",
@@ -303,7 +307,7 @@ def echo_fields(body: ResponseCreateBody) -> dict[str, Any]:
         "tool_choice": (
             body.tool_choice.model_dump()
             if isinstance(body.tool_choice, BaseModel)
-            else body.tool_choice or ("auto" if body.tools else "none")
+            else body.tool_choice or "auto"  # OpenAI's default, with tools or without
         ),
         "tools": [tool.model_dump() for tool in body.tools or []],
         "top_logprobs": 0,

@@ -20,6 +20,7 @@ derived from the request id instead of random ones.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 from schemas import StreamEvent
@@ -40,6 +41,7 @@ class ResponseEvents:
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.incomplete_details: dict[str, Any] | None = None
+        self.completed_at: int | None = None  # unix seconds, once completed (as OpenAI's object says)
         #: The pipeline's own error code and message when the response failed (for an HTTP status).
         self.failure: tuple[str, str] | None = None
         self._assembler = StreamAssembler()
@@ -63,6 +65,7 @@ class ResponseEvents:
             usage=self.usage,
             error=self.error,
             incomplete_details=self.incomplete_details,
+            completed_at=self.completed_at,
         )
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -114,7 +117,7 @@ class ResponseEvents:
         out += self._close_open("completed" if reason == "stop" else "incomplete")
         self.usage = openai_usage(assembler.done.usage)
         if reason == "stop":
-            self.status = "completed"
+            self.status, self.completed_at = "completed", int(time.time())
             return [*out, self._lifecycle("response.completed")]
         if reason == "length":
             self.status, self.incomplete_details = "incomplete", {"reason": "max_output_tokens"}

@@ -82,12 +82,14 @@ def response_object(
     usage: dict[str, Any] | None = None,
     error: dict[str, Any] | None = None,
     incomplete_details: dict[str, Any] | None = None,
+    completed_at: int | None = None,
 ) -> dict[str, Any]:
     """OpenAI's ``response`` object (a deep copy of ``output``: later events must not change it)."""
     return {
         "id": record.id,
         "object": "response",
         "created_at": record.created_at,
+        "completed_at": completed_at,
         "status": status,
         "background": record.background,
         "error": error,

@@ -101,6 +101,9 @@ async def test_plain_response_is_stored_and_listed(ingress: str, settings: Setti
         assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (7, 5, 12)
         assert response.usage.input_tokens_details.cached_tokens == 2
         assert (response.instructions, response.metadata, response.temperature) == ("Be terse.", {"k": "v"}, 0.0)
+        # OpenAI's defaults and a completed response's time, as the SDK reads them.
+        assert response.tool_choice == "auto" and response.max_tool_calls is None
+        assert response.completed_at is not None and response.completed_at >= response.created_at
         (_, request) = worker.seen[0]
         assert request.messages is not None
         assert [(m.role, m.text()) for m in request.messages] == [
@@ -129,6 +132,12 @@ async def test_plain_response_is_stored_and_listed(ingress: str, settings: Setti
         assert [i.content[0].text for i in rest.data] == ["two"] and not rest.has_more  # type: ignore[union-attr]
         newest = await api.responses.input_items.list(several.id, limit=1)  # OpenAI's default order: newest first
         assert newest.data[0].content[0].text == "two"  # type: ignore[union-attr]
+
+        # Fields that change nothing here are accepted and echoed: max_tool_calls counts built-in tool calls only.
+        echoed = await api.responses.create(
+            model=MODEL, input="echo", max_tool_calls=2, extra_body={"prompt_cache_retention": "24h"}
+        )
+        assert echoed.max_tool_calls == 2 and echoed.model_dump()["prompt_cache_retention"] == "24h"
 
         # store: false answers the same and keeps nothing.
         unstored = await api.responses.create(model=MODEL, input="not kept", store=False)
@@ -372,6 +381,7 @@ async def test_another_tenants_response_is_not_found(ingress: str, settings: Set
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0"),
         ({"background_options": {}}, "background_options"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ],
 )
 async def test_unsupported_fields_are_refused_by_name(ingress: str, extra: dict[str, Any], param: str) -> None:
