@@ -17,6 +17,7 @@ from .batches import (
     BatchRequestCounts,
     BatchResponse,
     BatchStatus,
+    BatchUsage,
     FileObject,
 )
 from .common import SCHEMA_VERSION, utcnow
@@ -82,6 +83,7 @@ __all__ = [
     "BatchRequestCounts",
     "BatchResponse",
     "BatchStatus",
+    "BatchUsage",
     "CancelRequest",
     "ChatMessage",
     "ChoiceResult",

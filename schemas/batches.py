@@ -52,6 +52,24 @@ class BatchRequestCounts(_Api):
     failed: int = Field(0, ge=0)
 
 
+class InputTokensDetails(_Api):
+    cached_tokens: int = Field(0, ge=0)
+
+
+class OutputTokensDetails(_Api):
+    reasoning_tokens: int = Field(0, ge=0)
+
+
+class BatchUsage(_Api):
+    """The tokens of the batch's lines that ran so far (OpenAI's batch ``usage``)."""
+
+    input_tokens: int = Field(0, ge=0)
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = Field(0, ge=0)
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = Field(0, ge=0)
+
+
 class BatchError(_Api):
     """Why a batch failed validation, naming the line when one line is the cause."""
 
@@ -90,6 +108,7 @@ class Batch(_Api):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: BatchRequestCounts = Field(default_factory=BatchRequestCounts)
+    usage: BatchUsage | None = Field(None, description="Tokens of the lines that ran so far; None before any did.")
     metadata: dict[str, str] | None = None
     eta_seconds: float | None = Field(
         None, description="Sluicegate: seconds until the batch should finish, from its backlog and the measured rate."

@@ -17,7 +17,17 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict
 from redis.asyncio import Redis
 
-from schemas import BATCH_TERMINAL, Batch, BatchErrors, BatchRequestCounts, FinalResult, Names, TraceContext
+from schemas import (
+    BATCH_TERMINAL,
+    Batch,
+    BatchErrors,
+    BatchRequestCounts,
+    BatchUsage,
+    FinalResult,
+    Names,
+    TraceContext,
+)
+from schemas.batches import InputTokensDetails
 from sluicegate.settings import Settings
 
 from ..api.limits import Limits
@@ -45,7 +55,8 @@ return 0
 
 # Stores line outcomes once each and counts them; optionally moves the collector's offsets in the same step.
 # KEYS: offsets hash, then (batch hash, results hash) per line. ARGV: now, offset pair count, (partition, offset)*,
-# then (line, outcome JSON, counter field) per line. A line of a batch that is gone or already final is skipped.
+# then (line, outcome JSON, counter field, prompt, completion and cached tokens) per line, whose tokens add to the
+# batch's usage. A line of a batch that is gone or already final is skipped.
 _RESOLVE = """
 local pairs_n = tonumber(ARGV[2])
 local a = 3
@@ -61,6 +72,9 @@ while a <= #ARGV do
   if status and status ~= 'completed' and status ~= 'failed' and status ~= 'expired' and status ~= 'cancelled' then
     if redis.call('HSETNX', KEYS[k + 1], ARGV[a], ARGV[a + 1]) == 1 then
       redis.call('HINCRBY', KEYS[k], ARGV[a + 2], 1)
+      redis.call('HINCRBY', KEYS[k], 'usage_input_tokens', ARGV[a + 3])
+      redis.call('HINCRBY', KEYS[k], 'usage_output_tokens', ARGV[a + 4])
+      redis.call('HINCRBY', KEYS[k], 'usage_cached_tokens', ARGV[a + 5])
       redis.call('HSET', KEYS[k], 'last_result_at', ARGV[1])
       stored = stored + 1
       if ARGV[a + 2] == 'completed' then
@@ -68,7 +82,7 @@ while a <= #ARGV do
       end
     end
   end
-  a = a + 3
+  a = a + 6
   k = k + 2
 end
 return {completed, stored - completed}
@@ -243,7 +257,9 @@ class BatchStore:
             args += [partition, offset]
         for batch_id, line, outcome in lines:
             keys += [self.names.batch_key(batch_id), self.names.batch_results_key(batch_id)]
-            args += [line, outcome.model_dump_json(exclude_defaults=True), outcome.counter]
+            usage = outcome.result.usage if outcome.result is not None else None
+            tokens = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else (0, 0, 0)
+            args += [line, outcome.model_dump_json(exclude_defaults=True), outcome.counter, *tokens]
         if len(keys) == 1 and not offsets:
             return Resolved(0, 0)
         completed, failed = await self._resolve(keys=keys, args=args)
@@ -265,7 +281,7 @@ def batch_from_state(state: dict[str, str]) -> Batch:
     """The API object from a batch's hash."""
     data: dict[str, Any] = {}
     for name in Batch.model_fields:
-        if name not in state or name in ("request_counts", "object"):
+        if name not in state or name in ("request_counts", "object", "usage"):
             continue
         value: Any = state[name]
         if name in _JSON_FIELDS:
@@ -282,4 +298,17 @@ def batch_from_state(state: dict[str, str]) -> Batch:
         data["errors"] = BatchErrors.model_validate(data["errors"])
     if data.get("status") not in _ACTIVE:
         data.pop("eta_seconds", None)
-    return Batch.model_validate(data | {"request_counts": counts})
+    return Batch.model_validate(data | {"request_counts": counts, "usage": _usage(state)})
+
+
+def _usage(state: dict[str, str]) -> BatchUsage | None:
+    """The usage the resolved lines added up (None before the first line was resolved)."""
+    if "usage_input_tokens" not in state:
+        return None
+    input_tokens, output_tokens = int(state["usage_input_tokens"]), int(state["usage_output_tokens"])
+    return BatchUsage(
+        input_tokens=input_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=int(state.get("usage_cached_tokens", 0))),
+        output_tokens=output_tokens,
+        total_tokens=input_tokens + output_tokens,
+    )

@@ -116,6 +116,12 @@ async def test_batch_runs_to_completion_with_error_lines(
             "refusal": None,
         }
         assert body["usage"]["prompt_tokens"] == 7 and body["id"] == f"chatcmpl-{line.response.request_id}"
+    # The batch's usage (as the SDK reads it) is the sum of the answered lines' (the failed ones ran no tokens).
+    bodies = [line.response.body for line in output if line.response is not None] + [tool_body.model_dump()]
+    assert done.usage is not None, done
+    assert done.usage.input_tokens == sum(b["usage"]["prompt_tokens"] for b in bodies) > 0
+    assert done.usage.output_tokens == sum(b["usage"]["completion_tokens"] for b in bodies) > 0
+    assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     by_id = {line.custom_id: line for line in errors}
     bad = by_id["bad-body"].response
     assert bad is not None and bad.status_code == 422 and bad.body["error"]["param"] == "temperature"
