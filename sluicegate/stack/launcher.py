@@ -233,7 +233,7 @@ def banner(
         f"  chat page        {result_url}/\n"
         f"  OpenAI API       {ingress_url}/v1  (model{'s' if len(specs) > 1 else ''} {served})\n"
         f"{notes}"
-        f"  API key          {api_key}{'  (generated for this run)' if generated_key else ''}\n"
+        f"  API key          {api_key}{'  (generated for this run; an admin key too)' if generated_key else ''}\n"
         f"  Kafka            {info.kafka_bootstrap}\n"
         f"  Redis            {info.redis_url}\n"
         f"  logs             {log_dir}/\n"
@@ -274,6 +274,9 @@ def up(
         "SLUICEGATE_KAFKA_BOOTSTRAP": info.kafka_bootstrap,
         "SLUICEGATE_REDIS_URL": info.redis_url,
         "SLUICEGATE_API_KEYS": settings.api_keys or api_key,
+        # The key generated for this one-person run may do everything, loading LoRA adapters too; a deployment's
+        # keys say which are admin keys themselves.
+        "SLUICEGATE_ADMIN_API_KEYS": settings.admin_api_keys or (api_key if generated_key else ""),
         "SLUICEGATE_STREAM_TOKEN_SECRET": settings.stream_token_secret or secrets.token_hex(32),
         "SLUICEGATE_MODEL": model_path,
         "SLUICEGATE_MODEL_NAME": name,
