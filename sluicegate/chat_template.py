@@ -23,8 +23,11 @@ def _arguments(raw: str) -> Any:
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it (a tool call's arguments as the object they encode)."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    """A message as chat templates read it (a tool call's arguments as the object they encode). OpenAI's
+    ``developer`` role is its ``system`` role under a newer name: templates know only ``system`` (one that sees
+    another role adds its default system prompt beside it), so it is rendered as ``system``."""
+    role = "system" if message.role == "developer" else message.role
+    rendered: dict[str, Any] = {"role": role, "content": message.text()}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {

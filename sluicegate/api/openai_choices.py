@@ -49,12 +49,31 @@ def whole_choices(assembler: StreamAssembler, plan: ChoicePlan) -> list[dict[str
             choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
             continue
         content, calls = parse_output(text, plan.tools)
+        if plan.tools.mode == "required" and not calls:
+            content, calls = _streamed_message(text, plan.tools)  # cut short: what the stream would have sent
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = calls
             reason = _with_calls(reason)
         choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return choices
+
+
+def _streamed_message(text: str, tools: ToolPlan) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """``(content, tool_calls)`` put together from the deltas a stream of ``text`` sends: for an output the
+    whole-text parser cannot read (a forced call cut by ``max_tokens``), whole and streamed answers agree."""
+    stream = ToolCallStream(tools)
+    deltas = stream.feed(text) + stream.finish()
+    content = "".join(d["content"] for d in deltas if "content" in d) or None
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        for piece in delta.get("tool_calls", []):
+            if "id" in piece:  # a call's header: its id, type and name
+                calls[piece["index"]] = {**piece, "function": dict(piece["function"])}
+            call = calls[piece["index"]]["function"]
+            if "id" not in piece:
+                call["arguments"] += piece["function"].get("arguments", "")
+    return content, [{k: v for k, v in calls[i].items() if k != "index"} for i in sorted(calls)] or None
 
 
 class ChoiceChunks:

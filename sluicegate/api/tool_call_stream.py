@@ -150,6 +150,8 @@ class ToolCallStream:
                     for call in delta["tool_calls"]:
                         call["index"] += self._index
                 return ([{"content": content}] if content else []) + deltas
+            if self._syntax == "required":
+                return []  # the grammar's list around a call cut before its name ended: never content
             if self._state == "fallback" or not self._index:
                 return [{"content": held}]
         return []  # the tail of a call, or text after the last one: not part of any call

@@ -194,6 +194,40 @@ def test_a_call_ends_with_tool_calls_only_when_the_model_finished_it(plan: ToolP
 USAGE = Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
 
 
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ('[{"name": "get_weather", "parameters": {"city": "gab', [("get_weather", '{"city": "gab')]),
+        (
+            '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci',
+            [
+                ("get_time", "{}"),
+                ("get_weather", '{"ci'),
+            ],
+        ),
+        ('[{"name": "', []),  # cut before a name ended: no call yet, and the grammar's list is not content
+    ],
+    ids=["in-arguments", "second-call", "in-name"],
+)
+def test_a_required_call_cut_short_is_the_same_whole_and_streamed(text: str, calls: list[tuple[str, str]]) -> None:
+    """``tool_choice: required`` cut by ``max_tokens``: the calls written so far as ``tool_calls`` (the arguments
+    as far as they go), never the grammar's JSON list as content, whole as streamed (whole once said content)."""
+    plan = ToolPlan("required", None, NAMES)
+    events = [
+        TokenEvent(request_id="r", seq=0, text=text, token_ids=[1]),
+        DoneEvent(request_id="r", seq=1, finish_reason="length", usage=USAGE),
+    ]
+    assembler = StreamAssembler()
+    chunks = ChoiceChunks(ChoicePlan("chat", tools=plan))
+    streamed = [c for e in events for c in chunks.feed(assembler.feed_choices(e))] + chunks.close_all(assembler)
+    assert _reassemble([c["delta"] for c in streamed]) == ("", calls)
+    (whole,) = whole_choices(assembler, ChoicePlan("chat", tools=plan))
+    message = whole["message"]
+    assert message["content"] is None and whole["finish_reason"] == "length"
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert got == calls and all(c["id"].startswith("call_") for c in message.get("tool_calls", []))
+
+
 def _lp(token_id: int) -> list[TokenLogprob]:
     return [TokenLogprob(token_id=token_id, token=f"t{token_id}", logprob=-0.5)]
 

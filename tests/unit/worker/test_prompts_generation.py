@@ -73,6 +73,15 @@ def test_tools_and_tool_calls_reach_the_chat_template() -> None:
     assert tokenizer.seen["tools"] == [TOOL]
 
 
+def test_a_developer_message_is_rendered_as_the_system_message() -> None:
+    """OpenAI's ``developer`` role is ``system`` renamed; a template that sees another role (SmolLM2's) also adds
+    its default system prompt, so the worker and ingress's count both render it as ``system``."""
+    request = _request(messages=[{"role": "developer", "content": "One word."}, {"role": "user", "content": "hi"}])
+    tokenizer = _Tokenizer()
+    prompt_token_ids(request, tokenizer)
+    assert [m["role"] for m in tokenizer.seen["conversation"]] == ["system", "user"]
+
+
 def test_a_template_that_refuses_is_a_prompt_error() -> None:
     tokenizer = _Tokenizer()
     tokenizer.apply_chat_template = lambda *a, **k: (_ for _ in ()).throw(ValueError("no tools here"))  # type: ignore[method-assign]
