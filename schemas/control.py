@@ -57,6 +57,13 @@ class WorkerHeartbeat(Message):
     adapters: list[str] = Field(
         default_factory=list, description="Names of the LoRA adapters loaded on this worker (CPU pool or device)."
     )
+    lora: bool = Field(False, description="Whether this worker serves LoRA adapters (loads registered ones on demand).")
+
+    @property
+    def serves_adapters(self) -> bool:
+        """It can serve a request for an adapter: LoRA is on (a worker listing adapters has it on, whatever its
+        version said)."""
+        return self.lora or bool(self.adapters)
 
 
 class ModelTokenizer(Message):

@@ -74,6 +74,7 @@ class Heartbeats:
             description=self.config.model_description or None,
             backlog_seconds=self.telemetry.backlog_seconds if self.telemetry is not None else None,
             adapters=self.adapters.names() if self.adapters is not None else [],
+            lora=self.adapters is not None,
         )
 
     async def run(self) -> None:

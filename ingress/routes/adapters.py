@@ -105,6 +105,16 @@ async def load_lora_adapter(request: Request, body: LoadLoRAAdapterBody) -> Plai
         raise ApiError(400, f"'{name}' is already a model name; give the adapter another.", param="lora_name")
     if await service.lora_registry.get(name) is not None:
         raise AdapterExistsError(name)  # before asking a worker: the answer could not change this
+    beats = await service.heartbeats.get(base)
+    if beats and not any(b.serves_adapters for b in beats):
+        # Said at once: no worker would take the check, and the wait would end in a 503 that does not say why.
+        raise ApiError(
+            400,
+            f"No live worker of '{base}' serves LoRA adapters: start its workers with SLUICEGATE_ENABLE_LORA=true "
+            "(or name adapters with --lora). Nothing was registered.",
+            code="lora_not_enabled",
+            param="base_model",
+        )
     try:
         verdict = await ask_check(
             service.redis,

@@ -141,13 +141,13 @@ def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
 
 def _adapter_card(adapter: LoRAAdapter, beats: list[Any]) -> dict[str, Any]:
     """An adapter as vLLM lists one: ``parent`` its base model, ``root`` its files (a URL's credentials left out);
-    ``workers`` are its base model's (any of them loads it on demand)."""
+    ``workers`` are its base model's that serve adapters (any of them loads it on demand)."""
     return {
         "id": adapter.name,
         "object": "model",
         "created": int(adapter.created_at.timestamp()),
         "owned_by": "sluicegate",
-        "workers": len(beats),
+        "workers": sum(b.serves_adapters for b in beats),
         "root": _without_credentials(adapter.path),
         "parent": adapter.base_model,
     }

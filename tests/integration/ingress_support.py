@@ -86,8 +86,9 @@ async def heartbeat(
     waiting: int = 0,
     description: str | None = None,
     backlog_seconds: dict[Tier, float] | None = None,
+    lora: bool = False,
 ) -> None:
-    """What a live worker writes to Redis every heartbeat interval."""
+    """What a live worker writes to Redis every heartbeat interval (``lora``: it serves LoRA adapters)."""
     beat = WorkerHeartbeat(
         worker_id=worker,
         model=model,
@@ -100,6 +101,7 @@ async def heartbeat(
         sent_at=utcnow() - timedelta(seconds=age_s),
         description=description,
         backlog_seconds=backlog_seconds,
+        lora=lora,
     )
     await redis.hset(names.workers_key(model), worker, beat.model_dump_json())
     await redis.sadd(names.models_key, model)

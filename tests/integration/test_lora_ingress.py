@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 async def ingress(settings: Settings, redis: Redis, cleanup_topics: None) -> AsyncIterator[str]:
-    await heartbeat(redis, Names(settings.topic_prefix))
+    await heartbeat(redis, Names(settings.topic_prefix), lora=True)
     async with running_ingress(settings) as url:
         yield url
 
@@ -223,6 +224,23 @@ async def test_no_worker_to_verify_is_a_503(ingress: str, settings: Settings, tm
     assert unavailable.value.response.headers["retry-after"]
     with pytest.raises(openai.NotFoundError):
         await admin.models.retrieve("lonely")
+    await admin.close()
+
+
+async def test_a_model_whose_workers_have_lora_off_refuses_at_once_saying_how(
+    ingress: str, settings: Settings, redis: Redis, tmp_path: Path
+) -> None:
+    """The model's one live worker serves no adapters (``sluicegate up``'s default): the load is a 400 that says how
+    to turn LoRA on, at once (it waited for a check nobody takes, then a 503 that did not say why)."""
+    await heartbeat(redis, Names(settings.topic_prefix), lora=False)
+    admin = client(ingress, ADMIN_KEY)
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as refused:
+        await load(admin, lora_name="nope", lora_path=str(write_adapter(tmp_path, "nope", base=MODEL)))
+    assert time.monotonic() - started < settings.lora_check_timeout_s  # not the check's timeout
+    assert refused.value.code == "lora_not_enabled" and "SLUICEGATE_ENABLE_LORA=true" in refused.value.message
+    with pytest.raises(openai.NotFoundError):
+        await admin.models.retrieve("nope")
     await admin.close()
 
 

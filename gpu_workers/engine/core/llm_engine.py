@@ -18,7 +18,7 @@ from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
 from ..guided import GuidedDecoding
 from ..lora.manager import LoRAManager
-from ..lora.peft_files import AdapterSpec, check_adapter
+from ..lora.peft_files import AdapterSpec, load_adapter
 from ..lora.request import LoRARequest
 from ..models.loader import load_model
 from ..outputs import EngineStats, RequestDelta
@@ -118,9 +118,11 @@ class LLMEngine:
         return self._lora_manager().remove(lora_int_id)
 
     def check_lora(self, lora_path: str) -> AdapterSpec:
-        """Vet an adapter folder against this engine's model and ``max_lora_rank`` without loading it (its config and
-        safetensors header only); ``LoRAError`` (one line) naming why it cannot be used."""
-        return check_adapter(lora_path, self.loaded.hf_config, max_lora_rank=self._lora_manager().max_lora_rank)
+        """Vet an adapter folder against this engine's model and ``max_lora_rank`` without loading it into a slot:
+        its config, header and tensors read as a load would read them (an adapter is a few MB; NaN or infinite
+        weights are found here, before it is registered, not by the first request); ``LoRAError`` (one line)
+        naming why it cannot be used."""
+        return load_adapter(lora_path, self.loaded.hf_config, max_lora_rank=self._lora_manager().max_lora_rank).spec
 
     def list_loras(self) -> list[LoRARequest]:
         """Adapters loaded on this engine (CPU pool or device slots); empty without ``enable_lora``."""

@@ -3,10 +3,13 @@ process boundary for ``ProcessEngine``), requests name an adapter, and a bad ada
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from gpu_workers.engine import AsyncEngine, LoRAError, LoRARequest, SamplingParams
 from gpu_workers.engine.entrypoints.engine_front import EngineFront
@@ -52,6 +55,15 @@ async def test_adapter_calls_and_requests(kind: str, lora_setup: tuple[Path, lis
             await front.add_lora(LoRARequest("broken", 3, str(broken)))
         with pytest.raises(LoRAError, match="DoRA adapters"):
             await front.check_lora(str(broken))
+        # Weights that are not numbers are found by the check, before a registry would take the adapter.
+        nan = tmp_path / "nan"
+        shutil.copytree(a8, nan)
+        tensors = load_file(str(nan / "adapter_model.safetensors"))
+        first_b = next(k for k in sorted(tensors) if "lora_B" in k)
+        tensors[first_b] = torch.full_like(tensors[first_b], float("nan"))
+        save_file(tensors, str(nan / "adapter_model.safetensors"))
+        with pytest.raises(LoRAError, match="NaN or infinite"):
+            await front.check_lora(str(nan))
         # A request naming an adapter that cannot load fails alone; the engine serves the next ones.
         with pytest.raises(ValueError, match="DoRA adapters"):
             await _tokens(front, PROMPTS[0], LoRARequest("broken", 3, str(broken)))

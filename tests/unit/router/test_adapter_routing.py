@@ -27,6 +27,7 @@ def beat(
         total_kv_blocks=100,
         prefix_cache_hit_rate=0.0,
         adapters=list(adapters),
+        lora=kw.pop("lora", True),  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )
 
@@ -112,6 +113,23 @@ def test_all_overloaded_or_none_owning_the_topic_leaves_it_to_the_key() -> None:
     assert choose_adapter_partition(TOPIC, KEY, PARTS, [elsewhere], LoadPolicy(), "sql") is None
     assert choose_partition(TOPIC, KEY, PARTS, [elsewhere], LoadPolicy(), "sql").reason == "affinity_unowned"
     assert choose_partition(TOPIC, KEY, PARTS, [], LoadPolicy(), "sql").reason == "affinity_unowned"
+
+
+def test_only_workers_that_serve_adapters_get_an_adapters_requests() -> None:
+    """A worker with LoRA off refuses an adapter's request: never chosen, even idle; when every one that serves
+    adapters is overloaded, one of them still gets it rather than the key's LoRA-off owner."""
+    home, others = split(KEY)
+    beats = [beat("off", [home], waiting=0, lora=False), beat("on", others, waiting=5)]
+    choice = choose_partition(TOPIC, KEY, PARTS, beats, LoadPolicy(), "sql")
+    assert choice.reason == "adapter_load" and choice.partition in others
+    busy = [beat("off", [home], waiting=0, lora=False), beat("on", others, waiting=30)]
+    choice = choose_partition(TOPIC, KEY, PARTS, busy, LoadPolicy(max_waiting=8), "sql")
+    assert choice.reason == "adapter_load" and choice.partition in others
+    # No worker serves adapters: the key decides, as before (the worker's refusal names the setting).
+    assert (
+        choose_adapter_partition(TOPIC, KEY, PARTS, [beat("off", [home, *others], lora=False)], LoadPolicy(), "sql")
+        is None
+    )
 
 
 def test_a_base_model_request_ignores_adapters_in_heartbeats() -> None:
