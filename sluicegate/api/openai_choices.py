@@ -68,12 +68,11 @@ def _streamed_message(text: str, tools: ToolPlan) -> tuple[str | None, list[dict
     calls: dict[int, dict[str, Any]] = {}
     for delta in deltas:
         for piece in delta.get("tool_calls", []):
-            if "id" in piece:  # a call's header: its id, type and name
-                calls[piece["index"]] = {**piece, "function": dict(piece["function"])}
-            call = calls[piece["index"]]["function"]
-            if "id" not in piece:
-                call["arguments"] += piece["function"].get("arguments", "")
-    return content, [{k: v for k, v in calls[i].items() if k != "index"} for i in sorted(calls)] or None
+            if "id" in piece:  # a call's header: its id, type and name (arguments "")
+                calls[piece["index"]] = {"id": piece["id"], "type": piece["type"], "function": dict(piece["function"])}
+            else:
+                calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)] or None
 
 
 class ChoiceChunks:

@@ -118,10 +118,8 @@ class LLMEngine:
         return self._lora_manager().remove(lora_int_id)
 
     def check_lora(self, lora_path: str) -> AdapterSpec:
-        """Vet an adapter folder against this engine's model and ``max_lora_rank`` without loading it into a slot:
-        its config, header and tensors read as a load would read them (an adapter is a few MB; NaN or infinite
-        weights are found here, before it is registered, not by the first request); ``LoRAError`` (one line)
-        naming why it cannot be used."""
+        """Vet an adapter folder against this engine's model and ``max_lora_rank`` as a load reads it (NaN weights
+        are found before registration), without putting it in a slot; ``LoRAError`` (one line) says why not."""
         return load_adapter(lora_path, self.loaded.hf_config, max_lora_rank=self._lora_manager().max_lora_rank).spec
 
     def list_loras(self) -> list[LoRARequest]:
