@@ -16,7 +16,8 @@ from pydantic import Field, WithJsonSchema, field_validator
 
 from schemas import EndUser, Pooling, Tier, decode_embedding
 
-from .bodies import _TOKEN_IDS_SCHEMA, EmbeddingInput, _Body, _unsupported
+from .bodies import EmbeddingInput
+from .bodies.base import TOKEN_IDS_SCHEMA, Body, unsupported
 from .deadlines import DeadlineField
 from .errors import ApiError
 
@@ -40,15 +41,15 @@ InputField = Annotated[
                     "minItems": 1,
                     "maxItems": MAX_EMBEDDING_INPUTS,
                 },
-                _TOKEN_IDS_SCHEMA,
-                {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS},
+                TOKEN_IDS_SCHEMA,
+                {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_EMBEDDING_INPUTS},
             ],
         }
     ),
 ]
 
 
-class EmbeddingBody(_Body):
+class EmbeddingBody(Body):
     """``POST /v1/embeddings``."""
 
     model: str = Field(min_length=1, max_length=256)
@@ -67,7 +68,7 @@ class EmbeddingBody(_Body):
     @classmethod
     def _no_dimensions(cls, value: int | None) -> int | None:
         if value is not None:
-            raise _unsupported("dimensions (shortened embeddings) is not supported; leave it out")
+            raise unsupported("dimensions (shortened embeddings) is not supported; leave it out")
         return value
 
     def inputs(self) -> list[str | list[int]]:
