@@ -110,13 +110,19 @@ function addMessage(role, text) {
   const element = document.createElement("div");
   element.className = `message ${role}`;
   const label = Object.assign(document.createElement("span"), { className: "role", textContent: role });
-  const body = Object.assign(document.createElement("span"), { className: "text", textContent: text });
+  const body = Object.assign(document.createElement("div"), { className: "text" });
+  // The person's words as typed; the model's as Markdown (markdown.js).
+  const show = (source) => {
+    if (role === "assistant") showMarkdown(body, source);
+    else Object.assign(body, { textContent: source }).dataset.source = source;
+  };
+  show(text);
   const metrics = Object.assign(document.createElement("span"), { className: "metrics" });
   const note = Object.assign(document.createElement("span"), { className: "note" });
   element.append(label, body, metrics, note);
   log.append(element);
   log.scrollTop = log.scrollHeight;
-  return { element, body, metrics, note };
+  return { element, body, metrics, note, show };
 }
 
 /** Parse an error response (OpenAI's shape, FastAPI's, or plain text) into {status, code, message}. */

@@ -103,7 +103,7 @@ class ReplyStream {
     } else if (event.type === "error") {
       this.finish({ ok: false, reason: `Generation failed (${event.code}): ${event.message}` });
     }
-    this.view.body.textContent = this.text;
+    this.view.show(this.text);
     this.hooks.onChange();
   }
 

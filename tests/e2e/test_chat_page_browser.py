@@ -138,8 +138,9 @@ def send(driver: webdriver.Chrome, prompt: str = PROMPT) -> WebElement:
 
 
 def reply_text(driver: webdriver.Chrome, message: WebElement) -> str:
-    # textContent, not .text: Selenium's .text folds whitespace, and the comparison is exact.
-    return driver.execute_script("return arguments[0].querySelector('.text').textContent", message)
+    """The reply's text as streamed: the Markdown source the page keeps beside what it renders (``data-source``).
+    Not Selenium's ``.text``, which folds whitespace, and not the rendered text, which Markdown changes."""
+    return driver.execute_script("return arguments[0].querySelector('.text').dataset.source", message)
 
 
 def state(message: WebElement) -> str | None:
@@ -404,5 +405,59 @@ def test_the_real_model_answers_a_question_on_the_page(
     assert wait_ended(message, timeout_s=180) == "done", message.text
     reply = reply_text(page, message)
     assert "Paris" in reply, reply
+    assert "Paris" in message.find_element(By.CLASS_NAME, "text").text  # and shown
     assert TTFT_AND_RATE.match(message.find_element(By.CLASS_NAME, "metrics").text)
     screenshot(page, tmp_path, "real-model-reply.png")
+
+
+MARKDOWN = """Here is **the plan**, with `sluice` in code:
+
+1. open the gate
+2. let the river through
+
+| gate | state |
+| --- | --- |
+| north | open |
+
+```python
+print("flow")
+```
+
+<img src="nowhere" onerror="window.pwned = 'img'"> and [a link](javascript:window.pwned='link') and
+[the docs](https://example.org/docs)."""
+
+
+def test_a_reply_is_shown_as_markdown_and_nothing_in_it_runs(page: webdriver.Chrome) -> None:
+    """The model's Markdown is rendered (emphasis, lists, tables, code); HTML it writes is shown as text, and a
+    javascript: link or event handler never reaches the page."""
+    shown = page.execute_script(
+        """const view = addMessage("assistant", "");
+        view.show(arguments[0]);
+        const text = view.body;
+        return {
+          source: text.dataset.source,
+          strong: [...text.querySelectorAll("strong")].map((e) => e.textContent),
+          code: [...text.querySelectorAll(":not(pre) > code")].map((e) => e.textContent),
+          items: [...text.querySelectorAll("ol > li")].map((e) => e.textContent),
+          cells: [...text.querySelectorAll("td")].map((e) => e.textContent),
+          block: text.querySelector("pre > code")?.textContent,
+          images: text.querySelectorAll("img").length,
+          links: [...text.querySelectorAll("a")].map((a) => [a.getAttribute("href"), a.target, a.rel]),
+          handlers: text.querySelectorAll("[onerror]").length,
+          rendered: text.textContent,
+        };""",
+        MARKDOWN,
+    )
+    assert shown["source"] == MARKDOWN
+    assert shown["strong"] == ["the plan"] and shown["code"] == ["sluice"]
+    assert shown["items"] == ["open the gate", "let the river through"]
+    assert shown["cells"] == ["north", "open"]
+    assert shown["block"] == 'print("flow")\n'
+    assert shown["images"] == 0 and shown["handlers"] == 0
+    assert '<img src="nowhere"' in shown["rendered"]  # the HTML the model wrote, shown as text
+    hrefs = [href for href, _, _ in shown["links"]]
+    assert hrefs[-1] == "https://example.org/docs"
+    assert not any(href and href.startswith("javascript") for href in hrefs)
+    assert shown["links"][-1][1:] == ["_blank", "noopener noreferrer"]
+    time.sleep(0.3)  # an onerror would have fired by now
+    assert page.execute_script("return window.pwned") is None
