@@ -119,10 +119,11 @@ function addMessage(role, text) {
   show(text);
   const metrics = Object.assign(document.createElement("span"), { className: "metrics" });
   const note = Object.assign(document.createElement("span"), { className: "note" });
-  element.append(label, body, metrics, note);
+  const aside = Object.assign(document.createElement("span"), { className: "aside" }); // about the turn's context
+  element.append(label, aside, body, metrics, note);
   log.append(element);
   log.scrollTop = log.scrollHeight;
-  return { element, body, metrics, note, show };
+  return { element, body, metrics, note, aside, show };
 }
 
 /** Parse an error response (OpenAI's shape, FastAPI's, or plain text) into {status, code, message}. */
@@ -179,19 +180,31 @@ async function submit(prompt) {
   setBusy(true);
   try {
     setStatus("submitting ...");
-    const response = await reachIngress(`${settings.ingressUrl}/v1/requests`, {
-      method: "POST",
-      headers: { "Content-Type": "application/json", ...authHeaders() },
-      body: JSON.stringify({
-        model: settings.model,
-        messages,
-        max_tokens: settings.maxTokens,
-        temperature: settings.temperature,
-        // A person is waiting: ahead of standard and batch work (a key capped lower gets its cap).
-        priority: "interactive",
-      }),
-    });
-    if (!response.ok) throw new Error(explainError(await readError(response)));
+    let response;
+    let leftOut = 0;
+    for (;;) {
+      response = await reachIngress(`${settings.ingressUrl}/v1/requests`, {
+        method: "POST",
+        headers: { "Content-Type": "application/json", ...authHeaders() },
+        body: JSON.stringify({
+          model: settings.model,
+          messages,
+          max_tokens: settings.maxTokens,
+          temperature: settings.temperature,
+          // A person is waiting: ahead of standard and batch work (a key capped lower gets its cap).
+          priority: "interactive",
+        }),
+      });
+      if (response.ok) break;
+      const error = await readError(response);
+      // A conversation past the model's context (prompt + max tokens): leave out its oldest turn and ask again,
+      // as chat apps do, until it fits or only the new message is left (then the refusal is shown).
+      if (error.code !== "context_length_exceeded" || !dropOldestTurn(messages)) throw new Error(explainError(error));
+      leftOut += 1;
+    }
+    if (leftOut) {
+      view.aside.textContent = `${leftOut} earlier turn${leftOut === 1 ? "" : "s"} left out to fit the model's context`;
+    }
     const { request_id: requestId, stream_url: streamUrl, stream_token: token } = await response.json();
     pending = { prompt, messages, streamUrl, token, requestId };
     saveSession();
@@ -202,6 +215,17 @@ async function submit(prompt) {
   } finally {
     endTurn();
   }
+}
+
+/** Remove the oldest turn (a user message and the replies up to the next one) from ``messages``, never the system
+ * prompt or the newest message; false when there is none to remove. */
+function dropOldestTurn(messages) {
+  const start = messages.findIndex((m) => m.role !== "system");
+  if (start < 0 || start >= messages.length - 1) return false;
+  let end = start + 1;
+  while (end < messages.length - 1 && messages[end].role !== "user") end += 1;
+  messages.splice(start, end - start);
+  return true;
 }
 
 /** Receive an accepted turn's reply into ``view``; keep the turn (a stopped one too) as context, drop a failed one. */

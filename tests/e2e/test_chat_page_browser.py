@@ -410,6 +410,43 @@ def test_the_real_model_answers_a_question_on_the_page(
     screenshot(page, tmp_path, "real-model-reply.png")
 
 
+@pytest.mark.slow
+def test_a_conversation_past_the_context_leaves_out_its_oldest_turns(
+    browser: webdriver.Chrome, real_pipeline: Pipeline
+) -> None:
+    """Ingress refuses a conversation whose prompt + max tokens pass the model's context (its exact count is on
+    here); the page leaves out the oldest turns until the request fits, says so, and the turns left out are no
+    longer sent. Max tokens is set near the context, so the reply is stopped rather than awaited."""
+    page = open_page(browser, real_pipeline)
+    earlier = []
+    for n in range(4):
+        earlier += [
+            {"role": "user", "content": f"Tell me fact {n} about rivers. " + "Rivers flow downhill to the sea. " * 12},
+            {"role": "assistant", "content": f"Fact {n}: rivers carry water and sediment to the sea."},
+        ]
+    page.execute_script(
+        "sessionStorage.setItem('sluicegate.chat.session', JSON.stringify({conversation: arguments[0]}))", earlier
+    )
+    page.refresh()
+    wait_for(lambda: len(page.find_elements(By.CSS_SELECTOR, ".message")) == len(earlier), "the restored conversation")
+    context = max(b.max_model_len or 0 for b in real_pipeline.heartbeats().values())
+    # Room for the newest message and about two of the four earlier turns (each about 110 tokens).
+    configure(page, apiKey=real_pipeline.api_key, maxTokens=str(context - 300), temperature="0")
+    message = send(page, "What is the capital of France?")
+    wait_for(lambda: state(message) == "streaming" and reply_text(page, message), "the reply to stream")
+    aside = message.find_element(By.CLASS_NAME, "aside").text
+    found = re.fullmatch(r"(\d) earlier turns? left out to fit the model's context", aside)
+    assert found and 1 <= int(found.group(1)) <= 3, aside
+    left_out = int(found.group(1))
+    page.find_element(By.ID, "stop").click()
+    assert wait_ended(message) == "stopped", message.text
+    # A stopped reply is kept as context: what the next turn sends starts after the turns left out.
+    session = json.loads(page.execute_script("return sessionStorage.getItem('sluicegate.chat.session')"))
+    sent = session["conversation"]
+    assert sent[:-2] == earlier[2 * left_out :], "the turns left out are not sent again"
+    assert sent[-2] == {"role": "user", "content": "What is the capital of France?"}
+
+
 MARKDOWN = """Here is **the plan**, with `sluice` in code:
 
 1. open the gate
