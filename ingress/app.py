@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore
 from sluicegate.heap import freeze_startup_heap
@@ -34,6 +33,11 @@ from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware
 
 log = logging.getLogger(__name__)
+
+
+#: Response headers a browser page may read (CORS exposes none beyond the basic ones unless listed): the request's
+#: id (and each prompt's), how long to wait after a 429 or 503, whether to retry, and when a quota resets.
+EXPOSED_HEADERS = ("x-request-id", "x-request-ids", "retry-after", "x-should-retry", "x-quota-reset")
 
 
 def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
@@ -87,13 +91,6 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     app.state.metrics = metrics
     app.state.tracer = tracer("sluicegate.ingress")
     install_error_handlers(app)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=cors_origins(settings),
-        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-        allow_headers=["authorization", "content-type", "x-api-key", HEADER_TRACEPARENT, HEADER_TRACESTATE],
-        expose_headers=["x-request-id", "retry-after"],  # the chat page reads Retry-After of a 429
-    )
     # A multipart upload carries the file plus a few hundred bytes of framing and the purpose field.
     upload_limit = settings.batch_max_file_bytes + 64 * 1024
     app.add_middleware(
@@ -101,6 +98,16 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         max_bytes=settings.max_body_bytes,
         keyring=keyring,
         path_limits={"/v1/files": upload_limit},
+    )
+    # Added after the body limit, so it wraps it: a 413 carries the CORS headers too, and a browser page reads it
+    # instead of an opaque network error. Any request header is allowed from an allowed origin: the API's own
+    # (X-Request-Deadline, Cache-Control) and what SDKs add (the openai JS SDK's x-stainless-*, OpenAI-Beta).
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=cors_origins(settings),
+        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_headers=["*"],
+        expose_headers=list(EXPOSED_HEADERS),
     )
     if settings.metrics_enabled:
         app.add_middleware(MetricsMiddleware, metrics=metrics)

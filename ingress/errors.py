@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sluicegate.api.errors import ApiError
 
@@ -55,7 +56,13 @@ def install_error_handlers(app: FastAPI) -> None:
         # path's own checks give, for every route that reads or writes Redis without catching (files, batches).
         return error_response(unavailable("Redis", exc))
 
+    async def client_left(_: Request, exc: Exception) -> Response:
+        # The client hung up while still sending its body: nothing was accepted and nobody reads an answer; 499
+        # (as for a client that leaves mid-answer) keeps it out of the 5xx counts and the error log.
+        return Response(status_code=499)
+
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(ClientDisconnect, client_left)
     app.add_exception_handler(RedisError, redis_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)

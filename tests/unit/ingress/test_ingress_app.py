@@ -126,7 +126,65 @@ async def test_a_browser_on_another_origin_can_read_retry_after_and_the_request_
     """The chat page (the result service's origin) shows how long to wait after a 429: the header must be exposed."""
     response = await client.get("/v1/models", headers={"Origin": "http://127.0.0.1:8123"})
     exposed = {h.strip().lower() for h in response.headers["access-control-expose-headers"].split(",")}
-    assert {"retry-after", "x-request-id"} <= exposed
+    assert {"retry-after", "x-request-id", "x-request-ids", "x-should-retry", "x-quota-reset"} <= exposed
+
+
+async def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_500(client: httpx.AsyncClient) -> None:
+    """Headers and part of the body, then the connection drops: no error, no traceback, counted as 499."""
+    app = client.app  # type: ignore[attr-defined]
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/requests"):
+        incoming = iter([{"type": "http.request", "body": b"{", "more_body": True}, {"type": "http.disconnect"}])
+        sent: list[dict[str, object]] = []
+
+        async def receive(incoming=incoming) -> dict[str, object]:  # type: ignore[no-untyped-def]
+            return next(incoming, {"type": "http.disconnect"})
+
+        async def send(message: dict[str, object], sent=sent) -> None:  # type: ignore[no-untyped-def]
+            sent.append(message)
+
+        headers = [(b"authorization", AUTH["Authorization"].encode()), (b"content-length", b"100")]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": headers,
+            "server": ("ingress", 80),
+            "client": ("127.0.0.1", 5000),
+            "root_path": "",
+        }
+        await app(scope, receive, send)
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499, (path, sent)
+    scraped = (await client.get("/metrics")).text
+    assert 'status="500"' not in scraped
+
+
+async def test_a_browser_may_send_the_apis_and_the_sdks_request_headers(client: httpx.AsyncClient) -> None:
+    """X-Request-Deadline and Cache-Control are the API's own; the openai JS SDK adds x-stainless-* to every call."""
+    asked = "authorization, content-type, x-request-deadline, cache-control, x-stainless-os, openai-beta"
+    response = await client.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": "http://127.0.0.1:8123",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": asked,
+        },
+    )
+    assert response.status_code == 200, response.text
+    allowed = {h.strip() for h in response.headers["access-control-allow-headers"].lower().split(",")}
+    assert {h.strip() for h in asked.split(",")} <= allowed
+
+
+async def test_a_413_carries_cors_headers_so_a_page_can_read_it(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions", content=b"x" * 8192, headers=AUTH | {"Origin": "http://127.0.0.1:8123"}
+    )
+    assert_openai_error(response, 413, "request_too_large")
+    assert response.headers["access-control-allow-origin"] == "http://127.0.0.1:8123"
 
 
 async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
