@@ -59,6 +59,7 @@ from .generation import (
     ToolCallFormat,
     ToolSpec,
     TopLogprob,
+    check_regex,
 )
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
 from .requests import ChatMessage, EndUser, InferenceRequest, Pooling, SamplingOptions, Task, TextPart, TraceContext
@@ -123,6 +124,7 @@ __all__ = [
     "UsageRecord",
     "WorkerHeartbeat",
     "batch_request_id",
+    "check_regex",
     "decode_embedding",
     "encode_embedding",
     "model_token",

@@ -5,14 +5,34 @@ a Kafka-native producer may set it directly (regex, choice and EBNF grammars inc
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .common import Message
 
 #: Most alternatives per token OpenAI (and vLLM) return in ``top_logprobs``.
 MAX_TOP_LOGPROBS = 20
+
+
+# ECMAScript's named group, which the grammar engine takes and Python's ``re`` spells ``(?P<name>``.
+_NAMED_GROUP = re.compile(r"\(\?<(?=[A-Za-z_])")
+
+
+def check_regex(pattern: str) -> str:
+    """``pattern`` if it parses as a regular expression, else a ``ValueError`` saying where it breaks, so a request
+    is refused where it is sent (a 400, a dead letter at the router) instead of by the worker's grammar compiler.
+    Python's parser stands in for the grammar engine's (which would cost ingress half a GiB to import): both read
+    the same syntax, so a broken pattern is caught here; what only the engine refuses (a lookahead, a backreference)
+    is still refused by the worker."""
+    try:
+        re.compile(_NAMED_GROUP.sub("(?P<", pattern))
+    except re.error as exc:
+        raise ValueError(f"not a valid regular expression: {exc}") from None
+    except RecursionError:
+        raise ValueError("not a valid regular expression: nested too deeply") from None
+    return pattern
 
 
 class GuidedSpec(Message):
@@ -24,6 +44,11 @@ class GuidedSpec(Message):
     regex: str | None = Field(None, min_length=1, max_length=10_000)
     choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
     grammar: str | None = Field(None, min_length=1, max_length=100_000)
+
+    @field_validator("regex")
+    @classmethod
+    def _parses(cls, value: str | None) -> str | None:
+        return value if value is None else check_regex(value)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> GuidedSpec:

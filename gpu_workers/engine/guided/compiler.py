@@ -8,6 +8,7 @@ An engine has one tokenizer, so one ``GrammarCompiler`` per engine keys the cach
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -17,6 +18,9 @@ from .params import GuidedDecoding
 
 #: Compiled grammars kept per engine (a JSON schema's compiled grammar is tens of KB to a few MB).
 CACHE_SIZE = 256
+
+
+_ENGINE_STAMP = re.compile(r"^\[[\d:]+\] \S+:\d+: ", re.MULTILINE)
 
 
 class GrammarCompiler:
@@ -40,7 +44,10 @@ class GrammarCompiler:
         try:
             compiled = self._compile(guided)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(f"invalid {key[0]} for guided decoding: {exc}") from None
+            # The grammar engine prefixes its own log stamp and source line ("[16:35:26] /project/cpp/x.cc:94: ");
+            # the person who sent the constraint needs only what is wrong with it.
+            reason = _ENGINE_STAMP.sub("", str(exc)).strip()
+            raise ValueError(f"invalid {key[0]} for guided decoding: {reason}") from None
         self.num_compiled += 1
         self._cache[key] = compiled
         if len(self._cache) > CACHE_SIZE:

@@ -18,6 +18,7 @@ from schemas import (
     ChatMessage,
     GuidedSpec,
     ToolSpec,
+    check_regex,
 )
 
 from ..chat_messages import ChatMessageIn
@@ -96,6 +97,8 @@ class ChatCompletionBody(OpenAIBody):
     @field_validator("guided_regex")
     @classmethod
     def _regex_alone(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            check_regex(value)
         data = info.data
         guided_for(data.get("tools"), data.get("tool_choice"), data.get("response_format"), None, value)
         return value

@@ -195,6 +195,19 @@ def test_several_prompts_in_one_completion_only_where_the_endpoint_takes_them() 
         assert words in str(caught.value)
 
 
+def test_a_regex_that_does_not_parse_is_refused_naming_it() -> None:
+    """Refused at once (it reached the worker, whose grammar compiler failed it after the stream had begun)."""
+    for body, root, param in (
+        ({"model": "m", "messages": USER, "guided_regex": "(["}, "messages", "guided_regex"),
+        ({"model": "m", "prompt": "p", "guided": {"regex": "a)"}}, "prompt", "guided.regex"),
+    ):
+        error = rejected(ChatCompletionBody if "messages" in body else NativeRequestBody, body, root).body()["error"]
+        assert error["param"] == param and "not a valid regular expression" in error["message"], error
+    # ECMAScript's named group is the grammar engine's syntax too: not refused for Python's spelling of it.
+    named = {"model": "m", "messages": USER, "guided_regex": "(?<year>[0-9]{4})"}
+    assert ChatCompletionBody.model_validate(named).guided_spec().regex == "(?<year>[0-9]{4})"  # type: ignore[union-attr]
+
+
 def test_guided_regex_goes_with_auto_tools() -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
     body = ChatCompletionBody.model_validate({"model": "m", "messages": USER, "tools": tools, "guided_regex": "x+"})

@@ -60,6 +60,11 @@ def test_schema_violations_name_the_field() -> None:
     no_input = validate_record(json.dumps({"request_id": "r", "model": "m"}).encode())
     assert isinstance(no_input, Rejection) and no_input.reason == "schema_violation:prompt"
 
+    # A regular expression that does not parse is the producer's mistake, caught here rather than by the worker.
+    bad_regex = validate_record(json.dumps(VALID | {"guided": {"regex": "(["}}).encode())
+    assert isinstance(bad_regex, Rejection) and bad_regex.reason == "schema_violation:guided.regex"
+    assert "not a valid regular expression" in bad_regex.detail
+
     not_object = validate_record(b"[1, 2]")
     assert isinstance(not_object, Rejection) and not_object.reason == "not_an_object"
     assert not_object.request_id is None
