@@ -117,9 +117,10 @@ def check_prompt_fits(
             "tokens in the input. Please reduce the length of the input."
         )
     else:
+        what = "prompt" if param == "prompt" else "messages"
         message = (
             f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion."
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {what} or completion."
         )
     raise ApiError(400, message, code="context_length_exceeded", param=param)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas import ChatMessage, ToolSpec
+from sluicegate.api.chat_messages import ChatMessageIn
 
 
 class TokenizeBody(BaseModel):
@@ -14,7 +15,9 @@ class TokenizeBody(BaseModel):
 
     model: str = Field(min_length=1)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # As chat completions takes them (an assistant turn with tool_calls and no content, text parts...), so any
+    # conversation the API serves can be counted.
+    messages: list[ChatMessageIn] | None = Field(None, min_length=1)
     tools: list[ToolSpec] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -24,6 +27,10 @@ class TokenizeBody(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self
+
+    def chat_messages(self) -> list[ChatMessage]:
+        """The pipeline's messages, as a chat request of the same conversation gets them."""
+        return [m.to_schema() for m in self.messages or []]
 
 
 class TokenizeResponse(BaseModel):

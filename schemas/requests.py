@@ -60,12 +60,13 @@ class ChatMessage(Message):
         return self
 
     def text(self) -> str:
-        """The message content as one string."""
+        """The message content as one string: text parts one per line, as vLLM joins them (joined with nothing,
+        "Part one." and "Part two." ran together as "Part one.Part two.")."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class SamplingOptions(Message):

@@ -33,6 +33,9 @@ def error_field(error: ErrorDetails) -> str:
     """Dotted path of the field an error is about (``sampling.temperature``, ``messages.0.role``);
     empty for errors about the message as a whole."""
     parts = [str(p) for p in error["loc"] if isinstance(p, int) or not _BRANCH.search(str(p))]
+    # A discriminated union puts its tag in the path before the branch's fields: response_format's "json_schema"
+    # tag, then its json_schema field. Said twice in a row, a name is the tag and the field: keep one.
+    parts = [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1] or p.isdigit()]
     return ".".join(parts)
 
 

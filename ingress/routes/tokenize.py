@@ -44,7 +44,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     view, context = await _tokenizer(request, caller, body.model)
     try:
         if body.messages is not None:
-            tokens = view.encode_messages(body.messages, body.tools, body.add_generation_prompt)
+            tokens = view.encode_messages(body.chat_messages(), body.tools, body.add_generation_prompt)
         else:
             tokens = view.encode_text(body.prompt or "", body.add_special_tokens)
     except Exception as exc:  # the template's own refusal, or no template

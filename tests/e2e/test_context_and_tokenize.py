@@ -55,6 +55,25 @@ def test_tokenize_and_detokenize_match_the_models_tokenizer(pipeline: Pipeline, 
     assert _post(pipeline, "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
 
 
+def test_tokenize_counts_any_conversation_chat_completions_serves(pipeline: Pipeline) -> None:
+    """An assistant turn that only calls a tool (no content) and text parts, as OpenAI clients send them: counted
+    as the chat request's own prompt_tokens."""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "weather in"}, {"type": "text", "text": "Paris?"}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    counted = _tokenize(pipeline, {"messages": messages})
+    chat = _post(pipeline, "/v1/chat/completions", {"model": pipeline.model, "messages": messages, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert counted["count"] == chat.json()["usage"]["prompt_tokens"]
+
+
 def test_one_prompt_of_a_list_over_the_context_refuses_the_whole_call(pipeline: Pipeline) -> None:
     """Each prompt of a list is checked as its own request: one too long is the call's 400, naming the context,
     and the prompts already queued are withdrawn; the next call is served."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -61,6 +61,11 @@ class ChatCompletionBody(OpenAIBody):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # Inert here, as on /v1/responses: the prefix cache needs no key, and there is no abuse monitoring to inform.
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: str | None = Field(None, max_length=64)
+    verbosity: Annotated[Literal["low", "medium", "high"] | None, only("medium", None)] = None
 
     @field_validator("functions")
     @classmethod
@@ -128,6 +133,11 @@ class ChatCompletionBody(OpenAIBody):
         if value is not None and set(value) != {"text"}:
             raise unsupported("only the 'text' modality is supported")
         return value
+
+    @field_validator("verbosity")
+    @classmethod
+    def _medium_verbosity(cls, value: str | None) -> str | None:
+        return reject_unless(value, (None, "medium"), "verbosity other than 'medium' is not supported")
 
     @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
     @classmethod

@@ -52,7 +52,7 @@ def test_chat_body_becomes_a_messages_request() -> None:
     request = build_request(body, request_id="rid", tenant="acme", tier="interactive", trace=trace)
     assert request.prompt is None and request.messages is not None
     assert [m.role for m in request.messages] == ["system", "user"]
-    assert request.messages[1].text() == "ab"
+    assert request.messages[1].text() == "a\nb"  # text parts one per line, as vLLM joins them
     assert request.sampling.temperature == 0.0 and request.sampling.max_tokens == 9
     assert request.sampling.stop == ["\n"] and request.sampling.top_k is None and request.sampling.seed == 7
     assert (request.tenant, request.priority, request.trace) == ("acme", "interactive", trace)
@@ -206,6 +206,29 @@ def test_a_regex_that_does_not_parse_is_refused_naming_it() -> None:
     # ECMAScript's named group is the grammar engine's syntax too: not refused for Python's spelling of it.
     named = {"model": "m", "messages": USER, "guided_regex": "(?<year>[0-9]{4})"}
     assert ChatCompletionBody.model_validate(named).guided_spec().regex == "(?<year>[0-9]{4})"  # type: ignore[union-attr]
+
+
+def test_a_bad_json_schema_is_named_by_its_path_without_the_unions_tag() -> None:
+    body = {
+        "model": "m",
+        "messages": USER,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    }
+    error = rejected(ChatCompletionBody, body, "messages").body()["error"]
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert "not a valid JSON Schema" in error["message"]
+
+
+def test_chat_takes_openais_inert_cache_and_safety_fields_and_refuses_a_verbosity_it_cannot_honour() -> None:
+    inert = {
+        "prompt_cache_key": "k",
+        "prompt_cache_retention": "24h",
+        "safety_identifier": "u-1",
+        "verbosity": "medium",
+    }
+    ChatCompletionBody.model_validate({"model": "m", "messages": USER} | inert)
+    error = rejected(ChatCompletionBody, {"model": "m", "messages": USER, "verbosity": "low"}, "messages").body()
+    assert error["error"]["param"] == "verbosity" and error["error"]["code"] == "unsupported_parameter", error
 
 
 def test_guided_regex_goes_with_auto_tools() -> None:

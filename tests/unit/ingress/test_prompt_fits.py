@@ -15,7 +15,10 @@ def test_a_default_max_tokens_shrinks_to_the_room_left_and_an_explicit_one_is_re
     with pytest.raises(ApiError) as caught:
         check_prompt_fits(10, 100, 64, explicit=True, param="prompt")
     assert (caught.value.status, caught.value.code, caught.value.param) == (400, "context_length_exceeded", "prompt")
-    assert "110 tokens (10 in the messages, 100 in the completion)" in caught.value.message
+    assert "110 tokens (10 in the prompt, 100 in the completion)" in caught.value.message
+    with pytest.raises(ApiError) as caught:
+        check_prompt_fits(10, 100, 64, explicit=True)
+    assert "(10 in the messages, 100" in caught.value.message and caught.value.param == "messages"
 
 
 def test_an_embedding_over_the_context_is_told_about_its_input() -> None:
