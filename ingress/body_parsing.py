@@ -17,7 +17,18 @@ B = TypeVar("B", bound=BaseModel)
 
 async def parse_body(request: Request, model: type[B], *, root_field: str, context: dict[str, Any] | None = None) -> B:
     """The JSON body validated as ``model`` (with pydantic's validation ``context``, for an endpoint that takes
-    more than the model's other users): 400 for malformed JSON, 422/400 naming the bad field."""
+    more than the model's other users): 400 for malformed JSON, 422/400 naming the bad field, 415 for a
+    compressed body."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        # Read as it is, a gzip body was refused as "not valid JSON: can't decode byte 0x8b" and a mislabelled
+        # one was taken; RFC 9110 says 415 for a coding the server does not apply.
+        raise ApiError(
+            415,
+            f"Content-Encoding '{encoding}' is not supported: send the request body uncompressed.",
+            code="unsupported_content_encoding",
+            headers={"Accept-Encoding": "identity"},
+        )
     raw = await request.body()
     try:
         data = json_input.loads(raw)

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from redis.exceptions import RedisError
 
 from .context import relay_context
@@ -24,6 +24,7 @@ router = APIRouter()
 
 
 @router.get("/", include_in_schema=False)
+@router.head("/", include_in_schema=False)  # uptime checks send HEAD (it was a 405)
 async def index() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
@@ -83,6 +84,11 @@ async def page_config(request: Request) -> dict[str, Any]:
     if error:
         config["models_error"] = error
     return config
+
+
+@router.head("/healthz", include_in_schema=False)
+async def healthz_head(request: Request) -> Response:
+    return Response(status_code=(await healthz(request)).status_code)
 
 
 @router.get("/healthz")

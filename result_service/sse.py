@@ -54,12 +54,21 @@ async def _events(ctx: RelayContext, grant: StreamGrant, trace: TraceContext | N
         yield ": stream store unavailable; reconnect with Last-Event-ID to resume\n\n"
 
 
+def _bearer(request: Request) -> str | None:
+    """The stream token sent as ``Authorization: Bearer`` (a fetch-based SSE client can set headers; EventSource
+    cannot, so ``?token=`` stays the way the README shows)."""
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    return credentials.strip() or None if scheme.lower() == "bearer" else None
+
+
 async def _respond(request: Request, request_id: str, token: str | None, last_ids: list[str | None]) -> Response:
     ctx = relay_context(request)
     try:
-        grant = authorise(ctx.settings.stream_token_secret, request_id, token, *last_ids)
+        grant = authorise(ctx.settings.stream_token_secret, request_id, token or _bearer(request), *last_ids)
     except AccessDenied as exc:
-        return JSONResponse({"detail": str(exc)}, status_code=401)
+        # RFC 9110 requires the challenge on a 401; it names the scheme a token is also taken in.
+        challenge = 'Bearer realm="sluicegate-stream", error="invalid_token"'
+        return JSONResponse({"detail": str(exc)}, status_code=401, headers={"WWW-Authenticate": challenge})
     except BadStreamRequest as exc:
         return JSONResponse({"detail": str(exc)}, status_code=400)
     try:

@@ -15,13 +15,21 @@ class TooDeepError(ValueError):
 
 
 _TOO_DEEP = "JSON nested too deeply (arrays or objects inside one another)"
+
+
+def _not_json(constant: str) -> Any:
+    # Python's parser takes NaN and Infinity, which JSON does not have; taken, "temperature": NaN was refused as
+    # "should be less than or equal to 2".
+    raise ValueError(f"{constant} is not a JSON value (JSON numbers are finite)")
+
 _DECODER = json.JSONDecoder()
 
 
 def loads(raw: str | bytes | bytearray) -> Any:
-    """``json.loads``, raising :class:`TooDeepError` (a ``ValueError``) instead of ``RecursionError``."""
+    """``json.loads``, raising :class:`TooDeepError` (a ``ValueError``) instead of ``RecursionError``, and a
+    ``ValueError`` for ``NaN`` and ``Infinity``."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_not_json)
     except RecursionError:
         raise TooDeepError(_TOO_DEEP) from None
 

@@ -41,6 +41,18 @@ async def readyz(request: Request) -> JSONResponse:
     )
 
 
+# HEAD, which uptime checks and load balancers send (RFC 9110: a server that answers GET answers HEAD), was a 405.
+@router.head("/health", include_in_schema=False)
+@router.head("/healthz", include_in_schema=False)
+async def healthz_head() -> Response:
+    return Response(status_code=200)
+
+
+@router.head("/readyz", include_in_schema=False)
+async def readyz_head(request: Request) -> Response:
+    return Response(status_code=(await readyz(request)).status_code)
+
+
 @router.get(
     "/metrics",
     response_class=Response,

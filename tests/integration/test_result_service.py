@@ -607,6 +607,10 @@ async def test_sse_relays_and_honours_last_event_id(service: Running, redis: Red
         refused = await client.get(f"/v1/streams/{rid}/sse", params={"token": "acme.beef"})
         assert refused.status_code == 401
         assert "invalid stream token" in refused.json()["detail"]
+        assert refused.headers["www-authenticate"].startswith("Bearer ")  # RFC 9110: a 401 names its scheme
+        # The token in the Authorization header, for SSE clients that can set one.
+        bearer = await client.get(f"/v1/streams/{rid}/sse", headers={"Authorization": f"Bearer {token}"})
+        assert [event["seq"] for _, event in parse_sse(bearer.text)] == list(range(7))
         not_sse = await client.get(f"/v1/streams/{rid}", params={"token": token})
         assert not_sse.status_code == 406
 
@@ -638,6 +642,11 @@ async def test_chat_page_and_its_config_are_served(service: Running) -> None:
         assert page.headers["content-type"].startswith("text/html")
         assert 'id="composer"' in page.text
         assert "/static/chat.js" in page.text
+        for path in ("/", "/healthz"):  # uptime checks send HEAD
+            head = await client.head(path)
+            assert head.status_code == 200 and head.content == b"", path
+        for vendored in ("/static/vendor/marked.umd.js", "/static/vendor/purify.min.js", "/static/markdown.js"):
+            assert (await client.get(vendored)).status_code == 200, vendored
         script = await client.get("/static/chat.js")
         assert script.status_code == 200
         assert "/v1/requests" in script.text

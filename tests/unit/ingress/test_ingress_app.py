@@ -4,6 +4,7 @@ port, so anything that reaches them would fail with a 503 instead."""
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import AsyncIterator
 
 import httpx
@@ -89,6 +90,12 @@ async def test_validation_errors_are_422_or_400_naming_the_field(client: httpx.A
         response = await client.post(path, content=deep, headers=AUTH)
         assert_openai_error(response, 400, "invalid_json")
         assert "nested too deeply" in response.json()["error"]["message"], path
+    # NaN and Infinity are not JSON: said so, not refused as out of range.
+    for constant in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"model": "m", "prompt": "x", "temperature": ' + constant + b"}"
+        response = await client.post("/v1/completions", content=body, headers=AUTH)
+        assert_openai_error(response, 400, "invalid_json")
+        assert "is not a JSON value" in response.json()["error"]["message"]
     response = await client.post("/v1/completions", json=[1, 2], headers=AUTH)
     assert_openai_error(response, 422, "invalid_value")
 
@@ -187,9 +194,22 @@ async def test_a_413_carries_cors_headers_so_a_page_can_read_it(client: httpx.As
     assert response.headers["access-control-allow-origin"] == "http://127.0.0.1:8123"
 
 
+async def test_a_compressed_body_is_a_415_saying_to_send_it_uncompressed(client: httpx.AsyncClient) -> None:
+    """gzip was read as text ("can't decode byte 0x8b") and a mislabelled body was taken as it came."""
+    body = gzip.compress(b'{"model": "m", "prompt": "x"}')
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/requests", "/v1/embeddings", "/v1/responses"):
+        for encoding, content in (("gzip", body), ("br", b'{"model": "m", "prompt": "x"}')):
+            response = await client.post(path, content=content, headers=AUTH | {"Content-Encoding": encoding})
+            assert_openai_error(response, 415, "unsupported_content_encoding")
+            assert encoding in response.json()["error"]["message"] and response.headers["accept-encoding"] == "identity"
+
+
 async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json()["status"] == "ok"
     assert (await client.get("/health")).status_code == 200  # where vLLM answers it and load generators look
+    for path in ("/health", "/healthz"):  # uptime checks send HEAD
+        assert (await client.head(path)).status_code == 200
+    assert (await client.head("/readyz")).status_code == 503  # Kafka and Redis point at a closed port here
     await client.post("/v1/chat/completions", json=CHAT)
     text = (await client.get("/metrics")).text
     assert 'sluicegate_ingress_requests_total{method="POST",route="/v1/chat/completions",status="401"} 1.0' in text

@@ -29,6 +29,8 @@ def test_unparseable_and_empty_records_are_rejected() -> None:
     # Nested past Python's recursion limit: a RecursionError once, which crashed the router on every start.
     deep = validate_record(b'{"request_id": "x", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}")
     assert isinstance(deep, Rejection) and deep.reason == "invalid_json" and "nested too deeply" in deep.detail
+    not_finite = validate_record(json.dumps(VALID | {"sampling": {"temperature": float("nan")}}).encode())
+    assert isinstance(not_finite, Rejection) and not_finite.reason == "invalid_json" and "NaN" in not_finite.detail
     assert request_id_of(b"[" * 3000 + b"]" * 3000) is None
     assert validate_record(b"").reason == "empty_message"  # type: ignore[union-attr]
     assert validate_record(None).reason == "empty_message"  # type: ignore[union-attr]
