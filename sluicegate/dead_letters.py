@@ -69,16 +69,17 @@ def header(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -> str
 
 
 def request_id_of(value: bytes | None, headers: Iterable[tuple[str, bytes | None]] | None = None) -> str | None:
-    """A record's request id for its dead letter: the ``request_id`` header's, else the JSON body's, if any."""
-    rid = header(headers, HEADER_REQUEST_ID)
-    if rid:
-        return rid
+    """A record's request id for its dead letter: the JSON body's, which names the request everywhere else (the
+    stream, the result, ``dlq replay --request-id``), else the ``request_id`` header's, for a body that cannot
+    be read."""
     try:
         body = json_input.loads(value or b"")
     except ValueError:
-        return None
+        body = None
     value_id = body.get("request_id") if isinstance(body, dict) else None
-    return value_id if isinstance(value_id, str) and value_id else None
+    if isinstance(value_id, str) and value_id:
+        return value_id
+    return header(headers, HEADER_REQUEST_ID) or None
 
 
 def validate_record(
