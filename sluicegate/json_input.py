@@ -22,6 +22,7 @@ def _not_json(constant: str) -> Any:
     # "should be less than or equal to 2".
     raise ValueError(f"{constant} is not a JSON value (JSON numbers are finite)")
 
+
 _DECODER = json.JSONDecoder()
 
 
