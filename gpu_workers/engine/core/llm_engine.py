@@ -4,7 +4,6 @@ thread (``LLM`` the caller's, ``AsyncEngine`` its step thread, ``ProcessEngine``
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -12,11 +11,9 @@ import torch
 
 from ..attention import get_attention_backend
 from ..config import EngineConfig
-from ..detokenizer import IncrementalDetokenizer
 from ..distributed.ranks import TensorParallelRanks, TPModelRunner
 from ..execution.model_runner import ModelRunner
 from ..execution.sampler import Sampler
-from ..guided import GuidedDecoding
 from ..lora.manager import LoRAManager
 from ..lora.peft_files import AdapterSpec, load_adapter
 from ..lora.request import LoRARequest
@@ -26,18 +23,17 @@ from ..sampling_params import SamplingParams
 from ..spec_decode.draft_model import build_draft_model
 from ..spec_decode.speculator import Speculator
 from ..tokenizer import load_tokenizer, resolve_eos_token_ids
-from .admission import RequestValidator, max_output_tokens
+from .admission import RequestValidator
 from .block_manager import KVBlockManager
 from .choices import fork_choices
 from .deltas import check_stop, delta_due, make_delta
 from .request import EngineRequest, PromptInput
 from .scheduler import Scheduler
 from .sequence import RequestStatus, Sequence
+from .sequences import SequenceFactory
 
 if TYPE_CHECKING:
-    from ..guided.compiler import GrammarCompiler
-    from ..guided.matcher import GuidedState
-    from ..guided.utf8_mask import Utf8Table
+    pass
 
 
 class LLMEngine:
@@ -52,7 +48,6 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.tokenizer or self.loaded.path)
         self.eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
-        self.special_token_ids = frozenset(self.tokenizer.all_special_ids)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = self.loaded.vocab_size
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora)
@@ -95,12 +90,11 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, self.device)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
-        # Built on the first guided request (it indexes the whole vocabulary once).
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._utf8_table: Utf8Table | None = None  # built with the compiler (per tokenizer)
+        self.sequences = SequenceFactory(
+            self.tokenizer, self.eos_token_ids, self.vocab_size, self.max_model_len, self.device
+        )
         # Each request's unfinished sequences: one per choice still generating (n > 1 forks siblings).
         self._requests: dict[str, list[Sequence]] = {}
-        self._arrivals = itertools.count()
         self.num_steps = 0
 
     @property
@@ -168,90 +162,11 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if request.lora_request is not None:
             self._lora_manager().add(request.lora_request)  # loaded on demand; LoRAError refuses the request
-        seq = self._make_sequence(request)
+        seq = self.sequences.make(request)
         seq.num_pending_forks = request.params.n - 1
         self._requests[seq.request_id] = [seq]
         self.scheduler.add(seq)
         return seq.request_id
-
-    def _make_sequence(self, request: EngineRequest) -> Sequence:
-        """The engine's state for an admitted request (its own random generator, detokenizer, arrival rank)."""
-        params = request.params
-        prompt_token_ids = request.prompt_token_ids
-        assert prompt_token_ids is not None  # admitted
-        return Sequence(
-            request_id=request.request_id,
-            prompt=request.prompt_text,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            priority=request.priority,
-            arrival_time=request.arrival_time,
-            arrival_index=next(self._arrivals),
-            # An embedding request generates nothing (no token room: never a speculative draft either).
-            max_tokens=0 if request.pooling else max_output_tokens(len(prompt_token_ids), params, self.max_model_len),
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, self.special_token_ids
-            ),
-            generator=self._generator(params, 0),
-            tenant=request.tenant,
-            deadline=request.deadline,
-            logprobs=[] if params.logprobs is not None else None,
-            guided=self._guided_state(params.guided) if params.guided is not None else None,
-            pooling=request.pooling,
-            lora_request=request.lora_request,
-        )
-
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        """The choice's own random stream when the request is seeded: ``seed + index``."""
-        if params.seed is None:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed + index)
-        return generator
-
-    def _make_sibling(self, parent: Sequence, index: int) -> Sequence:
-        """Choice ``index`` of ``parent``'s request, at the same point (prompt computed, nothing generated)."""
-        params = parent.params
-        return Sequence(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            params=params,
-            priority=parent.priority,
-            arrival_time=parent.arrival_time,
-            arrival_index=parent.arrival_index,
-            max_tokens=parent.max_tokens,
-            eos_token_ids=parent.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens, self.special_token_ids
-            ),
-            generator=self._generator(params, index),
-            tenant=parent.tenant,
-            deadline=parent.deadline,
-            token_ids=list(parent.token_ids),
-            num_cached_tokens=parent.num_cached_tokens,
-            first_scheduled_time=parent.first_scheduled_time,
-            index=index,
-            logprobs=[] if params.logprobs is not None else None,
-            guided=parent.guided.fork() if parent.guided is not None else None,
-            lora_request=parent.lora_request,
-        )
-
-    def _guided_state(self, guided: GuidedDecoding) -> GuidedState:
-        """A fresh matcher for the request's grammar (compiled once per constraint), replayed past the tokens
-        delivered before a crash; ``ValueError`` for a bad constraint or a replay the grammar refuses."""
-        from ..guided.compiler import GrammarCompiler
-        from ..guided.matcher import GuidedState
-        from ..guided.utf8_mask import Utf8Table
-        from ..token_bytes import vocab_bytes
-
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-            skipped = set(self.tokenizer.all_special_ids) - set(self.eos_token_ids)
-            self._utf8_table = Utf8Table(vocab_bytes(self.tokenizer, self.vocab_size), refused=skipped)
-        assert self._utf8_table is not None
-        return GuidedState(self._grammar_compiler.compile(guided), guided, self._utf8_table)
 
     def abort(self, request_id: str) -> list[RequestDelta]:
         """Stop a waiting or running request (every unfinished choice) and free its blocks; returns one final
@@ -274,7 +189,7 @@ class LLMEngine:
             self.speculator.forget(seq)
 
     def _aborted_sibling(self, parent: Sequence, index: int) -> Sequence:
-        sibling = self._make_sibling(parent, index)
+        sibling = self.sequences.sibling(parent, index)
         sibling.status = RequestStatus.FINISHED_ABORTED
         sibling.finish_time = parent.finish_time
         return sibling
@@ -316,7 +231,7 @@ class LLMEngine:
         if self.tp_ranks is not None:
             raise RuntimeError("score does not run on a tensor-parallel engine")
         request = self.admit(EngineRequest.build(prompt, SamplingParams(max_tokens=1)))
-        seq = self._make_sequence(request)
+        seq = self.sequences.make(request)
         n = seq.num_tokens
         if not self.block_manager.allocate(seq, [], n):
             raise RuntimeError(f"the KV cache has no room for {n} tokens")
@@ -390,7 +305,7 @@ class LLMEngine:
             parent = seqs[row]
             if parent.num_pending_forks:
                 forked, queued = fork_choices(
-                    parent, self._make_sibling, self.block_manager, self.scheduler, self.runner.copy_block
+                    parent, self.sequences.sibling, self.block_manager, self.scheduler, self.runner.copy_block
                 )
                 self._requests[parent.request_id] += forked + queued
                 seqs += forked

@@ -20,12 +20,17 @@ Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel is slower than unp
 weight and running a float32 GEMM, so ``CpuInt4Linear`` does that instead: the weight is unpacked per call into a
 scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's own, exactly (a
 test pins the unpacking against the kernel's float32 path). ``benchmarks/int4_dense_prefill.py`` measured the
-crossing point.
+crossing point. The packer's layout depends on the instruction set torch dispatches to (:class:`PackLayout`): blocks
+of 64 rows on AVX512, 32 on AVX2 and without vector instructions. The layout is checked once against the kernel
+itself; where it is not the one expected (an instruction set not described here), the kernel multiplies every call.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -41,6 +46,75 @@ DENSE_MIN_ROWS = 128
 # Floats of unpacked weight held at a time (64 MiB): one buffer per thread, reused by every layer; a layer
 # larger than this unpacks a piece of its output columns at a time.
 _SCRATCH_FLOATS = 16 * 2**20
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """How ``_convert_weight_to_int4pack_for_cpu`` lays out rows (``N``): blocks of ``block_n`` rows, each stored
+    K-major as ``[K, block_n / 2]`` bytes. In a whole block of a vectorized build (``split``) the low nibbles of a
+    ``k``'s bytes are the block's first half of rows in order and the high nibbles its second half (AVX512 pairs
+    rows ``d`` / ``d + 32`` and ``d + 16`` / ``d + 48`` in bytes ``d`` and ``16 + d``, AVX2 rows ``d`` / ``d + 16``
+    in byte ``d``). A last, partial block (16, 32 or 48 rows), and every block of the plain build, pairs rows
+    ``2 j`` and ``2 j + 1`` in byte ``j``."""
+
+    block_n: int
+    split: bool
+
+
+def _expected_layout() -> PackLayout:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return PackLayout(64, split=True)
+    if capability.startswith("AVX2"):
+        return PackLayout(32, split=True)
+    return PackLayout(32, split=False)
+
+
+@functools.cache
+def pack_layout() -> PackLayout | None:
+    """The packer's layout on this machine, once checked against the packer itself (whole and partial blocks);
+    None when it is not the expected one, and then no layer unpacks (the kernel multiplies every call)."""
+    layout = _expected_layout()
+    n, k = 2 * layout.block_n + 16, 32
+    codes = torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).view(-1)
+    unpacked = torch.empty(k, n)
+    for start, stop in ((0, 2 * layout.block_n), (2 * layout.block_n, n)):
+        _unpack_codes(packed, layout, n, k, start, stop, unpacked[:, start:stop])
+    if torch.equal(unpacked.t(), codes.float()):
+        return layout
+    log.warning(
+        "int4 CPU layers: torch's packed layout on %s is not the expected one; long prefills use the int4 kernel",
+        torch.backends.cpu.get_cpu_capability(),
+    )
+    return None
+
+
+def _unpack_codes(
+    packed: torch.Tensor, layout: PackLayout, n: int, k: int, start: int, stop: int, into: torch.Tensor
+) -> None:
+    """Codes of rows ``start:stop`` (whole blocks, or the last partial block) into ``into`` ``[K, stop - start]``
+    (contiguous), as floats 0..15: laid out K-major, the codes are ``W^T`` with no transpose copy."""
+    block, half, width = layout.block_n, layout.block_n // 2, stop - start
+    whole = n // block
+    if start < whole * block:
+        blocks = packed[: whole * k * half].view(whole, k, half)[start // block : stop // block].permute(1, 0, 2)
+        if layout.split:
+            dense = into.view(k, width // block, block)
+            dense[..., :half] = blocks & 15
+            dense[..., half:] = blocks >> 4
+        else:
+            pairs = into.view(k, width // block, half, 2)
+            pairs[..., 0] = blocks & 15
+            pairs[..., 1] = blocks >> 4
+    else:
+        tail = packed[whole * k * half :].view(k, width // 2)
+        pairs = into.view(k, width // 2, 2)
+        pairs[..., 0] = tail & 15
+        pairs[..., 1] = tail >> 4
 
 
 class _ScratchBuffers(threading.local):
@@ -177,36 +251,24 @@ class CpuInt4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).t().to(dtype)
 
     def _column_pieces(self) -> list[tuple[int, int]]:
-        """Output columns in pieces whose unpacked weight fits the scratch buffer: whole 32-row blocks, and a
-        last block of 16 rows on its own (it is packed differently)."""
-        n, k = self.out_features, self.in_features
-        whole = n - n % 32
-        width = max(32, (_SCRATCH_FLOATS // k) // 32 * 32)
+        """Output columns in pieces whose unpacked weight fits the scratch buffer: whole blocks of the packer's
+        layout, and a last partial block on its own (it is packed differently)."""
+        layout = pack_layout()
+        assert layout is not None
+        n, k, block = self.out_features, self.in_features, layout.block_n
+        whole = n - n % block
+        width = max(block, (_SCRATCH_FLOATS // k) // block * block)
         pieces = [(start, min(start + width, whole)) for start in range(0, whole, width)]
         return pieces + ([(whole, n)] if whole < n else [])
 
     def _unpack(self, start: int, stop: int, into: torch.Tensor) -> torch.Tensor:
         """Columns ``start:stop`` of the kernel's weight transposed, ``(q - 8) * scale + zero`` in float32,
-        written into ``into`` (``[K, stop - start]``, contiguous).
-
-        The packer stores rows in blocks of 32 as ``[K, 16]`` bytes each: the low nibble of byte ``j`` is row
-        ``32 b + j`` and the high nibble row ``32 b + 16 + j``. A last block of 16 rows (``N`` is a multiple of
-        16, not always of 32) is ``[K, 8]`` bytes holding rows ``2 j`` and ``2 j + 1``. Laid out K-major, the
-        codes are ``W^T`` with no transpose copy, and each group's scale and zero broadcast along its rows.
-        """
+        written into ``into`` (``[K, stop - start]``, contiguous); each group's scale and zero broadcast along its
+        rows."""
+        layout = pack_layout()
+        assert layout is not None
         k, g, width = self.in_features, self.group_size, stop - start
-        whole = self.out_features // 32
-        flat = self.packed.view(-1)
-        if start < whole * 32:
-            blocks = flat[: whole * k * 16].view(whole, k, 16)[start // 32 : stop // 32].permute(1, 0, 2)
-            dense = into.view(k, width // 32, 32)
-            dense[..., :16] = blocks & 15
-            dense[..., 16:] = blocks >> 4
-        else:
-            tail = flat[whole * k * 16 :].view(k, 8)
-            pairs = into.view(k, 8, 2)
-            pairs[..., 0] = tail & 15
-            pairs[..., 1] = tail >> 4
+        _unpack_codes(self.packed.view(-1), layout, self.out_features, k, start, stop, into)
         sz = self.scales_and_zeros[:, start:stop].float().unsqueeze(1)
         # (q - 8) * s + z, fused as the kernel's float32 path computes it (bit for bit: the tests compare).
         codes = into.view(k // g, g, width).sub_(8)
@@ -240,7 +302,7 @@ class CpuInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] >= DENSE_MIN_ROWS and flat.device.type == "cpu":
+        if flat.shape[0] >= DENSE_MIN_ROWS and flat.device.type == "cpu" and pack_layout() is not None:
             out = self._dense_mm(flat)
         else:
             flat = flat.to(KERNEL_DTYPE).contiguous()

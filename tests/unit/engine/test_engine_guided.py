@@ -40,7 +40,7 @@ def test_json_schema_output_validates_from_a_random_model(make_llm, model_dir) -
     for out in outs[:-1]:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
-    assert llm.engine._grammar_compiler.num_compiled == 1  # compiled once, reused by every request
+    assert llm.engine.sequences.grammar_compiler.num_compiled == 1  # compiled once, reused by every request
 
 
 def test_regex_choice_and_json_object(make_llm, model_dir) -> None:
@@ -64,7 +64,7 @@ def test_greedy_with_grammar_equals_greedy_over_allowed_tokens(make_llm, model_d
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=120, guided=guided))[0]
     # Reference: transformers logits, masked by a matcher of the same compiled grammar, argmax.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    compiler = llm.engine._grammar_compiler
+    compiler = llm.engine.sequences.grammar_compiler
     matcher = xgr.GrammarMatcher(compiler.compile(guided))
     vocab = compiler.vocab_size
     bitmask = xgr.allocate_token_bitmask(1, vocab)

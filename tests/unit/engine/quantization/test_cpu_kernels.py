@@ -4,6 +4,11 @@ library's own dequantization), float -> int4 / int8 rounding bounds, AWQ / GPTQ 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -78,11 +83,14 @@ def test_kernel_shape_limits_are_named() -> None:
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "group"), [(48, 512, 32), (1536, 576, 32), (64, 256, 128), (16, 512, 256), (80, 288, 32)]
+    ("n", "k", "group"),
+    # Partial last blocks of 16, 32 and 48 rows after whole blocks of 32 (AVX2) or 64 (AVX512).
+    [(48, 512, 32), (1536, 576, 32), (64, 256, 128), (16, 512, 256), (80, 288, 32), (96, 64, 32), (176, 64, 32)],
 )
 def test_int4_codes_unpack_into_the_kernels_own_weight(n: int, k: int, group: int) -> None:
     """The unpacked float32 weight a long prefill multiplies by is, bit for bit, the one the kernel's float32
-    path multiplies by: the nibble order, the K-major layout and the per-group scale and zero all match."""
+    path multiplies by: the nibble order, the K-major layout and the per-group scale and zero all match, on the
+    instruction set torch dispatches to here (and under ATEN_CPU_CAPABILITY=avx2 and default: see below)."""
     torch.manual_seed(n + k)
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
     scale, zero = torch.rand(n, k // group) * 0.1 + 1e-3, torch.randn(n, k // group) * 0.1
@@ -121,12 +129,15 @@ def test_int4_layer_takes_the_dense_path_from_the_row_threshold_on(dtype: torch.
 
 
 def test_a_layer_larger_than_the_scratch_buffer_unpacks_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With room for 64 columns at a time, a 112-row layer goes through pieces of 64 and 32 rows and its last
-    16-row block, and multiplies exactly as by the whole weight."""
+    """With room for 64 columns at a time, a 112-row layer goes through whole blocks of the packer's layout (64
+    rows on AVX512, 32 on AVX2) and its last partial block, and multiplies exactly as by the whole weight."""
     monkeypatch.setattr(cpu_linear, "_SCRATCH_FLOATS", 64 * 256)
     torch.manual_seed(8)
     layer = CpuInt4Linear.from_float(torch.randn(112, 256) * 0.05, group_size=64)
-    assert layer._column_pieces() == [(0, 64), (64, 96), (96, 112)]
+    layout = cpu_linear.pack_layout()
+    assert layout is not None
+    expected = [(0, 64), (64, 112)] if layout.block_n == 64 else [(0, 64), (64, 96), (96, 112)]
+    assert layer._column_pieces() == expected
     w = layer.dequantized_weight()
     assert torch.equal(layer.dense_weight_t().t(), w)
     x = torch.randn(DENSE_MIN_ROWS, 256)
@@ -227,3 +238,29 @@ def test_cpu_methods_are_refused_off_the_cpu(method: str) -> None:
     # The engine config refuses it before anything loads, even where CUDA itself is missing.
     with pytest.raises(ValueError, match=r"needs device='cpu', not 'cuda'"):
         EngineConfig(model="some/model", device="cuda", quantization=method)
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_unpacking_follows_the_packers_layout_on_other_instruction_sets(capability: str) -> None:
+    """The packer lays rows out by instruction set (blocks of 64 on AVX512, 32 on AVX2, pairs without vectors): run
+    on a machine of each kind would be needed, so the other kinds are forced with ATEN_CPU_CAPABILITY in a fresh
+    interpreter (an AVX512 machine served garbage from long prefills before the layout was followed)."""
+    script = (
+        "import torch\n"
+        "from gpu_workers.engine.quantization.cpu_linear import CpuInt4Linear, pack_layout\n"
+        "assert pack_layout() is not None, torch.backends.cpu.get_cpu_capability()\n"
+        "for n in (16, 48, 96, 176, 1536):\n"
+        "    codes = torch.randint(0, 16, (n, 64), dtype=torch.int32)\n"
+        "    scale, zero = torch.rand(n, 2) * 0.1 + 1e-3, torch.randn(n, 2) * 0.1\n"
+        "    layer = CpuInt4Linear.from_codes(codes, scale, zero, 32)\n"
+        "    assert torch.equal(layer.dense_weight_t().t(), layer.dequantized_weight()), n\n"
+        "print(torch.backends.cpu.get_cpu_capability(), pack_layout())\n"
+    )
+    root = str(Path(__file__).resolve().parents[4])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": path}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(capability.upper()), done.stdout
