@@ -47,7 +47,7 @@ class LLMEngine:
         self.loaded = load_model(config, self.tp_ranks.group if self.tp_ranks else None)
         self.device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.tokenizer or self.loaded.path)
-        self.eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
+        eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = self.loaded.vocab_size
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora)
@@ -91,11 +91,21 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.device)
         self.speculator = Speculator(spec, self.max_model_len, draft) if spec is not None else None
         self.sequences = SequenceFactory(
-            self.tokenizer, self.eos_token_ids, self.vocab_size, self.max_model_len, self.device
+            self.tokenizer, eos_token_ids, self.vocab_size, self.max_model_len, self.device
         )
         # Each request's unfinished sequences: one per choice still generating (n > 1 forks siblings).
         self._requests: dict[str, list[Sequence]] = {}
         self.num_steps = 0
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a request (from ``generation_config.json`` or the tokenizer); new sequences stop on
+        them unless ``ignore_eos``."""
+        return self.sequences.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.sequences.eos_token_ids = ids
 
     @property
     def attention_backend_name(self) -> str:
