@@ -92,8 +92,14 @@ async function refreshModels() {
 }
 
 function openSettings(open) {
+  const wasOpen = settingsForm.classList.contains("open");
   settingsForm.classList.toggle("open", open);
   $("#toggle-settings").setAttribute("aria-expanded", String(open));
+  // Opened for the person to fill something in: put the cursor in the first empty field (the API key, at first).
+  if (open && !wasOpen) {
+    const empty = [...settingsForm.querySelectorAll("input")].find((input) => !input.value);
+    (empty ?? settingsForm.querySelector("input"))?.focus();
+  }
 }
 
 function authHeaders() {
@@ -126,20 +132,22 @@ function addMessage(role, text) {
   return { element, body, metrics, note, aside, show };
 }
 
-/** Parse an error response (OpenAI's shape, FastAPI's, or plain text) into {status, code, message}. */
+/** Parse an error response (OpenAI's shape, FastAPI's, or plain text) into {status, code, param, message}. */
 async function readError(response) {
   const raw = await response.text();
   let message = raw || response.statusText;
   let code = null;
+  let param = null;
   try {
     const body = JSON.parse(raw);
     const detail = body.error?.message ?? body.detail ?? raw;
     message = typeof detail === "string" ? detail : JSON.stringify(detail);
     code = body.error?.code ?? null;
+    param = body.error?.param ?? null;
   } catch {
     // not JSON: the raw text is the message
   }
-  return { status: response.status, code, message, retryAfter: retryAfterSeconds(response, message) };
+  return { status: response.status, code, param, message, retryAfter: retryAfterSeconds(response, message) };
 }
 
 function retryAfterSeconds(response, message) {
@@ -159,6 +167,14 @@ function explainError({ status, code, message, retryAfter }) {
   if (status === 404 && (code === "model_not_found" || /model/i.test(message))) {
     openSettings(true);
     return `Model not found (404): ${message} Pick another model in Settings.`;
+  }
+  if (status === 429 && code === "insufficient_quota") {
+    // Its message names the reset time already; a quota is not a rate limit that passes in seconds.
+    return `Token quota used up (429): ${message}`;
+  }
+  if (code === "context_length_exceeded" && /max_tokens|completion/i.test(message)) {
+    openSettings(true);
+    return `Too long for the model (${status}): ${message} Lower Max tokens in Settings, or start a New chat.`;
   }
   if (status === 429) {
     // Said once: ingress's own message already names the wait ("Retry after N s.").
@@ -199,7 +215,9 @@ async function submit(prompt) {
       const error = await readError(response);
       // A conversation past the model's context (prompt + max tokens): leave out its oldest turn and ask again,
       // as chat apps do, until it fits or only the new message is left (then the refusal is shown).
-      if (error.code !== "context_length_exceeded" || !dropOldestTurn(messages)) throw new Error(explainError(error));
+      // (Max tokens alone past the context: no turn left out would help.)
+      const fits = error.code !== "context_length_exceeded" || error.param === "max_tokens";
+      if (fits || !dropOldestTurn(messages)) throw new Error(explainError(error));
       leftOut += 1;
     }
     if (leftOut) {
@@ -288,7 +306,7 @@ function restoreSession() {
   const view = addMessage("assistant", "");
   setBusy(true);
   setStatus(`following ${turn.requestId} again`);
-  follow(turn, view, performance.now())
+  follow(turn, view, null)
     .catch((err) => showFailure(view, err.message))
     .finally(endTurn);
 }

@@ -18,8 +18,9 @@ class ReplyStream {
    * @param {string} streamUrl  the 202's stream_url (ws:// or http://)
    * @param {string} token      the 202's stream_token
    * @param {{element: HTMLElement, body: HTMLElement, note: HTMLElement}} view  where the reply renders
-   * @param {{startedAt: number, onStatus: (text: string) => void, onChange: () => void}} hooks
-   *   startedAt: performance.now() when the person pressed Send (TTFT counts from there)
+   * @param {{startedAt: number | null, onStatus: (text: string) => void, onChange: () => void}} hooks
+   *   startedAt: performance.now() when the person pressed Send (TTFT counts from there); null for a reply
+   *   followed again after a reload (no TTFT or rate then)
    */
   constructor(streamUrl, token, view, hooks) {
     const url = new URL(streamUrl, location.href);
@@ -148,8 +149,11 @@ class ReplyStream {
   /** "TTFT 120 ms · 48.2 tok/s · 64 tokens" (the parts that can be known so far). */
   metrics(completionTokens) {
     const parts = [];
-    if (this.firstTokenAt !== null) parts.push(`TTFT ${formatDuration(this.firstTokenAt - this.hooks.startedAt)}`);
     const tokens = completionTokens ?? this.tokenCount;
+    // Followed again after a reload, the reply's earlier tokens arrive in one burst from the stream's history:
+    // neither a first-token time nor a rate would mean anything, so only the count is shown.
+    if (this.hooks.startedAt === null) return tokens ? [`${tokens} token${tokens === 1 ? "" : "s"}`] : [];
+    if (this.firstTokenAt !== null) parts.push(`TTFT ${formatDuration(this.firstTokenAt - this.hooks.startedAt)}`);
     // Decode rate: the tokens after the first over the time after the first (TTFT is reported apart).
     const span = (this.lastTokenAt ?? 0) - (this.firstTokenAt ?? 0);
     if (tokens > 1 && span > 0) parts.push(`${((1000 * (tokens - 1)) / span).toFixed(1)} tok/s`);

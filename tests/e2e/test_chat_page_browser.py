@@ -45,6 +45,7 @@ PROMPT = "Tell me a long story about a river and its sluice gates."
 # idle core) goes on for hundreds of tokens, seconds, long after the test has clicked.
 LONG = 1500
 THROTTLED_KEY = "sk-throttled-page-test-key"
+QUOTA_KEY = "sk-quota-page-test-key"  # 5 tokens a day: any request is over it
 TTFT_AND_RATE = re.compile(r"^TTFT \d+(?: ms|\.\d\d s) · \d+\.\d tok/s · \d+ tokens$")
 
 pytestmark = [
@@ -69,7 +70,12 @@ def pipeline_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     off, so a prompt + max_tokens over the context reaches the worker, whose refusal is an error event in the
     stream (the one error the page can meet after its request was accepted)."""
     keys = tmp_path_factory.mktemp("keys") / "keys.jsonl"
-    keys.write_text(json.dumps({"key": THROTTLED_KEY, "tenant": "throttled", "rpm": 1}) + "\n")
+    keys.write_text(
+        json.dumps({"key": THROTTLED_KEY, "tenant": "throttled", "rpm": 1})
+        + "\n"
+        + json.dumps({"key": QUOTA_KEY, "tenant": "quota", "tokens_per_day": 5})
+        + "\n"
+    )
     return {"SLUICEGATE_API_KEYS_FILE": str(keys), "SLUICEGATE_INGRESS_COUNT_PROMPT_TOKENS": "false"}
 
 
@@ -263,6 +269,8 @@ def test_a_reload_mid_reply_shows_the_conversation_and_follows_the_reply_to_its_
     assert followed.get_attribute("data-request-id") == request_id
     assert wait_ended(followed) == "done", followed.text
     assert reply_text(page, followed) == stream_text(pipeline.wait_stream_end(request_id))
+    # Its earlier tokens came back in one burst: a TTFT or a rate would be made up, so only the count is shown.
+    assert re.fullmatch(r"\d+ tokens?", followed.find_element(By.CLASS_NAME, "metrics").text)
     # The followed turn is context for the next one, as if the page had never been reloaded.
     history = page.execute_script("return sessionStorage.getItem('sluicegate.chat.session')")
     assert [m["role"] for m in json.loads(history)["conversation"]] == ["user", "assistant"] * 2
@@ -372,6 +380,37 @@ def test_a_rate_limit_is_explained_with_when_to_try_again(
     assert message.get_attribute("data-request-id") is None, "nothing was queued"
     assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
     screenshot(page, tmp_path, "error-rate-limited.png")
+
+
+def test_a_used_up_quota_and_max_tokens_past_the_context_are_explained(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """A quota is not a rate limit that passes in seconds: the page says it is used up, with ingress's reset time,
+    once. Max tokens past the context is the setting to change, not the conversation to shorten: the page says so,
+    opens Settings, and sends nothing more."""
+    configure(page, apiKey=QUOTA_KEY, maxTokens="8", temperature="0")
+    message = send(page, "Hello?")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert note.startswith("Token quota used up (429):") and "Try again in" not in note, note
+
+    context = max(b.max_model_len or 0 for b in pipeline.heartbeats().values())
+    configure(page, apiKey=pipeline.api_key, maxTokens=str(context + 1))
+    page.execute_script(
+        """window.posts = 0;
+        const original = window.fetch;
+        window.fetch = (url, init) => {
+          if (init && init.method === "POST") window.posts += 1;
+          return original(url, init);
+        };"""
+    )
+    assert not page.find_element(By.ID, "settings").is_displayed()
+    message = send(page, "Hello?")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert "Lower Max tokens in Settings" in note, note
+    assert page.find_element(By.ID, "settings").is_displayed()
+    assert page.execute_script("return window.posts") == 1, "no turn left out: it could not help"
 
 
 def test_a_stream_that_ends_in_an_error_event_is_explained(
