@@ -194,6 +194,19 @@ async def _run(runtime: BatchRuntime, batch_id: str, state: dict[str, str], lock
     await _sweep_if_stalled(runtime, batch_id, state, chunks[:done_chunks])
 
 
+async def _prompt_tokens(runtime: BatchRuntime, request: InferenceRequest) -> int | None:
+    """The line's prompt tokens as its worker will count them (the chat template's own tokens too: a chat line's
+    estimate left out SmolLM2's default system prompt, and a batch ran a key past its quota); None without the
+    model's published tokenizer, and the estimate stands in."""
+    view = await runtime.tokenizers.get(request.model)
+    if view is None:
+        return None
+    try:
+        return len(view.encode_request(request))
+    except ValueError:  # the template refuses the conversation: the worker will too, and the estimate is kept
+        return None
+
+
 async def _within_quota(
     runtime: BatchRuntime, batch_id: str, state: dict[str, str], requests: list[InferenceRequest]
 ) -> list[InferenceRequest]:
@@ -201,7 +214,13 @@ async def _within_quota(
     after a crash is charged once); each of the others becomes an ``insufficient_quota`` error line at once. Lines
     that already have an outcome are not published again."""
     limits = Limits(**json.loads(state["limits"]))
-    claims = [claim_for(r, runtime.settings, key_id=r.key_id, key_limits=limits) for r in requests]
+    claims = []
+    for request in requests:
+        claim = claim_for(request, runtime.settings, key_id=request.key_id, key_limits=limits)
+        if claim is not None:  # a quota is in force: reserve what the prompt really is (tokenized only then)
+            exact = await _prompt_tokens(runtime, request)
+            claim = claim_for(request, runtime.settings, key_id=request.key_id, key_limits=limits, prompt_tokens=exact)
+        claims.append(claim)
     if all(claim is None for claim in claims):
         return requests
     lines = [batch_line(r.request_id) for r in requests]

@@ -18,6 +18,7 @@ from router.publish import TopicRegistry
 from router.route_table import RouteTable
 from router.router import Router
 from schemas import Names
+from sluicegate.api.prompt_tokens import ModelTokenizers
 from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore, LineOutcome, Resolved
 from sluicegate.cancellation import Canceller
@@ -42,6 +43,8 @@ class BatchRuntime:
         self.files = FileStore(settings, self.redis, self.names)
         self.batches = BatchStore(settings, self.redis, self.names)
         self.quotas = Quotas(self.redis, self.names)  # lines' token quotas, reserved as they are published
+        # The workers' tokenizers: a line's prompt counted exactly for its quota reservation, as ingress counts.
+        self.tokenizers = ModelTokenizers(self.redis, self.names)
         self.router = Router.from_settings(settings)
         # Batch lines naming a route go where ingress would send them (same file, fast path, rollbacks).
         self.routes = RouteTable(

@@ -32,12 +32,12 @@ from sluicegate.api.limits import (
     checked_max_tokens,
     model_context,
 )
+from sluicegate.api.prompt_tokens import ModelTokenizers, check_prompt_fits
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
 from sluicegate.usage.quota import claim_for
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
-from .prompt_tokens import ModelTokenizers, check_prompt_fits
 from .usage_ledger import cache_hit_record
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).

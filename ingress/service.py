@@ -30,6 +30,7 @@ from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, W
 from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import Limits
 from sluicegate.api.openai_format import worker_failure
+from sluicegate.api.prompt_tokens import ModelTokenizers
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.lora.registry import LoRARegistry
@@ -45,7 +46,6 @@ from sluicegate.usage.quota import QuotaClaim, Quotas
 from .backlog import BacklogMonitor
 from .errors import unavailable
 from .model_routes import ModelRoutes
-from .prompt_tokens import ModelTokenizers
 from .ratelimit import RateLimiter
 from .response_cache import ResponseCache
 from .telemetry import IngressMetrics

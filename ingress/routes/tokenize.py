@@ -10,12 +10,12 @@ from fastapi import APIRouter, Request
 
 from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import model_context
+from sluicegate.api.prompt_tokens import ModelTokenizerView
 
 from ..app_state import service_of
 from ..auth import ApiKey, authenticate
 from ..body_parsing import parse_body
 from ..openapi import errors, json_body, ok
-from ..prompt_tokens import ModelTokenizerView
 from ..tokenize_bodies import DetokenizeBody, DetokenizeResponse, TokenizeBody, TokenizeResponse
 
 router = APIRouter(tags=["tokenize"])

@@ -19,21 +19,26 @@ import httpx
 import openai
 import pytest
 from batch_support import ResultsWorker, batch_worker, chat_line, jsonl, wait_status
-from ingress_support import KEY, MODEL, consume, eventually, heartbeat, reader, running_ingress
+from ingress_support import KEY, MODEL, _fake_tokenizer, consume, eventually, heartbeat, reader, running_ingress
 from openai import AsyncOpenAI
 from redis.asyncio import Redis
 
+from gpu_workers.worker.heartbeat import model_tokenizer
 from gpu_workers.worker.main import run_worker
 from router.stream import run_router
 from schemas import (
     BatchOutputLine,
+    ChatMessage,
     DeadLetter,
     InferenceRequest,
+    ModelTokenizer,
     Names,
     SamplingOptions,
     Usage,
     WorkerHeartbeat,
 )
+from sluicegate.api.limits import estimate_request_tokens
+from sluicegate.api.prompt_tokens import ModelTokenizerView
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.settings import Settings
 from sluicegate.usage.ledger import usage_record
@@ -317,10 +322,11 @@ async def test_kafka_native_records_over_their_tenants_quota_become_dead_letters
 async def test_batch_lines_over_their_keys_quota_become_error_lines(
     settings: Settings, redis: Redis, tmp_path: Path, cleanup_topics: None
 ) -> None:
-    # Each line reserves its estimated prompt (4 + 2 tokens for "hello N") and max_tokens 50: 56; two fit.
+    # Each line reserves its prompt as the fake worker's published tokenizer counts it and max_tokens 50; two fit.
+    quota = 2 * (_exact_prompt_tokens("hello 0") + 50)
     settings = settings.model_copy(
         update={
-            "api_keys_file": keys_file(tmp_path, {"key": KEY, "tenant": "acme", "tokens_per_day": 112}),
+            "api_keys_file": keys_file(tmp_path, {"key": KEY, "tenant": "acme", "tokens_per_day": quota}),
             "heartbeat_interval_s": 60.0,
             "files_url": str(tmp_path / "files"),
             "batch_tick_s": 0.3,
@@ -349,4 +355,50 @@ async def test_batch_lines_over_their_keys_quota_become_error_lines(
         assert line.response is not None and line.response.status_code == 429
         error = line.response.body["error"]
         assert error["code"] == error["type"] == "insufficient_quota" and "resets at" in error["message"]
-    assert await Quotas(redis, Names(settings.topic_prefix)).used(QuotaLimit("key", _key_id(KEY), "day", 112)) == 112
+    assert (
+        await Quotas(redis, Names(settings.topic_prefix)).used(QuotaLimit("key", _key_id(KEY), "day", quota)) == quota
+    )
+
+
+def _exact_prompt_tokens(text: str) -> int:
+    """A one-message chat prompt's tokens as the fake worker's published tokenizer and chat template count them."""
+    published = model_tokenizer(MODEL, _fake_tokenizer(), max_model_len=None)
+    assert published is not None
+    view = ModelTokenizerView(ModelTokenizer.model_validate_json(published))
+    return len(view.encode_messages([ChatMessage(role="user", content=text)], None))
+
+
+async def test_a_batch_line_reserves_its_prompt_as_the_worker_counts_it(
+    settings: Settings, redis: Redis, tmp_path: Path, cleanup_topics: None
+) -> None:
+    """With the model's tokenizer published, a chat line reserves its prompt through the chat template (19 tokens
+    for "hello N" here, the estimate says 6): a key's quota of two lines' worth admits two lines, not all four (the
+    estimate ran a key past its quota)."""
+    names = Names(settings.topic_prefix)
+    hello = [ChatMessage(role="user", content="hello 0")]
+    probe = InferenceRequest(request_id="probe", model=MODEL, messages=hello, sampling={"max_tokens": 1})
+    exact = _exact_prompt_tokens("hello 0") + 1
+    assert 4 * (estimate_request_tokens(probe) + 1) <= 2 * exact, "the estimate would admit every line"
+    settings = settings.model_copy(
+        update={
+            "api_keys_file": keys_file(tmp_path, {"key": KEY, "tenant": "acme", "tokens_per_day": 2 * exact}),
+            "heartbeat_interval_s": 60.0,
+            "files_url": str(tmp_path / "files"),
+            "batch_tick_s": 0.3,
+            "batch_chunk_size": 4,
+            "batch_stall_check_s": 1.0,
+        }
+    )
+    await heartbeat(redis, names)
+    lines = [chat_line(f"q{n}", f"hello {n}", max_tokens=1) for n in range(4)]
+    async with running_ingress(settings) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as api:
+        async with ResultsWorker(settings, redis):  # as a worker does at start, it publishes the tokenizer
+            with batch_worker(settings, tmp_path / "batch-worker.log"):
+                uploaded = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+                batch = await api.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                done = await wait_status(api, batch.id, {"completed", "failed"}, timeout_s=120)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
+    assert await Quotas(redis, names).used(QuotaLimit("key", _key_id(KEY), "day", 2 * exact)) == 2 * exact

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ingress.prompt_tokens import check_prompt_fits
 from sluicegate.api.errors import ApiError
+from sluicegate.api.prompt_tokens import check_prompt_fits
 
 
 def test_a_default_max_tokens_shrinks_to_the_room_left_and_an_explicit_one_is_refused() -> None:

@@ -1,7 +1,8 @@
-"""Counting a prompt's tokens in ingress exactly as the worker will: with the tokenizer and chat template the
-model's workers publish to Redis (``schemas.ModelTokenizer`` under ``Names.tokenizer_key``), loaded with the
-``tokenizers`` library (ingress has no model files), and the 400 when the prompt plus ``max_tokens`` is more
-than the context (OpenAI's ``context_length_exceeded``, worded as vLLM words it)."""
+"""Counting a prompt's tokens before it is queued (ingress for a request, the batch service for a batch line)
+exactly as the worker will: with the tokenizer and chat template the model's workers publish to Redis
+(``schemas.ModelTokenizer`` under ``Names.tokenizer_key``), loaded with the ``tokenizers`` library (neither service
+has model files), and the 400 when the prompt plus ``max_tokens`` is more than the context (OpenAI's
+``context_length_exceeded``, worded as vLLM words it)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from redis.asyncio import Redis
 from tokenizers import Tokenizer
 
 from schemas import ChatMessage, InferenceRequest, ModelTokenizer, Names, ToolSpec
-from sluicegate.api.errors import ApiError
-from sluicegate.chat_template import compile_template, template_message
+
+from ..chat_template import compile_template, template_message
+from .errors import ApiError
 
 
 class ModelTokenizerView:
