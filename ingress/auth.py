@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas import Tier, tier_rank
 from sluicegate.api.errors import ApiError
@@ -66,7 +66,8 @@ class ApiKey(BaseModel):
 
 
 class _KeyFileEntry(KeyLimits):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # Strict: "admin": "yes" or "tokens_per_day": "100" is a mistake to point at, not a value to guess from.
+    model_config = ConfigDict(extra="forbid", frozen=False, strict=True)
 
     key: str | None = Field(None, min_length=8)
     key_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -74,6 +75,15 @@ class _KeyFileEntry(KeyLimits):
     default_tier: Tier = "standard"
     max_tier: Tier = "interactive"
     admin: bool = False
+
+    @field_validator("key")
+    @classmethod
+    def _no_whitespace(cls, value: str | None) -> str | None:
+        # A client's key is read without surrounding spaces, so a key holding one could never authenticate; on a
+        # plain line it is usually a trailing comment.
+        if value is not None and any(c.isspace() for c in value):
+            raise ValueError("a key may not contain spaces or tabs (a comment goes on its own line, starting with #)")
+        return value
 
     @model_validator(mode="after")
     def _one_secret(self) -> _KeyFileEntry:
@@ -96,19 +106,25 @@ class _KeyFileEntry(KeyLimits):
 def parse_keys_file(lines: Iterable[str], *, source: str = "keys file") -> list[ApiKey]:
     """Parse keys-file lines; a bad line is a ``ValueError`` naming the line and the problem."""
     keys: list[ApiKey] = []
+    seen: dict[str, int] = {}
     for number, raw in enumerate(lines, start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         try:
             if line.startswith("{"):
-                keys.append(_KeyFileEntry.model_validate_json(line).to_api_key())
+                key = _KeyFileEntry.model_validate_json(line).to_api_key()
             else:
-                keys.append(_KeyFileEntry(key=line).to_api_key())
+                key = _KeyFileEntry(key=line).to_api_key()
         except ValidationError as exc:
             raise ValueError(f"{source} line {number}: {summarize(exc)[1]}") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"{source} line {number}: not valid JSON ({exc})") from None
+        if key.key_hash in seen:
+            # Which line's tenant and quotas would hold is a guess either way: the later one silently won.
+            raise ValueError(f"{source} line {number}: the same key as line {seen[key.key_hash]}")
+        seen[key.key_hash] = number
+        keys.append(key)
     return keys
 
 

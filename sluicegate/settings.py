@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(
         None,
         description="Keys file: a key per line, or JSON lines (key, tenant, default_tier, max_tier, the key's limits "
-        "and token quotas).",
+        "and token quotas); a request asking a tier above its key's max_tier runs at max_tier.",
     )
     admin_api_keys: str = Field(
         "",
@@ -384,7 +384,12 @@ class Settings(BaseSettings):
     )
     backlog_retry_after_s: int = Field(2, ge=1, description="Retry-After (seconds) of a 429 for a full backlog.")
     limit_rps: float = Field(0.0, ge=0, description="Default requests per second per API key; 0 means unlimited.")
-    limit_rpm: int = Field(0, ge=0, description="Default requests per minute per API key; 0 means unlimited.")
+    limit_rpm: int = Field(
+        0,
+        ge=0,
+        description="Default requests per minute per API key, as a token bucket: a burst of that many, refilled "
+        "evenly over the minute; 0 means unlimited.",
+    )
     limit_tpm: int = Field(
         0, ge=0, description="Default tokens (prompt estimate + max_tokens) per minute per API key; 0 means unlimited."
     )

@@ -6,6 +6,7 @@ Each subcommand imports what it needs lazily, so ``sluicegate schemas export`` d
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -332,6 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`sluicegate usage --json | head`): no traceback; as Python's docs advise, point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
