@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_workers.engine.quantization.cpu_linear import DENSE_MIN_ROWS, KERNEL_DTYPE, CpuInt4Linear
+from gpu_workers.engine.quantization.cpu_linear import DENSE_MIN_ROWS, DENSE_PATH, KERNEL_DTYPE, CpuInt4Linear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 ROWS = (16, 32, 64, 96, 128, 192, 256, 400, 512)
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     one_row = [torch.randn(1, k).to(KERNEL_DTYPE) for _, k in SHAPES]
     unpack_ms = best_ms(lambda: unpacked(one_row), args.rounds)
     print(f"torch {torch.__version__}, {args.threads} threads; unpacking one layer's weights: {unpack_ms:.2f} ms")
-    print(f"DENSE_MIN_ROWS = {DENSE_MIN_ROWS}\n")
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(f"DENSE_MIN_ROWS = {DENSE_MIN_ROWS}, dense path {'on' if DENSE_PATH else 'off'} ({capability})\n")
     print("| rows | int4 kernel ms | unpacked + float32 GEMM ms | kernel / unpacked |")
     print("|---:|---:|---:|---:|")
     with torch.inference_mode():

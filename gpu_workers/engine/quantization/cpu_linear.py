@@ -16,8 +16,9 @@ and only their bfloat16 path is vectorized: float32 runs a scalar loop, measured
 bfloat16 whatever the model's dtype: a float32 model's activations are rounded to bfloat16 on the way in and the
 result is widened back.
 
-Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel is slower than unpacking the codes into a float32
-weight and running a float32 GEMM, so ``CpuInt4Linear`` does that instead: the weight is unpacked per call into a
+Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel is slower on AVX2 than unpacking the codes into a
+float32 weight and running a float32 GEMM, so ``CpuInt4Linear`` does that instead (not on AVX512, where the kernel
+is faster at any size: ``DENSE_PATH``): the weight is unpacked per call into a
 scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's own, exactly (a
 test pins the unpacking against the kernel's float32 path). ``benchmarks/int4_dense_prefill.py`` measured the
 crossing point. The packer's layout depends on the instruction set torch dispatches to (:class:`PackLayout`): blocks
@@ -43,6 +44,10 @@ DEFAULT_INT4_GROUP = 32
 # Rows from which an int4 layer multiplies by an unpacked float32 weight instead of calling the kernel: unpacking
 # costs about as much as the kernel's 128-row product on the measured AVX2 CPU (benchmarks/int4_dense_prefill.py).
 DENSE_MIN_ROWS = 128
+# Whether that path is taken at all. On AVX512 the kernel's bfloat16 loop is vectorized with AVX512_BF16 and beats
+# unpacking plus a float32 GEMM at every size measured (16 to 4096 rows, 0.16-0.58x its time, docs/benchmarks.md),
+# so long prefills stay on the kernel there.
+DENSE_PATH = not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # Floats of unpacked weight held at a time (64 MiB): one buffer per thread, reused by every layer; a layer
 # larger than this unpacks a piece of its output columns at a time.
 _SCRATCH_FLOATS = 16 * 2**20
@@ -302,7 +307,7 @@ class CpuInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] >= DENSE_MIN_ROWS and flat.device.type == "cpu" and pack_layout() is not None:
+        if DENSE_PATH and flat.shape[0] >= DENSE_MIN_ROWS and flat.device.type == "cpu" and pack_layout() is not None:
             out = self._dense_mm(flat)
         else:
             flat = flat.to(KERNEL_DTYPE).contiguous()

@@ -147,6 +147,7 @@ def test_a_long_prefill_through_unpacked_weights_matches_the_kernel(
     """A prompt past ``DENSE_MIN_ROWS`` prefills through the unpacked float32 weights; the same prompt with the
     threshold out of reach goes through the int4 kernel. In a bfloat16 model both see the same bfloat16 inputs
     and weights and round their float32 sums to bfloat16, so they differ by summation order only."""
+    monkeypatch.setattr(cpu_linear, "DENSE_PATH", True)  # as on AVX2 (AVX512 keeps long prefills on the kernel)
     write_gguf(tiny("qwen2"), tmp_path / "m.gguf", T.Q4_1)
     kept = make_llm(tmp_path / "m.gguf", quantization="gguf", num_kv_blocks=48)
     prompt = [random.Random(5).randrange(3, 512) for _ in range(cpu_linear.DENSE_MIN_ROWS + 32)]

@@ -72,7 +72,7 @@ def test_smollm2_kept_quantized_answers_paris(quantization: str, make_llm: Calla
     LM head is the Q8_0 embedding's int8, under ``cpu-int4`` it stays float. The model runs in bfloat16."""
     from torch import nn
 
-    from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear
+    from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear, cpu_linear
     from gpu_workers.engine.quantization.cpu_linear import DENSE_MIN_ROWS
 
     llm = make_llm(fetch_smollm2(REPO_MODELS), quantization=quantization, max_model_len=1024, num_kv_blocks=64)
@@ -86,8 +86,8 @@ def test_smollm2_kept_quantized_answers_paris(quantization: str, make_llm: Calla
     reply = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert reply.finish_reason == "stop"
     assert "Paris" in reply.text, reply.text
-    # A prompt past DENSE_MIN_ROWS tokens is prefilled through the unpacked weights: on an AVX512 machine, whose
-    # packer lays the codes out in blocks of 64 rows, a wrong layout answered it with garbage.
+    # A prompt past DENSE_MIN_ROWS tokens, through this machine's path and through the unpacked weights (on AVX512,
+    # whose packer lays the codes out in blocks of 64 rows, a wrong layout answered it with garbage).
     passage = "The Rhine is a river in Europe. It begins in the Swiss Alps and flows north to the North Sea. " * 8
     question = passage + "\nQuestion: Where does the Rhine begin? Answer briefly."
     long_ids = llm.tokenizer.apply_chat_template(
@@ -95,5 +95,8 @@ def test_smollm2_kept_quantized_answers_paris(quantization: str, make_llm: Calla
     )
     long_ids = [int(i) for i in (long_ids if isinstance(long_ids, list) else long_ids["input_ids"])]
     assert len(long_ids) >= DENSE_MIN_ROWS
-    answer = llm.generate([long_ids], SamplingParams(temperature=0.0, max_tokens=24))[0].text
-    assert "Alps" in answer, answer
+    for dense_path in (cpu_linear.DENSE_PATH, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_linear, "DENSE_PATH", dense_path)
+            answer = llm.generate([long_ids], SamplingParams(temperature=0.0, max_tokens=24))[0].text
+        assert "Alps" in answer, (dense_path, answer)

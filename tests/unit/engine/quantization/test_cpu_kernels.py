@@ -103,6 +103,13 @@ def test_int4_codes_unpack_into_the_kernels_own_weight(n: int, k: int, group: in
     torch.testing.assert_close(got.t(), (codes - 8).float() * s + z, rtol=0, atol=1e-6)
 
 
+@pytest.fixture
+def dense_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unpacked path on, as on AVX2, whatever this machine is (on AVX512 it is off: the kernel is faster)."""
+    monkeypatch.setattr(cpu_linear, "DENSE_PATH", True)
+
+
+@pytest.mark.usefixtures("dense_path")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_layer_takes_the_dense_path_from_the_row_threshold_on(dtype: torch.dtype) -> None:
     """Below ``DENSE_MIN_ROWS`` rows the kernel multiplies (its bfloat16 rounding of the input shows); from it on,
@@ -128,6 +135,7 @@ def test_int4_layer_takes_the_dense_path_from_the_row_threshold_on(dtype: torch.
         assert (below - exact[: DENSE_MIN_ROWS - 1]).abs().max() > 1e-4
 
 
+@pytest.mark.usefixtures("dense_path")
 def test_a_layer_larger_than_the_scratch_buffer_unpacks_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for 64 columns at a time, a 112-row layer goes through whole blocks of the packer's layout (64
     rows on AVX512, 32 on AVX2) and its last partial block, and multiplies exactly as by the whole weight."""
@@ -254,6 +262,8 @@ def test_the_unpacking_follows_the_packers_layout_on_other_instruction_sets(capa
         "    scale, zero = torch.rand(n, 2) * 0.1 + 1e-3, torch.randn(n, 2) * 0.1\n"
         "    layer = CpuInt4Linear.from_codes(codes, scale, zero, 32)\n"
         "    assert torch.equal(layer.dense_weight_t().t(), layer.dequantized_weight()), n\n"
+        "from gpu_workers.engine.quantization import cpu_linear\n"
+        "assert cpu_linear.DENSE_PATH, 'only AVX512 keeps long prefills on the kernel'\n"
         "print(torch.backends.cpu.get_cpu_capability(), pack_layout())\n"
     )
     root = str(Path(__file__).resolve().parents[4])
@@ -264,3 +274,8 @@ def test_the_unpacking_follows_the_packers_layout_on_other_instruction_sets(capa
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(capability.upper()), done.stdout
+
+
+def test_long_prefills_stay_on_the_kernel_on_avx512_only() -> None:
+    """Measured here: on AVX512 the kernel beats unpacking at every size, on AVX2 it loses from 128 rows."""
+    assert cpu_linear.DENSE_PATH == (not torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
