@@ -51,10 +51,15 @@ async def close_socket(websocket: WebSocket, code: int, reason: str) -> None:
         await websocket.close(code, _reason(reason))
 
 
-async def _send_events(websocket: WebSocket, sub: Subscription[Relayed]) -> None:
+async def _send_events(websocket: WebSocket, sub: Subscription[Relayed]) -> bool:
+    """Relay until the stream ends; whether its terminal event was among what was sent (not when the client's
+    resume point lay at or past the stream's end)."""
+    sent_terminal = False
     while not sub.finished:
         for item in await sub.next_batch():
             await websocket.send_text(item.payload)
+            sent_terminal = sent_terminal or item.terminal
+    return sent_terminal
 
 
 async def _receive_commands(websocket: WebSocket, ctx: RelayContext, grant: StreamGrant) -> str | None:
@@ -120,7 +125,10 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
         return
     error = sender.exception()
     if error is None:
-        await close_socket(websocket, CLOSE_NORMAL, "stream finished")
+        # A resume point past the end closes the same way, but says so: the client got no done, and its last_id
+        # was not one of this stream's entries (helper-29 could not tell).
+        why = "stream finished" if sender.result() else "stream finished at or before last_id: nothing after it"
+        await close_socket(websocket, CLOSE_NORMAL, why)
     elif isinstance(error, SlowConsumer):
         log.info("relay.slow_consumer_dropped request_id=%s", request_id)
         ctx.metrics.slow_consumers.labels("websocket").inc()

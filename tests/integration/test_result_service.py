@@ -206,6 +206,7 @@ async def test_resume_past_the_end_of_a_running_stream_closes_when_it_ends(servi
         await append(redis, service.names, [done_event(rid, 2)])
         got = await asyncio.wait_for(reader, 5)
     assert got.events == [] and got.code == 1000
+    assert got.reason == "stream finished at or before last_id: nothing after it"
 
 
 async def test_expired_stream_of_a_finished_request_is_reported(service: Running, redis: Redis, names: Names) -> None:
