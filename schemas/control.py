@@ -50,9 +50,10 @@ class WorkerHeartbeat(Message):
     description: str | None = Field(None, description="What the worker says of its model (e.g. random weights).")
     backlog_seconds: dict[Tier, Annotated[float, Field(ge=0)]] | None = Field(
         None,
-        description="Seconds of generation waiting in Kafka at or above each tier on this worker's partitions (the "
-        "sluicegate_worker_backlog_seconds gauge); a tier without a finite estimate is left out. Admission refuses a "
-        "deadline that not even the least loaded worker's figure meets.",
+        description="Seconds of generation waiting in Kafka at or above each tier on this worker's partitions, beyond "
+        "what fits the engine's free batch seats (the sluicegate_worker_backlog_seconds gauge); a tier without a "
+        "finite estimate is left out. Admission refuses a deadline that not even the least loaded worker's figure "
+        "meets.",
     )
     adapters: list[str] = Field(
         default_factory=list, description="Names of the LoRA adapters loaded on this worker (CPU pool or device)."

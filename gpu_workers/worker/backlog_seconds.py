@@ -21,19 +21,32 @@ from schemas import TIERS, Tier, tier_rank
 
 
 def backlog_seconds(
-    lags: Mapping[str, int], tokens_per_request: Mapping[str, float], tokens_per_second: float
+    lags: Mapping[str, int],
+    tokens_per_request: Mapping[str, float],
+    tokens_per_second: float,
+    free_seats: int = 0,
 ) -> dict[Tier, float]:
     """Seconds of generation queued at or above each tier (the worker drains tiers in order, so a batch
     request waits behind the interactive and standard backlog too).
 
     ``lags``: requests not yet taken per tier; ``tokens_per_request``: expected generated tokens of one request
-    of the tier; ``tokens_per_second``: the measured generation rate. No backlog is 0 s; a backlog with no
-    measured rate is infinite (nothing says it will ever drain).
+    of the tier; ``tokens_per_second``: the measured generation rate; ``free_seats``: sequences the engine could
+    still add to its batch. Requests that fill those seats start at once, beside the running ones, so they wait
+    behind nothing: they come off the highest tiers first and add no seconds (16 requests arriving together on an
+    engine of 64 seats read as 6.8 s of wait, and admission refused deadlines the requests would have met). No
+    backlog is 0 s; a backlog with no measured rate is infinite (nothing says it will ever drain).
     """
+    waiting: dict[str, int] = {}
+    seats = max(0, free_seats)
+    for each in TIERS:
+        count = max(0, lags.get(each, 0))
+        seated = min(seats, count)
+        seats -= seated
+        waiting[each] = count - seated
     seconds: dict[Tier, float] = {}
     for tier in TIERS:
         tokens = sum(
-            max(0, lags.get(each, 0)) * max(0.0, tokens_per_request.get(each, 0.0))
+            waiting[each] * max(0.0, tokens_per_request.get(each, 0.0))
             for each in TIERS
             if tier_rank(each) <= tier_rank(tier)
         )

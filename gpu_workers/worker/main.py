@@ -163,7 +163,13 @@ async def run_worker(
     engine = engine or build_engine(settings)
     telemetry = None
     if settings.metrics_enabled or tracing_enabled():  # the request span lives in the telemetry too
-        telemetry = WorkerTelemetry(engine, model_name, worker_id, queue_budget_s=settings.default_queue_budget_s)
+        telemetry = WorkerTelemetry(
+            engine,
+            model_name,
+            worker_id,
+            queue_budget_s=settings.default_queue_budget_s,
+            max_num_seqs=settings.max_num_seqs,
+        )
     # Up before the model loads: liveness answers during a long load, readiness says why it is not ready yet.
     probes = _Probes()
     server = await _start_metrics(settings, telemetry, probes)

@@ -119,9 +119,12 @@ class WorkerTelemetry:
         registry: CollectorRegistry | None = None,
         *,
         queue_budget_s: float = 0.0,
+        max_num_seqs: int | None = None,
     ) -> None:
         self.model = model
         self.worker_id = worker_id
+        # The engine's batch size: requests that fit beside the running ones start at once (None: not counted).
+        self.max_num_seqs = max_num_seqs
         # The latest sample's finite backlog seconds per tier, which the heartbeat carries to admission.
         self.backlog_seconds: dict[Tier, float] | None = None
         self.registry = registry or CollectorRegistry()
@@ -298,8 +301,10 @@ class WorkerTelemetry:
     async def _sample_once(
         self, consumer: AIOKafkaConsumer, engine: EngineFront, held: Callable[[], Mapping[Tier, int]] | None = None
     ) -> None:
-        busy = engine.stats().num_running > 0
+        stats = engine.stats()
+        busy = stats.num_running > 0
         rate = self.generation_rate.sample(time.monotonic(), self._generated, busy)
+        free_seats = 0 if self.max_num_seqs is None else self.max_num_seqs - stats.num_running - stats.num_waiting
         self.rate.labels(self.model).set(rate)
         lags = dict.fromkeys(TIERS, 0)
         for tier, count in (held() if held is not None else {}).items():
@@ -311,7 +316,8 @@ class WorkerTelemetry:
                 with contextlib.suppress(Exception):  # revoked meanwhile
                     lags[self._tier_of_topic.get(tp.topic, "batch")] += max(0, ends[tp] - await consumer.position(tp))
         published: dict[Tier, float] = {}
-        for tier, seconds in backlog_seconds(lags, self.tokens_per_request.as_mapping(), rate).items():
+        expected = self.tokens_per_request.as_mapping()
+        for tier, seconds in backlog_seconds(lags, expected, rate, free_seats).items():
             self.lag.labels(self.model, tier).set(lags[tier])
             self.backlog.labels(self.model, tier).set(seconds)
             if math.isfinite(seconds):

@@ -23,6 +23,20 @@ def test_no_backlog_is_zero_and_a_backlog_without_a_rate_is_infinite() -> None:
     assert seconds["interactive"] == 0.0 and math.isinf(seconds["standard"]) and math.isinf(seconds["batch"])
 
 
+def test_requests_that_fit_the_engines_free_seats_wait_behind_nothing() -> None:
+    """They start at once beside the running ones, taken from the highest tier first: 16 arrivals on an engine
+    with 48 free seats are no wait at all (helper-30 saw admission refuse deadlines for about 1 s of such a
+    burst, read as 6.8 s of queued generation)."""
+    expected = {"interactive": 32, "standard": 32, "batch": 32}
+    assert backlog_seconds({"standard": 16}, expected, 75.0, free_seats=48) == dict.fromkeys(
+        ("interactive", "standard", "batch"), 0.0
+    )
+    seconds = backlog_seconds({"interactive": 2, "standard": 4, "batch": 10}, expected, 32.0, free_seats=3)
+    # The 3 seats go to the 2 interactive and 1 standard request; 3 standard and 10 batch requests wait.
+    assert seconds == {"interactive": 0.0, "standard": 3.0, "batch": 13.0}
+    assert backlog_seconds({"batch": 5}, expected, 32.0, free_seats=-4)["batch"] == 5.0  # an overfull engine
+
+
 def test_negative_lags_count_as_none() -> None:
     assert backlog_seconds({"interactive": -3, "batch": 1}, {"interactive": 9, "batch": 10}, 10)["batch"] == 1.0
 
