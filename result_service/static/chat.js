@@ -95,11 +95,9 @@ function openSettings(open) {
   const wasOpen = settingsForm.classList.contains("open");
   settingsForm.classList.toggle("open", open);
   $("#toggle-settings").setAttribute("aria-expanded", String(open));
-  // Opened for the person to fill something in: put the cursor in the first empty field (the API key, at first).
-  if (open && !wasOpen) {
-    const empty = [...settingsForm.querySelectorAll("input")].find((input) => !input.value);
-    (empty ?? settingsForm.querySelector("input"))?.focus();
-  }
+  // Opened for the person to fill something in: put the cursor in the first empty field (the API key, at first);
+  // with every field filled (a wrong key, an unknown model) the focus stays where the person is.
+  if (open && !wasOpen) [...settingsForm.querySelectorAll("input")].find((input) => !input.value)?.focus();
 }
 
 function authHeaders() {

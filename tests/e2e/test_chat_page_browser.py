@@ -455,7 +455,7 @@ def test_a_conversation_past_the_context_leaves_out_its_oldest_turns(
 ) -> None:
     """Ingress refuses a conversation whose prompt + max tokens pass the model's context (its exact count is on
     here); the page leaves out the oldest turns until the request fits, says so, and the turns left out are no
-    longer sent. Max tokens is set near the context, so the reply is stopped rather than awaited."""
+    longer sent. Max tokens is set near the context, so a reply still running is stopped rather than awaited."""
     page = open_page(browser, real_pipeline)
     earlier = []
     for n in range(4):
@@ -477,9 +477,10 @@ def test_a_conversation_past_the_context_leaves_out_its_oldest_turns(
     found = re.fullmatch(r"(\d) earlier turns? left out to fit the model's context", aside)
     assert found and 1 <= int(found.group(1)) <= 3, aside
     left_out = int(found.group(1))
-    page.find_element(By.ID, "stop").click()
-    assert wait_ended(message) == "stopped", message.text
-    # A stopped reply is kept as context: what the next turn sends starts after the turns left out.
+    # The model may already have ended its reply (EOS); Stop then does nothing, and a disabled button is no error.
+    page.execute_script("document.getElementById('stop').click()")
+    assert wait_ended(message) in ("stopped", "done"), message.text
+    # The reply, stopped or not, is kept as context: what the next turn sends starts after the turns left out.
     session = json.loads(page.execute_script("return sessionStorage.getItem('sluicegate.chat.session')"))
     sent = session["conversation"]
     assert sent[:-2] == earlier[2 * left_out :], "the turns left out are not sent again"

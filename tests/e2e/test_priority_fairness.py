@@ -94,22 +94,26 @@ def test_interactive_ttft_under_batch_saturation_stays_within_twice_idle(pipelin
     # More batch requests than the worker's lookahead: its batch partitions are paused with work still in
     # Kafka, every seat runs batch work and more of it waits in the engine.
     batch_tokens = 160
-    batch = [
-        pipeline.submit(
+
+    def submit_batch(i: int) -> str:
+        return pipeline.submit(
             prompt=f"Summarise report number {i} of the quarterly archive",
             max_tokens=batch_tokens,
             temperature=0,
             ignore_eos=True,
             priority="batch",
         )["request_id"]
-        for i in range(6 * SEATS)
-    ]
+
+    batch = [submit_batch(i) for i in range(6 * SEATS)]
     deadline = time.monotonic() + 30
     while not any(b.running == SEATS and b.waiting > 0 for b in pipeline.heartbeats().values()):
         assert time.monotonic() < deadline, pipeline.heartbeats()
         time.sleep(0.05)
     loaded = []
     for _ in range(LOADED_SAMPLES):
+        # Kept topped up: a fast machine drains the first load before the samples are all taken.
+        while _unfinished(pipeline, batch) <= LOOKAHEAD + SEATS:
+            batch.append(submit_batch(len(batch)))
         # The worker holds a full lookahead of batch work: only its per-tier room lets this request in.
         assert _unfinished(pipeline, batch) > LOOKAHEAD, "the batch load drained too early to measure"
         rid, took = time_to_first_token(pipeline, **chat)
