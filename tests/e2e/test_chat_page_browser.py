@@ -468,6 +468,9 @@ def test_a_conversation_past_the_context_leaves_out_its_oldest_turns(
     )
     page.refresh()
     wait_for(lambda: len(page.find_elements(By.CSS_SELECTOR, ".message")) == len(earlier), "the restored conversation")
+    # The page fills Settings from /config.json after it shows the conversation: typed before that, the values
+    # were written over (or the form was not there to type in).
+    wait_for(lambda: field(page, "model").get_attribute("value") == real_pipeline.model, "model from /config.json")
     context = max(b.max_model_len or 0 for b in real_pipeline.heartbeats().values())
     # Room for the newest message and about two of the four earlier turns (each about 110 tokens).
     configure(page, apiKey=real_pipeline.api_key, maxTokens=str(context - 300), temperature="0")
