@@ -58,7 +58,9 @@ def _bearer(request: Request) -> str | None:
     """The stream token sent as ``Authorization: Bearer`` (a fetch-based SSE client can set headers; EventSource
     cannot, so ``?token=`` stays the way the README shows)."""
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-    return credentials.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() != "bearer":
+        return None
+    return credentials.strip() or None
 
 
 async def _respond(request: Request, request_id: str, token: str | None, last_ids: list[str | None]) -> Response:

@@ -76,6 +76,11 @@ def request_id_of(value: bytes | None, headers: Iterable[tuple[str, bytes | None
         body = json_input.loads(value or b"")
     except ValueError:
         body = None
+    return _request_id_in(body, headers)
+
+
+def _request_id_in(body: object, headers: Iterable[tuple[str, bytes | None]] | None) -> str | None:
+    """:func:`request_id_of` for a body already parsed."""
     value_id = body.get("request_id") if isinstance(body, dict) else None
     if isinstance(value_id, str) and value_id:
         return value_id
@@ -129,7 +134,7 @@ def _classify(value: bytes, headers: Iterable[tuple[str, bytes | None]] | None, 
         detail = f"expected a JSON object, got {type(body).__name__}"
         return Rejection("not_an_object", detail, header(headers, HEADER_REQUEST_ID))
     field, detail = summarize(exc, root_field="prompt")
-    return Rejection(f"schema_violation:{field}", detail, request_id_of(value, headers))
+    return Rejection(f"schema_violation:{field}", detail, _request_id_in(body, headers))
 
 
 def dead_letter(rejection: Rejection, record: SourceRecord) -> tuple[bytes, Headers]:

@@ -117,8 +117,9 @@ function addMessage(role, text) {
   const body = Object.assign(document.createElement("div"), { className: "text" });
   // The person's words as typed; the model's as Markdown (markdown.js).
   const show = (source) => {
-    if (role === "assistant") showMarkdown(body, source);
-    else Object.assign(body, { textContent: source }).dataset.source = source;
+    if (role === "assistant") return showMarkdown(body, source);
+    body.textContent = source;
+    body.dataset.source = source;
   };
   show(text);
   const metrics = Object.assign(document.createElement("span"), { className: "metrics" });

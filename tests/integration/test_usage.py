@@ -324,32 +324,10 @@ async def test_batch_lines_over_their_keys_quota_become_error_lines(
 ) -> None:
     # Each line reserves its prompt as the fake worker's published tokenizer counts it and max_tokens 50; two fit.
     quota = 2 * (_exact_prompt_tokens("hello 0") + 50)
-    settings = settings.model_copy(
-        update={
-            "api_keys_file": keys_file(tmp_path, {"key": KEY, "tenant": "acme", "tokens_per_day": quota}),
-            "heartbeat_interval_s": 60.0,
-            "files_url": str(tmp_path / "files"),
-            "batch_tick_s": 0.3,
-            "batch_chunk_size": 2,
-            "batch_stall_check_s": 1.0,
-        }
-    )
-    await heartbeat(redis, Names(settings.topic_prefix))
     lines = [chat_line(f"q{n}", f"hello {n}") for n in range(4)]
-    async with running_ingress(settings) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as api:
-        async with ResultsWorker(settings, redis):
-            with batch_worker(settings, tmp_path / "batch-worker.log"):
-                uploaded = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-                batch = await api.batches.create(
-                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-                )
-                done = await wait_status(api, batch.id, {"completed", "failed"}, timeout_s=120)
-        assert done.status == "completed", done
-        assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
-        errors = [
-            BatchOutputLine.model_validate_json(line)
-            for line in (await api.files.content(done.error_file_id)).text.splitlines()  # type: ignore[arg-type]
-        ]
+    done, errors = await _batch_under_quota(settings, redis, tmp_path, quota, lines, chunk_size=2)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
     assert [line.custom_id for line in errors] == ["q2", "q3"]
     for line in errors:
         assert line.response is not None and line.response.status_code == 429
@@ -358,6 +336,36 @@ async def test_batch_lines_over_their_keys_quota_become_error_lines(
     assert (
         await Quotas(redis, Names(settings.topic_prefix)).used(QuotaLimit("key", _key_id(KEY), "day", quota)) == quota
     )
+
+
+async def _batch_under_quota(
+    settings: Settings, redis: Redis, tmp_path: Path, quota: int, lines: list[dict[str, Any]], *, chunk_size: int
+) -> tuple[Any, list[BatchOutputLine]]:
+    """Run ``lines`` as a chat batch of a key with a daily token quota of ``quota``, served by the fake worker
+    (which publishes the model's tokenizer, as a worker does at start): the ended batch and its error lines."""
+    settings = settings.model_copy(
+        update={
+            "api_keys_file": keys_file(tmp_path, {"key": KEY, "tenant": "acme", "tokens_per_day": quota}),
+            "heartbeat_interval_s": 60.0,
+            "files_url": str(tmp_path / "files"),
+            "batch_tick_s": 0.3,
+            "batch_chunk_size": chunk_size,
+            "batch_stall_check_s": 1.0,
+        }
+    )
+    await heartbeat(redis, Names(settings.topic_prefix))
+    async with running_ingress(settings) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as api:
+        async with ResultsWorker(settings, redis):
+            with batch_worker(settings, tmp_path / "batch-worker.log"):
+                uploaded = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+                batch = await api.batches.create(
+                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+                )
+                done = await wait_status(api, batch.id, {"completed", "failed"}, timeout_s=120)
+        if done.error_file_id is None:
+            return done, []
+        text = (await api.files.content(done.error_file_id)).text
+    return done, [BatchOutputLine.model_validate_json(line) for line in text.splitlines()]
 
 
 def _exact_prompt_tokens(text: str) -> int:
@@ -379,26 +387,8 @@ async def test_a_batch_line_reserves_its_prompt_as_the_worker_counts_it(
     probe = InferenceRequest(request_id="probe", model=MODEL, messages=hello, sampling={"max_tokens": 1})
     exact = _exact_prompt_tokens("hello 0") + 1
     assert 4 * (estimate_request_tokens(probe) + 1) <= 2 * exact, "the estimate would admit every line"
-    settings = settings.model_copy(
-        update={
-            "api_keys_file": keys_file(tmp_path, {"key": KEY, "tenant": "acme", "tokens_per_day": 2 * exact}),
-            "heartbeat_interval_s": 60.0,
-            "files_url": str(tmp_path / "files"),
-            "batch_tick_s": 0.3,
-            "batch_chunk_size": 4,
-            "batch_stall_check_s": 1.0,
-        }
-    )
-    await heartbeat(redis, names)
     lines = [chat_line(f"q{n}", f"hello {n}", max_tokens=1) for n in range(4)]
-    async with running_ingress(settings) as url, AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as api:
-        async with ResultsWorker(settings, redis):  # as a worker does at start, it publishes the tokenizer
-            with batch_worker(settings, tmp_path / "batch-worker.log"):
-                uploaded = await api.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-                batch = await api.batches.create(
-                    input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-                )
-                done = await wait_status(api, batch.id, {"completed", "failed"}, timeout_s=120)
+    done, _ = await _batch_under_quota(settings, redis, tmp_path, 2 * exact, lines, chunk_size=4)
     assert done.status == "completed", done
     assert (done.request_counts.completed, done.request_counts.failed) == (2, 2)
     assert await Quotas(redis, names).used(QuotaLimit("key", _key_id(KEY), "day", 2 * exact)) == 2 * exact
