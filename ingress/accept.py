@@ -38,6 +38,7 @@ from sluicegate.usage.quota import claim_for
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
+from .ratelimit import RateState
 from .usage_ledger import cache_hit_record
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
@@ -106,7 +107,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         if cached is not None:
             # Answered from the response cache: no GPU, but the key still pays for the call (first: a 429 leaves
             # nothing behind).
-            await service.charge(caller.key_id, limits, prompt_tokens + max_tokens)
+            _keep_rate(request, await service.charge(caller.key_id, limits, prompt_tokens + max_tokens))
             if quota is not None:
                 await service.reserve(quota)  # settled by the rollup, from the usage record sent below
             if await service.cache.replay(inference, cached):
@@ -116,7 +117,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
                     span.set_attribute("sluicegate.route_reason", "response_cache")
                 return inference
             charge = None  # already charged: the worker answers, and submit must not charge again
-        route = await service.submit(
+        route, rate = await service.submit(
             inference,
             max_tier=caller.max_tier,
             heartbeats=heartbeats,
@@ -126,6 +127,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
             tokens=prompt_tokens + max_tokens,
             quota=quota,
         )
+        _keep_rate(request, rate)
         if cache_key is not None:
             service.cache.fill_later(inference, cache_key)
         if version is not None:
@@ -142,6 +144,18 @@ def counted_prompts(request: Request) -> dict[str, int | None]:
     if counts is None:
         counts = request.state.counted_prompts = {}
     return counts
+
+
+def rate_headers(request: Request) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` headers for the answer: what the caller's rate limits had left once this HTTP
+    request's last accepted request was charged; none when the key has no limits (or nothing was charged)."""
+    rate: RateState | None = getattr(request.state, "rate_limit", None)
+    return rate.headers() if rate is not None else {}
+
+
+def _keep_rate(request: Request, rate: RateState | None) -> None:
+    if rate is not None:
+        request.state.rate_limit = rate
 
 
 def answered_model(inference: InferenceRequest) -> str:

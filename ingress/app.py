@@ -26,6 +26,7 @@ from .body_limit import BodyLimitMiddleware
 from .errors import install_error_handlers
 from .lean_route import LeanRoute
 from .openapi import install_openapi
+from .ratelimit import RATE_LIMIT_HEADERS
 from .responses.store import ResponseStore
 from .responses.sweeper import ResponseSweeper
 from .routes import adapters, batches, embeddings, files, native, openai, ops, responses, tokenize, usage
@@ -36,8 +37,16 @@ log = logging.getLogger(__name__)
 
 
 #: Response headers a browser page may read (CORS exposes none beyond the basic ones unless listed): the request's
-#: id (and each prompt's), how long to wait after a 429 or 503, whether to retry, and when a quota resets.
-EXPOSED_HEADERS = ("x-request-id", "x-request-ids", "retry-after", "x-should-retry", "x-quota-reset")
+#: id (and each prompt's), how long to wait after a 429 or 503, whether to retry, when a quota resets, and what the
+#: key's rate limits have left.
+EXPOSED_HEADERS = (
+    "x-request-id",
+    "x-request-ids",
+    "retry-after",
+    "x-should-retry",
+    "x-quota-reset",
+    *RATE_LIMIT_HEADERS,
+)
 
 
 def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:

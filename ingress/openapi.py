@@ -219,7 +219,18 @@ _ERROR_DESCRIPTIONS = {
     504: "No result within the request timeout or the request's deadline.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
-_REQUEST_ID = {"x-request-id": {"description": "The request id.", "schema": {"type": "string"}}}
+_RATE_LIMITS = {
+    f"x-ratelimit-{what}-{unit}": {
+        "description": f"The key's {'per-minute request' if unit == 'requests' else 'token-per-minute'} limit: "
+        + {"limit": "its size", "remaining": "what is left of it", "reset": "time until it is whole again"}[what]
+        + (" (a Go duration such as 20ms, 1.5s, 6m0s)" if what == "reset" else "")
+        + "; sent only when the key has that limit.",
+        "schema": {"type": "string"},
+    }
+    for unit in ("requests", "tokens")
+    for what in ("limit", "remaining", "reset")
+}
+_REQUEST_ID = {"x-request-id": {"description": "The request id.", "schema": {"type": "string"}}} | _RATE_LIMITS
 
 
 # One server-sent event (OpenAPI 3.1: a stream's schema describes each event): ``data`` is an OpenAI chunk or
@@ -240,7 +251,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     documented: dict[int | str, dict[str, Any]] = {}
     for status in statuses:
         entry: dict[str, Any] = {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
-        if status in (429, 503):
+        if status == 429:
+            entry["headers"] = _RETRY_AFTER | _RATE_LIMITS
+        elif status == 503:
             entry["headers"] = _RETRY_AFTER
         documented[status] = entry
     return documented

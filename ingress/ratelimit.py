@@ -8,7 +8,8 @@ key per limit, and yields the exact wait for ``Retry-After``.
 
 All of a request's limits are checked and charged in one Lua script: a request refused by one limit charges
 none, and replicas cannot interleave between check and charge. Time comes from the Redis server's clock so
-replicas agree.
+replicas agree. The script also answers what is left of each limit, which ingress sends as OpenAI's
+``x-ratelimit-*`` headers (:class:`RateState`), so a client can pace itself before it meets a 429.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import Limits
 
 # KEYS: one counter per limit. ARGV: period_ms, limit and cost for each, in KEYS order.
-# Returns {allowed (1/0), wait_ms}. Stored values are the theoretical arrival time in milliseconds.
+# Returns {allowed (1/0), wait_ms, then per limit: units left, ms until the counter is back to full}. Stored values
+# are the theoretical arrival time (TAT) in milliseconds; a counter holds at most one period's worth of units
+# ahead of now, so what is left is that room over the emission interval. A refused request charges nothing, so
+# its "left" is read from the unchanged TATs.
 _GCRA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -40,11 +44,23 @@ for i, key in ipairs(KEYS) do
   if allow_at > now and allow_at - now > wait then wait = allow_at - now end
   tats[i] = new_tat
 end
-if wait > 0 then return {0, math.ceil(wait)} end
+local allowed = 1
+if wait > 0 then allowed = 0 end
+local out = {allowed, math.ceil(wait)}
 for i, key in ipairs(KEYS) do
-  redis.call('SET', key, string.format('%.3f', tats[i]), 'PX', math.max(1, math.ceil(tats[i] - now)))
+  local period = tonumber(ARGV[3 * i - 2])
+  local limit = tonumber(ARGV[3 * i - 1])
+  local cost = tonumber(ARGV[3 * i])
+  local tat = tats[i]
+  if allowed == 1 then
+    redis.call('SET', key, string.format('%.3f', tat), 'PX', math.max(1, math.ceil(tat - now)))
+  else
+    tat = tat - cost * period / limit
+  end
+  out[2 * i + 1] = math.max(0, math.floor((now + period - tat) * limit / period + 1e-6))
+  out[2 * i + 2] = math.ceil(tat - now)
 end
-return {1, 0}
+return out
 """
 
 
@@ -55,6 +71,59 @@ class _Window:
     limit: float
     cost: int
     what: str
+
+
+@dataclass(frozen=True)
+class WindowState:
+    """What one limit has left after a request: ``remaining`` units, and ``reset_ms`` until it is back to full."""
+
+    name: str
+    limit: float
+    remaining: int
+    reset_ms: int
+
+
+@dataclass(frozen=True)
+class RateState:
+    """A key's limits as one request left them, for OpenAI's ``x-ratelimit-*`` response headers."""
+
+    windows: tuple[WindowState, ...]
+
+    def headers(self) -> dict[str, str]:
+        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` as OpenAI sends them: requests from the
+        per-minute limit (the per-second one when only that is set), tokens from the per-minute token limit;
+        resets as Go durations ("1s", "6m0s", "20ms"), which the SDKs and OpenAI's docs use."""
+        by_name = {w.name: w for w in self.windows}
+        headers: dict[str, str] = {}
+        for unit, window in (("requests", by_name.get("rpm") or by_name.get("rps")), ("tokens", by_name.get("tpm"))):
+            if window is None:
+                continue
+            headers[f"x-ratelimit-limit-{unit}"] = f"{window.limit:g}"
+            headers[f"x-ratelimit-remaining-{unit}"] = str(window.remaining)
+            headers[f"x-ratelimit-reset-{unit}"] = go_duration(window.reset_ms)
+        return headers
+
+
+def go_duration(ms: int) -> str:
+    """A duration in milliseconds written as Go's ``time.Duration`` does: "20ms", "1.5s", "6m0s", "1h2m3s"."""
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds = f"{rest / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{seconds}"
+    if minutes:
+        return f"{minutes}m{seconds}"
+    return seconds
+
+
+#: The headers :meth:`RateState.headers` may set (CORS exposes them to browser pages).
+RATE_LIMIT_HEADERS = tuple(
+    f"x-ratelimit-{what}-{unit}" for unit in ("requests", "tokens") for what in ("limit", "remaining", "reset")
+)
 
 
 def _windows(limits: Limits, tokens: int) -> list[_Window]:
@@ -73,19 +142,23 @@ class RateLimiter:
         self._names = names
         self._script = redis.register_script(_GCRA)
 
-    async def acquire(self, key_id: str, limits: Limits, *, tokens: int) -> None:
-        """Charge one request of ``tokens`` tokens to ``key_id``; raises ``ApiError`` 429 when over a limit and
+    async def acquire(self, key_id: str, limits: Limits, *, tokens: int) -> RateState | None:
+        """Charge one request of ``tokens`` tokens to ``key_id``: what its limits have left (None when it has
+        none). Raises ``ApiError`` 429 when over a limit (with the ``x-ratelimit-*`` headers) and
         ``RedisError``/``OSError`` when Redis does not answer."""
         windows = _windows(limits, tokens)
         if not windows:
-            return
+            return None
         keys = [self._names.rate_key(key_id, w.name) for w in windows]
         args: list[float | int] = []
         for w in windows:
             args += [w.period_ms, w.limit, w.cost]
-        allowed, wait_ms = await self._script(keys=keys, args=args)
+        allowed, wait_ms, *left = await self._script(keys=keys, args=args)
+        state = RateState(
+            tuple(WindowState(w.name, w.limit, int(left[2 * i]), int(left[2 * i + 1])) for i, w in enumerate(windows))
+        )
         if int(allowed):
-            return
+            return state
         retry_after = max(1, math.ceil(int(wait_ms) / 1000))
         what = " and ".join(w.what for w in windows)
         raise ApiError(
@@ -93,5 +166,5 @@ class RateLimiter:
             f"Rate limit reached for this API key (limits: {what}; this request counts 1 request and {tokens} "
             f"tokens). Retry after {retry_after} s.",
             code="rate_limit_exceeded",
-            headers={"Retry-After": str(retry_after)},
+            headers={"Retry-After": str(retry_after)} | state.headers(),
         )

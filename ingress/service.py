@@ -46,7 +46,7 @@ from sluicegate.usage.quota import QuotaClaim, Quotas
 from .backlog import BacklogMonitor
 from .errors import unavailable
 from .model_routes import ModelRoutes
-from .ratelimit import RateLimiter
+from .ratelimit import RateLimiter, RateState
 from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
 from .usage_ledger import UsageLedger
@@ -227,10 +227,11 @@ class IngressService:
         limits: Limits | None = None,
         tokens: int = 0,
         quota: QuotaClaim | None = None,
-    ) -> Route:
+    ) -> tuple[Route, RateState | None]:
         """Admit the request (backlog bound, then the key's rate limits when ``key_id`` and ``limits`` are
         given, charging ``tokens``, then its token quotas' reservation, ``quota``), then record it as queued and
-        publish it, both at once.
+        publish it, both at once. Returns its route and what the key's rate limits have left (None when not
+        charged here or the key has none).
 
         429 when the request's deadline cannot be met by the backlog its workers report (``deadline_unmeetable``),
         when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
@@ -258,8 +259,9 @@ class IngressService:
             raise ApiError(429, f"{unmeetable}; nothing was queued.", code="deadline_unmeetable", headers=headers)
         partitions = {topic: self.router.partitions(topic) for topic in self.names.request_topics(request.model)}
         await self.backlog.admit(request.model, route.tier, heartbeats, partitions)
+        rate: RateState | None = None
         if key_id is not None and limits is not None:
-            await self.charge(key_id, limits, tokens)
+            rate = await self.charge(key_id, limits, tokens)
         if quota is not None:
             await self.reserve(quota)
         record = RequestRecord(
@@ -318,7 +320,7 @@ class IngressService:
             route.reason,
             request.tenant,
         )
-        return route
+        return route, rate
 
     async def _save_record(self, record: RequestRecord) -> None:
         """Write the "queued" status record, a few event-loop turns from now.
@@ -338,10 +340,11 @@ class IngressService:
                 nx=True,
             )
 
-    async def charge(self, key_id: str, limits: Limits, tokens: int) -> None:
-        """Charge one request of ``tokens`` to the key's rate limits: 429 over a limit, 503 without Redis."""
+    async def charge(self, key_id: str, limits: Limits, tokens: int) -> RateState | None:
+        """Charge one request of ``tokens`` to the key's rate limits: what they have left (None without any), 429
+        over a limit, 503 without Redis."""
         try:
-            await self.rate_limiter.acquire(key_id, limits, tokens=tokens)
+            return await self.rate_limiter.acquire(key_id, limits, tokens=tokens)
         except ApiError:
             self.metrics.rejected.labels("rate_limited").inc()
             raise

@@ -24,7 +24,7 @@ from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import SSE_DONE, ResponseIds, sse
 from sluicegate.task_stop import cancel_and_wait
 
-from .accept import answered_model
+from .accept import answered_model, rate_headers
 from .auth import ApiKey
 from .fan_out import accept_each, collect_each
 from .openai_stream import StreamPart, body_events
@@ -52,6 +52,7 @@ async def answer_prompts(request: Request, caller: ApiKey, body: CompletionBody)
     plan = ChoicePlan("completion", n=n, logprobs=first.sampling.logprobs is not None)
     # Every part's id too (``x-request-ids``, in prompt order), so a client can follow or cancel each one.
     headers = {"x-request-id": first.request_id, "x-request-ids": ",".join(i.request_id for i in accepted)}
+    headers |= rate_headers(request)
     if body.stream:
         events = _merged_events(request, accepted, ids, plan, body, accepted_at)
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 
 from sluicegate.api.embeddings import EmbeddingBody, embedding_response
 
-from ..accept import SUBMIT_ERRORS, answered_model
+from ..accept import SUBMIT_ERRORS, answered_model, rate_headers
 from ..auth import authenticate
 from ..body_parsing import parse_body
 from ..fan_out import accept_each, collect_each
@@ -38,7 +38,7 @@ async def embeddings(request: Request) -> Response:
         return Response(status_code=499)  # the client left; every input is cancelled
     dones = [done for _, done in results]
     model = answered_model(accepted[0]) if accepted else body.model
-    headers = {"x-request-id": accepted[0].request_id} if accepted else {}
+    headers = ({"x-request-id": accepted[0].request_id} if accepted else {}) | rate_headers(request)
     vectors = [done.embedding for done in dones]
     prompt_tokens = sum(done.usage.prompt_tokens for done in dones)
     return JSONResponse(embedding_response(model, vectors, prompt_tokens, body.encoding_format), headers=headers)

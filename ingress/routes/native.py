@@ -14,7 +14,7 @@ from sluicegate.api.bodies import NativeRequestBody
 from sluicegate.api.errors import ApiError
 from sluicegate.stream_tokens import issue_stream_token
 
-from ..accept import SUBMIT_ERRORS, accept, answered_model
+from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
@@ -50,7 +50,7 @@ async def submit(request: Request) -> JSONResponse:
             settings.stream_token_secret, rid, inference.tenant, lifetime_s=settings.stream_token_lifetime_s
         ),
     }
-    return JSONResponse(payload, status_code=202, headers={"x-request-id": rid})
+    return JSONResponse(payload, status_code=202, headers={"x-request-id": rid} | rate_headers(request))
 
 
 @router.get("/v1/requests/{request_id}", responses=ok(RequestRecord) | errors(401, 404, 503))

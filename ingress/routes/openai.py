@@ -20,7 +20,7 @@ from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import Kind, ResponseIds
 from sluicegate.api.tool_calls import ToolPlan, plan_for
 
-from ..accept import SUBMIT_ERRORS, accept, answered_model, tool_call_format
+from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers, tool_call_format
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
@@ -48,7 +48,7 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
         if isinstance(body, ChatCompletionBody)
         else ToolPlan(),
     )
-    headers = {"x-request-id": inference.request_id}
+    headers = {"x-request-id": inference.request_id} | rate_headers(request)
     service = service_of(request)
     if body.stream:
         stream = body_events(request, ids, body, tenant=inference.tenant, plan=plan, accepted_at=accepted_at)

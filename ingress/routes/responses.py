@@ -19,7 +19,7 @@ from sluicegate.api.errors import ApiError
 from sluicegate.api.openai_format import worker_failure
 from sluicegate.api.tool_calls import plan_for
 
-from ..accept import SUBMIT_ERRORS, accept, answered_model, tool_call_format
+from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers, tool_call_format
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
@@ -91,7 +91,7 @@ async def create_response(request: Request) -> Response:
             # Queued but not recorded: take the request back, so a retry does not run it twice.
             await service.cancel(rid, caller.tenant, reason="record_failed")
             raise unavailable("Redis", exc, request_id=rid) from exc
-    headers = {"x-request-id": rid}
+    headers = {"x-request-id": rid} | rate_headers(request)
     if body.stream:
         events = sse_events(
             service, record, store=store if body.stored else None, cancel_on_disconnect=not body.background

@@ -170,16 +170,25 @@ async def test_rate_limits_are_per_key_shared_by_replicas_and_answer_429_with_re
     # Two ingress replicas: the limits live in Redis, so they share one budget.
     async with running_ingress(settings) as first, running_ingress(settings) as second:
         async with client(first, RPM_KEY) as a, client(second, RPM_KEY) as b, client(first) as free:
-            statuses = [(await http.post("/v1/requests", json=body)).status_code for http in (a, b, a)]
-            assert statuses == [202, 202, 202]
+            answers = [await http.post("/v1/requests", json=body) for http in (a, b, a)]
+            assert [r.status_code for r in answers] == [202, 202, 202]
+            # What is left, as OpenAI's headers say it, counted down across both replicas; each request adds 20 s
+            # to the time until the key's minute is whole again.
+            assert [r.headers["x-ratelimit-limit-requests"] for r in answers] == ["3", "3", "3"]
+            assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["2", "1", "0"]
+            resets = [float(r.headers["x-ratelimit-reset-requests"].removesuffix("s")) for r in answers]
+            assert 19 < resets[0] <= 20 and 39 < resets[1] <= 40 and 59 < resets[2] <= 60, resets
+            assert "x-ratelimit-limit-tokens" not in answers[0].headers  # this key has no token limit
             refused = await b.post("/v1/requests", json=body)
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["code"] == "rate_limit_exceeded"
             assert "3 requests per minute" in refused.json()["error"]["message"]
             # GCRA at 3/min: the next slot opens 20 s after the first request.
             assert 15 <= int(refused.headers["retry-after"]) <= 20
-            # Another key is not affected.
-            assert (await free.post("/v1/requests", json=body)).status_code == 202
+            assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+            # Another key is not affected, and one without limits gets no rate headers.
+            unlimited = await free.post("/v1/requests", json=body)
+            assert unlimited.status_code == 202 and "x-ratelimit-remaining-requests" not in unlimited.headers
         async with client(first, RPS_KEY) as a, client(second, RPS_KEY) as b:
             assert (await a.post("/v1/requests", json=body)).status_code == 202
             refused = await b.post("/v1/requests", json=body)
@@ -192,10 +201,16 @@ async def test_rate_limits_are_per_key_shared_by_replicas_and_answer_429_with_re
 
         async with client(first, TPM_KEY) as http:
             # Tokens = prompt estimate (5 bytes -> 2) + max_tokens.
-            assert (await http.post("/v1/requests", json=body | {"max_tokens": 600})).status_code == 202
+            charged = await http.post("/v1/requests", json=body | {"max_tokens": 600})
+            assert charged.status_code == 202
+            assert charged.headers["x-ratelimit-limit-tokens"] == "1000"
+            assert charged.headers["x-ratelimit-remaining-tokens"] == "398"
+            assert charged.headers["x-ratelimit-reset-tokens"].endswith("s")
+            assert "x-ratelimit-limit-requests" not in charged.headers  # no request limit on this key
             refused = await http.post("/v1/requests", json=body | {"max_tokens": 600})
             assert refused.status_code == 429 and "1000 tokens per minute" in refused.json()["error"]["message"]
             assert int(refused.headers["retry-after"]) >= 1
+            assert 398 <= int(refused.headers["x-ratelimit-remaining-tokens"]) < 600  # refused: nothing charged
             # A smaller request still fits in what is left of the minute.
             assert (await http.post("/v1/requests", json=body | {"max_tokens": 300})).status_code == 202
             # One request that alone exceeds the budget could never pass: 422, not a 429 to retry forever.

@@ -12,6 +12,7 @@ import pytest
 from ingress.app import create_app
 from ingress.auth import hash_key, parse_keys_file
 from ingress.backlog import backlog_ahead
+from ingress.ratelimit import RateState, WindowState, go_duration
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
 from sluicegate.api.build import build_request
 from sluicegate.api.errors import ApiError
@@ -164,3 +165,42 @@ def test_backlog_counts_a_published_record_once_even_when_its_ack_arrives_after_
     monitor.accepted("m", "standard", topic, 0, 3)  # published after the read: counts once
     monitor.accepted("m", "standard", topic, 1, 0)  # a partition the read did not cover
     assert monitor.estimate("m") == {"interactive": 0, "standard": 5, "batch": 0}
+
+
+@pytest.mark.parametrize(
+    ("ms", "written"),
+    [
+        (0, "0s"),
+        (-5, "0s"),
+        (20, "20ms"),
+        (999, "999ms"),
+        (1000, "1s"),
+        (1500, "1.5s"),
+        (59_999, "59.999s"),
+        (60_000, "1m0s"),
+        (360_000, "6m0s"),
+        (3_723_400, "1h2m3.4s"),
+    ],
+)
+def test_rate_limit_resets_are_written_as_go_durations_as_openai_sends_them(ms: int, written: str) -> None:
+    assert go_duration(ms) == written
+
+
+def test_rate_headers_take_requests_from_the_minute_limit_and_tokens_from_the_token_limit() -> None:
+    state = RateState(
+        (WindowState("rps", 2, 1, 500), WindowState("rpm", 60, 59, 1000), WindowState("tpm", 1000, 900, 6000))
+    )
+    assert state.headers() == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "900",
+        "x-ratelimit-reset-tokens": "6s",
+    }
+    # Only a per-second limit: the request headers follow it.
+    assert RateState((WindowState("rps", 0.5, 0, 2000),)).headers() == {
+        "x-ratelimit-limit-requests": "0.5",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "2s",
+    }
