@@ -42,7 +42,7 @@ from .ratelimit import RateState
 from .usage_ledger import cache_hit_record
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
-SUBMIT_ERRORS = (400, 401, 404, 413, 422, 429, 503)
+SUBMIT_ERRORS = (400, 401, 404, 413, 429, 503)
 
 
 async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str) -> InferenceRequest:
@@ -92,7 +92,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
         except ValidationError as exc:
             raise invalid(exc) from exc
         except ValueError as exc:  # the only other refusal: a deadline already past
-            raise ApiError(422, str(exc), code="invalid_value", param="deadline") from exc
+            raise ApiError(400, str(exc), code="invalid_value", param="deadline") from exc
         counted: int | None = None  # the prompt's exact tokens, when counted with the model's tokenizer
         if service.settings.ingress_count_prompt_tokens:
             inference, counted = await _fit_context(service.tokenizers, inference, body, heartbeats)

@@ -1,5 +1,5 @@
 """Reading a request's JSON body by hand (the publishing endpoints skip FastAPI's body handling, see
-:mod:`ingress.lean_route`): 400 for malformed JSON or an unpaired surrogate, 422/400 naming the bad field."""
+:mod:`ingress.lean_route`): 400 for malformed JSON or an unpaired surrogate, 400 naming the bad field."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ B = TypeVar("B", bound=BaseModel)
 
 async def parse_body(request: Request, model: type[B], *, root_field: str, context: dict[str, Any] | None = None) -> B:
     """The JSON body validated as ``model`` (with pydantic's validation ``context``, for an endpoint that takes
-    more than the model's other users): 400 for malformed JSON, 422/400 naming the bad field, 415 for a
+    more than the model's other users): 400 for malformed JSON, 400 naming the bad field, 415 for a
     compressed body."""
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
@@ -35,7 +35,7 @@ async def parse_body(request: Request, model: type[B], *, root_field: str, conte
     except ValueError as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
-        raise ApiError(422, "Request body must be a JSON object.", code="invalid_value")
+        raise ApiError(400, "Request body must be a JSON object.", code="invalid_value")
     if b"\\u" in raw and _has_lone_surrogate(data):
         raise ApiError(
             400,

@@ -48,7 +48,7 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         param = ".".join(loc) or None
         return error_response(
-            ApiError(422, f"'{param}': {first.get('msg', 'invalid')}", code="invalid_value", param=param)
+            ApiError(400, f"'{param}': {first.get('msg', 'invalid')}", code="invalid_value", param=param)
         )
 
     async def redis_error(_: Request, exc: Exception) -> JSONResponse:

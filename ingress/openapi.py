@@ -205,13 +205,13 @@ class Readiness(_Doc):
 
 
 _ERROR_DESCRIPTIONS = {
-    400: "Malformed JSON, a parameter Sluicegate does not support, or a LoRA adapter a worker refused (its reason).",
+    400: "Malformed JSON, a field with an invalid value or over a per-key limit (prompt tokens, max_tokens), a "
+    "parameter Sluicegate does not support, or a LoRA adapter a worker refused (its reason); param names the field.",
     401: "Missing or unknown API key.",
     403: "The operation needs an admin API key.",
     404: "Unknown model (no live worker) or LoRA adapter, or no such request for this key's tenant.",
     409: "The request already finished, or was cancelled; or the LoRA adapter's name is already registered.",
     413: "Body larger than the key's limit.",
-    422: "A field has an invalid value or is over a per-key limit (prompt tokens, max_tokens).",
     429: "Over the key's rate limits, the model's backlog is full (see Retry-After), or the request's deadline "
     "(X-Request-Deadline or the deadline field) cannot be met by the backlog (deadline_unmeetable).",
     500: "The worker failed the request.",
@@ -316,13 +316,17 @@ def install_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
         components["securitySchemes"] = _SECURITY_SCHEMES
         for path, operations in spec.get("paths", {}).items():
             for operation in operations.values():
-                # FastAPI documents its own validation error shape; ingress answers every error in OpenAI's.
-                fastapi_422 = operation.get("responses", {}).get("422", {})
-                if "HTTPValidationError" in str(fastapi_422):
-                    operation["responses"]["422"] = {
-                        "description": _ERROR_DESCRIPTIONS[422],
-                        "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
-                    }
+                # FastAPI documents its own validation error as a 422; ingress answers it as OpenAI does, a 400 in
+                # OpenAI's error shape.
+                responses = operation.get("responses", {})
+                if "HTTPValidationError" in str(responses.pop("422", {})):
+                    responses.setdefault(
+                        "400",
+                        {
+                            "description": _ERROR_DESCRIPTIONS[400],
+                            "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
+                        },
+                    )
                 if path not in _PUBLIC_PATHS:
                     operation["security"] = [{"bearer": []}, {"apiKey": []}]
         for name in ("HTTPValidationError", "ValidationError"):

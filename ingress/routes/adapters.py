@@ -94,7 +94,7 @@ async def _base_model(service: IngressService, asked: str | None) -> str:
     "/load_lora_adapter",
     # Response, not PlainTextResponse: the route's class decides the documented type of its error bodies (JSON).
     response_class=Response,
-    responses=plain_text("The adapter was verified and registered.") | errors(400, 401, 403, 404, 409, 422, 503),
+    responses=plain_text("The adapter was verified and registered.") | errors(400, 401, 403, 404, 409, 503),
 )
 async def load_lora_adapter(request: Request, body: LoadLoRAAdapterBody) -> PlainTextResponse:
     service = service_of(request)
@@ -148,7 +148,7 @@ async def load_lora_adapter(request: Request, body: LoadLoRAAdapterBody) -> Plai
 @router.post(
     "/unload_lora_adapter",
     response_class=Response,
-    responses=plain_text("The adapter was removed from the registry.") | errors(400, 401, 403, 404, 422, 503),
+    responses=plain_text("The adapter was removed from the registry.") | errors(400, 401, 403, 404, 503),
 )
 async def unload_lora_adapter(request: Request, body: UnloadLoRAAdapterBody) -> PlainTextResponse:
     service = service_of(request)

@@ -52,7 +52,7 @@ def not_found(batch_id: str) -> ApiError:
     return ApiError(404, f"No such Batch object: {batch_id}", code="not_found", param="batch_id")
 
 
-@router.post("/v1/batches", response_model=Batch, responses=errors(400, 401, 404, 422, 503))
+@router.post("/v1/batches", response_model=Batch, responses=errors(400, 401, 404, 503))
 async def create_batch(request: Request, caller: Caller, body: CreateBatchBody) -> Batch:
     if body.endpoint not in BATCH_ENDPOINTS:
         raise ApiError(
@@ -142,7 +142,7 @@ async def cancel_batch(request: Request, caller: Caller, batch_id: str) -> Batch
     return current
 
 
-@router.get("/v1/batches", responses=errors(401, 422, 503))
+@router.get("/v1/batches", responses=errors(400, 401, 503))
 async def list_batches(
     request: Request,
     caller: Caller,

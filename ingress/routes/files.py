@@ -45,7 +45,7 @@ async def owned_file(request: Request, caller: Caller, file_id: str) -> StoredFi
     return stored
 
 
-@router.post("/v1/files", response_model=FileObject, responses=errors(400, 401, 413, 422, 503))
+@router.post("/v1/files", response_model=FileObject, responses=errors(400, 401, 413, 503))
 async def upload_file(
     request: Request,
     caller: Caller,
@@ -95,7 +95,7 @@ async def upload_file(
     return stored.file
 
 
-@router.get("/v1/files", responses=errors(401, 422, 503))
+@router.get("/v1/files", responses=errors(400, 401, 503))
 async def list_files(
     request: Request,
     caller: Caller,

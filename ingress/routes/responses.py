@@ -154,7 +154,7 @@ def _nothing_included(include: list[str] | None) -> None:
         )
 
 
-@router.get("/v1/responses/{response_id}", responses=response_ok() | errors(400, 401, 404, 422, 503))
+@router.get("/v1/responses/{response_id}", responses=response_ok() | errors(400, 401, 404, 503))
 async def retrieve_response(
     request: Request,
     caller: Caller,
@@ -213,7 +213,7 @@ async def delete_response(request: Request, caller: Caller, response_id: str) ->
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-@router.get("/v1/responses/{response_id}/input_items", responses=ok(InputItemList) | errors(400, 401, 404, 422, 503))
+@router.get("/v1/responses/{response_id}/input_items", responses=ok(InputItemList) | errors(400, 401, 404, 503))
 async def list_input_items(
     request: Request,
     caller: Caller,

@@ -36,7 +36,7 @@ async def _tokenizer(request: Request, caller: ApiKey, model: str) -> tuple[Mode
 @router.post(
     "/tokenize",
     openapi_extra=json_body(TokenizeBody),
-    responses=ok(TokenizeResponse) | errors(400, 401, 404, 422, 503),
+    responses=ok(TokenizeResponse) | errors(400, 401, 404, 503),
 )
 async def tokenize(request: Request) -> dict[str, Any]:
     caller = await authenticate(request)
@@ -55,7 +55,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 @router.post(
     "/detokenize",
     openapi_extra=json_body(DetokenizeBody),
-    responses=ok(DetokenizeResponse) | errors(400, 401, 404, 422, 503),
+    responses=ok(DetokenizeResponse) | errors(400, 401, 404, 503),
 )
 async def detokenize(request: Request) -> dict[str, Any]:
     caller = await authenticate(request)

@@ -33,7 +33,7 @@ def month_start(now: float) -> int:
     return int(moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp())
 
 
-@router.get("/v1/usage", response_model=UsageReport, responses=errors(400, 401, 422, 503))
+@router.get("/v1/usage", response_model=UsageReport, responses=errors(400, 401, 503))
 async def get_usage(
     request: Request,
     caller: Caller,

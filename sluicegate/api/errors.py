@@ -18,7 +18,6 @@ _TYPES = {
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -55,7 +54,8 @@ def error_body(message: str, *, type_: str, param: str | None = None, code: str 
 
 
 def invalid(exc: ValidationError, *, root_field: str = "") -> ApiError:
-    """422 naming the first offending field of a body that failed validation.
+    """400 naming the first offending field of a body that failed validation (OpenAI's and vLLM's status; FastAPI's
+    own 422 would make the SDKs raise ``UnprocessableEntityError``, which OpenAI clients do not catch).
 
     A field the API knows but does not implement (``n`` > 1, ``tools``...) is a 400
     ``unsupported_parameter`` instead, so a client can tell "wrong value" from "not here".
@@ -64,4 +64,4 @@ def invalid(exc: ValidationError, *, root_field: str = "") -> ApiError:
     unsupported = any(e["type"] in ("unsupported", "extra_forbidden") for e in exc.errors(include_url=False))
     if unsupported:
         return ApiError(400, message, code="unsupported_parameter", param=field or None)
-    return ApiError(422, message, code="invalid_value", param=field or None)
+    return ApiError(400, message, code="invalid_value", param=field or None)

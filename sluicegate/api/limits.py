@@ -1,5 +1,5 @@
 """Per-key request limits: what a keys-file entry may set, how it falls back to the settings' defaults, a cheap
-prompt-size estimate, and the checks that turn an oversized request into a 422 naming the limit.
+prompt-size estimate, and the checks that turn an oversized request into a 400 naming the limit.
 
 Token counts are estimates, not tokenizer output: ingress serves any model by name and must stay cheap. Token
 id prompts count exactly; text counts one token per four UTF-8 bytes (close to BPE tokenizers on English, and
@@ -140,7 +140,7 @@ def _explicit_max_tokens(body: AnyBody) -> bool:
 
 def checked_max_tokens(body: AnyBody, limits: Limits) -> int:
     """The request's ``max_tokens`` under the key's cap: a default above the cap is lowered to it, an explicit
-    value above it is a 422 (the client asked for something it cannot have)."""
+    value above it is a 400 (the client asked for something it cannot have)."""
     wanted = body.resolved_max_tokens()
     if not limits.max_tokens or wanted <= limits.max_tokens:
         return wanted
@@ -148,7 +148,7 @@ def checked_max_tokens(body: AnyBody, limits: Limits) -> int:
         return limits.max_tokens
     field = "max_completion_tokens" if "max_completion_tokens" in body.model_fields_set else "max_tokens"
     raise ApiError(
-        422,
+        400,
         f"'{field}' is {wanted}, above this API key's limit of {limits.max_tokens} tokens.",
         code="max_tokens_exceeded",
         param=field,
@@ -178,13 +178,13 @@ def check_context(body: AnyBody, max_tokens: int, context: int | None) -> int:
 
 
 def check_prompt_tokens(body: AnyBody, limits: Limits) -> int:
-    """The prompt's estimated tokens; a 422 when it is over the key's limit."""
+    """The prompt's estimated tokens; a 400 when it is over the key's limit."""
     tokens = estimate_prompt_tokens(body)
     if limits.max_prompt_tokens and tokens > limits.max_prompt_tokens:
         field = "prompt" if getattr(body, "prompt", None) is not None else "messages"
         how = "token ids" if isinstance(getattr(body, "prompt", None), list) else "estimated tokens (UTF-8 bytes / 4)"
         raise ApiError(
-            422,
+            400,
             f"The prompt is {tokens} {how}, above this API key's limit of {limits.max_prompt_tokens}.",
             code="prompt_too_long",
             param=field,
@@ -193,11 +193,11 @@ def check_prompt_tokens(body: AnyBody, limits: Limits) -> int:
 
 
 def check_rate_cost(tokens: int, limits: Limits) -> None:
-    """A request that alone needs more tokens than the key's per-minute budget can never pass: 422, not a 429
+    """A request that alone needs more tokens than the key's per-minute budget can never pass: 400, not a 429
     that would be retried forever."""
     if limits.tpm and tokens > limits.tpm:
         raise ApiError(
-            422,
+            400,
             f"The request needs {tokens} tokens (prompt estimate + max_tokens), above this API key's limit of "
             f"{limits.tpm} tokens per minute; lower max_tokens or shorten the prompt.",
             code="rate_limit_cost_exceeded",

@@ -74,7 +74,7 @@ async def test_batch_runs_to_completion_with_error_lines(
 ) -> None:
     await heartbeat(redis, Names(settings.topic_prefix))
     lines = [chat_line(f"req-{n}", f"hello {n}") for n in range(4)]
-    lines.append(chat_line("bad-body", "x", temperature=5))  # the online API answers 422
+    lines.append(chat_line("bad-body", "x", temperature=5))  # the online API answers 400
     lines.append(chat_line("fails-at-worker", "FAIL please"))
     # The fake model repeats the user's text: here a Hermes-style call of an offered tool.
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -124,7 +124,7 @@ async def test_batch_runs_to_completion_with_error_lines(
     assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
     by_id = {line.custom_id: line for line in errors}
     bad = by_id["bad-body"].response
-    assert bad is not None and bad.status_code == 422 and bad.body["error"]["param"] == "temperature"
+    assert bad is not None and bad.status_code == 400 and bad.body["error"]["param"] == "temperature"
     failed = by_id["fails-at-worker"].response
     assert failed is not None and failed.status_code == 400 and failed.body["error"]["code"] == "invalid_request"
     listed = await api.batches.list(limit=5)

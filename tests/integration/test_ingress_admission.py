@@ -213,9 +213,9 @@ async def test_rate_limits_are_per_key_shared_by_replicas_and_answer_429_with_re
             assert 398 <= int(refused.headers["x-ratelimit-remaining-tokens"]) < 600  # refused: nothing charged
             # A smaller request still fits in what is left of the minute.
             assert (await http.post("/v1/requests", json=body | {"max_tokens": 300})).status_code == 202
-            # One request that alone exceeds the budget could never pass: 422, not a 429 to retry forever.
+            # One request that alone exceeds the budget could never pass: 400, not a 429 to retry forever.
             too_big = await http.post("/v1/requests", json=body | {"max_tokens": 5000})
-            assert too_big.status_code == 422 and too_big.json()["error"]["code"] == "rate_limit_cost_exceeded"
+            assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "rate_limit_cost_exceeded"
     assert len(await published(settings, 8)) == 8
 
 
@@ -223,17 +223,17 @@ async def test_rate_limits_are_per_key_shared_by_replicas_and_answer_429_with_re
 async def test_per_key_size_limits_and_queue_budget(settings: Settings, redis: Redis, cleanup_topics: None) -> None:
     async with running_ingress(settings) as url, client(url, SMALL_KEY) as small, client(url) as default:
         too_long = await small.post("/v1/requests", json={"model": MODEL, "prompt": "x" * 100})
-        assert too_long.status_code == 422
+        assert too_long.status_code == 400
         error = too_long.json()["error"]
         assert (error["code"], error["param"]) == ("prompt_too_long", "prompt")
         assert "25 estimated tokens" in error["message"] and "limit of 10" in error["message"]
         ids = await small.post("/v1/requests", json={"model": MODEL, "prompt": list(range(11))})
-        assert ids.status_code == 422 and "11 token ids" in ids.json()["error"]["message"]
+        assert ids.status_code == 400 and "11 token ids" in ids.json()["error"]["message"]
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "y" * 40}]}
         assert (await small.post("/v1/chat/completions", json=chat)).json()["error"]["param"] == "messages"
 
         asked = await small.post("/v1/requests", json={"model": MODEL, "prompt": "hi", "max_tokens": 51})
-        assert asked.status_code == 422
+        assert asked.status_code == 400
         assert (asked.json()["error"]["code"], asked.json()["error"]["param"]) == ("max_tokens_exceeded", "max_tokens")
 
         big = {"model": MODEL, "prompt": "z" * 3000}

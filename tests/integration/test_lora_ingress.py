@@ -205,10 +205,10 @@ async def test_load_refusals_in_openai_shape(
     assert no_base.value.body["param"] == "base_model"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="already a model name"):
         await load(admin, lora_name=MODEL, lora_path=str(good))
-    with pytest.raises(openai.UnprocessableEntityError) as missing:
+    with pytest.raises(openai.BadRequestError) as missing:
         await load(admin, lora_name="nopath")
     assert missing.value.body["param"] == "lora_path"  # type: ignore[index]
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError):
         await load(admin, lora_name="bad name", lora_path=str(good))
     # Nothing refused was registered.
     assert {m.id for m in (await acme.models.list()).data} == {MODEL, "dup"}

@@ -80,7 +80,7 @@ def test_a_bad_body_field_is_refused_naming_it() -> None:
     with pytest.raises(ValidationError) as info:
         ChatCompletionBody.model_validate({**CHAT, "deadline": "tomorrow"})
     error = invalid(info.value, root_field="messages")
-    assert error.status == 422 and error.body()["error"]["param"] == "deadline"
+    assert error.status == 400 and error.body()["error"]["param"] == "deadline"
     assert "RFC 3339" in error.message
 
 

@@ -75,13 +75,13 @@ async def test_oversized_bodies_are_413_by_length_or_by_stream(client: httpx.Asy
     assert_openai_error(response, 413, "request_too_large")
 
 
-async def test_validation_errors_are_422_or_400_naming_the_field(client: httpx.AsyncClient) -> None:
+async def test_validation_errors_are_400_naming_the_field(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/chat/completions", json=CHAT | {"temperature": 9}, headers=AUTH)
-    assert_openai_error(response, 422, "invalid_value", "temperature")
+    assert_openai_error(response, 400, "invalid_value", "temperature")
     response = await client.post("/v1/chat/completions", json=CHAT | {"functions": [{"name": "f"}]}, headers=AUTH)
     assert_openai_error(response, 400, "unsupported_parameter", "functions")
     response = await client.post("/v1/requests", json={"model": "m", "prompt": "x", "priority": "gold"}, headers=AUTH)
-    assert_openai_error(response, 422, "invalid_value", "priority")
+    assert_openai_error(response, 400, "invalid_value", "priority")
     response = await client.post("/v1/completions", content=b"{oops", headers=AUTH)
     assert_openai_error(response, 400, "invalid_json")
     # Nested past Python's recursion limit: once a plain-text 500 and a dropped connection.
@@ -97,7 +97,7 @@ async def test_validation_errors_are_422_or_400_naming_the_field(client: httpx.A
         assert_openai_error(response, 400, "invalid_json")
         assert "is not a JSON value" in response.json()["error"]["message"]
     response = await client.post("/v1/completions", json=[1, 2], headers=AUTH)
-    assert_openai_error(response, 422, "invalid_value")
+    assert_openai_error(response, 400, "invalid_value")
 
 
 async def test_unknown_routes_and_ids_answer_in_openai_shape(client: httpx.AsyncClient) -> None:

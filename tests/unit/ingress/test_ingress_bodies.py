@@ -62,7 +62,7 @@ def test_chat_body_becomes_a_messages_request() -> None:
 @pytest.mark.parametrize("user", ["", "x" * 257, "tab\there"])
 def test_a_bad_user_is_refused_naming_it(user: str) -> None:
     error = rejected(CompletionBody, {"model": "m", "prompt": "x", "user": user})
-    assert (error.status, error.param) == (422, "user")  # as every invalid field
+    assert (error.status, error.param) == (400, "user")  # as every invalid field
 
 
 def test_defaults_for_max_tokens() -> None:
@@ -167,9 +167,9 @@ def test_harmless_defaults_of_unsupported_fields_are_accepted() -> None:
         (NativeRequestBody, {"model": "m", "prompt": "x", "deadline": "2030-01-01T00:00:00"}, "deadline"),
     ],
 )
-def test_invalid_values_are_422_naming_the_field(model: type[BaseModel], body: dict[str, Any], param: str) -> None:
+def test_invalid_values_are_400_naming_the_field(model: type[BaseModel], body: dict[str, Any], param: str) -> None:
     error = rejected(model, body, "messages" if model is ChatCompletionBody else "prompt")
-    assert error.status == 422
+    assert error.status == 400
     payload = error.body()["error"]
     assert payload["param"] == param and payload["type"] == "invalid_request_error"
     assert f"'{param}'" in payload["message"]

@@ -47,7 +47,7 @@ def test_prompt_estimates_and_limits() -> None:
     assert check_prompt_tokens(chat, limits) == 4 + 1
     with pytest.raises(ApiError) as info:
         check_prompt_tokens(CompletionBody(model="m", prompt="x" * 41), limits)
-    assert (info.value.status, info.value.code, info.value.param) == (422, "prompt_too_long", "prompt")
+    assert (info.value.status, info.value.code, info.value.param) == (400, "prompt_too_long", "prompt")
     with pytest.raises(ApiError) as info:
         check_prompt_tokens(NativeRequestBody(model="m", messages=[{"role": "user", "content": "y" * 40}]), limits)
     assert info.value.param == "messages"
@@ -63,19 +63,19 @@ def test_max_tokens_default_is_capped_but_an_explicit_excess_is_refused() -> Non
         checked_max_tokens(
             ChatCompletionBody(model="m", messages=[{"role": "user", "content": "q"}], max_tokens=51), limits
         )
-    assert (info.value.status, info.value.code, info.value.param) == (422, "max_tokens_exceeded", "max_tokens")
+    assert (info.value.status, info.value.code, info.value.param) == (400, "max_tokens_exceeded", "max_tokens")
     body = ChatCompletionBody(model="m", messages=[USER], max_completion_tokens=99)
     with pytest.raises(ApiError, match="'max_completion_tokens' is 99"):
         checked_max_tokens(body, limits)
     assert checked_max_tokens(NativeRequestBody(model="m", prompt="p", max_tokens=10**6), Limits()) == 10**6
 
 
-def test_a_request_larger_than_the_per_minute_token_budget_is_a_422() -> None:
+def test_a_request_larger_than_the_per_minute_token_budget_is_a_400() -> None:
     check_rate_cost(1000, Limits(tpm=1000))
     check_rate_cost(10**9, Limits())
     with pytest.raises(ApiError) as info:
         check_rate_cost(1001, Limits(tpm=1000))
-    assert (info.value.status, info.value.code) == (422, "rate_limit_cost_exceeded")
+    assert (info.value.status, info.value.code) == (400, "rate_limit_cost_exceeded")
 
 
 def test_key_limits_fall_back_to_settings_and_budget_becomes_deadline() -> None:
@@ -138,7 +138,7 @@ async def test_openapi_documents_bodies_errors_and_auth(client: httpx.AsyncClien
     assert "HTTPValidationError" not in schemas
     submit = spec["paths"]["/v1/requests"]["post"]
     assert submit["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/NativeRequestBody")
-    assert {"202", "401", "413", "422", "429", "503"} <= set(submit["responses"])
+    assert {"202", "400", "401", "413", "429", "503"} <= set(submit["responses"])
     assert "Retry-After" in submit["responses"]["429"]["headers"]
     chat = spec["paths"]["/v1/chat/completions"]["post"]
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
