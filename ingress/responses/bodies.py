@@ -116,17 +116,36 @@ class TextFormatJsonObject(_Body):
 
 
 class TextFormatJsonSchema(JsonSchemaSpec):
-    """Structured output under a JSON Schema (the chat ``json_schema`` spec, flattened)."""
+    """Structured output under a JSON Schema (the chat ``json_schema`` spec, flattened). Unlike chat's, the
+    Responses API requires the schema: without one a client's mistake would quietly become "any JSON"."""
 
     type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+def _format_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"{kind}-format" if kind in ("text", "json_object", "json_schema") else None
+
+
+# Tagged "<type>-format" rather than by the type itself: a plain tag would name an error's field
+# "text.format.json_schema.schema", where the client wrote text.format.schema (tags with "-" stay out of the path).
+TextFormat = Annotated[
+    Annotated[TextFormatText, Tag("text-format")]
+    | Annotated[TextFormatJsonObject, Tag("json_object-format")]
+    | Annotated[TextFormatJsonSchema, Tag("json_schema-format")],
+    Discriminator(
+        _format_kind,
+        custom_error_type="invalid_format_type",
+        custom_error_message="type must be 'text', 'json_object' or 'json_schema'",
+    ),
+]
 
 
 class TextConfig(_Body):
     """``text``: the output's format."""
 
-    format: (
-        Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")] | None
-    ) = None
+    format: TextFormat | None = None
     verbosity: Annotated[Literal["low", "medium", "high"] | None, _only("medium", None)] = None
 
     @field_validator("verbosity")

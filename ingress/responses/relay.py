@@ -90,8 +90,17 @@ async def current(service: IngressService, store: ResponseStore, stored: Stored)
         except (RedisError, OSError) as exc:
             raise unavailable("Redis", exc) from exc
     elif stored.cancel_requested:
-        response["status"] = "cancelled"
+        cancelled(response)
     return response, builder.finished
+
+
+def cancelled(response: dict[str, Any]) -> None:
+    """Mark a response whose cancel was asked for, before its worker has ended it, as cancelled: its status, and
+    the output items still being written, which will never be completed (as the final object will say)."""
+    response["status"] = "cancelled"
+    for item in response.get("output", []):
+        if item.get("status") == "in_progress":
+            item["status"] = "incomplete"
 
 
 async def stream_exists(service: IngressService, request_id: str) -> bool:

@@ -9,6 +9,8 @@ belongs to the caller's tenant; any other tenant gets the same 404 as for a resp
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
@@ -32,13 +34,16 @@ from ..responses.docs import InputItemList, ResponseDeleted, response_ok
 from ..responses.events import ResponseEvents
 from ..responses.items import chat_messages, stored_items, with_ids
 from ..responses.objects import PlanSpec, ResponseRecord
-from ..responses.relay import current, sse_events, stream_exists
+from ..responses.relay import cancelled, current, sse_events, stream_exists
 from ..responses.store import ResponseStore, Stored, not_found
 
 router = APIRouter(tags=["responses"])
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _ENDED = frozenset({"finished", "cancelled", "failed"})
+# How long a cancel waits for the worker to end the response, so that it answers the settled object (last text,
+# usage); a running request ends within a step or two of the cancel reaching its worker.
+_CANCEL_SETTLE_S = 2.0
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -197,8 +202,22 @@ async def cancel_response(request: Request, caller: Caller, response_id: str) ->
     if not final:
         await store.mark_cancelled(stored.record)
         await service.cancel(stored.record.request_id, caller.tenant, reason="client_cancelled")
-        response["status"] = "cancelled"
+        response = await _settled(request, caller, response_id, response)
     return JSONResponse(response, headers={"x-request-id": stored.record.request_id})
+
+
+async def _settled(request: Request, caller: ApiKey, response_id: str, response: dict[str, Any]) -> dict[str, Any]:
+    """The cancelled response as its worker ends it (its last text and its usage), when that comes within
+    ``_CANCEL_SETTLE_S``; else ``response`` marked cancelled (a request still queued ends when a worker meets it)."""
+    deadline = time.monotonic() + _CANCEL_SETTLE_S
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        stored = await _owned(request, caller, response_id)
+        settled, final = await current(service_of(request), store_of(request), stored)
+        if final:
+            return settled
+    cancelled(response)
+    return response
 
 
 @router.delete("/v1/responses/{response_id}", responses=ok(ResponseDeleted) | errors(401, 404, 503))

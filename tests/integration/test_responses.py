@@ -333,6 +333,9 @@ async def test_cancel_a_background_response(ingress: str, settings: Settings, re
         await eventually(lambda: redis.exists(names.stream_key(rid)))
         cancelled = await api.responses.cancel(started.id)
         assert cancelled.status == "cancelled"
+        # Settled, or marked so: no item is left "in_progress" under a cancelled response.
+        assert [item.status for item in cancelled.output] == ["incomplete"], cancelled.output
+        assert cancelled.usage is not None and cancelled.output_text == "You"  # the worker ended it within the wait
         marker = CancelRequest.model_validate_json(await redis.get(names.cancel_key(rid)))
         assert marker.reason == "client_cancelled"
         await eventually(lambda: _final(redis, names, started.id))

@@ -12,6 +12,7 @@ from ingress.responses.bodies import ResponseCreateBody, chat_body
 from ingress.responses.events import ResponseEvents
 from ingress.responses.items import chat_messages, stored_items, with_ids
 from ingress.responses.objects import PlanSpec, ResponseRecord
+from ingress.responses.relay import cancelled
 from schemas import DoneEvent, ErrorEvent, RestartEvent, StreamEvent, TokenEvent, Usage
 from sluicegate.api.errors import ApiError, invalid
 
@@ -233,3 +234,16 @@ def test_tool_calls_are_items_with_ids_from_the_request() -> None:
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     again, _ = derive(record(plan=plan), [*said, done(5)])
     assert again == events
+
+
+def test_a_json_schema_format_needs_its_schema() -> None:
+    # OpenAI requires it for the Responses API; without it the output would quietly be "any JSON".
+    error = refused(text={"format": {"type": "json_schema", "name": "thing"}})
+    assert (error.status, error.code, error.param) == (400, "invalid_value", "text.format.schema"), error.message
+    assert "required" in error.message.lower()
+
+
+def test_a_response_cancelled_before_its_worker_ended_it_leaves_no_item_in_progress() -> None:
+    response = {"status": "in_progress", "output": [{"status": "completed"}, {"status": "in_progress"}]}
+    cancelled(response)
+    assert response == {"status": "cancelled", "output": [{"status": "completed"}, {"status": "incomplete"}]}
