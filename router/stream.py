@@ -38,7 +38,14 @@ from sluicegate.metrics_http import MetricsServer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 from sluicegate.task_stop import cancel_and_wait
-from sluicegate.telemetry import configure_tracing, context_from_headers, shutdown_tracing, tracer, tracing_enabled
+from sluicegate.telemetry import (
+    configure_tracing,
+    context_from_headers,
+    shutdown_tracing,
+    tracer,
+    tracing_enabled,
+    valid_traceparent,
+)
 from sluicegate.usage.quota import QuotaClaim, Quotas, claim_for
 from sluicegate.usage.rollup import keep_rolling_up
 
@@ -46,6 +53,7 @@ from .heartbeats import HeartbeatCache
 from .metrics import RouterMetrics
 from .policy import deadline_unmeetable
 from .publish import TopicRegistry, request_headers, send_routed
+from .refusal_events import RefusalEvents
 from .route_table import RouteTable
 from .router import Router
 
@@ -53,11 +61,14 @@ log = logging.getLogger(__name__)
 
 
 def _trace_carrier(record: ConsumerRecord) -> dict[str, str]:
-    carrier: dict[str, str] = {}
-    for name in (HEADER_TRACEPARENT, HEADER_TRACESTATE):
-        value = header(record.headers, name)
-        if value:
-            carrier[name] = value
+    """The record's trace context to pass on: none for a malformed ``traceparent`` (its ``tracestate`` goes too)."""
+    traceparent = header(record.headers, HEADER_TRACEPARENT)
+    if not valid_traceparent(traceparent):
+        return {}
+    assert traceparent is not None
+    carrier = {HEADER_TRACEPARENT: traceparent}
+    if tracestate := header(record.headers, HEADER_TRACESTATE):
+        carrier[HEADER_TRACESTATE] = tracestate
     return carrier
 
 
@@ -111,6 +122,8 @@ class RouterProcessor:
             if redis is not None
             else None
         )
+        # A refused record's stream readers hear why (when its id can be read), beside the dead letter.
+        self.refusals = RefusalEvents(redis, self.names, ttl_s=settings.stream_ttl_s) if redis is not None else None
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
         self.dead_lettered = 0
@@ -219,7 +232,10 @@ class RouterProcessor:
         )
         self.dead_lettered += 1
         self.metrics.dead_letters.labels("router", outcome.reason).inc()
-        return await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
+        letter = await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
+        if self.refusals is not None:
+            await self.refusals.tell(outcome)
+        return letter
 
     async def _route(
         self, record: ConsumerRecord, request: InferenceRequest, beats: list[WorkerHeartbeat]

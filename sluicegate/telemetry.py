@@ -265,6 +265,16 @@ def child_traceparent(incoming: str | None) -> str:
     return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
 
 
+def valid_traceparent(value: str | None) -> bool:
+    """Whether ``value`` is a W3C ``traceparent`` a hop may pass on: the format, a version other than ff, and
+    trace and span ids that are not all zeros. An invalid one is dropped, with its ``tracestate`` (W3C: restart
+    the trace rather than propagate garbage)."""
+    if not value:
+        return False
+    match = _TRACEPARENT.match(value)
+    return match is not None and not value.startswith("ff") and match[1] != "0" * 32 and value[36:52] != "0" * 16
+
+
 def context_from_headers(headers: Sequence[tuple[str, bytes]] | None) -> otel_context.Context:
     """The trace context a Kafka record carries (the first ``traceparent``/``tracestate`` headers)."""
     carrier: dict[str, str] = {}

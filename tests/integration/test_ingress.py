@@ -42,13 +42,16 @@ from router import KeyPolicy
 from router.policy import affinity_prefix, key_partition, partition_key
 from router.stream import run_router
 from schemas import (
+    STREAM_FIELD,
     CancelRequest,
     DeadLetter,
+    ErrorEvent,
     FinalResult,
     InferenceRequest,
     Names,
     PartitionRef,
     RequestRecord,
+    TokenEvent,
     Usage,
     WorkerHeartbeat,
     utcnow,
@@ -488,33 +491,63 @@ async def test_router_routes_valid_and_dead_letters_invalid(
         bad_tier = json.dumps({"request_id": "bad-1", "model": MODEL, "prompt": "x", "priority": "urgent"})
         expired = valid.model_copy(update={"request_id": "late-1", "deadline": utcnow() - timedelta(seconds=1)})
         unknown = valid.model_copy(update={"request_id": "who-1", "model": "nobody-serves-this"})
+        # A refused record under the id of a request whose stream already exists must leave that stream alone.
+        running = TokenEvent(request_id="taken-1", seq=0, text="Hi", token_ids=[1])
+        await redis.xadd(names.stream_key("taken-1"), {STREAM_FIELD: running.model_dump_json()}, id="0-1")
+        taken = unknown.model_copy(update={"request_id": "taken-1"})
         inbound = (
             valid.model_dump_json(),
             "{{not json",
             bad_tier,
             expired.model_dump_json(),
             unknown.model_dump_json(),
+            taken.model_dump_json(),
         )
         for value in inbound:
             await producer.send_and_wait(
                 names.inbound_topic, value.encode(), key=b"k", headers=[("traceparent", traceparent)]
             )
+        # A malformed traceparent is not passed on (nor its tracestate).
+        garbled = valid.model_copy(update={"request_id": "ok-2"}).model_dump_json().encode()
+        trace_headers = [("traceparent", b"garbage"), ("tracestate", b"k=v")]
+        await producer.send_and_wait(names.inbound_topic, garbled, key=b"k", headers=trace_headers)
         async with (
             reader(settings, names.request_topic(MODEL, "batch"), partitions=3) as routed_reader,
             reader(settings, names.dlq_topic, partitions=3) as dlq_reader,
         ):
-            (routed,) = await consume(routed_reader, 1, timeout_s=30)
-            letters = await consume(dlq_reader, 4, timeout_s=30)
+            routed_records = await consume(routed_reader, 2, timeout_s=30)
+            letters = await consume(dlq_reader, 5, timeout_s=30)
     finally:
         await producer.stop()
         stop.set()
         await asyncio.wait_for(task, 15)
 
-    assert InferenceRequest.model_validate_json(routed.value).request_id == "ok-1"
+    by_id = {InferenceRequest.model_validate_json(r.value).request_id: r for r in routed_records}
+    routed = by_id["ok-1"]
     assert routed.key == partition_key(MODEL, affinity_prefix(valid, KeyPolicy()))
     assert dict(routed.headers) == {"request_id": b"ok-1", "traceparent": traceparent}
-    reasons = {dict(r.headers)["reason"].decode(): DeadLetter.model_validate_json(r.value) for r in letters}
+    assert dict(by_id["ok-2"].headers) == {"request_id": b"ok-2"}
+    reasons = {
+        dict(r.headers)["reason"].decode(): DeadLetter.model_validate_json(r.value)
+        for r in letters
+        if dict(r.headers).get("request_id") != b"taken-1"
+    }
     assert set(reasons) == {"invalid_json", "schema_violation:priority", "deadline_exceeded", "unknown_model"}
+    # A client that only reads the stream hears why its record was refused.
+    for rid, code in (("bad-1", "schema_violation"), ("late-1", "deadline_exceeded"), ("who-1", "unknown_model")):
+        entries = await redis.xrange(names.stream_key(rid))
+        assert len(entries) == 1, (rid, entries)
+        event = ErrorEvent.model_validate_json(entries[0][1][STREAM_FIELD.encode()])
+        assert (event.seq, event.code) == (0, code), event
+        assert 0 < await redis.ttl(names.stream_key(rid)) <= settings.stream_ttl_s
+    assert (
+        "'priority'"
+        in ErrorEvent.model_validate_json(
+            (await redis.xrange(names.stream_key("bad-1")))[0][1][STREAM_FIELD.encode()]
+        ).message
+    )
+    assert len(await redis.xrange(names.stream_key("taken-1"))) == 1  # still only the running request's token
+    assert await redis.ttl(names.stream_key("taken-1")) == -1
     assert reasons["schema_violation:priority"].request_id == "bad-1"
     assert "'priority'" in reasons["schema_violation:priority"].detail
     assert reasons["invalid_json"].payload == "{{not json"
@@ -527,7 +560,7 @@ async def test_router_routes_valid_and_dead_letters_invalid(
         offsets = await admin.list_consumer_group_offsets(f"{names.prefix}{settings.router_group}")
     finally:
         await admin.close()
-    assert sum(max(0, meta.offset) for meta in offsets.values()) == 5
+    assert sum(max(0, meta.offset) for meta in offsets.values()) == 7
 
 
 async def test_records_too_large_to_route_or_to_quote_are_dead_lettered_and_the_router_goes_on(

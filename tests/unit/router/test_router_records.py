@@ -10,6 +10,7 @@ import pytest
 from aiokafka.structs import ConsumerRecord
 
 from router.publish import request_headers
+from router.refusal_events import refusal_event
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
 from sluicegate import dead_letters
 from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
@@ -124,3 +125,14 @@ def test_request_headers_prefer_the_carrier_then_the_request_trace() -> None:
     carrier = {"traceparent": "00-" + "3" * 32 + "-" + "4" * 16 + "-01", "tracestate": "v=1"}
     headers = dict(request_headers(request, carrier))
     assert headers["traceparent"] == carrier["traceparent"].encode() and headers["tracestate"] == b"v=1"
+
+
+def test_a_refusal_tells_the_stream_its_reason_as_a_bare_code_when_its_id_is_a_request_id() -> None:
+    event = refusal_event(Rejection("schema_violation:sampling.max_tokens", "'sampling.max_tokens': not an int", "r-1"))
+    assert event is not None and (event.request_id, event.seq, event.code) == ("r-1", 0, "schema_violation")
+    assert "schema_violation:sampling.max_tokens" in event.message and "not an int" in event.message
+    assert refusal_event(Rejection("invalid_json", "not valid JSON", None)) is None
+    # The header of an unreadable record may hold anything: no stream is named after it.
+    assert refusal_event(Rejection("invalid_json", "not valid JSON", "no spaces allowed here")) is None
+    long = refusal_event(Rejection("unknown_model", "x" * 10_000, "r-2"))
+    assert long is not None and len(long.message) <= 2000
