@@ -5,6 +5,9 @@ not answer is a 503 with ``Retry-After``.
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -14,10 +17,20 @@ from starlette.requests import ClientDisconnect
 
 from sluicegate.api.errors import ApiError
 
+log = logging.getLogger(__name__)
+
 
 def error_response(exc: ApiError) -> JSONResponse:
-    """The HTTP response of ``exc``: its status, its OpenAI-shaped body and its headers."""
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    """The HTTP response of ``exc``: its status, its OpenAI-shaped body and its headers, always with an
+    ``x-request-id``: the request's own when one was accepted, else a fresh one that only this answer and its log
+    line carry (the SDKs show it as the error's ``request_id``, so a user can quote it and an operator find it)."""
+    headers = exc.headers or {}
+    request_id = headers.get("x-request-id")
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+        headers = {"x-request-id": request_id} | headers
+    log.info("ingress.refused status=%d code=%s request_id=%s", exc.status, exc.code, request_id)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def unavailable(what: str, exc: BaseException, *, request_id: str | None = None) -> ApiError:

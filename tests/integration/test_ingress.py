@@ -421,6 +421,10 @@ async def test_openai_client_chat_and_completions(ingress: str, settings: Settin
         assert len(worker.seen) == 4
         # Non-streaming completions default to OpenAI's 16 tokens; the tier is the key's default.
         assert {r.priority for _, r in worker.seen} == {"standard"}
+        # A refused request still has an id the SDK shows (a user quotes it; the log line names it).
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=MODEL, messages=messages, temperature=9)  # type: ignore[arg-type]
+        assert refused.value.request_id and len(refused.value.request_id) == 32
     await client.close()
 
 

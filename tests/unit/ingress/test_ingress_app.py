@@ -5,6 +5,7 @@ port, so anything that reaches them would fail with a 503 instead."""
 from __future__ import annotations
 
 import gzip
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -45,6 +46,8 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 def assert_openai_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> None:
     assert response.status_code == status, response.text
+    # Every error carries a request id, a fresh one where no request was accepted, as OpenAI's do.
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"]), response.headers
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == code and error["message"]
