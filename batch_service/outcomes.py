@@ -1,6 +1,6 @@
 """Turning what the pipeline reports about a batch line into its :class:`LineOutcome`: a ``FinalResult`` from
-``llm.results``, or (for a line that failed at the worker, which publishes no result) its status record and the
-``error`` event that ended its stream."""
+``llm.results`` (a failed line's carries its error), or, for a line whose result never came (its worker died
+before sending it), its status record and the ``error`` event that ended its stream."""
 
 from __future__ import annotations
 

@@ -207,19 +207,31 @@ class Outputs:
         status = "cancelled" if done.finish_reason == "abort" else "finished"
         await self.set_record(request, status, result)
 
-    async def publish_usage(
-        self,
-        request: InferenceRequest,
-        entry: Active | None,
-        usage: Usage | None,
-        finish_reason: FinishReason | None,
-        error_code: str | None = None,
-    ) -> None:
-        """The request's usage ledger record (``usage`` None: it failed), retried until Kafka takes it. Sent again
-        by a worker that takes the request over before its status record said it ended: the rollup counts it once
-        (:mod:`sluicegate.usage.ledger`)."""
-        value = self._usage_value(request, entry, usage, finish_reason, error_code)
-        await self.send(self.names.usage_topic, value, request.request_id)
+    async def publish_failure(self, request: InferenceRequest, entry: Active | None, code: str, message: str) -> None:
+        """A failed request's result to ``llm.results`` (no text, ``finish_reason`` "error", ``error_code`` and
+        ``error_message`` set) with its usage record as failed, both in one produce request: a Kafka-native
+        consumer of ``llm.results`` (and a batch's collector) learns of the failure there, as of any ending,
+        instead of waiting for a result that never comes."""
+        result = FinalResult(
+            request_id=request.request_id,
+            model=request.model,
+            tenant=request.tenant,
+            text="",
+            token_ids=[],
+            finish_reason="error",
+            usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0),
+            error_code=code,
+            error_message=message,
+            worker_id=self.config.worker_id,
+            created_at=request.created_at,
+        )
+        usage = self._usage_value(request, entry, None, None, code)
+        await self.send_all(
+            [
+                (self.names.results_topic, result.model_dump_json().encode(), request.request_id),
+                (self.names.usage_topic, usage, request.request_id),
+            ]
+        )
 
     def _usage_value(
         self,

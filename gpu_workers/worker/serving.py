@@ -184,7 +184,7 @@ class Serving:
                 # (llm.results is at-least-once, keyed by request id).
                 await self.outputs.publish_result(request, state.done, state.token_ids, state.text)
             elif state.error is not None and not ended_before:  # died between ``error`` and its status record
-                await self.outputs.publish_usage(request, None, None, None, state.error.code)
+                await self.outputs.publish_failure(request, None, state.error.code, state.error.message)
             return True
         if not state.exists and ended_before:
             return True  # it finished long ago and its stream expired
@@ -419,8 +419,8 @@ class Serving:
     async def _fail(
         self, entry: Active, code: str, message: str, seq: int | None = None, request: InferenceRequest | None = None
     ) -> bool:
-        """End the request's stream with an ``error`` event (and, given the request, its usage record as failed);
-        False when it was handed off meanwhile."""
+        """End the request's stream with an ``error`` event (and, given the request, its failed result and usage
+        record); False when it was handed off meanwhile."""
         request_id = entry.request_id
         if seq is None:
             state = await self.outputs.redis_call(lambda: read_stream_state(self.redis, self.names, request_id))
@@ -431,7 +431,7 @@ class Serving:
             entry.watch.failed(code)
         await self.outputs.flush()
         if request is not None:
-            await self.outputs.publish_usage(request, entry, None, None, code)
+            await self.outputs.publish_failure(request, entry, code, message[:2000])
         await self.outputs.mark_failed(request_id)
         return True
 

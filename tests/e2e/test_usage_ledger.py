@@ -23,7 +23,7 @@ import pytest
 from aiokafka import TopicPartition
 
 from ingress.auth import derived_tenant, hash_key
-from schemas import DoneEvent, ErrorEvent, InferenceRequest, Names, SamplingOptions, UsageRecord
+from schemas import DoneEvent, ErrorEvent, FinalResult, InferenceRequest, Names, SamplingOptions, UsageRecord
 from sluicegate.dlq import read_topic
 from sluicegate.kafka import create_admin, create_consumer, create_producer
 
@@ -181,6 +181,16 @@ def kafka_native(pipeline: Pipeline, ledger: Ledger) -> None:
     error = pipeline.wait_stream_end(refused.request_id, timeout_s=120)[-1]
     assert isinstance(error, ErrorEvent) and error.code == "context_length_exceeded", error
     ledger.add(refused.request_id, None, "failed")
+    # A consumer of llm.results hears of the failure there too, not only on the stream.
+    deadline = time.monotonic() + 30
+    while True:
+        records = asyncio.run(read_topic(pipeline.kafka_bootstrap, Names(pipeline.prefix).results_topic))
+        results = [FinalResult.model_validate_json(r.value) for r in records]
+        failed = [r for r in results if r.request_id == refused.request_id]
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [(r.finish_reason, r.error_code, r.text) for r in failed] == [("error", "context_length_exceeded", "")]
 
 
 def batch(pipeline: Pipeline, ledger: Ledger) -> None:
