@@ -16,6 +16,9 @@ const composer = $("#composer");
 const sendButton = $("#send");
 const stopButton = $("#stop");
 const newChatButton = $("#new-chat");
+const promptInput = composer.elements.prompt;
+// Within this many pixels of the bottom the chat follows a streaming reply; scrolled further up, it stays put.
+const FOLLOW_SLACK_PX = 48;
 
 let settings = {};
 let conversation = []; // [{role, content}] sent with every turn
@@ -23,6 +26,8 @@ let busy = false; // a turn is being submitted or received: set at once, so a se
 let pending = null; // the turn in flight once ingress accepted it: {prompt, messages, streamUrl, token, requestId}
 let current = null; // the ReplyStream being received
 let latest = null; // the most recent ReplyStream, kept after its turn ends (for tests)
+let stopRequested = false; // Stop pressed for the turn in flight, possibly before ingress accepted it
+let atEnd = true; // the chat is scrolled to (or near) its bottom: new text keeps it there
 
 // --- settings -----------------------------------------------------------------------------------
 
@@ -53,22 +58,38 @@ async function loadSettings() {
   for (const [name, value] of Object.entries(settings)) {
     if (settingsForm.elements[name]) settingsForm.elements[name].value = value;
   }
+  fitSystemPrompt();
   if (!settings.apiKey || !settings.model) openSettings(true);
   if (settings.apiKey) refreshModels();
 }
 
+/** Save the form's values as shown, once the browser finds them valid (else it points at the field and says why);
+ * false when they were not saved. Both Save and Refresh models come here: no value is stored unchecked. */
 function saveSettings() {
+  if (!settingsForm.reportValidity()) {
+    setStatus("settings not saved: fix the marked field");
+    return false;
+  }
   const form = settingsForm.elements;
   settings = {
     ingressUrl: form.ingressUrl.value.trim().replace(/\/+$/, ""),
     apiKey: form.apiKey.value.trim(),
     model: form.model.value.trim(),
-    maxTokens: Number(form.maxTokens.value) || 256,
+    maxTokens: Number(form.maxTokens.value),
     temperature: Number(form.temperature.value),
     system: form.system.value,
   };
   localStorage.setItem(STORAGE_KEY, JSON.stringify(settings));
   setStatus("settings saved");
+  return true;
+}
+
+/** The system prompt's box grows with its text (up to the CSS max-height, then it scrolls). */
+function fitSystemPrompt() {
+  const box = settingsForm.elements.system;
+  if (!box.offsetParent) return; // Settings closed: nothing to measure (fitted again when it opens)
+  box.style.height = "auto";
+  box.style.height = `${box.scrollHeight + box.offsetHeight - box.clientHeight}px`;
 }
 
 function showModels(models) {
@@ -95,6 +116,7 @@ function openSettings(open) {
   const wasOpen = settingsForm.classList.contains("open");
   settingsForm.classList.toggle("open", open);
   $("#toggle-settings").setAttribute("aria-expanded", String(open));
+  if (open) fitSystemPrompt();
   // Opened for the person to fill something in: put the cursor in the first empty field (the API key, at first);
   // with every field filled (a wrong key, an unknown model) the focus stays where the person is.
   if (open && !wasOpen) [...settingsForm.querySelectorAll("input")].find((input) => !input.value)?.focus();
@@ -108,6 +130,7 @@ function authHeaders() {
 
 function setStatus(text) {
   statusLine.textContent = text;
+  statusLine.title = text; // the header shows one line of it (ellipsized); the whole text on hover
 }
 
 function addMessage(role, text) {
@@ -127,7 +150,7 @@ function addMessage(role, text) {
   const aside = Object.assign(document.createElement("span"), { className: "aside" }); // about the turn's context
   element.append(label, aside, body, metrics, note);
   log.append(element);
-  log.scrollTop = log.scrollHeight;
+  followToEnd();
   return { element, body, metrics, note, aside, show };
 }
 
@@ -158,7 +181,7 @@ function retryAfterSeconds(response, message) {
 }
 
 /** What the person reads for a refused request: what happened, the server's words, what to do. */
-function explainError({ status, code, message, retryAfter }) {
+function explainError({ status, code, param, message, retryAfter }) {
   if (status === 401 || status === 403) {
     openSettings(true);
     return `Not authorised (${status}): ${message} Check the API key in Settings.`;
@@ -171,10 +194,7 @@ function explainError({ status, code, message, retryAfter }) {
     // Its message names the reset time already; a quota is not a rate limit that passes in seconds.
     return `Token quota used up (429): ${message}`;
   }
-  if (code === "context_length_exceeded" && /max_tokens|completion/i.test(message)) {
-    openSettings(true);
-    return `Too long for the model (${status}): ${message} Lower Max tokens in Settings, or start a New chat.`;
-  }
+  if (code === "context_length_exceeded") return explainContext(status, param, message);
   if (status === 429) {
     // Said once: ingress's own message already names the wait ("Retry after N s.").
     const wait = retryAfter && !/retry after/i.test(message) ? ` Try again in ${retryAfter} s.` : "";
@@ -184,15 +204,35 @@ function explainError({ status, code, message, retryAfter }) {
   return `Request refused (${status}): ${message}`;
 }
 
+/** A request past the model's context, as left after the page's own trimming of older turns (submit): Max tokens is
+ * the advice only when lowering it would make the request fit; messages that fill the context alone must be shortened.
+ * The message is vLLM's: "maximum context length is 8192 tokens ... (9041 in the messages, 256 in the completion)". */
+function explainContext(status, param, message) {
+  const context = Number(/maximum context length is (\d+)/i.exec(message)?.[1]);
+  const prompt = Number(/\((\d+) in the (?:messages|prompt)/i.exec(message)?.[1]);
+  const counted = context > 0 && Number.isFinite(prompt) && prompt > 0;
+  if (/^max_(?:completion_)?tokens$/.test(param ?? "") || (counted && prompt < context)) {
+    openSettings(true);
+    const room = counted ? ` (this message leaves room for at most ${context - prompt})` : "";
+    return `Too long for the model (${status}): ${message} Lower Max tokens in Settings${room}.`;
+  }
+  const what = settings.system ? "the message or the system prompt" : "the message";
+  if (counted) return `Message too long for the model (${status}): ${message} Shorten ${what} and send it again.`;
+  return `Too long for the model (${status}): ${message} Shorten ${what}, or lower Max tokens in Settings.`;
+}
+
 // --- a turn -------------------------------------------------------------------------------------
 
 async function submit(prompt) {
   const startedAt = performance.now();
+  atEnd = true; // the person just sent: show their message and follow the reply
   addMessage("user", prompt);
   const messages = [...conversation, { role: "user", content: prompt }];
   if (settings.system) messages.unshift({ role: "system", content: settings.system });
   const view = addMessage("assistant", "");
   setBusy(true);
+  stopRequested = false;
+  let accepted = false;
   try {
     setStatus("submitting ...");
     let response;
@@ -216,9 +256,11 @@ async function submit(prompt) {
       // as chat apps do, until it fits or only the new message is left (then the refusal is shown).
       // (Max tokens alone past the context: no turn left out would help.)
       const fits = error.code !== "context_length_exceeded" || error.param === "max_tokens";
+      if (!fits && stopRequested) throw new StoppedBeforeAccepted(); // the person stopped it: ask no more
       if (fits || !dropOldestTurn(messages)) throw new Error(explainError(error));
       leftOut += 1;
     }
+    accepted = true;
     if (leftOut) {
       view.aside.textContent = `${leftOut} earlier turn${leftOut === 1 ? "" : "s"} left out to fit the model's context`;
     }
@@ -228,10 +270,21 @@ async function submit(prompt) {
     setStatus(`queued as ${requestId}`);
     await follow(pending, view, startedAt);
   } catch (err) {
-    showFailure(view, err.message);
+    if (err instanceof StoppedBeforeAccepted) showStopped(view);
+    else showFailure(view, err.message);
+    // Nothing was queued: the words go back into the box to send again (unless the person typed anew meanwhile).
+    if (!accepted) restorePrompt(prompt);
   } finally {
     endTurn();
   }
+}
+
+class StoppedBeforeAccepted extends Error {}
+
+function restorePrompt(prompt) {
+  if (promptInput.value.trim()) return;
+  promptInput.value = prompt;
+  checkPrompt();
 }
 
 /** Remove the oldest turn (a user message and the replies up to the next one) from ``messages``, never the system
@@ -251,14 +304,24 @@ async function follow(turn, view, startedAt) {
   current = new ReplyStream(turn.streamUrl, turn.token, view, {
     startedAt,
     onStatus: setStatus,
-    onChange: scrollToEnd,
+    onChange: followToEnd,
   });
   latest = current;
+  // Stop pressed while the request was still being submitted: cancel it now that it has a stream (the cancel goes
+  // out as the socket opens; a request still queued is dropped at pickup), and the reply ends as stopped.
+  if (stopRequested) current.cancel();
   const outcome = await current.finished;
   if (outcome.ok) {
     conversation = [...turn.messages.filter((m) => m.role !== "system"), { role: "assistant", content: current.text }];
   }
   setStatus(outcome.ok ? "idle" : "failed");
+}
+
+function showStopped(view) {
+  view.element.classList.add("stopped");
+  view.element.dataset.state = "stopped";
+  view.note.textContent = "stopped before it was sent";
+  setStatus("stopped");
 }
 
 function showFailure(view, message) {
@@ -271,14 +334,35 @@ function showFailure(view, message) {
 function endTurn() {
   current = null;
   pending = null;
+  stopRequested = false;
   saveSession();
   setBusy(false);
-  scrollToEnd(); // the outcome's note (an error, a stop) is the last thing on the page: show it
+  followToEnd(); // the outcome's note (an error, a stop) is the last thing on the page: show it
 }
 
-function scrollToEnd() {
+/** Keep the newest text in view, but only for a person already at (or near) the bottom: one who scrolled up to
+ * read stays where they are while the reply streams on (scrolling back down follows it again). */
+function followToEnd() {
+  noteScroll(); // a scroll whose event has not fired yet counts too: a token must not undo it
+  if (!atEnd) return;
   log.scrollTop = log.scrollHeight;
+  lastScrollTop = log.scrollTop;
 }
+
+let lastScrollTop = 0;
+
+/** Where the person has scrolled since last looked: any move up leaves the end (the page itself only ever scrolls
+ * down, to the end), even a small one within the slack; a move down to near the end follows the reply again; no
+ * move keeps what was (text that grew below a followed end is followed, however much it grew). */
+function noteScroll() {
+  const top = log.scrollTop;
+  const distance = log.scrollHeight - top - log.clientHeight;
+  if (top < lastScrollTop) atEnd = distance < 1;
+  else if (top > lastScrollTop) atEnd = distance <= FOLLOW_SLACK_PX;
+  lastScrollTop = top;
+}
+
+log.addEventListener("scroll", noteScroll);
 
 function saveSession() {
   try {
@@ -321,48 +405,76 @@ async function reachIngress(url, init) {
 
 function setBusy(on) {
   busy = on;
+  // A disabled button loses the focus to <body>: keep it where the next message is typed.
+  if (!on && document.activeElement === stopButton) promptInput.focus();
   sendButton.disabled = on;
   stopButton.disabled = !on;
   newChatButton.disabled = on; // the reply would land in the cleared chat: Stop first
+}
+
+/** A message of spaces and blank lines alone is not sent: the browser says so (as it does for an empty one). */
+function checkPrompt() {
+  const blank = promptInput.value !== "" && !promptInput.value.trim();
+  promptInput.setCustomValidity(blank ? "Type a message: spaces and blank lines alone are not sent." : "");
 }
 
 // --- wiring -------------------------------------------------------------------------------------
 
 composer.addEventListener("submit", (event) => {
   event.preventDefault();
-  const prompt = composer.elements.prompt.value.trim();
+  const prompt = promptInput.value.trim();
   if (!prompt || busy) return;
   if (!settings.apiKey || !settings.model) {
     openSettings(true);
     setStatus("set the API key and model first");
     return;
   }
-  composer.elements.prompt.value = "";
+  promptInput.value = "";
+  checkPrompt();
   submit(prompt);
 });
 
-composer.elements.prompt.addEventListener("keydown", (event) => {
+promptInput.addEventListener("input", checkPrompt);
+
+promptInput.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) {
     event.preventDefault();
-    composer.requestSubmit();
+    checkPrompt();
+    composer.requestSubmit(); // validates first: an empty or blank message gets the browser's message, not a send
   }
 });
 
-stopButton.addEventListener("click", () => current && current.cancel());
+stopButton.addEventListener("click", () => {
+  if (current) current.cancel();
+  else if (busy) {
+    // Still being submitted: remembered, and the request is cancelled the moment ingress accepts it (follow).
+    stopRequested = true;
+    setStatus("stopping ...");
+  }
+  promptInput.focus(); // Stop disables itself: the focus goes where the next message is typed
+});
 
 settingsForm.addEventListener("submit", (event) => {
   event.preventDefault();
-  saveSettings();
+  if (!saveSettings()) return;
   openSettings(false);
   refreshModels();
 });
 
 $("#refresh-models").addEventListener("click", () => {
-  saveSettings();
-  refreshModels();
+  if (saveSettings()) refreshModels();
 });
 
+settingsForm.elements.system.addEventListener("input", fitSystemPrompt);
+
 $("#toggle-settings").addEventListener("click", () => openSettings(!settingsForm.classList.contains("open")));
+
+document.addEventListener("keydown", (event) => {
+  if (event.key !== "Escape" || !settingsForm.classList.contains("open")) return;
+  const inside = settingsForm.contains(document.activeElement);
+  openSettings(false);
+  if (inside) $("#toggle-settings").focus(); // the focused field is hidden now: back to the button that opens it
+});
 
 newChatButton.addEventListener("click", () => {
   if (busy) return;

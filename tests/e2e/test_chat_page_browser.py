@@ -4,10 +4,13 @@ Settings are typed into the page, a message is sent with Enter, the reply stream
 tokens/s under it, Stop ends the request as cancelled by the worker, a WebSocket the page drops
 resumes from ``last_id`` with exactly the text the Redis stream holds, and refused requests (a bad key,
 an unknown model, a rate limit's 429) and a stream that ends in an ``error`` event are explained to the
-person; and on the real default model (SmolLM2-135M-Instruct, greedy) the page gets a right answer. Needs
-Debian's ``chromium`` and ``chromium-driver`` (``run.sh test`` installs them); without them the module skips and
-says so (fails under ``CI``). ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also
-writes the screenshots into ``docs/screenshots/`` (they always go to the test's tmp dir).
+person (with the right advice for a message past the model's context, and the text of a send that was not accepted
+put back in the input); Stop pressed before ingress accepted the request still stops it; a streaming reply is
+followed only while the chat is at its bottom; Settings are validated before any save and close with Escape; on a
+phone-sized window the header stays on screen; and on the real default model (SmolLM2-135M-Instruct, greedy) the
+page gets a right answer. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test`` installs them); without
+them the module skips and says so (fails under ``CI``). ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also writes the screenshots
+into ``docs/screenshots/`` (they always go to the test's tmp dir).
 """
 
 from __future__ import annotations
@@ -133,10 +136,16 @@ def configure(driver: webdriver.Chrome, **values: str) -> None:
     driver.find_element(By.CSS_SELECTOR, '#settings button[type="submit"]').click()
 
 
+def prompt_box(driver: webdriver.Chrome) -> WebElement:
+    return driver.find_element(By.CSS_SELECTOR, '#composer [name="prompt"]')
+
+
 def send(driver: webdriver.Chrome, prompt: str = PROMPT) -> WebElement:
-    """Type the prompt, press Enter; the assistant message that appears for it."""
+    """Type the prompt into the emptied box (a failed send puts its text back there), press Enter; the assistant
+    message that appears for it."""
     before = len(driver.find_elements(By.CSS_SELECTOR, ".message.assistant"))
-    driver.find_element(By.CSS_SELECTOR, '#composer [name="prompt"]').send_keys(prompt, Keys.ENTER)
+    prompt_box(driver).clear()
+    prompt_box(driver).send_keys(prompt, Keys.ENTER)
     return wait_for(
         lambda: (m := driver.find_elements(By.CSS_SELECTOR, ".message.assistant"))[before:] and m[before],
         "the assistant message",
@@ -203,7 +212,9 @@ def test_stop_cancels_the_request_and_the_worker_aborts_it(
     message = send(page)
     wait_for(lambda: len(reply_text(page, message)) > 20, "some streamed text")
     page.find_element(By.ID, "stop").click()
+    assert page.switch_to.active_element == prompt_box(page), "Stop disables itself: the focus goes to the input"
     assert wait_ended(message, timeout_s=60) == "stopped", message.text
+    assert page.switch_to.active_element == prompt_box(page)
 
     request_id = message.get_attribute("data-request-id")
     events = pipeline.wait_stream_end(request_id)
@@ -293,6 +304,233 @@ def test_a_second_enter_while_a_turn_is_in_flight_starts_nothing(page: webdriver
     assert page.find_element(By.ID, "new-chat").is_enabled()
 
 
+_HOLD_ACCEPTED_POSTS = """window.releasePost = null;
+const original = window.fetch;
+window.fetch = async (url, init) => {
+  const response = await original(url, init);
+  // The server has accepted the request; its answer reaches the page only when the test releases it.
+  if (init && init.method === "POST") await new Promise((resolve) => (window.releasePost = resolve));
+  return response;
+};"""
+
+
+def test_stop_pressed_before_the_request_is_accepted_cancels_it_once_it_is(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """Stop while the page still says "submitting ..." (ingress's 202 not yet read): the stop is remembered, the
+    request cancelled as soon as the page has its stream, and the reply ends as stopped, not at max tokens."""
+    configure(page, apiKey=pipeline.api_key, maxTokens=str(LONG), temperature="0")
+    page.execute_script(_HOLD_ACCEPTED_POSTS)
+    message = send(page)
+    wait_for(lambda: page.execute_script("return typeof window.releasePost === 'function'"), "the held 202")
+    assert page.find_element(By.ID, "status").text == "submitting ..."
+    page.find_element(By.ID, "stop").click()
+    assert page.find_element(By.ID, "status").text == "stopping ..."
+    assert page.switch_to.active_element == prompt_box(page)
+    page.execute_script("window.releasePost()")
+    assert wait_ended(message, timeout_s=60) == "stopped", message.text
+    request_id = message.get_attribute("data-request-id")
+    done = pipeline.wait_stream_end(request_id)[-1]
+    assert isinstance(done, DoneEvent) and done.finish_reason == "abort", done
+    assert done.usage.completion_tokens < LONG
+    assert message.find_element(By.CLASS_NAME, "note").text == "stopped"
+    assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
+
+
+_LOG_GEOMETRY = """const log = document.getElementById("log");
+return {top: log.scrollTop, height: log.scrollHeight, below: log.scrollHeight - log.scrollTop - log.clientHeight};"""
+
+
+def test_a_streaming_reply_is_followed_only_while_the_chat_is_at_its_bottom(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """Scrolled up to read, the person stays where they are while the reply streams on; back at the bottom, the
+    chat follows the reply again."""
+    configure(page, apiKey=pipeline.api_key, maxTokens=str(LONG), temperature="0")
+    page.execute_script("for (let i = 0; i < 30; i++) addMessage('user', `An earlier message, number ${i}.`)")
+    message = send(page)
+    wait_for(lambda: len(reply_text(page, message)) > 20, "some streamed text")
+    assert page.execute_script(_LOG_GEOMETRY)["below"] <= 48, "the chat follows the reply it just sent"
+
+    page.execute_script("document.getElementById('log').scrollTop = 0")
+    start = page.execute_script(_LOG_GEOMETRY)["height"]
+    wait_for(lambda: page.execute_script(_LOG_GEOMETRY)["height"] > start + 60, "the reply to grow")
+    assert state(message) == "streaming"
+    assert page.execute_script(_LOG_GEOMETRY)["top"] == 0, "the chat jumped back to the bottom"
+
+    page.execute_script("const log = document.getElementById('log'); log.scrollTop = log.scrollHeight")
+    start = page.execute_script(_LOG_GEOMETRY)["height"]
+    wait_for(lambda: page.execute_script(_LOG_GEOMETRY)["height"] > start + 60, "the reply to grow more")
+    assert state(message) == "streaming"
+    assert page.execute_script(_LOG_GEOMETRY)["below"] <= 48, "back at the bottom, the chat follows again"
+    page.find_element(By.ID, "stop").click()
+    assert wait_ended(message, timeout_s=60) in ("stopped", "done"), message.text
+
+
+_REFUSE_POSTS = """window.posts = 0;
+window.refusal = null; // {message, code, param}, or "unreachable"
+window.holdPosts = false;
+const original = window.fetch;
+window.fetch = async (url, init) => {
+  if (!init || init.method !== "POST") return original(url, init);
+  window.posts += 1;
+  if (window.holdPosts) await new Promise((resolve) => (window.releasePost = resolve));
+  if (window.refusal === "unreachable") throw new TypeError("Failed to fetch");
+  const body = JSON.stringify({ error: { type: "invalid_request_error", ...window.refusal } });
+  return new Response(body, { status: 400, headers: { "Content-Type": "application/json" } });
+};"""
+
+
+def context_refusal(in_messages: int, completion: int, context: int = 8192) -> dict[str, str]:
+    """Ingress's 400 for a prompt + max tokens past the context, worded as vLLM words it."""
+    total = in_messages + completion
+    return {
+        "code": "context_length_exceeded",
+        "param": "messages",
+        "message": f"This model's maximum context length is {context} tokens. However, you requested {total} "
+        f"tokens ({in_messages} in the messages, {completion} in the completion). Please reduce the length of the "
+        "messages or completion.",
+    }
+
+
+def test_a_message_too_long_for_the_context_is_to_be_shortened_and_a_refused_send_keeps_its_text(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """A message that alone fills the model's context is to be shortened (lowering Max tokens could not help); one
+    that fits with fewer tokens to generate gets the Max tokens advice. A send that was not accepted puts its text
+    back in the input, unless the person has typed something new meanwhile."""
+    configure(page, apiKey=pipeline.api_key, maxTokens="256", temperature="0")
+    page.execute_script(_REFUSE_POSTS)
+    settings = page.find_element(By.ID, "settings")
+
+    page.execute_script("window.refusal = arguments[0]", context_refusal(9041, 256))
+    message = send(page, "A very long message")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert note.startswith("Message too long for the model (400): This model's maximum context length"), note
+    assert note.endswith("Shorten the message and send it again."), note
+    assert "Max tokens" not in note and not settings.is_displayed(), "Max tokens is not what to change"
+    assert prompt_box(page).get_attribute("value") == "A very long message"
+
+    page.execute_script("window.refusal = arguments[0]", context_refusal(8000, 256))
+    message = send(page, "A long message")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    note = message.find_element(By.CLASS_NAME, "note").text
+    assert note.endswith("Lower Max tokens in Settings (this message leaves room for at most 192)."), note
+    assert settings.is_displayed()
+    assert prompt_box(page).get_attribute("value") == "A long message"
+    assert page.execute_script("return window.posts") == 2, "no earlier turn to leave out: nothing sent again"
+
+    page.execute_script("window.refusal = 'unreachable'; window.holdPosts = true")
+    message = send(page, "Anyone there?")
+    wait_for(lambda: page.execute_script("return typeof window.releasePost === 'function'"), "the held request")
+    assert prompt_box(page).get_attribute("value") == ""
+    prompt_box(page).send_keys("Something new")
+    page.execute_script("window.releasePost()")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    assert message.find_element(By.CLASS_NAME, "note").text.startswith("Could not reach ingress")
+    assert prompt_box(page).get_attribute("value") == "Something new", "the new text is kept, not joined"
+
+    page.execute_script("window.holdPosts = false")
+    message = send(page, "Anyone there now?")
+    assert wait_ended(message, timeout_s=30) == "failed"
+    assert prompt_box(page).get_attribute("value") == "Anyone there now?"
+
+
+def test_on_a_phone_a_long_status_stays_one_line_and_the_buttons_stay_on_screen(
+    browser: webdriver.Chrome, pipeline: Pipeline, tmp_path: Path
+) -> None:
+    """At 375 px a refused key's long status is cut to one line (the whole of it in its title), and the header keeps
+    the title and both buttons on screen, each on one line."""
+    browser.set_window_size(375, 700)
+    try:
+        page = open_page(browser, pipeline)
+        configure(page, apiKey="sk-not-a-real-key")
+        status = page.find_element(By.ID, "status")
+        wait_for(lambda: status.text.startswith("could not list models: Not authorised (401)"), "the 401 status")
+        box = page.execute_script(
+            """const rect = (s) => document.querySelector(s).getBoundingClientRect();
+            const status = document.getElementById("status");
+            return {
+              width: window.innerWidth, header: rect("header").height, title: status.title, text: status.textContent,
+              status: rect("#status").height, statusLine: parseFloat(getComputedStyle(status).lineHeight),
+              cut: status.scrollWidth > status.clientWidth,
+              heights: ["header h1", "#new-chat", "#toggle-settings"].map((s) => rect(s).height),
+              rights: ["header h1", "#new-chat", "#toggle-settings", "#status"].map((s) => rect(s).right),
+            };"""
+        )
+        screenshot(page, tmp_path, "narrow-long-status.png")
+        assert box["width"] <= 400, box
+        assert box["title"] == box["text"] and "Check the API key in Settings." in box["title"], box
+        assert box["cut"] and box["status"] <= 1.5 * box["statusLine"], box
+        assert box["header"] < 100, box
+        assert all(height < 40 for height in box["heights"]), box  # each on one line
+        assert all(right <= box["width"] for right in box["rights"]), box
+        assert page.find_element(By.ID, "toggle-settings").is_displayed()
+    finally:
+        browser.set_window_size(1100, 760)
+
+
+def saved_settings(page: webdriver.Chrome) -> dict[str, Any]:
+    return json.loads(page.execute_script("return localStorage.getItem('sluicegate.chat.settings')") or "{}")
+
+
+def test_settings_are_validated_before_refresh_models_saves_them_and_escape_closes_them(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """Refresh models saves the settings only when Save would (out-of-range or empty numbers are pointed at, not
+    stored or replaced); Escape closes Settings; the system prompt box shows several lines and grows."""
+    configure(page, apiKey=pipeline.api_key, maxTokens="60", temperature="0.5")
+    good = saved_settings(page)
+    assert good["maxTokens"] == 60 and good["temperature"] == 0.5
+    page.find_element(By.ID, "toggle-settings").click()
+    refresh = page.find_element(By.ID, "refresh-models")
+    for name, bad, fine in [("temperature", "5", "0.5"), ("maxTokens", "0", "60"), ("temperature", "", "0.5")]:
+        field(page, name).clear()
+        if bad:
+            field(page, name).send_keys(bad)
+        refresh.click()
+        assert saved_settings(page) == good, f"{name}={bad!r} was stored"
+        assert page.switch_to.active_element == field(page, name), "the browser points at the invalid field"
+        assert field(page, name).get_attribute("validationMessage")
+        assert page.find_element(By.ID, "status").text.startswith("settings not saved")
+        field(page, name).clear()
+        field(page, name).send_keys(fine)
+    field(page, "maxTokens").clear()
+    field(page, "maxTokens").send_keys("77")
+    refresh.click()
+    wait_for(lambda: saved_settings(page).get("maxTokens") == 77, "the valid settings saved")
+    assert field(page, "maxTokens").get_attribute("value") == "77"
+
+    # The API key is not offered to a password manager; the system prompt shows several lines and grows with its text.
+    assert field(page, "apiKey").get_attribute("autocomplete") == "off"
+    system = field(page, "system")
+    assert int(system.get_attribute("rows")) >= 3
+    empty_height = system.size["height"]
+    system.send_keys(*[f"Rule {n}: answer briefly." + Keys.SHIFT + Keys.ENTER + Keys.SHIFT for n in range(6)])
+    assert system.size["height"] > empty_height + 30, "the system prompt box grew with its text"
+
+    system.send_keys(Keys.ESCAPE)
+    assert not page.find_element(By.ID, "settings").is_displayed()
+    toggle = page.find_element(By.ID, "toggle-settings")
+    assert toggle.get_attribute("aria-expanded") == "false" and page.switch_to.active_element == toggle
+
+
+def test_a_blank_message_is_not_sent_and_the_browser_says_why(page: webdriver.Chrome, pipeline: Pipeline) -> None:
+    configure(page, apiKey=pipeline.api_key, maxTokens="8", temperature="0")
+    box = prompt_box(page)
+    box.send_keys("   ", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "  ", Keys.ENTER)
+    assert not page.find_elements(By.CSS_SELECTOR, ".message")
+    assert page.execute_script("return arguments[0].validity.valid", box) is False
+    assert "spaces and blank lines alone are not sent" in box.get_attribute("validationMessage")
+    box.send_keys("Hello?")
+    assert page.execute_script("return arguments[0].validity.valid", box) is True
+    box.send_keys(Keys.ENTER)
+    (message,) = wait_for(lambda: page.find_elements(By.CSS_SELECTOR, ".message.assistant"), "the reply")
+    assert wait_ended(message) == "done", message.text
+    assert page.find_elements(By.CSS_SELECTOR, ".message.user")[0].text.endswith("Hello?")
+
+
 _FOLLOW_TWO_ON_ONE_SOCKET = """
 const [ingress, key, model, streams, done] = arguments;
 const submit = async (prompt) => {
@@ -356,6 +594,7 @@ def test_refused_requests_are_explained_to_the_person(
     assert note.startswith("Not authorised (401):") and "Check the API key in Settings." in note, note
     assert page.find_element(By.ID, "settings").is_displayed(), "settings opened to fix the key"
     assert page.find_element(By.ID, "send").is_enabled()
+    assert prompt_box(page).get_attribute("value") == "Hello?", "nothing was sent: the text is back to send again"
     screenshot(page, tmp_path, "error-bad-api-key.png")
 
     configure(page, apiKey=pipeline.api_key, model="no-such-model")
