@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas import STREAM_FIELD, ErrorEvent, Names, stream_entry_id
-from sluicegate.dead_letters import Rejection
+from sluicegate.dead_letters import Rejection, reason_kind
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +40,7 @@ def refusal_event(rejection: Rejection) -> ErrorEvent | None:
     """The ``error`` event that tells a stream reader why its record was refused; None without a usable id."""
     if rejection.request_id is None:
         return None
-    # An event's code is a bare name: ``schema_violation:sampling.max_tokens`` is ``schema_violation``, its field
-    # said in the message with the whole reason.
-    code = rejection.reason.partition(":")[0]
+    code = reason_kind(rejection.reason)  # the field of a schema violation is said in the message
     message = f"Refused by the router ({rejection.reason}): {rejection.detail}"
     try:
         return ErrorEvent(request_id=rejection.request_id, seq=0, code=code, message=message[:_MESSAGE_LIMIT])

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from schemas import InferenceRequest, Names, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.errors import ApiError
-from sluicegate.dead_letters import Rejection, dead_letter, header, request_id_of, validate_record
+from sluicegate.dead_letters import Rejection, dead_letter, header, reason_kind, request_id_of, validate_record
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver
@@ -231,7 +231,7 @@ class RouterProcessor:
             outcome.detail,
         )
         self.dead_lettered += 1
-        self.metrics.dead_letters.labels("router", outcome.reason).inc()
+        self.metrics.dead_letters.labels("router", reason_kind(outcome.reason)).inc()
         letter = await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
         if self.refusals is not None:
             await self.refusals.tell(outcome)

@@ -60,6 +60,13 @@ class Rejection:
     request_id: str | None = None
 
 
+def reason_kind(reason: str) -> str:
+    """A reason without the detail after its ``:`` (``schema_violation:sampling.max_tokens`` is
+    ``schema_violation``): the form for a metric label, since a field name comes from whoever wrote the record and
+    would grow a time series per name, and for an ``error`` event's code."""
+    return reason.partition(":")[0]
+
+
 def header(headers: Iterable[tuple[str, bytes | None]] | None, name: str) -> str | None:
     """The first value of header ``name`` (decoded), or None."""
     for key, value in headers or ():

@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from gpu_workers.engine import EngineFront
 from gpu_workers.engine.outputs import RequestDelta, RequestMetrics
 from schemas import TIERS, InferenceRequest, Tier, Usage
+from sluicegate.dead_letters import reason_kind
 from sluicegate.telemetry import context_from_headers, genai_operation, genai_request_attributes, tracing_enabled
 
 from .backlog_seconds import GenerationRate, TokensPerRequest, backlog_seconds
@@ -249,7 +250,7 @@ class WorkerTelemetry:
         self.redeliveries.labels(self.model, tier, outcome).inc()
 
     def dead_lettered(self, reason: str) -> None:
-        self.dead_letters.labels("worker", reason).inc()
+        self.dead_letters.labels("worker", reason_kind(reason)).inc()
 
     def heartbeat_written(self) -> None:
         self.heartbeat_time.labels(self.model, self.worker_id).set(time.time())
@@ -304,7 +305,9 @@ class WorkerTelemetry:
         stats = engine.stats()
         busy = stats.num_running > 0
         rate = self.generation_rate.sample(time.monotonic(), self._generated, busy)
-        free_seats = 0 if self.max_num_seqs is None else self.max_num_seqs - stats.num_running - stats.num_waiting
+        # Seats the running batch leaves: the requests queued here (in the engine, held, or still in Kafka) take
+        # them first.
+        free_seats = 0 if self.max_num_seqs is None else self.max_num_seqs - stats.num_running
         self.rate.labels(self.model).set(rate)
         lags = dict.fromkeys(TIERS, 0)
         for tier, count in (held() if held is not None else {}).items():
@@ -315,9 +318,15 @@ class WorkerTelemetry:
             for tp in assigned:
                 with contextlib.suppress(Exception):  # revoked meanwhile
                     lags[self._tier_of_topic.get(tp.topic, "batch")] += max(0, ends[tp] - await consumer.position(tp))
+        # The engine's own queue waits too: the worker takes several batches' worth of records from Kafka at once,
+        # so under load most of the backlog sits there, and a backlog of Kafka lag alone read 0 s while a hundred
+        # requests waited (deadline admission could not refuse, and the backlog alerts stayed quiet).
+        queued = dict(lags)
+        for rank, tier in enumerate(TIERS):  # the engine's priority is the tier's rank (schemas.tier_rank)
+            queued[tier] += stats.waiting_by_priority.get(rank, 0)
         published: dict[Tier, float] = {}
         expected = self.tokens_per_request.as_mapping()
-        for tier, seconds in backlog_seconds(lags, expected, rate, free_seats).items():
+        for tier, seconds in backlog_seconds(queued, expected, rate, free_seats).items():
             self.lag.labels(self.model, tier).set(lags[tier])
             self.backlog.labels(self.model, tier).set(seconds)
             if math.isfinite(seconds):

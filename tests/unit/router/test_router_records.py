@@ -136,3 +136,9 @@ def test_a_refusal_tells_the_stream_its_reason_as_a_bare_code_when_its_id_is_a_r
     assert refusal_event(Rejection("invalid_json", "not valid JSON", "no spaces allowed here")) is None
     long = refusal_event(Rejection("unknown_model", "x" * 10_000, "r-2"))
     assert long is not None and len(long.message) <= 2000
+
+
+def test_a_reason_s_kind_leaves_out_the_field_a_producer_named() -> None:
+    # Metric labels take the kind: a field name comes from the record's writer, and would grow a series per name.
+    assert dead_letters.reason_kind("schema_violation:x_any_field_7f3a") == "schema_violation"
+    assert dead_letters.reason_kind("deadline_exceeded") == "deadline_exceeded"

@@ -29,7 +29,8 @@ class _Consumer:
 
 
 async def test_only_finite_backlog_seconds_are_published() -> None:
-    engine: Any = SimpleNamespace(stats=lambda: SimpleNamespace(num_running=0), add_delta_observer=lambda _: None)
+    stats = SimpleNamespace(num_running=0, waiting_by_priority={})
+    engine: Any = SimpleNamespace(stats=lambda: stats, add_delta_observer=lambda _: None)
     telemetry = WorkerTelemetry(engine, "m", "w")
     names = Names()
     telemetry.set_topics({names.request_topic("m", t): t for t in ("interactive", "standard", "batch")})
@@ -40,3 +41,19 @@ async def test_only_finite_backlog_seconds_are_published() -> None:
     await telemetry._sample_once(consumer, engine)
     # Nothing waits at interactive (0 s); 3 standard requests and no measured rate: no figure at or below it.
     assert telemetry.backlog_seconds == {"interactive": 0.0}
+
+
+async def test_requests_waiting_in_the_engine_count_in_the_backlog() -> None:
+    # Nothing left in Kafka, but the worker took 20 standard requests at once and 16 of its seats are busy: the 16
+    # the 4 free seats cannot take wait in the engine's queue, and admission must see them.
+    stats = SimpleNamespace(num_running=16, waiting_by_priority={1: 20})
+    engine: Any = SimpleNamespace(stats=lambda: stats, add_delta_observer=lambda _: None)
+    telemetry = WorkerTelemetry(engine, "m", "w", max_num_seqs=20)
+    names = Names()
+    telemetry.set_topics({names.request_topic("m", t): t for t in ("interactive", "standard", "batch")})
+    telemetry.generation_rate.sample = lambda *_: 100.0  # type: ignore[method-assign]  # 100 tokens/s measured
+    telemetry.tokens_per_request.as_mapping = lambda: {"interactive": 50.0, "standard": 50.0, "batch": 50.0}  # type: ignore[method-assign]
+    standard = TopicPartition(names.request_topic("m", "standard"), 0)
+    consumer: Any = _Consumer({standard: 10}, {standard: 10})
+    await telemetry._sample_once(consumer, engine)
+    assert telemetry.backlog_seconds == {"interactive": 0.0, "standard": 8.0, "batch": 8.0}  # 16 x 50 / 100
