@@ -318,7 +318,10 @@ GENAI_PROVIDER = "sluicegate"
 
 
 def genai_operation(request: InferenceRequest) -> str:
-    """``gen_ai.operation.name``: ``chat`` for a message list, ``text_completion`` for a prompt."""
+    """``gen_ai.operation.name``: ``embeddings`` for an embedding, ``chat`` for a message list, ``text_completion``
+    for a prompt."""
+    if request.task == "embed":
+        return "embeddings"
     return "chat" if request.messages else "text_completion"
 
 

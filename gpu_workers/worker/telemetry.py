@@ -419,25 +419,26 @@ class RequestWatch:
 
     def _observe_engine(self, m: RequestMetrics, usage: Usage) -> None:
         hist, labels = self.owner._hist, (self.owner.model, self.tier)
-        if m.first_scheduled_time is not None:
-            hist["queue"].labels(*labels).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if m.first_token_time is not None:
-            hist["ttft"].labels(*labels).observe(max(0.0, m.first_token_time - m.arrival_time))
-            if m.first_scheduled_time is not None:
-                hist["prefill"].labels(*labels).observe(max(0.0, m.first_token_time - m.first_scheduled_time))
-        if m.finish_time is not None:
-            hist["e2e"].labels(*labels).observe(max(0.0, m.finish_time - m.arrival_time))
-            if m.first_token_time is not None:
-                hist["decode"].labels(*labels).observe(max(0.0, m.finish_time - m.first_token_time))
         genai = (genai_operation(self.request), self.request.model)
         start = self.produced_at if self.produced_at is not None else m.arrival_time
-        if m.first_token_time is not None:
-            self.owner.genai_ttft.labels(*genai).observe(max(0.0, m.first_token_time - start))
-            if m.finish_time is not None and usage.completion_tokens > 1:
+        if m.first_scheduled_time is not None:
+            hist["queue"].labels(*labels).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.finish_time is not None:
+            hist["e2e"].labels(*labels).observe(max(0.0, m.finish_time - m.arrival_time))
+            self.owner.genai_duration.labels(*genai).observe(max(0.0, m.finish_time - start))
+        # An embedding generates no token: its "first token" is the prefill's end, which would read as a TTFT and
+        # skew the generation histograms. Its queue and whole time are above.
+        if m.first_token_time is None or self.request.task == "embed":
+            return
+        hist["ttft"].labels(*labels).observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            hist["prefill"].labels(*labels).observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        self.owner.genai_ttft.labels(*genai).observe(max(0.0, m.first_token_time - start))
+        if m.finish_time is not None:
+            hist["decode"].labels(*labels).observe(max(0.0, m.finish_time - m.first_token_time))
+            if usage.completion_tokens > 1:
                 per_token = (m.finish_time - m.first_token_time) / (usage.completion_tokens - 1)
                 self.owner.genai_tpot.labels(*genai).observe(max(0.0, per_token))
-        if m.finish_time is not None:
-            self.owner.genai_duration.labels(*genai).observe(max(0.0, m.finish_time - start))
 
     def _engine_events(self, m: RequestMetrics) -> None:
         """The engine's phases as events of the request's span, at the engine's own wall-clock stamps, with their

@@ -1,5 +1,6 @@
 """The backlog seconds a worker samples ride in its heartbeat for admission: finite figures only (a backlog with no
-measured generation rate yet is infinite, and admission must not refuse on it)."""
+measured generation rate yet is infinite, and admission must not refuse on it), counting the engine's own queue; and
+the request timings the worker records (an embedding has no first token)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from gpu_workers.worker.telemetry import WorkerTelemetry
-from schemas import Names
+from gpu_workers.engine.outputs import RequestMetrics
+from gpu_workers.worker.telemetry import RequestWatch, WorkerTelemetry
+from schemas import InferenceRequest, Names, Usage
 
 
 class _Consumer:
@@ -57,3 +59,33 @@ async def test_requests_waiting_in_the_engine_count_in_the_backlog() -> None:
     consumer: Any = _Consumer({standard: 10}, {standard: 10})
     await telemetry._sample_once(consumer, engine)
     assert telemetry.backlog_seconds == {"interactive": 0.0, "standard": 8.0, "batch": 8.0}  # 16 x 50 / 100
+
+
+def _not_started() -> None:
+    raise RuntimeError("engine not started")  # the engine's gauges are left out of the scrape
+
+
+def test_an_embedding_is_timed_without_a_first_token_and_named_embeddings() -> None:
+    engine: Any = SimpleNamespace(stats=_not_started, add_delta_observer=lambda _: None)
+    telemetry = WorkerTelemetry(engine, "m", "w")
+    record = SimpleNamespace(topic="t", partition=0, offset=0, timestamp=0)
+    timings = RequestMetrics(
+        arrival_time=10.0,
+        first_scheduled_time=10.1,
+        first_token_time=10.4,
+        finish_time=10.4,
+        num_prompt_tokens=5,
+        num_cached_tokens=0,
+        num_output_tokens=0,
+        num_preemptions=0,
+    )
+    for task, operation in (("embed", "embeddings"), ("generate", "text_completion")):
+        request = InferenceRequest(request_id=f"r-{task}", model="m", prompt="hi", task=task)
+        watch = RequestWatch(telemetry, request, record)
+        watch.engine_finished(timings)
+        watch.finished("stop", Usage(prompt_tokens=5, completion_tokens=0 if task == "embed" else 1, total_tokens=5))
+        count = telemetry.registry.get_sample_value
+        labels = {"gen_ai_operation_name": operation, "gen_ai_request_model": "m"}
+        assert count("gen_ai_server_request_duration_seconds_count", labels) == 1
+        ttft = count("gen_ai_server_time_to_first_token_seconds_count", labels)
+        assert ttft == (None if task == "embed" else 1), (task, ttft)
