@@ -224,8 +224,9 @@ class RouterProcessor:
     async def _dead_letter(self, outcome: Rejection, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
         value, headers = dead_letter(outcome, record)
         log.info(
-            "router.dead_letter reason=%s offset=%s partition=%s detail=%s",
+            "router.dead_letter reason=%s request_id=%s offset=%s partition=%s detail=%s",
             outcome.reason,
+            outcome.request_id,
             record.offset,
             record.partition,
             outcome.detail,

@@ -263,6 +263,7 @@ class Outputs:
             "worker.dead_letter",
             extra={
                 "reason": rejection.reason,
+                "request_id": rejection.request_id,
                 "detail": rejection.detail[:200],
                 "topic": record.topic,
                 "offset": record.offset,

@@ -414,6 +414,18 @@ class Serving:
         await self.outputs.flush()
         await self.outputs.publish_result(request, done, tokens, text, choices, entry)
         self.served += 1
+        # One line per request served, as ingress's "ingress.published": an operator follows a request id across
+        # the services' logs.
+        log.info(
+            "worker.finished",
+            extra={
+                "request_id": request.request_id,
+                "finish_reason": reason,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "cached_tokens": cached,
+            },
+        )
         return True
 
     async def _fail(
@@ -430,6 +442,7 @@ class Serving:
         if entry.watch is not None:
             entry.watch.failed(code)
         await self.outputs.flush()
+        log.info("worker.failed", extra={"request_id": request_id, "code": code})
         if request is not None:
             await self.outputs.publish_failure(request, entry, code, message[:2000])
         await self.outputs.mark_failed(request_id)
