@@ -8,8 +8,14 @@ writes nothing to it. So when the refused record's request id can be read, the r
 
 Only into a stream that does not exist yet: a record refused under the id of a request that already runs or
 ran (a duplicate id, which the README asks producers not to send) must not end that request's stream. The
-check and the append are one Lua script, so a worker cannot start the stream between them. Best effort: the
-dead letter is the durable record, and a Redis that does not answer costs only this courtesy (logged).
+check and the append are one Lua script, so a worker cannot start the stream between them.
+
+Only once the batch's dead letters are acknowledged and its offsets committed (one pipelined round trip for all
+of the batch's refusals): an event written earlier could outlive a batch that failed and was re-read, in which
+the record may be routed after all. A record routed on one read of its batch and refused on a later one (its
+model's workers gone meanwhile) has both a routed copy and a dead letter; its event makes the refusal the answer
+(a worker that meets the copy finds the request ended), as the dead letter already says. Best effort: the dead
+letter is the durable record, and a Redis that does not answer costs only this courtesy (logged).
 """
 
 from __future__ import annotations
@@ -52,20 +58,24 @@ class RefusalEvents:
     """Appends a refused record's ``error`` event to its request's stream, when that stream is new."""
 
     def __init__(self, redis: Redis, names: Names, *, ttl_s: int) -> None:
+        self._redis = redis
         self._names = names
         self._ttl_s = ttl_s
         self._script = redis.register_script(_APPEND_IF_NEW)
 
-    async def tell(self, rejection: Rejection) -> bool:
-        """Append the refusal's event; whether it was appended (False: no id, a stream already there, or no
-        Redis)."""
-        event = refusal_event(rejection)
-        if event is None:
-            return False
-        key = self._names.stream_key(event.request_id)
-        args = [stream_entry_id(event.seq), STREAM_FIELD, event.model_dump_json(), self._ttl_s]
+    async def tell(self, rejections: list[Rejection]) -> int:
+        """Append each refusal's event, all in one round trip; how many were appended (not: no id, a stream
+        already there, or no Redis)."""
+        events = [event for event in map(refusal_event, rejections) if event is not None]
+        if not events:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for event in events:
+            key = self._names.stream_key(event.request_id)
+            args = [stream_entry_id(event.seq), STREAM_FIELD, event.model_dump_json(), self._ttl_s]
+            await self._script(keys=[key], args=args, client=pipe)
         try:
-            return bool(await self._script(keys=[key], args=args))
+            return sum(map(bool, await pipe.execute()))
         except (RedisError, OSError) as exc:
-            log.warning("router.refusal_event_failed request_id=%s error=%r", event.request_id, exc)
-            return False
+            log.warning("router.refusal_events_failed requests=%d error=%r", len(events), exc)
+            return 0

@@ -124,6 +124,7 @@ class RouterProcessor:
         )
         # A refused record's stream readers hear why (when its id can be read), beside the dead letter.
         self.refusals = RefusalEvents(redis, self.names, ttl_s=settings.stream_ttl_s) if redis is not None else None
+        self._refused: list[Rejection] = []  # the batch's refusals so far
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
         self.dead_lettered = 0
@@ -233,10 +234,8 @@ class RouterProcessor:
         )
         self.dead_lettered += 1
         self.metrics.dead_letters.labels("router", reason_kind(outcome.reason)).inc()
-        letter = await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
-        if self.refusals is not None:
-            await self.refusals.tell(outcome)
-        return letter
+        self._refused.append(outcome)  # its stream hears of it once the batch is committed (refusal_events.py)
+        return await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
 
     async def _route(
         self, record: ConsumerRecord, request: InferenceRequest, beats: list[WorkerHeartbeat]
@@ -259,6 +258,7 @@ class RouterProcessor:
     async def process(self, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
         """Route or dead-letter every record, wait for all acks, then commit past the batch."""
         started = time.perf_counter()
+        self._refused = []
         sent: list[tuple[ConsumerRecord, asyncio.Future[RecordMetadata]]] = []
         for records in batch.values():
             for record in records:
@@ -280,6 +280,8 @@ class RouterProcessor:
         offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
         if offsets:
             await self.consumer.commit(offsets)
+        if self.refusals is not None and self._refused:
+            await self.refusals.tell(self._refused)
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
 
     async def _watch_routes(self, stop: asyncio.Event) -> None:
