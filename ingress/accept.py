@@ -52,6 +52,8 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
     body = _with_header_deadline(body, request.headers.get(DEADLINE_HEADER))
     accepted_at = time.perf_counter()
     request_id = uuid.uuid4().hex
+    if not hasattr(request.state, "request_id"):  # an error after this names the request (the first of several)
+        request.state.request_id = request_id
     # A LoRA adapter's name (visible to this tenant) is its base model + the adapter, from a cached snapshot of
     # the registry (no Redis round trip here); any other name is left to the model checks below (their 404).
     resolved = await service.adapters.resolve(body.model, tenant=caller.tenant)

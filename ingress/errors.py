@@ -20,14 +20,15 @@ from sluicegate.api.errors import ApiError
 log = logging.getLogger(__name__)
 
 
-def error_response(exc: ApiError) -> JSONResponse:
+def error_response(exc: ApiError, accepted_id: str | None = None) -> JSONResponse:
     """The HTTP response of ``exc``: its status, its OpenAI-shaped body and its headers, always with an
-    ``x-request-id``: the request's own when one was accepted, else a fresh one that only this answer and its log
-    line carry (the SDKs show it as the error's ``request_id``, so a user can quote it and an operator find it)."""
+    ``x-request-id``: the error's own, else the request this HTTP request had accepted (``accepted_id``: a worker's
+    failure, a timeout), else a fresh one that only this answer and its log line carry (the SDKs show it as the
+    error's ``request_id``, so a user can quote it and an operator find it)."""
     headers = exc.headers or {}
     request_id = headers.get("x-request-id")
     if request_id is None:
-        request_id = uuid.uuid4().hex
+        request_id = accepted_id or uuid.uuid4().hex
         headers = {"x-request-id": request_id} | headers
     log.info("ingress.refused status=%d code=%s request_id=%s", exc.status, exc.code, request_id)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
@@ -46,9 +47,9 @@ def unavailable(what: str, exc: BaseException, *, request_id: str | None = None)
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error (ours, routing 404/405, FastAPI's own validation) through the OpenAI shape."""
 
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return error_response(exc)
+        return error_response(exc, getattr(request.state, "request_id", None))
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -25,6 +25,7 @@ from ingress.app import create_app
 from schemas import (
     STREAM_FIELD,
     DoneEvent,
+    ErrorEvent,
     InferenceRequest,
     Names,
     PartitionRef,
@@ -130,7 +131,8 @@ def _fake_tokenizer() -> Any:
 class FakeWorker:
     """Reads the model's request topics (all partitions, no group) and answers each request with token
     events and a ``done`` on its Redis stream. ``mode="restart"`` emits a restart and regenerates;
-    ``mode="hang"`` sends one token then waits for the cancel marker and ends with ``abort``. ``reply`` replaces
+    ``mode="hang"`` sends one token then waits for the cancel marker and ends with ``abort``; ``mode="fail"`` ends
+    the stream with an ``internal_error`` at once. ``reply`` replaces
     :func:`reply_for` (the text pieces to answer with); ``token_delay_s`` is the pause after each piece."""
 
     def __init__(
@@ -207,6 +209,9 @@ class FakeWorker:
             await self._append(
                 request, DoneEvent(request_id=rid, seq=0, finish_reason="stop", usage=usage, embedding=vector)
             )
+            return
+        if self.mode == "fail":
+            await self._append(request, ErrorEvent(request_id=rid, seq=0, code="internal_error", message="it broke"))
             return
         if self.mode == "hang":
             await self._append(request, TokenEvent(request_id=rid, seq=0, text=pieces[0], token_ids=[1]))

@@ -428,6 +428,19 @@ async def test_openai_client_chat_and_completions(ingress: str, settings: Settin
     await client.close()
 
 
+async def test_a_request_the_worker_fails_is_answered_under_its_own_request_id(
+    ingress: str, settings: Settings, redis: Redis
+) -> None:
+    await heartbeat(redis, Names(settings.topic_prefix))
+    client = openai.AsyncOpenAI(base_url=f"{ingress}/v1", api_key=KEY, max_retries=0)
+    async with FakeWorker(settings, redis, mode="fail") as worker:
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.completions.create(model=MODEL, prompt="break", max_tokens=3)
+    ((_, request),) = worker.seen
+    assert failed.value.request_id == request.request_id  # the id its stream, trace and usage record carry
+    await client.close()
+
+
 async def test_restart_is_relayed_without_duplicates(ingress: str, settings: Settings, redis: Redis) -> None:
     await heartbeat(redis, Names(settings.topic_prefix))
     client = openai.AsyncOpenAI(base_url=f"{ingress}/v1", api_key=KEY, max_retries=0)
