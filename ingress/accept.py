@@ -156,8 +156,11 @@ def rate_headers(request: Request) -> dict[str, str]:
 
 
 def _keep_rate(request: Request, rate: RateState | None) -> None:
+    # Several prompts or inputs are charged concurrently, and their answers may come back in any order: the headers
+    # keep the least that any of them left.
     if rate is not None:
-        request.state.rate_limit = rate
+        kept: RateState | None = getattr(request.state, "rate_limit", None)
+        request.state.rate_limit = rate if kept is None else kept.tightest(rate)
 
 
 def answered_model(inference: InferenceRequest) -> str:

@@ -15,7 +15,7 @@ replicas agree. The script also answers what is left of each limit, which ingres
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from redis.asyncio import Redis
 
@@ -26,21 +26,24 @@ from sluicegate.api.limits import Limits
 # KEYS: one counter per limit. ARGV: period_ms, limit and cost for each, in KEYS order.
 # Returns {allowed (1/0), wait_ms, then per limit: units left, ms until the counter is back to full}. Stored values
 # are the theoretical arrival time (TAT) in milliseconds; a counter holds at most one period's worth of units
-# ahead of now, so what is left is that room over the emission interval. A refused request charges nothing, so
-# its "left" is read from the unchanged TATs.
+# ahead of now (at least one request's: a limit below 1 per period, 0.5 requests a second, still lets one through
+# every 2 s), so what is left is that room over the emission interval. A refused request charges nothing, so its
+# "left" is read from the unchanged TATs.
 _GCRA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local wait = 0
 local tats = {}
+local bursts = {}
 for i, key in ipairs(KEYS) do
   local period = tonumber(ARGV[3 * i - 2])
   local limit = tonumber(ARGV[3 * i - 1])
   local cost = tonumber(ARGV[3 * i])
   local tat = tonumber(redis.call('GET', key) or now)
   if tat < now then tat = now end
+  bursts[i] = math.max(period, cost * period / limit)
   local new_tat = tat + cost * period / limit
-  local allow_at = new_tat - period
+  local allow_at = new_tat - bursts[i]
   if allow_at > now and allow_at - now > wait then wait = allow_at - now end
   tats[i] = new_tat
 end
@@ -57,7 +60,7 @@ for i, key in ipairs(KEYS) do
   else
     tat = tat - cost * period / limit
   end
-  out[2 * i + 1] = math.max(0, math.floor((now + period - tat) * limit / period + 1e-6))
+  out[2 * i + 1] = math.max(0, math.floor((now + bursts[i] - tat) * limit / period + 1e-6))
   out[2 * i + 2] = math.ceil(tat - now)
 end
 return out
@@ -88,6 +91,18 @@ class RateState:
     """A key's limits as one request left them, for OpenAI's ``x-ratelimit-*`` response headers."""
 
     windows: tuple[WindowState, ...]
+
+    def tightest(self, other: RateState) -> RateState:
+        """Per limit, the least left and the longest until whole, of this state and ``other``."""
+        theirs = {w.name: w for w in other.windows}
+        merged = []
+        for mine in self.windows:
+            if (their := theirs.get(mine.name)) is not None:
+                mine = replace(
+                    mine, remaining=min(mine.remaining, their.remaining), reset_ms=max(mine.reset_ms, their.reset_ms)
+                )
+            merged.append(mine)
+        return RateState(tuple(merged))
 
     def headers(self) -> dict[str, str]:
         """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` as OpenAI sends them: requests from the

@@ -29,8 +29,11 @@ from ingress_support import (
 from redis.asyncio import Redis
 
 from ingress.auth import hash_key
+from ingress.ratelimit import RateLimiter
 from result_service.app import create_app as create_result_app
 from schemas import InferenceRequest, Names, utcnow
+from sluicegate.api.errors import ApiError
+from sluicegate.api.limits import Limits
 from sluicegate.kafka import create_consumer
 from sluicegate.settings import Settings
 
@@ -170,14 +173,17 @@ async def test_rate_limits_are_per_key_shared_by_replicas_and_answer_429_with_re
     # Two ingress replicas: the limits live in Redis, so they share one budget.
     async with running_ingress(settings) as first, running_ingress(settings) as second:
         async with client(first, RPM_KEY) as a, client(second, RPM_KEY) as b, client(first) as free:
+            sent = time.monotonic()
             answers = [await http.post("/v1/requests", json=body) for http in (a, b, a)]
+            elapsed = time.monotonic() - sent
             assert [r.status_code for r in answers] == [202, 202, 202]
             # What is left, as OpenAI's headers say it, counted down across both replicas; each request adds 20 s
-            # to the time until the key's minute is whole again.
+            # to the time until the key's minute is whole again (less the time since the first one).
             assert [r.headers["x-ratelimit-limit-requests"] for r in answers] == ["3", "3", "3"]
             assert [r.headers["x-ratelimit-remaining-requests"] for r in answers] == ["2", "1", "0"]
             resets = [float(r.headers["x-ratelimit-reset-requests"].removesuffix("s")) for r in answers]
-            assert 19 < resets[0] <= 20 and 39 < resets[1] <= 40 and 59 < resets[2] <= 60, resets
+            for n, reset in enumerate(resets, start=1):
+                assert 20 * n - elapsed - 0.5 <= reset <= 20 * n, resets
             assert "x-ratelimit-limit-tokens" not in answers[0].headers  # this key has no token limit
             refused = await b.post("/v1/requests", json=body)
             assert refused.status_code == 429, refused.text
@@ -217,6 +223,23 @@ async def test_rate_limits_are_per_key_shared_by_replicas_and_answer_429_with_re
             too_big = await http.post("/v1/requests", json=body | {"max_tokens": 5000})
             assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "rate_limit_cost_exceeded"
     assert len(await published(settings, 8)) == 8
+
+
+async def test_a_limit_below_one_per_period_lets_one_request_through_each_interval(
+    settings: Settings, redis: Redis
+) -> None:
+    # 0.5 requests a second is one every 2 s: a bucket of one period held less than one request, and every
+    # request was refused forever.
+    limiter = RateLimiter(redis, Names(settings.topic_prefix))
+    half = Limits(rps=0.5)
+    first = await limiter.acquire("half-rps", half, tokens=1)
+    assert first is not None and first.headers()["x-ratelimit-remaining-requests"] == "0"
+    with pytest.raises(ApiError) as refused:
+        await limiter.acquire("half-rps", half, tokens=1)
+    assert refused.value.status == 429 and refused.value.headers is not None
+    assert refused.value.headers["Retry-After"] == "2"
+    await redis.delete(Names(settings.topic_prefix).rate_key("half-rps", "rps"))  # as if 2 s had passed
+    assert await limiter.acquire("half-rps", half, tokens=1) is not None
 
 
 # --- size limits and queue budget ------------------------------------------------------------------------------

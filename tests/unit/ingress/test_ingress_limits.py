@@ -204,3 +204,10 @@ def test_rate_headers_take_requests_from_the_minute_limit_and_tokens_from_the_to
         "x-ratelimit-remaining-requests": "0",
         "x-ratelimit-reset-requests": "2s",
     }
+
+
+def test_parts_charged_concurrently_keep_the_least_any_left() -> None:
+    older = RateState((WindowState("rpm", 60, 41, 19_000), WindowState("tpm", 1000, 500, 30_000)))
+    newer = RateState((WindowState("rpm", 60, 40, 20_000), WindowState("tpm", 1000, 600, 24_000)))
+    assert newer.tightest(older) == older.tightest(newer)
+    assert newer.tightest(older).windows == (WindowState("rpm", 60, 40, 20_000), WindowState("tpm", 1000, 500, 30_000))
