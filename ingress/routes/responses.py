@@ -208,14 +208,21 @@ async def cancel_response(request: Request, caller: Caller, response_id: str) ->
 
 async def _settled(request: Request, caller: ApiKey, response_id: str, response: dict[str, Any]) -> dict[str, Any]:
     """The cancelled response as its worker ends it (its last text and its usage), when that comes within
-    ``_CANCEL_SETTLE_S``; else ``response`` marked cancelled (a request still queued ends when a worker meets it)."""
+    ``_CANCEL_SETTLE_S``; else ``response`` marked cancelled. Only the request's status record is polled (one small
+    read, not the whole stream), and a request no worker has started is not waited for: a worker ends it only when
+    it meets it in its queue."""
+    service = service_of(request)
+    stored = await _owned(request, caller, response_id)
     deadline = time.monotonic() + _CANCEL_SETTLE_S
     while time.monotonic() < deadline:
+        record = await service.record(stored.record.request_id)
+        if record is None or record.status == "queued":
+            break
+        if record.status in _ENDED:
+            settled, final = await current(service, store_of(request), stored)
+            if final:
+                return settled
         await asyncio.sleep(0.05)
-        stored = await _owned(request, caller, response_id)
-        settled, final = await current(service_of(request), store_of(request), stored)
-        if final:
-            return settled
     cancelled(response)
     return response
 

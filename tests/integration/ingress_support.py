@@ -29,6 +29,8 @@ from schemas import (
     InferenceRequest,
     Names,
     PartitionRef,
+    RequestRecord,
+    RequestStatus,
     RestartEvent,
     Tier,
     TokenEvent,
@@ -195,6 +197,17 @@ class FakeWorker:
             id=stream_entry_id(event.seq),
         )
 
+    async def _set_status(self, request: InferenceRequest, status: RequestStatus) -> None:
+        record = RequestRecord(
+            request_id=request.request_id,
+            model=request.model,
+            tenant=request.tenant,
+            priority=request.priority,
+            status=status,
+            created_at=request.created_at,
+        )
+        await self.redis.set(self.names.request_key(request.request_id), record.model_dump_json(), ex=600)
+
     async def _answer(self, request: InferenceRequest) -> None:
         rid = request.request_id
         pieces = whole = self.reply(request)
@@ -214,10 +227,13 @@ class FakeWorker:
             await self._append(request, ErrorEvent(request_id=rid, seq=0, code="internal_error", message="it broke"))
             return
         if self.mode == "hang":
+            # Its status record as a worker keeps it: running, then cancelled once the abort is on the stream.
+            await self._set_status(request, "running")
             await self._append(request, TokenEvent(request_id=rid, seq=0, text=pieces[0], token_ids=[1]))
             await eventually(lambda: self.redis.exists(self.names.cancel_key(rid)), timeout_s=60)
             usage = Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4)
             await self._append(request, DoneEvent(request_id=rid, seq=1, finish_reason="abort", usage=usage))
+            await self._set_status(request, "cancelled")
             return
         if self.mode == "restart":
             # A crashed first attempt: two pieces, then "start over after seq 0".

@@ -351,6 +351,16 @@ async def test_cancel_a_background_response(ingress: str, settings: Settings, re
     await api.close()
 
 
+async def test_cancelling_a_response_no_worker_started_answers_at_once(ingress: str, settings: Settings) -> None:
+    api = client(ingress)
+    queued = await api.responses.create(model=MODEL, input="nobody serves this yet", background=True)
+    started = time.monotonic()
+    cancelled = await api.responses.cancel(queued.id)
+    # Nothing to wait for: a worker ends it only when it meets it in its queue.
+    assert cancelled.status == "cancelled" and time.monotonic() - started < 1.5
+    await api.close()
+
+
 async def _final(redis: Redis, names: Names, response_id: str) -> bool:
     tenant = f"key-{hash_key(KEY)[:8]}"
     return bool(await redis.hexists(names.response_key(tenant, response_id), "final"))
