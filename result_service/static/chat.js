@@ -64,9 +64,14 @@ async function loadSettings() {
 }
 
 /** Save the form's values as shown, once the browser finds them valid (else it points at the field and says why);
- * false when they were not saved. Both Save and Refresh models come here: no value is stored unchecked. */
-function saveSettings() {
-  if (!settingsForm.reportValidity()) {
+ * false when they were not saved. Both Save and Refresh models come here: no value is stored unchecked. Refresh
+ * models may leave the model empty (``modelRequired`` false): the list it fetches is how one is picked. */
+function saveSettings({ modelRequired = true } = {}) {
+  const modelField = settingsForm.elements.model;
+  modelField.required = modelRequired;
+  const valid = settingsForm.reportValidity();
+  modelField.required = true;
+  if (!valid) {
     setStatus("settings not saved: fix the marked field");
     return false;
   }
@@ -402,7 +407,7 @@ settingsForm.addEventListener("submit", (event) => {
 });
 
 $("#refresh-models").addEventListener("click", () => {
-  if (saveSettings()) refreshModels();
+  if (saveSettings({ modelRequired: false })) refreshModels();
 });
 
 settingsForm.elements.system.addEventListener("input", fitSystemPrompt);

@@ -61,8 +61,11 @@ class ReplyStream {
     this.connections.push(connection);
     this.socket = socket;
     socket.onopen = () => {
+      if (this.cancelRequested) {
+        socket.send(JSON.stringify({ type: "cancel" })); // the status still says "stopping ..."
+        return;
+      }
       this.hooks.onStatus(this.connections.length > 1 ? "reconnected" : "streaming");
-      if (this.cancelRequested) socket.send(JSON.stringify({ type: "cancel" }));
     };
     socket.onmessage = (message) => {
       const event = JSON.parse(message.data);

@@ -501,6 +501,11 @@ def test_settings_are_validated_before_refresh_models_saves_them_and_escape_clos
     refresh.click()
     wait_for(lambda: saved_settings(page).get("maxTokens") == 77, "the valid settings saved")
     assert field(page, "maxTokens").get_attribute("value") == "77"
+    # An empty model is what Refresh models is for: it saves, lists the models and picks the first.
+    field(page, "model").clear()
+    refresh.click()
+    wait_for(lambda: saved_settings(page).get("model") == pipeline.model, "the first listed model picked")
+    assert field(page, "model").get_attribute("value") == pipeline.model
 
     # The API key is not offered to a password manager; the system prompt shows several lines and grows with its text.
     assert field(page, "apiKey").get_attribute("autocomplete") == "off"
