@@ -66,7 +66,9 @@ class IngressMetrics:
         )
         self.backlog = Gauge(
             "sluicegate_ingress_backlog_requests",
-            "Unfinished requests per model at the last backlog read (worker group lag on its request topics).",
+            "Unfinished requests per model at the last backlog read (worker group lag on its request topics), read "
+            "as requests are admitted: it holds its last value while none arrive (alert on the workers' "
+            "sluicegate_worker_backlog_seconds instead).",
             ["model"],
             registry=self.registry,
         )

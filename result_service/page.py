@@ -1,4 +1,5 @@
-"""The chat page (static HTML + JavaScript), the defaults it loads from ``/config.json``, and ``/healthz``.
+"""The chat page (static HTML + JavaScript), the defaults it loads from ``/config.json``, and ``/healthz`` (also
+``/health`` and ``/readyz``).
 
 The page talks to ingress directly (another port, so ingress must allow CORS from this origin); the
 service only tells it where ingress is and which models ingress lists. API keys never leave the
@@ -87,13 +88,18 @@ async def page_config(request: Request) -> dict[str, Any]:
 
 
 @router.head("/healthz", include_in_schema=False)
+@router.head("/health", include_in_schema=False)
+@router.head("/readyz", include_in_schema=False)
 async def healthz_head(request: Request) -> Response:
     return Response(status_code=(await healthz(request)).status_code)
 
 
 @router.get("/healthz")
+@router.get("/health")
+@router.get("/readyz")
 async def healthz(request: Request) -> JSONResponse:
-    """200 when Redis answers; the relay's current load either way."""
+    """200 when Redis answers, the relay's one dependency (so it is the readiness check too; ``/health`` and
+    ``/readyz`` answer the same, as ingress's paths are named); the relay's current load either way."""
     ctx = relay_context(request)
     body: dict[str, Any] = {"streams": ctx.hub.stream_count, "subscribers": ctx.hub.subscriber_count}
     try:

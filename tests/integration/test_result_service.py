@@ -643,10 +643,13 @@ async def test_chat_page_and_its_config_are_served(service: Running) -> None:
         assert page.headers["content-type"].startswith("text/html")
         assert 'id="composer"' in page.text
         assert "/static/chat.js" in page.text
-        for path in ("/", "/healthz"):  # uptime checks send HEAD
+        for path in ("/", "/healthz", "/health", "/readyz"):  # uptime checks send HEAD
             head = await client.head(path)
             assert head.status_code == 200 and head.content == b"", path
-        for vendored in ("/static/vendor/marked.umd.js", "/static/vendor/purify.min.js", "/static/markdown.js"):
+        for path in ("/health", "/readyz"):  # ingress's names for the same checks
+            assert (await client.get(path)).json()["status"] == "ok", path
+        vendored_files = ("/static/vendor/marked.umd.js", "/static/vendor/purify.min.js", "/static/markdown.js")
+        for vendored in (*vendored_files, "/static/refusals.js", "/static/reply_stream.js"):
             assert (await client.get(vendored)).status_code == 200, vendored
         script = await client.get("/static/chat.js")
         assert script.status_code == 200
