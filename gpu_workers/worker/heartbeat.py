@@ -15,6 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
 from gpu_workers.engine import EngineFront
 from schemas import ModelTokenizer, Names, PartitionRef, WorkerHeartbeat
@@ -101,8 +102,10 @@ class Heartbeats:
                 self.last_written = time.monotonic()
                 if self.telemetry is not None:
                     self.telemetry.heartbeat_written()
-            except REDIS_UNAVAILABLE as exc:
-                # Skipped, not fatal: the next beat goes out once Redis is back.
+            except (*REDIS_UNAVAILABLE, RedisError) as exc:
+                # Skipped, not fatal: the next beat goes out once Redis is back. Any Redis error: a refusal such as
+                # NOREPLICAS (a primary told to write only with replicas, one of them down) is as passing as an
+                # outage, and a worker that died of it would give up its requests for nothing.
                 log.warning("worker.heartbeat_redis_failed", extra={"error": str(exc)})
             # Not awaited: a slow Kafka acknowledgement must not delay the next beat that routing reads.
             try:

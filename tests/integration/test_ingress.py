@@ -32,6 +32,7 @@ from ingress_support import (
     reader,
     running_ingress,
 )
+from private_redis import private_redis
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection as RedisConnection
 
@@ -251,33 +252,40 @@ async def test_overloaded_owner_diverts_to_an_idle_workers_partition(
 
 
 async def test_a_record_redis_refuses_turns_the_published_request_into_a_cancelled_503(
-    ingress: str, settings: Settings, redis: Redis
+    settings: Settings, cleanup_topics: None, tmp_path: Path
 ) -> None:
     # The status record and the publish go out together; when Redis refuses the record (here: it refuses every
     # write, as it does when it lacks the replicas it was told to write to), the client hears 503 and the
-    # request, already in Kafka, is taken back over the control topic so no worker starts it.
+    # request, already in Kafka, is taken back over the control topic so no worker starts it. A Redis of this
+    # test's own: told to refuse writes, the session's shared one would refuse every other test's too (a worker
+    # beside it died on its heartbeat).
     names = Names(settings.topic_prefix)
-    await heartbeat(redis, names)
     topic = names.request_topic(MODEL, "standard")
-    async with (
-        httpx.AsyncClient(base_url=ingress, headers={"x-api-key": KEY}) as http,
-        reader(settings, names.control_topic, partitions=1) as control,
-        reader(settings, topic, partitions=3) as requests,
-    ):
-        await redis.config_set("min-replicas-to-write", 1)
-        try:
-            response = await http.post("/v1/requests", json={"model": MODEL, "prompt": "refused record"})
-        finally:
-            await redis.config_set("min-replicas-to-write", 0)
-        assert response.status_code == 503, response.text
-        assert response.json()["error"]["message"].startswith("Redis is unavailable: ")
-        rid = response.headers["x-request-id"]
-        (published,) = await consume(requests, 1)
-        (message,) = await consume(control, 1)
-    assert InferenceRequest.model_validate_json(published.value).request_id == rid
-    cancel = CancelRequest.model_validate_json(message.value)
-    assert (cancel.request_id, cancel.reason) == (rid, "record_failed")
-    assert await redis.get(names.request_key(rid)) is None
+    with private_redis(tmp_path) as server:
+        own = settings.model_copy(update={"redis_url": server.url})
+        redis = Redis.from_url(server.url)
+        await heartbeat(redis, names)
+        async with (
+            running_ingress(own) as ingress,
+            httpx.AsyncClient(base_url=ingress, headers={"x-api-key": KEY}) as http,
+            reader(settings, names.control_topic, partitions=1) as control,
+            reader(settings, topic, partitions=3) as requests,
+        ):
+            await redis.config_set("min-replicas-to-write", 1)
+            try:
+                response = await http.post("/v1/requests", json={"model": MODEL, "prompt": "refused record"})
+            finally:
+                await redis.config_set("min-replicas-to-write", 0)
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["message"].startswith("Redis is unavailable: ")
+            rid = response.headers["x-request-id"]
+            (published,) = await consume(requests, 1)
+            (message,) = await consume(control, 1)
+        assert InferenceRequest.model_validate_json(published.value).request_id == rid
+        cancel = CancelRequest.model_validate_json(message.value)
+        assert (cancel.request_id, cancel.reason) == (rid, "record_failed")
+        assert await redis.get(names.request_key(rid)) is None
+        await redis.aclose()
 
 
 async def test_status_is_per_tenant_and_delete_cancels(ingress: str, settings: Settings, redis: Redis) -> None:

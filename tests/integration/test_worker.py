@@ -11,10 +11,9 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 from fault_report import count_events, fault_report
-from needs import require_tool
+from private_redis import RedisServer
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -180,55 +179,6 @@ def test_delivered_tokens_that_already_end_the_request_are_recognised(engine: As
 
 
 # --- the worker on Kafka and Redis --------------------------------------------------------------------------
-
-
-class RedisServer:
-    """A redis-server of this test's own on a free port, so it can be killed and restarted safely."""
-
-    def __init__(self, data_dir: Path, appendonly: bool) -> None:
-        self.port = _free_port()
-        self.data_dir = data_dir
-        self.appendonly = appendonly
-        self.process: subprocess.Popen | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        server = require_tool("redis-server", "apt-get install redis-server")
-        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.appendonly else ["--appendonly", "no"]
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.data_dir)]
-        self.process = subprocess.Popen(
-            [server, *args, *persistence],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), _socket_to(self.port):
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"redis-server on port {self.port} did not start")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _socket_to(port: int) -> Iterator[None]:
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-        yield
 
 
 @dataclass
