@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 # Redis answers this when an explicit id is not above the stream's last one: a replayed append.
 _DUPLICATE_ID = "equal or smaller than the target stream top item"
+# Refusals that mean "not now" rather than "never": a primary short of the replicas it must write with
+# (``min-replicas-to-write``), a replica cut off from its primary. Retried as an outage is, nothing written.
+_PASSING_REFUSALS = ("NOREPLICAS", "MASTERDOWN")
 
 #: Errors that mean "Redis is not reachable right now" (down, restarting, loading its data, or a replica
 #: not yet promoted): callers wait and retry instead of failing the request.
@@ -343,6 +346,8 @@ class StreamPublisher:
                 if _DUPLICATE_ID in str(result):
                     self.duplicates += 1
                     continue
+                if str(result).startswith(_PASSING_REFUSALS):
+                    raise RedisConnectionError(str(result)) from result
                 raise result
             if isinstance(result, REDIS_UNAVAILABLE):
                 raise result

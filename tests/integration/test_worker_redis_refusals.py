@@ -1,5 +1,6 @@
-"""A worker's heartbeat on a real Redis that refuses writes: the beat is skipped and the worker lives on (it once
-died of a NOREPLICAS answer, giving up its requests), then beats again once Redis takes writes."""
+"""A worker on a real Redis that refuses writes for want of replicas (NOREPLICAS): a heartbeat is skipped and the
+worker lives on (it once died of it, giving up its requests), and stream appends are held and retried as in an
+outage, not failed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from redis.asyncio import Redis
 from gpu_workers.engine.outputs import EngineStats
 from gpu_workers.worker.config import WorkerConfig
 from gpu_workers.worker.heartbeat import Heartbeats
-from schemas import Names, WorkerHeartbeat
+from gpu_workers.worker.streams import StreamPublisher, read_stream_state
+from schemas import Names, TokenEvent, WorkerHeartbeat
 from sluicegate.task_stop import cancel_and_wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -66,3 +68,21 @@ async def test_a_heartbeat_redis_refuses_is_skipped_and_the_next_one_goes_out(tm
         finally:
             await cancel_and_wait(running)
             await redis.aclose()
+
+
+async def test_appends_redis_refuses_for_want_of_replicas_wait_and_go_out_once_it_takes_writes(
+    tmp_path: Path,
+) -> None:
+    names = Names("nr.")
+    with private_redis(tmp_path) as server:
+        redis = Redis.from_url(server.url)
+        publisher = StreamPublisher(redis, names, ttl_s=60)
+        await redis.config_set("min-replicas-to-write", 1)
+        publisher.add(TokenEvent(request_id="r1", seq=0, text="Hi", token_ids=[1]))
+        flushing = asyncio.create_task(publisher.flush())  # retried through the refusal, as through an outage
+        await asyncio.sleep(0.5)
+        assert not flushing.done(), flushing.exception() if flushing.done() else None
+        await redis.config_set("min-replicas-to-write", 0)
+        await asyncio.wait_for(flushing, 10)
+        assert (await read_stream_state(redis, names, "r1")).text == "Hi"
+        await redis.aclose()
