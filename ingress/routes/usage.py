@@ -2,8 +2,8 @@
 (:mod:`sluicegate.usage.report`), in total and grouped by model or by API key.
 
 A key sees its own tenant's usage only (every key of the tenant, and Kafka-native requests of the tenant under
-``key_id`` null). ``start`` and ``end`` are unix seconds (default: the current UTC month so far), widened to whole
-hours; the rollup lags the ledger by about a second.
+``key_id`` null). ``start`` and ``end`` are unix seconds (default: the current UTC month so far; with only ``end``,
+the UTC month it falls in up to it), widened to whole hours; the rollup lags the ledger by about a second.
 """
 
 from __future__ import annotations
@@ -37,15 +37,21 @@ def month_start(now: float) -> int:
 async def get_usage(
     request: Request,
     caller: Caller,
-    start: Annotated[int | None, Query(ge=0, le=_MAX_TIME, description="Unix seconds; default: month start.")] = None,
+    start: Annotated[
+        int | None, Query(ge=0, le=_MAX_TIME, description="Unix seconds; default: the start of end's UTC month.")
+    ] = None,
     end: Annotated[int | None, Query(ge=1, le=_MAX_TIME, description="Unix seconds; default: now.")] = None,
     group_by: Annotated[GroupBy | None, Query(description="Rows per model, per API key or per LoRA adapter.")] = None,
 ) -> UsageReport:
     now = time.time()
     end = end if end is not None else int(now) + 1
-    start = start if start is not None else month_start(now)
+    # Without a start, the window is the month the end falls in (the current month's start would come after an
+    # earlier end, and the window would be refused).
+    start = start if start is not None else month_start(min(now, end - 1))
     service = service_of(request)
     try:
         return await usage_report(service.redis, service.names, caller.tenant, start=start, end=end, group_by=group_by)
     except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_value", param="start") from exc
+        # An end at or before the start is the end's fault; a window too long, the start's.
+        param = "end" if end <= start else "start"
+        raise ApiError(400, str(exc), code="invalid_value", param=param) from exc

@@ -262,6 +262,12 @@ async def test_a_key_quota_stops_it_at_the_exact_token(
         body = answer.json()
         assert body["tenant"] == "acme" and body["totals"]["total_tokens"] == quota + 5
         assert sorted((row["requests"], row["total_tokens"]) for row in body["data"]) == [(1, 5), (3, quota)]
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {OTHER_KEY}"}) as http:
+            # An end alone: that end's month up to it (an end before this month was refused, naming the start).
+            last_year = await http.get("/v1/usage", params={"end": int(time.time()) - 400 * 86400})
+            backwards = await http.get("/v1/usage", params={"start": 2000, "end": 1000})
+        assert last_year.status_code == 200 and last_year.json()["totals"]["requests"] == 0, last_year.text
+        assert backwards.status_code == 400 and backwards.json()["error"]["param"] == "end", backwards.text
         await api.close()
         await other.close()
     key_day = QuotaLimit("key", _key_id(KEY), "day", quota)
