@@ -24,7 +24,17 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from schemas import STREAM_FIELD, DeadLetter, InferenceRequest, Names, RequestRecord, parse_stream_event, utcnow
+from schemas import (
+    BATCH_TERMINAL,
+    STREAM_FIELD,
+    DeadLetter,
+    InferenceRequest,
+    Names,
+    RequestRecord,
+    parse_batch_request_id,
+    parse_stream_event,
+    utcnow,
+)
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.kafka import create_admin, create_consumer, create_producer
 from sluicegate.redis_client import create_redis
@@ -158,6 +168,18 @@ def check_payload(letter: DeadLetter) -> InferenceRequest | str:
     return request
 
 
+async def _batch_ended(redis: Redis, names: Names, request_id: str) -> str | None:
+    """Why a batch line is not replayed: its batch has ended, its output files written without it (a replayed line
+    would run for nothing); None for a line of a running batch, or not a batch line."""
+    parsed = parse_batch_request_id(request_id)
+    if parsed is None:
+        return None
+    status = await redis.hget(names.batch_key(parsed[0]), "status")
+    if status is None or status.decode() not in BATCH_TERMINAL:
+        return None
+    return f"its batch {parsed[0]} has ended ({status.decode()}): its output is written without this line"
+
+
 async def _prepare_stream(redis: Redis, names: Names, request: InferenceRequest, dry_run: bool) -> str | None:
     """None when the request may run again (after clearing a failed stream); else why to skip it."""
     key = names.stream_key(request.request_id)
@@ -208,7 +230,9 @@ async def replay(
             if checked.request_id in replayed:
                 outcomes.append(ReplayOutcome(entry, "skipped", "a newer letter for this request is replayed"))
                 continue
-            why_not = await _prepare_stream(redis, names, checked, dry_run)
+            why_not = await _batch_ended(redis, names, checked.request_id) or await _prepare_stream(
+                redis, names, checked, dry_run
+            )
             if why_not is not None:
                 outcomes.append(ReplayOutcome(entry, "skipped", why_not))
                 continue

@@ -31,6 +31,7 @@ from schemas import (
     Names,
     RequestRecord,
     SamplingOptions,
+    batch_request_id,
     utcnow,
 )
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID
@@ -221,6 +222,10 @@ def test_dlq_cli_lists_and_replays(pipeline: Pipeline) -> None:
         created_at=failed.created_at,
     )
     redis.set(names.request_key(failed.request_id), record.model_dump_json(), ex=600)
+    # A line of a batch that has ended: its output files are written, so a replay would run it for nothing.
+    ended_batch = f"batch_{uuid.uuid4().hex[:24]}"
+    redis.hset(names.batch_key(ended_batch), "status", "completed")
+    ended_line = request().model_copy(update={"request_id": batch_request_id(ended_batch, 4)})
     letters = [
         DeadLetter(
             reason="processing_failed",
@@ -229,7 +234,7 @@ def test_dlq_cli_lists_and_replays(pipeline: Pipeline) -> None:
             payload=r.model_dump_json(),
             request_id=r.request_id,
         )
-        for r in (fresh, failed)
+        for r in (fresh, failed, ended_line)
     ]
     produce(pipeline, names.dlq_topic, *(letter.model_dump_json().encode() for letter in letters))
 
@@ -239,6 +244,7 @@ def test_dlq_cli_lists_and_replays(pipeline: Pipeline) -> None:
     assert any("would replay" in line and failed.request_id in line for line in lines)
     assert any(line.startswith("skipped") and "payload is still invalid" in line for line in lines)
     assert any(line.startswith("skipped") and "deadline" in line and "has passed" in line for line in lines)
+    assert any(line.startswith("skipped") and ended_line.request_id in line and "has ended" in line for line in lines)
     time.sleep(1)
     assert pipeline.stream_events(fresh.request_id) == []
     assert len(pipeline.stream_events(failed.request_id)) == 1  # a dry run changes nothing
