@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_workers.engine import EngineFront
-from gpu_workers.engine.lora.peft_files import LoRAError, check_adapter
+from gpu_workers.engine.lora.peft_files import LoRAError, load_adapter
 from gpu_workers.engine.lora.request import LoRARequest
 from schemas import InferenceRequest, LoRAAdapter
 from sluicegate.lora.checks import CheckVerdict
@@ -227,15 +227,17 @@ class Adapters:
 
     async def verify(self, name: str, path: str) -> CheckVerdict:
         """Whether adapter ``name`` at ``path`` fits this worker's base model (``serve_checks``' verifier): its files
-        fetched like a request's, then checked against the model's config without reading tensor data."""
+        fetched like a request's, checked against the model's config and its tensors read as a load reads them (a
+        NaN or infinite weight is refused now, not registered to fail every request that names it)."""
         checks_dir, tag = self.cache_dir / "checks", uuid.uuid4().hex  # a copy per check: checks may overlap
         try:
             local = await asyncio.to_thread(fetch_adapter, path, checks_dir, tag)
             if self._model_config is None:
                 self._model_config = await asyncio.to_thread(self._model_config_loader)
-            spec = await asyncio.to_thread(
-                check_adapter, str(local), self._model_config, max_lora_rank=self.max_lora_rank
+            weights = await asyncio.to_thread(
+                load_adapter, str(local), self._model_config, max_lora_rank=self.max_lora_rank
             )
+            spec = weights.spec
         except (LoRAError, AdapterFetchError) as exc:
             return CheckVerdict(ok=False, reason=str(exc))  # the problem; whoever reports it names the adapter
         finally:

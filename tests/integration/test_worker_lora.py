@@ -10,6 +10,7 @@ Adapters are made with ``peft`` on the random tiny model, with random non-zero A
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import fsspec
 import pytest
 from redis.asyncio import Redis
+from safetensors.torch import load_file, save_file
 from test_worker import (
     MODEL,
     PROMPT,
@@ -262,6 +264,17 @@ async def test_adapters_load_once_stay_private_and_follow_a_new_registration(
             model_config=lambda: AutoConfig.from_pretrained(str(model_dir)),
             lookup_ttl_s=0.0,
         )
+        # The check before registration reads the tensors as a load would: a NaN weight is refused there, not
+        # registered to fail every request that names it.
+        assert (await served.verify("sql", str(adapters["sql"]))).ok
+        poisoned = tmp_path / "poisoned"
+        shutil.copytree(adapters["sql"], poisoned)
+        weights = load_file(str(poisoned / "adapter_model.safetensors"))
+        first_key = sorted(weights)[0]
+        weights[first_key] = weights[first_key].clone().fill_(float("nan"))
+        save_file(weights, str(poisoned / "adapter_model.safetensors"))
+        refusal = await served.verify("poisoned", str(poisoned))
+        assert not refusal.ok and "NaN or infinite" in (refusal.reason or ""), refusal
         first = await registry.register("sql", MODEL, url, tenant="acme")
         mine = request_for("sql").model_copy(update={"tenant": "acme"})
         # Many requests at once: one fetch, one load.
