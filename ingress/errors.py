@@ -61,9 +61,10 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         param = ".".join(loc) or None
-        return error_response(
-            ApiError(400, f"'{param}': {first.get('msg', 'invalid')}", code="invalid_value", param=param)
-        )
+        # A check of the body as a whole names no field: its own sentence, without pydantic's "Value error, ".
+        said = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        message = f"'{param}': {said}" if param else said
+        return error_response(ApiError(400, message, code="invalid_value", param=param))
 
     async def redis_error(_: Request, exc: Exception) -> JSONResponse:
         # Redis not answering is the backbone being away, not a bug: the same 503 + Retry-After as the request

@@ -142,6 +142,10 @@ async def test_load_list_use_and_unload(
         assert "sql-lora" not in {m.id for m in (await acme.models.list()).data}
         with pytest.raises(openai.NotFoundError, match="cannot be found"):
             await unload(admin, lora_name="sql-lora")
+        with pytest.raises(openai.BadRequestError) as nameless:  # a check of the whole body: no field to name
+            await unload(admin)
+        assert nameless.value.body["param"] is None  # type: ignore[index]
+        assert nameless.value.body["message"].startswith("give 'lora_name'"), nameless.value.body  # type: ignore[index]
     await asyncio.gather(admin.close(), acme.close())
 
 
