@@ -4,9 +4,6 @@
 "use strict";
 
 const STORAGE_KEY = "sluicegate.chat.settings";
-// This tab's conversation and the turn in flight, so a reload shows the conversation again and follows the
-// reply from its stream (kept on the server after it ends) instead of losing it while it keeps generating.
-const SESSION_KEY = "sluicegate.chat.session";
 
 const $ = (selector) => document.querySelector(selector);
 const log = $("#log");
@@ -24,6 +21,7 @@ let settings = {};
 let conversation = []; // [{role, content}] sent with every turn
 let busy = false; // a turn is being submitted or received: set at once, so a second Enter cannot start another
 let pending = null; // the turn in flight once ingress accepted it: {prompt, messages, streamUrl, token, requestId}
+let inFlight = []; // the turn in flight's two message elements: kept for a reload as the pending turn, not as shown
 let current = null; // the ReplyStream being received
 let latest = null; // the most recent ReplyStream, kept after its turn ends (for tests)
 let stopRequested = false; // Stop pressed for the turn in flight, possibly before ingress accepted it
@@ -171,10 +169,11 @@ function explainError(error) {
 async function submit(prompt) {
   const startedAt = performance.now();
   atEnd = true; // the person just sent: show their message and follow the reply
-  addMessage("user", prompt);
+  const asked = addMessage("user", prompt);
   const messages = [...conversation, { role: "user", content: prompt }];
   if (settings.system) messages.unshift({ role: "system", content: settings.system });
   const view = addMessage("assistant", "");
+  inFlight = [asked.element, view.element];
   setBusy(true);
   stopRequested = false;
   let accepted = false;
@@ -279,6 +278,7 @@ function showFailure(view, message) {
 function endTurn() {
   current = null;
   pending = null;
+  inFlight = [];
   stopRequested = false;
   saveSession();
   setBusy(false);
@@ -309,29 +309,25 @@ function noteScroll() {
 
 log.addEventListener("scroll", noteScroll);
 
+/** Keep the tab's session (chat_session.js): the context, the turn in flight, every other message as shown. */
 function saveSession() {
-  try {
-    sessionStorage.setItem(SESSION_KEY, JSON.stringify({ conversation, pending }));
-  } catch (err) {
-    console.warn("could not keep the conversation for a reload", err);
-  }
+  const shown = [...log.querySelectorAll(":scope > .message")].filter((e) => !inFlight.includes(e));
+  writeSession({ conversation, pending, shown: shown.map(describeMessage) });
 }
 
-/** After a reload: the conversation as it was, and the reply that was arriving followed from its stream. */
+/** After a reload: the messages as they were shown (a session from before they were kept: its conversation), and
+ * the reply that was arriving followed from its stream. */
 function restoreSession() {
-  let saved = {};
-  try {
-    saved = JSON.parse(sessionStorage.getItem(SESSION_KEY) || "{}");
-  } catch {
-    saved = {};
-  }
-  conversation = Array.isArray(saved.conversation) ? saved.conversation : [];
-  for (const message of conversation) addMessage(message.role, message.content);
+  const saved = readSession();
+  conversation = saved.conversation;
+  if (saved.shown) for (const message of saved.shown) showAgain(addMessage(message.role, message.text), message);
+  else for (const message of conversation) addMessage(message.role, message.content);
   const turn = saved.pending;
   if (!turn || !turn.streamUrl || !turn.token) return;
   pending = turn;
-  addMessage("user", turn.prompt);
+  const asked = addMessage("user", turn.prompt);
   const view = addMessage("assistant", "");
+  inFlight = [asked.element, view.element];
   setBusy(true);
   setStatus(`following ${turn.requestId} again`);
   follow(turn, view, null)
@@ -424,8 +420,8 @@ document.addEventListener("keydown", (event) => {
 newChatButton.addEventListener("click", () => {
   if (busy) return;
   conversation = [];
-  saveSession();
   log.replaceChildren();
+  saveSession();
   setStatus("idle");
 });
 

@@ -6,7 +6,8 @@ resumes from ``last_id`` with exactly the text the Redis stream holds, and refus
 an unknown model, a rate limit's 429) and a stream that ends in an ``error`` event are explained to the
 person (with the right advice for a message past the model's context, and the text of a send that was not accepted
 put back in the input); Stop pressed before ingress accepted the request still stops it; a streaming reply is
-followed only while the chat is at its bottom; Settings are validated before any save and close with Escape; on a
+followed only while the chat is at its bottom; a reload shows every message as it was (a failed turn too, never sent as
+context); Settings are validated before any save and close with Escape; on a
 phone-sized window the header stays on screen; and on the real default model (SmolLM2-135M-Instruct, greedy) the
 page gets a right answer. Needs Debian's ``chromium`` and ``chromium-driver`` (``run.sh test`` installs them); without
 them the module skips and says so (fails under ``CI``). ``SLUICEGATE_SAVE_SCREENSHOTS=1`` also writes the screenshots
@@ -285,6 +286,103 @@ def test_a_reload_mid_reply_shows_the_conversation_and_follows_the_reply_to_its_
     # The followed turn is context for the next one, as if the page had never been reloaded.
     history = page.execute_script("return sessionStorage.getItem('sluicegate.chat.session')")
     assert [m["role"] for m in json.loads(history)["conversation"]] == ["user", "assistant"] * 2
+
+
+_SHOWN_MESSAGES = """return [...document.querySelectorAll("#log > .message")].map((m) => ({
+  classes: [...m.classList].filter((c) => c !== "streaming").sort(),
+  state: m.dataset.state ?? null,
+  requestId: m.dataset.requestId ?? null,
+  source: m.querySelector(".text").dataset.source,
+  shown: m.querySelector(".text").textContent,
+  note: m.querySelector(".note").textContent,
+  metrics: m.querySelector(".metrics").textContent,
+  aside: m.querySelector(".aside").textContent,
+}));"""
+
+_RECORD_POSTS = """window.sentBodies = [];
+const original = window.fetch;
+window.fetch = (url, init) => {
+  if (init && init.method === "POST") window.sentBodies.push(JSON.parse(init.body));
+  return original(url, init);
+};"""
+
+
+def test_a_reload_shows_every_message_as_it_was_and_a_failed_turn_is_still_not_context(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """A finished, a stopped and a refused turn come back after a reload with their text, state, note and metrics
+    (the refused one too, though it never was context); the next turn sends only the finished and stopped turns."""
+    configure(page, apiKey=pipeline.api_key, maxTokens="12", temperature="0")
+    finished = send(page, "First question")
+    assert wait_ended(finished) == "done", finished.text
+    configure(page, maxTokens=str(LONG))
+    stopped = send(page, "Second question, stopped")
+    wait_for(lambda: len(reply_text(page, stopped)) > 20, "some streamed text")
+    page.find_element(By.ID, "stop").click()
+    assert wait_ended(stopped, timeout_s=60) == "stopped", stopped.text
+    configure(page, apiKey="sk-not-a-real-key")
+    refused = send(page, "Third question, refused")
+    assert wait_ended(refused, timeout_s=30) == "failed", refused.text
+    before = page.execute_script(_SHOWN_MESSAGES)
+    assert len(before) == 6, before
+    assert [m["source"] for m in before[::2]] == [
+        "First question",
+        "Second question, stopped",
+        "Third question, refused",
+    ]
+    assert [m["state"] for m in before[1::2]] == ["done", "stopped", "failed"], before
+    assert before[1]["note"] in ("finished", "finished: reached max tokens"), before[1]
+    assert TTFT_AND_RATE.match(before[1]["metrics"]), before[1]
+    assert before[3]["note"] == "stopped" and TTFT_AND_RATE.match(before[3]["metrics"])
+    assert before[5]["note"].startswith("Not authorised (401):") and before[5]["metrics"] == ""
+    assert [m["classes"] for m in before[1::2]] == [
+        ["assistant", "message"],
+        ["assistant", "message", "stopped"],
+        ["assistant", "failed", "message"],
+    ]
+
+    page.refresh()
+    wait_for(lambda: len(page.find_elements(By.CSS_SELECTOR, "#log > .message")) == 6, "the six messages again")
+    assert page.execute_script(_SHOWN_MESSAGES) == before
+
+    # The next turn's context: the finished and the stopped turns, as streamed; the refused one is not sent.
+    wait_for(lambda: field(page, "model").get_attribute("value") == pipeline.model, "model from /config.json")
+    configure(page, apiKey=pipeline.api_key, maxTokens="8")
+    page.execute_script(_RECORD_POSTS)
+    fourth = send(page, "Fourth question")
+    assert wait_ended(fourth) == "done", fourth.text
+    (body,) = page.execute_script("return window.sentBodies")
+    assert body["messages"] == [
+        {"role": "user", "content": "First question"},
+        {"role": "assistant", "content": before[1]["source"]},
+        {"role": "user", "content": "Second question, stopped"},
+        {"role": "assistant", "content": before[3]["source"]},
+        {"role": "user", "content": "Fourth question"},
+    ]
+
+    # New chat forgets all of it, across a reload too.
+    page.find_element(By.ID, "new-chat").click()
+    assert not page.find_elements(By.CSS_SELECTOR, "#log > .message")
+    page.refresh()
+    wait_for(lambda: field(page, "model").get_attribute("value") == pipeline.model, "model from /config.json")
+    assert not page.find_elements(By.CSS_SELECTOR, "#log > .message")
+
+
+def test_a_session_kept_by_the_previous_page_still_loads(page: webdriver.Chrome) -> None:
+    """A tab's session written before the page kept its shown messages ({conversation, pending}): the conversation
+    is shown as before."""
+    old = [{"role": "user", "content": "An old question"}, {"role": "assistant", "content": "An **old** answer"}]
+    keep = (
+        "sessionStorage.setItem('sluicegate.chat.session', JSON.stringify({conversation: arguments[0], pending: null}))"
+    )
+    page.execute_script(keep, old)
+    page.refresh()
+    shown = wait_for(lambda: len(m := page.execute_script(_SHOWN_MESSAGES)) == 2 and m, "the old conversation")
+    assert [(m["classes"], m["source"], m["state"], m["note"]) for m in shown] == [
+        (["message", "user"], "An old question", None, ""),
+        (["assistant", "message"], "An **old** answer", None, ""),
+    ]
+    assert shown[1]["shown"].strip() == "An old answer"  # as Markdown
 
 
 def test_a_second_enter_while_a_turn_is_in_flight_starts_nothing(page: webdriver.Chrome, pipeline: Pipeline) -> None:
