@@ -649,7 +649,7 @@ async def test_chat_page_and_its_config_are_served(service: Running) -> None:
         for path in ("/health", "/readyz"):  # ingress's names for the same checks
             assert (await client.get(path)).json()["status"] == "ok", path
         vendored_files = ("/static/vendor/marked.umd.js", "/static/vendor/purify.min.js", "/static/markdown.js")
-        for vendored in (*vendored_files, "/static/refusals.js", "/static/reply_stream.js"):
+        for vendored in (*vendored_files, "/static/refusals.js", "/static/reply_stream.js", "/static/chat_session.js"):
             assert (await client.get(vendored)).status_code == 200, vendored
         script = await client.get("/static/chat.js")
         assert script.status_code == 200
