@@ -161,13 +161,17 @@ class Outputs:
         """
         await self.publisher.ride(self.record_write(request, status, result), _RECORD_RIDE_S)
 
-    async def mark_failed(self, request_id: str) -> None:
-        """Set an existing status record to ``failed`` (a request with none keeps none)."""
+    async def mark_failed(self, request_id: str, result: FinalResult | None = None) -> None:
+        """Set an existing status record to ``failed`` (a request with none keeps none), with the failed ``result``
+        when known: its ``error_code`` and ``error_message`` tell a client that missed the stream why."""
         key = self.names.request_key(request_id)
         raw = await self.redis_call(lambda: self.redis.get(key))
         if raw is not None:
             record = RequestRecord.model_validate_json(raw)
-            update = record.model_copy(update={"status": "failed", "updated_at": utcnow()})
+            changes: dict[str, object] = {"status": "failed", "updated_at": utcnow()}
+            if result is not None:
+                changes |= {"result": result, "worker_id": result.worker_id}
+            update = record.model_copy(update=changes)
             await self.redis_call(lambda: self.redis.set(key, update.model_dump_json(), keepttl=True))
 
     # --- Kafka ---------------------------------------------------------------------------------------
@@ -207,11 +211,13 @@ class Outputs:
         status = "cancelled" if done.finish_reason == "abort" else "finished"
         await self.set_record(request, status, result)
 
-    async def publish_failure(self, request: InferenceRequest, entry: Active | None, code: str, message: str) -> None:
+    async def publish_failure(
+        self, request: InferenceRequest, entry: Active | None, code: str, message: str
+    ) -> FinalResult:
         """A failed request's result to ``llm.results`` (no text, ``finish_reason`` "error", ``error_code`` and
         ``error_message`` set) with its usage record as failed, both in one produce request: a Kafka-native
         consumer of ``llm.results`` (and a batch's collector) learns of the failure there, as of any ending,
-        instead of waiting for a result that never comes."""
+        instead of waiting for a result that never comes. Returns that result."""
         result = FinalResult(
             request_id=request.request_id,
             model=request.model,
@@ -232,6 +238,7 @@ class Outputs:
                 (self.names.usage_topic, usage, request.request_id),
             ]
         )
+        return result
 
     def _usage_value(
         self,

@@ -443,9 +443,10 @@ class Serving:
             entry.watch.failed(code)
         await self.outputs.flush()
         log.info("worker.failed", extra={"request_id": request_id, "code": code})
+        result = None
         if request is not None:
-            await self.outputs.publish_failure(request, entry, code, message[:2000])
-        await self.outputs.mark_failed(request_id)
+            result = await self.outputs.publish_failure(request, entry, code, message[:2000])
+        await self.outputs.mark_failed(request_id, result)
         return True
 
     def _redelivered(self, request: InferenceRequest, outcome: str) -> None:

@@ -143,6 +143,10 @@ def test_expired_requests_are_not_run_and_are_dead_lettered(pipeline: Pipeline) 
         assert_deadline_exceeded(pipeline, rid)
         record = pipeline.record(rid)
         assert record is None or record.status == "failed"
+    # Ingress's request has a status record: it says why it failed, for a client that missed the stream.
+    failed = pipeline.record(via_ingress)
+    assert failed is not None and failed.result is not None, failed
+    assert (failed.result.error_code, failed.result.finish_reason) == ("deadline_exceeded", "error")
     report("deadlines", expired=3, run=0, dead_lettered=3, served_alongside=1)
 
 
