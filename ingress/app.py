@@ -9,13 +9,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore
+from sluicegate.browser_origins import browser_origins
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.settings import Settings
 from sluicegate.task_stop import cancel_and_wait
@@ -113,7 +113,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     # (X-Request-Deadline, Cache-Control) and what SDKs add (the openai JS SDK's x-stainless-*, OpenAI-Beta).
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=cors_origins(settings),
+        allow_origins=browser_origins(settings),
         allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
         allow_headers=["*"],
         expose_headers=list(EXPOSED_HEADERS),
@@ -136,17 +136,6 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
     install_openapi(app)
     instrument_app(app)  # outermost: the server span covers the middleware too
     return app
-
-
-def cors_origins(settings: Settings) -> list[str]:
-    """Origins whose pages may call ingress: the result service (which serves the chat page) on the local
-    hosts and at its public address, plus ``cors_origins``."""
-    origins = [f"http://{host}:{settings.result_port}" for host in ("127.0.0.1", "localhost")]
-    public = urlsplit(settings.public_stream_url)
-    if public.scheme in ("ws", "wss", "http", "https") and public.netloc:
-        origins.append(f"{'https' if public.scheme in ('wss', 'https') else 'http'}://{public.netloc}")
-    origins += [o.strip().rstrip("/") for o in settings.cors_origins.split(",") if o.strip()]
-    return list(dict.fromkeys(origins))
 
 
 async def _warm_up(service: IngressService) -> None:

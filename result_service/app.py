@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Response
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
 from schemas import Names
+from sluicegate.browser_origins import browser_origins
 from sluicegate.cancellation import Canceller
 from sluicegate.heap import freeze_startup_heap
 from sluicegate.kafka import create_producer
@@ -97,6 +99,14 @@ def create_app(
         description="Relays request token streams from Redis over WebSocket and Server-Sent Events.",
         version="0.1.0",
         lifespan=lifespan,
+    )
+    # A page that may submit a request to ingress may follow its stream over SSE from the same origin (an
+    # EventSource across origins needs these headers; WebSockets do not, their token is the check).
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=browser_origins(settings),
+        allow_methods=["GET", "HEAD", "OPTIONS"],
+        allow_headers=["Authorization", "Last-Event-ID", "Accept"],
     )
     app.include_router(websocket.router)
     app.include_router(websocket_mux.router)

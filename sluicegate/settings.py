@@ -270,7 +270,9 @@ class Settings(BaseSettings):
         "process's load or unload is seen within it; the process's own at once).",
     )
     cors_origins: str = Field(
-        "", description="Extra comma-separated CORS origins for ingress (the result service's is always allowed)."
+        "",
+        description="Extra comma-separated CORS origins for ingress and the result service's SSE relay (the result "
+        "service's own is always allowed).",
     )
     kafka_timeout_s: float = Field(
         5.0, gt=0, description="Longest ingress waits for Kafka (publish ack, topic creation) before a 503."

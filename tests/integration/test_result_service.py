@@ -615,6 +615,22 @@ async def test_sse_relays_and_honours_last_event_id(service: Running, redis: Red
         not_sse = await client.get(f"/v1/streams/{rid}", params={"token": token})
         assert not_sse.status_code == 406
 
+        # From a page of another origin that ingress lets submit (the chat page at localhost, say), an EventSource
+        # may follow the stream too; a foreign page's gets no CORS grant (the browser keeps the events from it).
+        allowed = f"http://localhost:{service.settings.result_port}"
+        for origin, granted in ((allowed, True), ("http://evil.example", False)):
+            crossed = await client.get(f"/v1/streams/{rid}/sse", params={"token": token}, headers={"Origin": origin})
+            assert (crossed.headers.get("access-control-allow-origin") == origin) is granted, crossed.headers
+            preflight = await client.options(
+                f"/v1/streams/{rid}/sse",
+                headers={
+                    "Origin": origin,
+                    "Access-Control-Request-Method": "GET",
+                    "Access-Control-Request-Headers": "last-event-id",
+                },
+            )
+            assert (preflight.status_code == 200) is granted, preflight.text
+
 
 async def test_sse_live_tail(service: Running, redis: Redis) -> None:
     rid = f"req-{uuid.uuid4().hex[:8]}"

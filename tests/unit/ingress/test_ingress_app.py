@@ -12,7 +12,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from ingress.app import cors_origins, create_app
+from ingress.app import create_app
+from sluicegate.browser_origins import browser_origins
 from sluicegate.settings import Settings
 
 KEY = "sk-unit-test-key"
@@ -220,7 +221,7 @@ async def test_health_and_metrics(client: httpx.AsyncClient) -> None:
 
 
 def test_cors_origins_include_the_public_result_service() -> None:
-    origins = cors_origins(settings(public_stream_url="wss://chat.example.org/base", cors_origins=" https://a.b/ ,"))
+    origins = browser_origins(settings(public_stream_url="wss://chat.example.org/base", cors_origins=" https://a.b/ ,"))
     assert origins == [
         "http://127.0.0.1:8123",
         "http://localhost:8123",
