@@ -79,6 +79,10 @@ class _Session:
             try:
                 command = CLIENT_MESSAGE.validate_json(raw)
             except ValidationError as exc:
+                if any(error["type"] == "json_invalid" for error in exc.errors(include_url=False)):
+                    # Not JSON at all: no field is to blame (the summary would name ``type``).
+                    await self.notice(Invalid(reason=f"not a JSON message ({_EXPECTED})"))
+                    continue
                 _, problems = summarize(exc, root_field="type")
                 await self.notice(Invalid(reason=f"unsupported message ({_EXPECTED}): {problems}"))
                 continue

@@ -152,6 +152,7 @@ async def test_bad_input_is_answered_and_the_other_streams_go_on(service: Runnin
         await ws.send("not json")
         invalid = json.loads(await ws.recv())
         assert invalid["type"] == "invalid" and "subscribe" in invalid["reason"]
+        assert invalid["reason"].startswith("not a JSON message"), invalid  # no field named for a parse error
         await ws.send(json.dumps({"type": "subscribe", "request_id": "bad id!", "token": "x"}))
         assert "request_id" in json.loads(await ws.recv())["reason"]
         await ws.send(subscribe(refused, token=issue_stream_token("another-secret", refused, TENANT, lifetime_s=60)))
