@@ -44,6 +44,7 @@ _ENDED = frozenset({"finished", "cancelled", "failed"})
 # How long a cancel waits for the worker to end the response, so that it answers the settled object (last text,
 # usage); a running request ends within a step or two of the cancel reaching its worker.
 _CANCEL_SETTLE_S = 2.0
+_CANCEL_QUEUED_S = 0.5
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -209,14 +210,16 @@ async def cancel_response(request: Request, caller: Caller, response_id: str) ->
 async def _settled(request: Request, caller: ApiKey, response_id: str, response: dict[str, Any]) -> dict[str, Any]:
     """The cancelled response as its worker ends it (its last text and its usage), when that comes within
     ``_CANCEL_SETTLE_S``; else ``response`` marked cancelled. Only the request's status record is polled (one small
-    read, not the whole stream), and a request no worker has started is not waited for: a worker ends it only when
-    it meets it in its queue."""
+    read, not the whole stream). A request still "queued" after ``_CANCEL_QUEUED_S`` is taken as one no worker has
+    started (a worker ends it only when it meets it in its queue): not sooner, since a worker that has just started
+    it writes "running" with its first flush, and a cancel answered before that was rewritten by the worker's end
+    (a token and its usage appeared under the "cancelled" the client had been given)."""
     service = service_of(request)
     stored = await _owned(request, caller, response_id)
-    deadline = time.monotonic() + _CANCEL_SETTLE_S
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    while time.monotonic() - started < _CANCEL_SETTLE_S:
         record = await service.record(stored.record.request_id)
-        if record is None or record.status == "queued":
+        if record is None or (record.status == "queued" and time.monotonic() - started >= _CANCEL_QUEUED_S):
             break
         if record.status in _ENDED:
             settled, final = await current(service, store_of(request), stored)

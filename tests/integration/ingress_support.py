@@ -227,9 +227,11 @@ class FakeWorker:
             await self._append(request, ErrorEvent(request_id=rid, seq=0, code="internal_error", message="it broke"))
             return
         if self.mode == "hang":
-            # Its status record as a worker keeps it: running, then cancelled once the abort is on the stream.
-            await self._set_status(request, "running")
+            # Its status record as a worker keeps it: running (written a moment after its first token, as a worker's
+            # rides a later flush), then cancelled once the abort is on the stream.
             await self._append(request, TokenEvent(request_id=rid, seq=0, text=pieces[0], token_ids=[1]))
+            await asyncio.sleep(0.3)
+            await self._set_status(request, "running")
             await eventually(lambda: self.redis.exists(self.names.cancel_key(rid)), timeout_s=60)
             usage = Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4)
             await self._append(request, DoneEvent(request_id=rid, seq=1, finish_reason="abort", usage=usage))
