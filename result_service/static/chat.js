@@ -123,6 +123,7 @@ function openSettings(open) {
   // Opened for the person to fill something in: put the cursor in the first empty field (the API key, at first);
   // with every field filled (a wrong key, an unknown model) the focus stays where the person is.
   if (open && !wasOpen) [...settingsForm.querySelectorAll("input")].find((input) => !input.value)?.focus();
+  followToEnd(); // the chat's box changed height: a person at its end stays there
 }
 
 function authHeaders() {
@@ -255,7 +256,9 @@ async function follow(turn, view, startedAt) {
   // out as the socket opens; a request still queued is dropped at pickup), and the reply ends as stopped.
   if (stopRequested) current.cancel();
   const outcome = await current.finished;
-  if (outcome.ok) {
+  // A reply with no text (stopped before its first token) is shown but kept out of the context, its question too:
+  // an empty assistant turn taught the model to answer the next question with nothing.
+  if (outcome.ok && current.text.trim()) {
     conversation = [...turn.messages.filter((m) => m.role !== "system"), { role: "assistant", content: current.text }];
   }
   setStatus(outcome.ok ? "idle" : "failed");
@@ -322,6 +325,10 @@ function restoreSession() {
   conversation = saved.conversation;
   if (saved.shown) for (const message of saved.shown) showAgain(addMessage(message.role, message.text), message);
   else for (const message of conversation) addMessage(message.role, message.content);
+  // Shown as it was, and at its end: each message scrolled there before its note and figures filled in.
+  atEnd = true;
+  followToEnd();
+  if (!settingsForm.classList.contains("open")) promptInput.focus(); // Settings, opened first, keep it
   const turn = saved.pending;
   if (!turn || !turn.streamUrl || !turn.token) return;
   pending = turn;

@@ -344,6 +344,8 @@ def test_a_reload_shows_every_message_as_it_was_and_a_failed_turn_is_still_not_c
     page.refresh()
     wait_for(lambda: len(page.find_elements(By.CSS_SELECTOR, "#log > .message")) == 6, "the six messages again")
     assert page.execute_script(_SHOWN_MESSAGES) == before
+    # At the end of the chat, the last reply's note in view (Settings open for the wrong key, or not).
+    wait_for(lambda: page.execute_script(_LOG_GEOMETRY)["below"] <= 1, "the chat at its end")
 
     # The next turn's context: the finished and the stopped turns, as streamed; the refused one is not sent.
     wait_for(lambda: field(page, "model").get_attribute("value") == pipeline.model, "model from /config.json")
@@ -433,6 +435,11 @@ def test_stop_pressed_before_the_request_is_accepted_cancels_it_once_it_is(
     assert done.usage.completion_tokens < LONG
     assert message.find_element(By.CLASS_NAME, "note").text == "stopped"
     assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
+    # What the next turn sends as context: a reply stopped before any text is not there, nor its question (an
+    # empty assistant turn made the model answer the next question with nothing).
+    kept = page.execute_script("return JSON.parse(sessionStorage.getItem('sluicegate.chat.session')).conversation")
+    assert all(m["content"].strip() for m in kept if m["role"] == "assistant"), kept
+    assert len(kept) == (2 if reply_text(page, message).strip() else 0), kept
 
 
 _LOG_GEOMETRY = """const log = document.getElementById("log");
