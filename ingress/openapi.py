@@ -19,6 +19,7 @@ from schemas import Tier
 from sluicegate.api.bodies import ChatCompletionBody, CompletionBody, NativeRequestBody
 from sluicegate.api.embeddings import EmbeddingBody
 
+from .ratelimit import RATE_LIMIT_HEADERS
 from .responses.bodies import ResponseCreateBody
 from .tokenize_bodies import DetokenizeBody, TokenizeBody
 
@@ -219,17 +220,20 @@ _ERROR_DESCRIPTIONS = {
     504: "No result within the request timeout or the request's deadline.",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
-_RATE_LIMITS = {
-    f"x-ratelimit-{what}-{unit}": {
-        "description": f"The key's {'per-minute request' if unit == 'requests' else 'token-per-minute'} limit: "
+
+
+def _rate_limit_doc(header: str) -> dict[str, Any]:
+    what, unit = header.removeprefix("x-ratelimit-").split("-")
+    description = (
+        f"The key's {'per-minute request' if unit == 'requests' else 'token-per-minute'} limit: "
         + {"limit": "its size", "remaining": "what is left of it", "reset": "time until it is whole again"}[what]
         + (" (a Go duration such as 20ms, 1.5s, 6m0s)" if what == "reset" else "")
-        + "; sent only when the key has that limit.",
-        "schema": {"type": "string"},
-    }
-    for unit in ("requests", "tokens")
-    for what in ("limit", "remaining", "reset")
-}
+        + "; sent only when the key has that limit."
+    )
+    return {"description": description, "schema": {"type": "string"}}
+
+
+_RATE_LIMITS = {header: _rate_limit_doc(header) for header in RATE_LIMIT_HEADERS}
 _REQUEST_ID = {"x-request-id": {"description": "The request id.", "schema": {"type": "string"}}} | _RATE_LIMITS
 
 

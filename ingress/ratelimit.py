@@ -33,34 +33,29 @@ _GCRA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local wait = 0
-local tats = {}
-local bursts = {}
+local tats, steps, bursts, units = {}, {}, {}, {}
 for i, key in ipairs(KEYS) do
   local period = tonumber(ARGV[3 * i - 2])
   local limit = tonumber(ARGV[3 * i - 1])
-  local cost = tonumber(ARGV[3 * i])
   local tat = tonumber(redis.call('GET', key) or now)
   if tat < now then tat = now end
-  bursts[i] = math.max(period, cost * period / limit)
-  local new_tat = tat + cost * period / limit
-  local allow_at = new_tat - bursts[i]
+  units[i] = limit / period
+  steps[i] = tonumber(ARGV[3 * i]) / units[i]
+  bursts[i] = math.max(period, steps[i])
+  local allow_at = tat + steps[i] - bursts[i]
   if allow_at > now and allow_at - now > wait then wait = allow_at - now end
-  tats[i] = new_tat
+  tats[i] = tat
 end
 local allowed = 1
 if wait > 0 then allowed = 0 end
 local out = {allowed, math.ceil(wait)}
 for i, key in ipairs(KEYS) do
-  local period = tonumber(ARGV[3 * i - 2])
-  local limit = tonumber(ARGV[3 * i - 1])
-  local cost = tonumber(ARGV[3 * i])
   local tat = tats[i]
   if allowed == 1 then
+    tat = tat + steps[i]
     redis.call('SET', key, string.format('%.3f', tat), 'PX', math.max(1, math.ceil(tat - now)))
-  else
-    tat = tat - cost * period / limit
   end
-  out[2 * i + 1] = math.max(0, math.floor((now + bursts[i] - tat) * limit / period + 1e-6))
+  out[2 * i + 1] = math.max(0, math.floor((now + bursts[i] - tat) * units[i] + 1e-6))
   out[2 * i + 2] = math.ceil(tat - now)
 end
 return out

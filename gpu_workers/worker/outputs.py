@@ -200,14 +200,7 @@ class Outputs:
             worker_id=self.config.worker_id,
             created_at=request.created_at,
         )
-        usage = self._usage_value(request, entry, done.usage, done.finish_reason)
-        # Both records in one produce request (one acknowledgement to wait for, not two in a row).
-        await self.send_all(
-            [
-                (self.names.results_topic, result.model_dump_json().encode(), request.request_id),
-                (self.names.usage_topic, usage, request.request_id),
-            ]
-        )
+        await self._send_ending(result, self._usage_value(request, entry, done.usage, done.finish_reason))
         status = "cancelled" if done.finish_reason == "abort" else "finished"
         await self.set_record(request, status, result)
 
@@ -231,14 +224,16 @@ class Outputs:
             worker_id=self.config.worker_id,
             created_at=request.created_at,
         )
-        usage = self._usage_value(request, entry, None, None, code)
-        await self.send_all(
-            [
-                (self.names.results_topic, result.model_dump_json().encode(), request.request_id),
-                (self.names.usage_topic, usage, request.request_id),
-            ]
-        )
+        await self._send_ending(result, self._usage_value(request, entry, None, None, code))
         return result
+
+    async def _send_ending(self, result: FinalResult, usage: bytes) -> None:
+        """A request's result and usage records in one produce request (one acknowledgement to wait for, not two
+        in a row)."""
+        rid = result.request_id
+        await self.send_all(
+            [(self.names.results_topic, result.model_dump_json().encode(), rid), (self.names.usage_topic, usage, rid)]
+        )
 
     def _usage_value(
         self,

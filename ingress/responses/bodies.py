@@ -69,9 +69,13 @@ class BuiltInTool(BaseModel):
         raise unsupported(f"built-in tools are not supported ({self.type!r}); only 'function' tools")
 
 
+def _type_of(value: Any) -> Any:
+    """A union member's ``type``, from the raw dict being validated or from a model being serialized."""
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
 def _function_or_other(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "function-tool" if kind == "function" else "other-tool"
+    return "function-tool" if _type_of(value) == "function" else "other-tool"
 
 
 Tool = Annotated[
@@ -124,7 +128,7 @@ class TextFormatJsonSchema(JsonSchemaSpec):
 
 
 def _format_kind(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    kind = _type_of(value)
     return f"{kind}-format" if kind in ("text", "json_object", "json_schema") else None
 
 
