@@ -53,12 +53,18 @@ async function loadSettings() {
     ...saved,
   };
   showModels(defaults.models || []);
+  fillSettingsForm();
+  if (!settings.apiKey || !settings.model) openSettings(true);
+  if (settings.apiKey) refreshModels();
+}
+
+/** Show the settings in effect in the form: at load, and when Settings closes without a Save, so that what the
+ * form shows next time is what the chat uses (an edit left unsaved is dropped, as Cancel would drop it). */
+function fillSettingsForm() {
   for (const [name, value] of Object.entries(settings)) {
     if (settingsForm.elements[name]) settingsForm.elements[name].value = value;
   }
   fitSystemPrompt();
-  if (!settings.apiKey || !settings.model) openSettings(true);
-  if (settings.apiKey) refreshModels();
 }
 
 /** Save the form's values as shown, once the browser finds them valid (else it points at the field and says why);
@@ -119,6 +125,7 @@ function openSettings(open) {
   const wasOpen = settingsForm.classList.contains("open");
   settingsForm.classList.toggle("open", open);
   $("#toggle-settings").setAttribute("aria-expanded", String(open));
+  if (!open && wasOpen) fillSettingsForm();
   if (open) fitSystemPrompt();
   // Opened for the person to fill something in: put the cursor in the first empty field (the API key, at first);
   // with every field filled (a wrong key, an unknown model) the focus stays where the person is.
@@ -406,6 +413,7 @@ settingsForm.addEventListener("submit", (event) => {
   event.preventDefault();
   if (!saveSettings()) return;
   openSettings(false);
+  promptInput.focus(); // Save is hidden with the form: the focus goes where the next message is typed
   refreshModels();
 });
 

@@ -584,8 +584,10 @@ def test_settings_are_validated_before_refresh_models_saves_them_and_escape_clos
     page: webdriver.Chrome, pipeline: Pipeline
 ) -> None:
     """Refresh models saves the settings only when Save would (out-of-range or empty numbers are pointed at, not
-    stored or replaced); Escape closes Settings; the system prompt box shows several lines and grows."""
+    stored or replaced); Escape closes Settings; the system prompt box shows several lines and grows; closing
+    without Save drops the edits."""
     configure(page, apiKey=pipeline.api_key, maxTokens="60", temperature="0.5")
+    assert page.switch_to.active_element == prompt_box(page), "after Save, the focus is where a message is typed"
     good = saved_settings(page)
     assert good["maxTokens"] == 60 and good["temperature"] == 0.5
     page.find_element(By.ID, "toggle-settings").click()
@@ -624,6 +626,17 @@ def test_settings_are_validated_before_refresh_models_saves_them_and_escape_clos
     assert not page.find_element(By.ID, "settings").is_displayed()
     toggle = page.find_element(By.ID, "toggle-settings")
     assert toggle.get_attribute("aria-expanded") == "false" and page.switch_to.active_element == toggle
+
+    # Closing without Save drops what was typed (Escape or the toggle alike): reopened, the form shows the settings
+    # the chat uses, not edits that never took effect.
+    toggle.click()
+    assert field(page, "system").get_attribute("value") == "", "the unsaved system prompt is gone"
+    field(page, "maxTokens").clear()
+    field(page, "maxTokens").send_keys("99")
+    toggle.click()
+    toggle.click()
+    assert field(page, "maxTokens").get_attribute("value") == "77"
+    assert saved_settings(page)["maxTokens"] == 77
 
 
 def test_a_blank_message_is_not_sent_and_the_browser_says_why(page: webdriver.Chrome, pipeline: Pipeline) -> None:
