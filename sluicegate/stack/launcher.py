@@ -183,6 +183,14 @@ def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
     return env
 
 
+def served_models(configured: str, specs: list[ModelSpec]) -> str:
+    """``SLUICEGATE_SERVED_MODELS`` for the stack's children: the models this stack serves, beside any the caller
+    named. Without them the router dead-letters a Kafka-native record as an unknown model whenever the model's
+    worker is not beating yet (the stack starting, a worker restarting), instead of queuing it for the worker."""
+    names = [m.strip() for m in configured.split(",") if m.strip()]
+    return ",".join(dict.fromkeys([*names, *(spec.name for spec in specs)]))
+
+
 def _wait_http(url: str, child: Child, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -280,6 +288,7 @@ def up(
         "SLUICEGATE_STREAM_TOKEN_SECRET": settings.stream_token_secret or secrets.token_hex(32),
         "SLUICEGATE_MODEL": model_path,
         "SLUICEGATE_MODEL_NAME": name,
+        "SLUICEGATE_SERVED_MODELS": served_models(settings.served_models, specs),
         "SLUICEGATE_DEVICE": device,
     }
     log_dir = settings.state_dir / "logs"

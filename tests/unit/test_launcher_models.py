@@ -26,6 +26,7 @@ from sluicegate.stack.launcher import (
     default_model_quantization,
     gguf_cpu_options,
     parse_model_specs,
+    served_models,
 )
 
 
@@ -200,3 +201,12 @@ def test_the_banner_says_a_random_model_has_random_weights(tmp_path: Path) -> No
     assert f"  tiny-llama       {RANDOM_WEIGHTS}\n" in text
     real = banner([ModelSpec("/m/smol.gguf", DEFAULT_MODEL_NAME)], "http://r", "http://i", "k", False, info, tmp_path)
     assert "(model 'smollm2-135m-instruct')" in real and RANDOM_WEIGHTS not in real
+
+
+def test_the_stack_tells_its_router_and_ingress_which_models_it_serves() -> None:
+    """A Kafka-native record for one of the stack's models, read before its worker beats (the stack starting, the
+    worker restarting), is queued for that worker, not dead-lettered as an unknown model: the stack's children get
+    its models as served models, after any the caller named, each once."""
+    specs = [ModelSpec("/m/a", "alpha"), ModelSpec("/m/b", "beta")]
+    assert served_models("", specs) == "alpha,beta"
+    assert served_models(" extra , alpha,", specs) == "extra,alpha,beta"
