@@ -146,6 +146,13 @@ class Sample:
             self.itls.append(now - self.last_content_at)
         self.last_content_at = now
 
+    def ended(self, now: float) -> None:
+        """The request ended at ``now``. A reply with no content at all (its first token was the end of text) was
+        first answered by its end: that is its TTFT, as vLLM's first chunk with a choice is."""
+        self.e2e = now - self.sent
+        if self.ttft is None:
+            self.ttft = self.e2e
+
     @property
     def ok(self) -> bool:
         return self.error is None and self.e2e is not None

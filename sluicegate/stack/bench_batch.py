@@ -6,7 +6,9 @@ the time that was really left, as ``benchmarks/batch.py`` scores it)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -29,6 +31,7 @@ def run_batch(args: argparse.Namespace, base_url: str, key: str, prompts: list[P
     for i, prompt in enumerate(prompts):
         _, body = request_body(args, args.model, prompt, stream=False)
         lines.append(json.dumps({"custom_id": f"bench-{i}", "method": "POST", "url": url, "body": body}))
+    batch = None
     try:
         uploaded = client.files.create(file=("bench.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
         created = time.monotonic()
@@ -49,6 +52,13 @@ def run_batch(args: argparse.Namespace, base_url: str, key: str, prompts: list[P
                     rate = f"{done / (now - created):,.1f} lines/s"
                     bar.update(task, completed=done, failed=counts.failed if counts else 0, rate=rate)
         finished = time.monotonic()
+    except KeyboardInterrupt:
+        # Stopping the benchmark stops its load: the batch would otherwise run on, unwatched.
+        if batch is not None and batch.status not in BATCH_TERMINAL:
+            with contextlib.suppress(openai.OpenAIError):
+                client.batches.cancel(batch.id)
+                print(f"sluicegate bench: interrupted: batch {batch.id} cancelled", file=sys.stderr, flush=True)
+        raise
     except openai.APIStatusError as exc:
         raise bench.BenchError(f"batch: {exc.status_code} {exc.message}") from exc
     except openai.APIConnectionError as exc:

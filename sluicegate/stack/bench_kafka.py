@@ -105,7 +105,7 @@ class KafkaTarget:
                     if event.type == "token":
                         sample.content_at(now)
                     elif event.type == "done":
-                        sample.e2e = now - sample.sent
+                        sample.ended(now)
                         sample.prompt_tokens = event.usage.prompt_tokens
                         sample.output_tokens = event.usage.completion_tokens
                         return

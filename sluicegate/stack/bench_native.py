@@ -37,7 +37,7 @@ class _Followed:
         if kind == "restart":
             return
         if kind == "done":
-            sample.e2e = now - sample.sent
+            sample.ended(now)
             usage = message.get("usage") or {}
             sample.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             sample.output_tokens = int(usage.get("completion_tokens") or 0)

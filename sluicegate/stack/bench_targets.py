@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -68,6 +69,9 @@ class OpenAITarget:
             raise unreachable(str(self.client.base_url), exc) from exc
         if response.status_code in (401, 403):
             raise BenchError(f"{self.client.base_url}models: {api_error(response)} (check --api-key)")
+        if response.status_code == 404 and not self.client.base_url.path.rstrip("/").endswith("/v1"):
+            hint = str(self.client.base_url).rstrip("/") + "/v1"
+            raise BenchError(f"{self.client.base_url}models: 404 Not Found; an OpenAI base URL ends in /v1: {hint}?")
         if response.status_code != 200:
             return  # some servers have no model listing: the first request will say what is wrong
         served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
@@ -79,6 +83,14 @@ class OpenAITarget:
             raise BenchError(f"unknown model {self.model!r}: {self.client.base_url} serves {', '.join(served)}")
 
     async def send(self, prompt: Prompt, sample: Sample) -> None:
+        """One request; ``--timeout`` bounds all of it (httpx's own timeout bounds each read only)."""
+        try:
+            async with asyncio.timeout(self.args.timeout):
+                await self._send(prompt, sample)
+        except TimeoutError:
+            sample.error = f"no answer within {self.args.timeout:g} s (--timeout)"
+
+    async def _send(self, prompt: Prompt, sample: Sample) -> None:
         path, body = request_body(self.args, self.model, prompt, stream=self.args.stream)
         if not self.args.stream:
             response = await self.client.post(path, json=body)
@@ -89,6 +101,7 @@ class OpenAITarget:
             self._usage(sample, response.json().get("usage"))
             return
         chunks = 0
+        finish_at: float | None = None  # the first chunk that ends a choice: the TTFT of a reply with no content
         async with self.client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -105,10 +118,15 @@ class OpenAITarget:
                     sample.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"[:200]
                     return
                 self._usage(sample, chunk.get("usage"))
-                if any(self._content(choice) for choice in chunk.get("choices") or ()):
+                choices = chunk.get("choices") or ()
+                if any(self._content(choice) for choice in choices):
                     sample.content_at(time.monotonic())
                     chunks += 1
+                elif finish_at is None and any(choice.get("finish_reason") for choice in choices):
+                    finish_at = time.monotonic()
         sample.e2e = time.monotonic() - sample.sent
+        if sample.ttft is None and finish_at is not None:
+            sample.ttft = finish_at - sample.sent
         if not sample.output_tokens:
             sample.output_tokens = chunks  # no usage chunk: a content chunk per token, as most servers send
 
@@ -155,10 +173,20 @@ async def _model_of(args: argparse.Namespace) -> str:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
+    """Everything the flags alone can get wrong, before any load is sent (a bad ``--json`` path included)."""
     for flag in ("num_prompts", "output_len", "input_len", "max_concurrency"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise BenchError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for flag in ("timeout", "poll_interval", "slo_ttft_ms", "slo_itl_ms", "slo_e2e_ms"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise BenchError(f"--{flag.replace('_', '-')} must be a positive number, got {value:g}")
+    if args.json is not None:
+        if args.json.is_dir():
+            raise BenchError(f"--json {args.json}: is a directory, not a file")
+        if not args.json.parent.is_dir():
+            raise BenchError(f"--json {args.json}: no directory {args.json.parent}")
     if not args.stream and args.slo_ttft_ms is not None:
         raise BenchError("--slo-ttft-ms needs streaming (TTFT is not seen with --no-stream)")
     if args.target == "native" and not args.stream:
@@ -167,12 +195,13 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise BenchError("--target batch sends one batch: --rate and --concurrency do not apply")
 
 
-async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo) -> list[dict[str, Any]]:
+async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo, runs: list[dict[str, Any]]) -> None:
+    """Each level's run, appended to ``runs`` as it ends: a level that fails whole, or Ctrl-C, keeps the others."""
     rates = parse_levels(args.rate, "--rate", integer=False)
     levels: list[tuple[int | None, float | None]] = (
         [(args.max_concurrency, r) for r in rates]
         if rates
-        else [(int(c), None) for c in parse_levels(args.concurrency or "1", "--concurrency", integer=True)]
+        else [(int(c), None) for c in parse_levels(args.concurrency, "--concurrency", integer=True) or [1]]
     )
     async with _client(args, max((c or len(prompts)) for c, _ in levels)) as http:
         target: OpenAITarget | KafkaTarget | NativeTarget
@@ -186,15 +215,17 @@ async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo) -> l
                 args.model = target.model
                 target = NativeTarget(args, http)
         args.model = target.model
-        runs = []
         try:
             for concurrency, rate in levels:
                 label = f"rate {rate:g}/s" if rate else f"concurrency {concurrency}"
-                runs.append(await _one_run(args, target, prompts, slo, label, concurrency, rate))
+                run = await _one_run(args, target, prompts, slo, label, concurrency, rate)
+                runs.append(run)
+                if not run["completed"]:
+                    first = next(iter(run["errors"]), "no answer")
+                    raise BenchError(f"{label}: all {run['requests']} requests failed, e.g. {first}", EXIT_NO_SUCCESS)
         finally:
             if isinstance(target, KafkaTarget | NativeTarget):
                 await target.close()
-    return runs
 
 
 async def _one_run(
@@ -221,11 +252,7 @@ async def _one_run(
         samples, duration = await drive(
             prompts, target.send, concurrency=concurrency, rate=rate, seed=args.seed, on_done=done
         )
-    run = summarize(samples, duration, slo, label=label, concurrency=concurrency, rate=rate)
-    if not run["completed"]:
-        first = next(iter(run["errors"]), "no answer")
-        raise BenchError(f"{label}: all {len(samples)} requests failed, e.g. {first}", EXIT_NO_SUCCESS)
-    return run
+    return summarize(samples, duration, slo, label=label, concurrency=concurrency, rate=rate)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -255,13 +282,42 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.target == "batch":
         args.model = asyncio.run(_model_of(args))
         batch = run_batch(args, _base_url(args), _api_key(args), prompts)
+        # A batch is not streamed and has no SLO: the report says neither.
+        report = {k: v for k, v in report.items() if k not in ("stream", "slo")}
         report |= {"base_url": _base_url(args), "model": args.model, "batch": batch}
         console.print(batch_table(batch))
-    else:
-        runs = asyncio.run(_sweep(args, prompts, slo))
-        base_url = _base_url(args) if args.target in ("openai", "native") else None
-        report |= {"base_url": base_url, "model": args.model, "runs": runs}
-        console.print(render_table(runs, slo))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        _write_json(args.json, report)
+        return 0
+    runs: list[dict[str, Any]] = []
+    base_url = _base_url(args) if args.target in ("openai", "native") else None
+    try:
+        asyncio.run(_sweep(args, prompts, slo, runs))
+    except (BenchError, KeyboardInterrupt) as exc:
+        # What finished is still shown and saved, marked incomplete; the error (or 130) follows.
+        if runs:
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+            console.print(render_table(runs, slo))
+            partial = {"base_url": base_url, "model": args.model, "runs": runs, "incomplete": why}
+            _write_json(args.json, report | partial)
+        raise
+    report |= {"base_url": base_url, "model": args.model, "runs": runs}
+    console.print(render_table(runs, slo))
+    _write_json(args.json, report)
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every infinite float written as vLLM's bench writes it ("inf") and NaN as null: JSON has
+    neither, and ``json.dumps`` would write ``Infinity``, which other parsers refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _write_json(path: Path | None, report: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(_finite(report), indent=2, allow_nan=False) + "\n")

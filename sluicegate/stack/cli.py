@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from sluicegate.logs import configure_logging
 from sluicegate.settings import Settings, get_settings
@@ -210,8 +210,16 @@ def _routes_check(args: argparse.Namespace) -> int:
 Handler = Callable[[argparse.Namespace], int]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag answered in one line (the usage block is what ``--help`` is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluicegate", description=__doc__)
+    # Subcommands' parsers are of the same class (argparse makes them with the parent's type).
+    parser = _Parser(prog="sluicegate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     schemas = sub.add_parser("schemas", help="message contracts").add_subparsers(dest="action", required=True)

@@ -37,7 +37,16 @@ def report(pipeline: Pipeline, tmp_path: Path, *args: str) -> dict[str, Any]:
     assert result.returncode == 0, result.stderr + result.stdout
     assert "sluicegate bench" in result.stdout, result.stdout  # the table's title
     assert "HTTP/1.1" not in result.stderr, result.stderr  # no log line per call
-    return json.loads(out.read_text())
+    return strict_json(out)
+
+
+def strict_json(path: Path) -> dict[str, Any]:
+    """The report as any JSON parser reads it: ``Infinity`` or ``NaN`` (Python's extensions) are refused."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
 
 
 def assert_consistent(run: dict[str, Any], requests: int, *, streamed: bool = True) -> None:
@@ -68,13 +77,14 @@ def test_openai_concurrency_sweep_json(pipeline: Pipeline, tmp_path: Path) -> No
 
 def test_openai_rate_and_impossible_slo(pipeline: Pipeline, tmp_path: Path) -> None:
     got = report(
-        pipeline, tmp_path, "--rate", "20", "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
+        pipeline, tmp_path, "--rate", "20,inf", "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
         "--slo-ttft-ms", "0.001",
     )  # fmt: skip
-    (run,) = got["runs"]
-    assert run["rate"] == 20 and run["concurrency"] is None
-    assert_consistent(run, 6)
-    assert run["good_requests"] == 0 and run["goodput"] == 0
+    assert [run["rate"] for run in got["runs"]] == [20, "inf"]  # as vLLM's bench writes an infinite rate
+    for run in got["runs"]:
+        assert run["concurrency"] is None
+        assert_consistent(run, 6)
+        assert run["good_requests"] == 0 and run["goodput"] == 0
     assert got["slo"]["ttft_ms"] == 0.001 and got["dataset"] == "synthetic 16 words"
 
 
@@ -137,6 +147,14 @@ def test_bad_input_is_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
             "no worker heartbeats",
         ),
     ]
+    cases += [
+        (("--concurrency", ""), 2, "--concurrency takes a comma-separated list"),
+        (("--timeout", "0"), 2, "--timeout must be a positive number"),
+        (("--slo-e2e-ms", "nan"), 2, "--slo-e2e-ms must be a positive number"),
+        (("--slo-ttft-ms", "500ms"), 2, "invalid float value: '500ms'"),
+        (("--json", str(tmp_path)), 2, "is a directory"),
+        (("--base-url", pipeline.ingress_url, "--num-prompts", "1"), 2, f"ends in /v1: {pipeline.ingress_url}/v1?"),
+    ]
     for args, code, text in cases:
         result = bench(pipeline, *args)
         assert result.returncode == code, (args, result.stderr)
@@ -147,3 +165,19 @@ def test_bad_input_is_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, env=pipeline.env,
     )  # fmt: skip
     assert gone.returncode == 3 and "cannot reach http://127.0.0.1:9/v1/" in gone.stderr, gone.stderr
+
+
+def test_a_failed_level_keeps_what_was_measured(pipeline: Pipeline, tmp_path: Path) -> None:
+    """--timeout bounds each whole request (not each read); a level where every request failed ends the sweep with
+    its error, and the table and JSON still say what was measured, marked incomplete."""
+    out = tmp_path / "failed.json"
+    result = bench(
+        pipeline, "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "400", "--ignore-eos",
+        "--timeout", "0.02", "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "all 2 requests failed, e.g. no answer within 0.02 s (--timeout)" in result.stderr
+    assert "concurrency 1" in result.stdout  # the table of what ran
+    got = strict_json(out)
+    (run,) = got["runs"]
+    assert run["failed"] == 2 and got["incomplete"].startswith("concurrency 1: all 2 requests failed")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sluicegate.stack.bench import BenchError, Sample, Slo, load_prompts, parse_levels, quantile, summarize
+from sluicegate.stack.bench_targets import _finite
 
 
 def test_quantile_interpolates_and_orders() -> None:
@@ -40,3 +41,25 @@ def test_workloads_and_flags(tmp_path: Path) -> None:
     assert parse_levels("inf", "--rate", integer=False) == [math.inf]
     with pytest.raises(BenchError, match="--rate"):
         parse_levels("fast", "--rate", integer=False)
+
+
+def test_a_reply_with_no_content_was_first_answered_by_its_end() -> None:
+    """An instruct model may answer a raw prompt with its end-of-text token alone: no content, one output token.
+    Its TTFT is its end (vLLM counts the first chunk with a choice), so a TTFT objective is judged on it."""
+    empty = Sample(sent=1.0, output_tokens=1)
+    empty.ended(1.2)
+    assert empty.ok and empty.ttft == pytest.approx(0.2) and empty.e2e == pytest.approx(0.2)
+    assert Slo(ttft_ms=10_000).met(empty)
+    streamed = Sample(sent=0.0)
+    streamed.content_at(0.1)
+    streamed.ended(0.5)
+    assert streamed.ttft == pytest.approx(0.1)  # content came first: its TTFT stands
+
+
+def test_the_report_is_json_other_parsers_read() -> None:
+    """``--rate inf`` is written as vLLM's bench writes it; NaN (an empty distribution) as null; never Infinity."""
+    report = {"runs": [{"rate": math.inf, "x": [1.0, math.nan, -math.inf]}], "n": 2}
+    assert _finite(report) == {"runs": [{"rate": "inf", "x": [1.0, None, "-inf"]}], "n": 2}
+
+    with pytest.raises(BenchError, match="got ''"):  # an empty list is a mistake, not the default level
+        parse_levels("", "--concurrency", integer=True)
