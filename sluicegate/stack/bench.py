@@ -387,7 +387,9 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--base-url", help="OpenAI base URL (default: SLUICEGATE_API_BASE_URL or the local ingress)")
     bench.add_argument("--api-key", help="API key (default: OPENAI_API_KEY, then SLUICEGATE_API_KEY)")
-    bench.add_argument("--model", help="model name (default: the server's first model, or SLUICEGATE_MODEL_NAME)")
+    bench.add_argument(
+        "--model", help="model name (default: the server's first model; --target kafka: SLUICEGATE_MODEL_NAME)"
+    )
     bench.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="default chat")
     bench.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream (default on)")
     load = bench.add_mutually_exclusive_group()

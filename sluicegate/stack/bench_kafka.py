@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -21,7 +22,9 @@ from sluicegate.stack.bench import EXIT_UNREACHABLE, BenchError, Prompt, Sample
 
 def unreachable(what: str, exc: BaseException) -> BenchError:
     """The one-line error for a server, broker or Redis that does not answer (exit 3)."""
-    return BenchError(f"cannot reach {what} ({exc.__class__.__name__}: {exc})", EXIT_UNREACHABLE)
+    text, name = str(exc), exc.__class__.__name__
+    # aiokafka's errors already start with their class name; others are given it once.
+    return BenchError(f"cannot reach {what} ({text if text.startswith(name) else f'{name}: {text}'})", EXIT_UNREACHABLE)
 
 
 class KafkaTarget:
@@ -64,6 +67,9 @@ class KafkaTarget:
         try:
             await asyncio.wait_for(self.producer.start(), 20)
         except (KafkaError, OSError, TimeoutError) as exc:
+            with contextlib.suppress(Exception):
+                await self.producer.stop()  # a half-started producer is closed, not left to the interpreter's exit
+            self.producer = None
             raise unreachable(f"Kafka at {self.bootstrap}", exc) from exc
 
     async def close(self) -> None:

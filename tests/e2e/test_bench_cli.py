@@ -165,6 +165,13 @@ def test_bad_input_is_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, env=pipeline.env,
     )  # fmt: skip
     assert gone.returncode == 3 and "cannot reach http://127.0.0.1:9/v1/" in gone.stderr, gone.stderr
+    no_broker = bench(
+        pipeline, "--target", "kafka", "--model", pipeline.model, "--redis-url", pipeline.redis_url,
+        "--topic-prefix", pipeline.prefix, "--kafka-bootstrap", "127.0.0.1:9", "--num-prompts", "1",
+    )  # fmt: skip
+    (line,) = no_broker.stderr.strip().splitlines()  # no aiokafka log lines, no unclosed-producer warning
+    assert no_broker.returncode == 3 and line.startswith("sluicegate bench: error: cannot reach Kafka at 127.0.0.1:9")
+    assert line.count("KafkaConnectionError") == 1, line
 
 
 def test_a_failed_level_keeps_what_was_measured(pipeline: Pipeline, tmp_path: Path) -> None:
