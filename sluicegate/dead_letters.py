@@ -94,6 +94,9 @@ def _request_id_in(body: object, headers: Iterable[tuple[str, bytes | None]] | N
     return header(headers, HEADER_REQUEST_ID) or None
 
 
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def validate_record(
     value: bytes | None,
     headers: Iterable[tuple[str, bytes | None]] | None = None,
@@ -114,6 +117,8 @@ def validate_record(
     """
     if not value:
         return Rejection("empty_message", "the record has no value", header(headers, HEADER_REQUEST_ID))
+    # RFC 8259 lets a parser ignore a UTF-8 byte-order mark, which some Java and .NET writers put first.
+    value = value.removeprefix(_UTF8_BOM)
     try:
         request = InferenceRequest.model_validate_json(value)
     except ValidationError as exc:
@@ -134,7 +139,12 @@ def validate_record(
 def _classify(value: bytes, headers: Iterable[tuple[str, bytes | None]] | None, exc: ValidationError) -> Rejection:
     """Why a value that is not an ``InferenceRequest`` is not one."""
     try:
-        body = json_input.loads(value)
+        # Decoded here, not by json.loads: it would read UTF-16 and UTF-32 too, which the record's parser does not,
+        # and the refusal would then blame a field.
+        body = json_input.loads(value.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        detail = f"not UTF-8 text ({err.reason} at byte {err.start}): a record's JSON must be UTF-8"
+        return Rejection("invalid_json", detail, header(headers, HEADER_REQUEST_ID))
     except ValueError as err:
         return Rejection("invalid_json", f"not valid JSON: {err}", header(headers, HEADER_REQUEST_ID))
     if not isinstance(body, dict):

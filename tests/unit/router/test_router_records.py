@@ -33,6 +33,11 @@ def test_unparseable_and_empty_records_are_rejected() -> None:
     not_finite = validate_record(json.dumps(VALID | {"sampling": {"temperature": float("nan")}}).encode())
     assert isinstance(not_finite, Rejection) and not_finite.reason == "invalid_json" and "NaN" in not_finite.detail
     assert request_id_of(b"[" * 3000 + b"]" * 3000) is None
+    # A Java producer's String.getBytes(UTF_16): JSON, but not UTF-8, so not a record's JSON (not a field's fault).
+    utf16 = validate_record(json.dumps(VALID).encode("utf-16"))
+    assert isinstance(utf16, Rejection) and utf16.reason == "invalid_json" and "not UTF-8" in utf16.detail
+    # A UTF-8 byte-order mark first is ignored, as RFC 8259 allows.
+    assert isinstance(validate_record(b"\xef\xbb\xbf" + json.dumps(VALID).encode()), InferenceRequest)
     assert validate_record(b"").reason == "empty_message"  # type: ignore[union-attr]
     assert validate_record(None).reason == "empty_message"  # type: ignore[union-attr]
 
