@@ -120,5 +120,6 @@ def create_app(
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.mount("/static", StaticFiles(directory=page.STATIC_DIR), name="static")
+    app.add_api_websocket_route("/{path:path}", websocket.no_socket_here)  # last: only what no route above took
     instrument_app(app)
     return app

@@ -141,3 +141,15 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
     else:
         log.error("relay.failed request_id=%s", request_id, exc_info=error)
         await close_socket(websocket, 1011, "internal error; reconnect with last_id")
+
+
+async def no_socket_here(websocket: WebSocket, path: str) -> None:
+    """A WebSocket opened where none is served: closed with where the streams are, not the bare 403 a handshake
+    that matches no route gets (which says nothing). Registered after every other route."""
+    await websocket.accept()
+    # The hint first: a close reason is cut at 123 bytes, and a path may be long.
+    if path.endswith("/sse"):
+        why = f"Server-Sent Events here (GET); the WebSocket is /{path.removesuffix('/sse')}"
+    else:
+        why = f"no WebSocket here: a stream is /v1/streams/<request_id>, many on /v1/streams (not /{path})"
+    await close_socket(websocket, CLOSE_POLICY_VIOLATION, why)

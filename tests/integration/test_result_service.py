@@ -277,6 +277,17 @@ async def test_malformed_last_id_and_request_id_are_refused(service: Running) ->
     assert "request id" in got.reason
 
 
+async def test_a_websocket_where_none_is_served_is_told_where_the_streams_are(service: Running) -> None:
+    """The SSE path, or any other, answers a WebSocket with a close that names the right path (it was a bare 403)."""
+    rid = uuid.uuid4().hex  # as long as ingress's ids: the hint must fit in a close reason's 123 bytes
+    sse = await read_stream(service.stream_url(rid).replace(f"/v1/streams/{rid}?", f"/v1/streams/{rid}/sse?"))
+    assert sse.code == 1008 and sse.reason == f"Server-Sent Events here (GET); the WebSocket is /v1/streams/{rid}"
+    other = await read_stream(f"{service.ws_url}/v2/nothing")
+    assert other.code == 1008 and other.reason.startswith("no WebSocket here: a stream is /v1/streams/<request_id>")
+    async with httpx.AsyncClient() as http:  # HTTP on those paths is unchanged
+        assert (await http.get(f"{service.http_url}/v2/nothing")).status_code == 404
+
+
 @pytest.mark.parametrize("message", [json.dumps({"type": "hello"}), "[" * 5000 + "]" * 5000], ids=["unknown", "deep"])
 async def test_unsupported_client_message_closes_with_1008(service: Running, message: str) -> None:
     """Anything but a cancel, JSON nested past Python's recursion limit too (it once dropped the connection
