@@ -97,6 +97,12 @@ def _request_id_in(body: object, headers: Iterable[tuple[str, bytes | None]] | N
 _UTF8_BOM = b"\xef\xbb\xbf"
 
 
+def record_json(value: bytes) -> bytes:
+    """A record's value as its JSON is parsed: without a leading UTF-8 byte-order mark, which RFC 8259 lets a
+    parser ignore and some Java and .NET writers put first (the router, and a replay of its dead letter)."""
+    return value.removeprefix(_UTF8_BOM)
+
+
 def validate_record(
     value: bytes | None,
     headers: Iterable[tuple[str, bytes | None]] | None = None,
@@ -117,8 +123,7 @@ def validate_record(
     """
     if not value:
         return Rejection("empty_message", "the record has no value", header(headers, HEADER_REQUEST_ID))
-    # RFC 8259 lets a parser ignore a UTF-8 byte-order mark, which some Java and .NET writers put first.
-    value = value.removeprefix(_UTF8_BOM)
+    value = record_json(value)
     try:
         request = InferenceRequest.model_validate_json(value)
     except ValidationError as exc:
@@ -144,7 +149,8 @@ def _classify(value: bytes, headers: Iterable[tuple[str, bytes | None]] | None, 
         body = json_input.loads(value.decode("utf-8"))
     except UnicodeDecodeError as err:
         detail = f"not UTF-8 text ({err.reason} at byte {err.start}): a record's JSON must be UTF-8"
-        return Rejection("invalid_json", detail, header(headers, HEADER_REQUEST_ID))
+        # Still named by its body's id where json.loads can read one (UTF-16 or -32): its stream hears why.
+        return Rejection("invalid_json", detail, request_id_of(value, headers))
     except ValueError as err:
         return Rejection("invalid_json", f"not valid JSON: {err}", header(headers, HEADER_REQUEST_ID))
     if not isinstance(body, dict):

@@ -36,6 +36,7 @@ from schemas import (
     utcnow,
 )
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
+from sluicegate.dead_letters import record_json
 from sluicegate.kafka import create_admin, create_consumer, create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
@@ -157,7 +158,7 @@ def check_payload(letter: DeadLetter) -> InferenceRequest | str:
     if letter.payload_truncated:
         return "its payload was cut to fit the letter: the original record is not kept whole"
     try:
-        request = InferenceRequest.model_validate_json(letter.payload)
+        request = InferenceRequest.model_validate_json(record_json(letter.payload.encode()))
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in error["loc"]) or "message"

@@ -36,8 +36,13 @@ def test_unparseable_and_empty_records_are_rejected() -> None:
     # A Java producer's String.getBytes(UTF_16): JSON, but not UTF-8, so not a record's JSON (not a field's fault).
     utf16 = validate_record(json.dumps(VALID).encode("utf-16"))
     assert isinstance(utf16, Rejection) and utf16.reason == "invalid_json" and "not UTF-8" in utf16.detail
-    # A UTF-8 byte-order mark first is ignored, as RFC 8259 allows.
-    assert isinstance(validate_record(b"\xef\xbb\xbf" + json.dumps(VALID).encode()), InferenceRequest)
+    assert utf16.request_id == "r-1"  # still named by its body: its stream hears why
+    # A UTF-8 byte-order mark first is ignored, as RFC 8259 allows; so does the replay of its dead letter.
+    with_bom = b"\xef\xbb\xbf" + json.dumps(VALID).encode()
+    assert isinstance(validate_record(with_bom), InferenceRequest)
+    record = ConsumerRecord("llm.inbound", 0, 7, 0, 0, None, with_bom, None, 0, len(with_bom), [])
+    letter = DeadLetter.model_validate_json(dead_letter(Rejection("unknown_model", "no worker", "r-1"), record)[0])
+    assert isinstance(check_payload(letter), InferenceRequest)
     assert validate_record(b"").reason == "empty_message"  # type: ignore[union-attr]
     assert validate_record(None).reason == "empty_message"  # type: ignore[union-attr]
 
