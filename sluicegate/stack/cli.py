@@ -216,6 +216,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:
+            # A subcommand's flag mistyped: said by the subcommand, whose --help lists its flags (the top level
+            # would point at its own help, which does not).
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
 
 def build_parser() -> argparse.ArgumentParser:
     # Subcommands' parsers are of the same class (argparse makes them with the parent's type).

@@ -24,3 +24,13 @@ def test_python_m_sluicegate_passes_the_exit_status() -> None:
     )
     assert done.returncode == 2
     assert "invalid choice" in done.stderr
+
+
+def test_a_mistyped_flag_is_one_line_pointing_at_the_subcommand_s_help() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sluicegate", "bench", "--bogus"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "sluicegate bench: error: unrecognized arguments: --bogus (see sluicegate bench --help)"
+    ]
