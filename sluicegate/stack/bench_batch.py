@@ -6,7 +6,6 @@ the time that was really left, as ``benchmarks/batch.py`` scores it)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -55,9 +54,12 @@ def run_batch(args: argparse.Namespace, base_url: str, key: str, prompts: list[P
     except KeyboardInterrupt:
         # Stopping the benchmark stops its load: the batch would otherwise run on, unwatched.
         if batch is not None and batch.status not in BATCH_TERMINAL:
-            with contextlib.suppress(openai.OpenAIError):
+            try:
                 client.batches.cancel(batch.id)
-                print(f"sluicegate bench: interrupted: batch {batch.id} cancelled", file=sys.stderr, flush=True)
+                said = f"batch {batch.id} cancelled"
+            except openai.OpenAIError as exc:
+                said = f"batch {batch.id} was not cancelled ({exc}); cancel it with POST /v1/batches/{batch.id}/cancel"
+            print(f"sluicegate bench: interrupted: {said}", file=sys.stderr, flush=True)
         raise
     except openai.APIStatusError as exc:
         raise bench.BenchError(f"batch: {exc.status_code} {exc.message}") from exc

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -50,6 +51,9 @@ from sluicegate.stack.bench_batch import batch_table, run_batch
 from sluicegate.stack.bench_kafka import KafkaTarget, unreachable
 from sluicegate.stack.bench_native import NativeTarget
 
+#: How long ``GET /models`` may take before the server counts as unreachable (``--timeout`` is per request).
+PREFLIGHT_TIMEOUT_S = 30.0
+
 # --- the OpenAI-compatible path ------------------------------------------------------------------------------
 
 
@@ -64,14 +68,18 @@ class OpenAITarget:
     async def preflight(self) -> None:
         """``GET /models``: the server answers, the key is taken, the model exists (the first one by default)."""
         try:
-            response = await self.client.get("models")
+            response = await self.client.get("models", timeout=PREFLIGHT_TIMEOUT_S)
         except httpx.HTTPError as exc:
             raise unreachable(str(self.client.base_url), exc) from exc
         if response.status_code in (401, 403):
             raise BenchError(f"{self.client.base_url}models: {api_error(response)} (check --api-key)")
         if response.status_code == 404 and not self.client.base_url.path.rstrip("/").endswith("/v1"):
+            # The server root given where its /v1 was meant (as vllm bench serve takes it): said when /v1 answers.
+            # A server under another prefix, with no model listing, is measured as before.
             hint = str(self.client.base_url).rstrip("/") + "/v1"
-            raise BenchError(f"{self.client.base_url}models: 404 Not Found; an OpenAI base URL ends in /v1: {hint}?")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self.client.get(f"{hint}/models", timeout=PREFLIGHT_TIMEOUT_S)).status_code == 200:
+                    raise BenchError(f"{self.client.base_url}models: 404 Not Found; the API is at {hint}: pass that")
         if response.status_code != 200:
             return  # some servers have no model listing: the first request will say what is wrong
         served = [m.get("id") for m in response.json().get("data", []) if isinstance(m, dict)]
@@ -159,7 +167,8 @@ def _client(args: argparse.Namespace, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=_base_url(args),
         headers={"Authorization": f"Bearer {_api_key(args)}"},
-        timeout=httpx.Timeout(args.timeout, connect=10),
+        # No read timeout: --timeout bounds each whole request (OpenAITarget.send), and a read timeout would race it.
+        timeout=httpx.Timeout(None, connect=10),
         limits=httpx.Limits(max_connections=connections),
     )
 
@@ -207,15 +216,16 @@ async def _sweep(args: argparse.Namespace, prompts: list[Prompt], slo: Slo, runs
         target: OpenAITarget | KafkaTarget | NativeTarget
         if args.target == "kafka":
             target = KafkaTarget(args)
-            await target.start()
         else:
             target = OpenAITarget(args, http)
             await target.preflight()
             if args.target == "native":
                 args.model = target.model
                 target = NativeTarget(args, http)
-        args.model = target.model
         try:
+            if isinstance(target, KafkaTarget):
+                await target.start()  # in here: a refused start (or Ctrl-C in it) still closes what it opened
+            args.model = target.model
             for concurrency, rate in levels:
                 label = f"rate {rate:g}/s" if rate else f"concurrency {concurrency}"
                 run = await _one_run(args, target, prompts, slo, label, concurrency, rate)

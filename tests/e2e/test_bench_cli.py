@@ -6,6 +6,7 @@ Redis stream out); a Batch API job; and one-line errors for bad input."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -153,7 +154,7 @@ def test_bad_input_is_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
         (("--slo-e2e-ms", "nan"), 2, "--slo-e2e-ms must be a positive number"),
         (("--slo-ttft-ms", "500ms"), 2, "invalid float value: '500ms'"),
         (("--json", str(tmp_path)), 2, "is a directory"),
-        (("--base-url", pipeline.ingress_url, "--num-prompts", "1"), 2, f"ends in /v1: {pipeline.ingress_url}/v1?"),
+        (("--base-url", pipeline.ingress_url, "--num-prompts", "1"), 2, f"the API is at {pipeline.ingress_url}/v1"),
     ]
     for args, code, text in cases:
         result = bench(pipeline, *args)
@@ -188,3 +189,27 @@ def test_a_failed_level_keeps_what_was_measured(pipeline: Pipeline, tmp_path: Pa
     got = strict_json(out)
     (run,) = got["runs"]
     assert run["failed"] == 2 and got["incomplete"].startswith("concurrency 1: all 2 requests failed")
+
+
+def test_ctrl_c_keeps_the_levels_already_measured(pipeline: Pipeline, tmp_path: Path) -> None:
+    """SIGINT during the second level: exit 130, the first level in the table and in the JSON, marked interrupted."""
+    out = tmp_path / "interrupted.json"
+    env = {k: v for k, v in pipeline.env.items() if k not in ("SLUICEGATE_API_KEY", "OPENAI_API_KEY")}
+    env["OPENAI_API_KEY"] = pipeline.api_key
+    command = [
+        sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", f"{pipeline.ingress_url}/v1",
+        "--concurrency", "8,1", "--num-prompts", "16", "--output-len", "256", "--ignore-eos", "--json", str(out),
+    ]  # fmt: skip
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as bench_run:
+        assert bench_run.stderr is not None
+        # Off a terminal, each level's progress line is written once, when the level ends.
+        for line in bench_run.stderr:
+            if line.startswith("concurrency 8"):
+                break
+        bench_run.send_signal(signal.SIGINT)
+        stdout, _ = bench_run.communicate(timeout=60)
+    assert bench_run.returncode == 130
+    assert "concurrency 8" in stdout and "concurrency 1 " not in stdout
+    got = strict_json(out)
+    assert got["incomplete"] == "interrupted" and [run["concurrency"] for run in got["runs"]] == [8]
+    assert_consistent(got["runs"][0], 16)
