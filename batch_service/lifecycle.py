@@ -97,7 +97,7 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
         return
     stored = StoredFile.model_validate_json(raw)
     known = {m.decode() for m in await runtime.redis.smembers(runtime.names.models_key)}
-    known |= {m.strip() for m in settings.served_models.split(",") if m.strip()}
+    known |= settings.served_model_names
     # Each live model's context, which a line's max_tokens must fit in (as online; a model without a live worker
     # now is left to the worker's own check).
     live = await read_live_models(runtime.redis, runtime.names, max_age_s=3 * settings.heartbeat_interval_s)

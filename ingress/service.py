@@ -159,7 +159,7 @@ class IngressService:
         self.quotas = Quotas(self.redis, self.names)
         self.usage = UsageLedger(self.names, self._usage_producer, timeout_s=settings.kafka_timeout_s)
         self._usage_ready = False
-        self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
+        self.served_models = settings.served_model_names
         # LoRA adapters as model names: the registry (load/unload) and its cached view every request resolves by.
         self.lora_registry = LoRARegistry(self.redis, settings.topic_prefix)
         self.adapters = AdapterResolver(self.lora_registry, ttl_s=settings.lora_cache_ttl_s)

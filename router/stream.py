@@ -114,7 +114,7 @@ class RouterProcessor:
         )
         # The routes, fast paths and canary rollbacks ingress applies, kept current by ``_watch_routes``.
         self.route_table = RouteTable(settings.routes_file, redis=redis, names=self.names)
-        self.served_models = {m.strip() for m in settings.served_models.split(",") if m.strip()}
+        self.served_models = settings.served_model_names
         self.quotas = Quotas(redis, self.names) if redis is not None else None
         # Adapter names as models, from a briefly cached snapshot of the LoRA registry (no Redis read per record).
         self.adapters = (

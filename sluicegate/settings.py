@@ -252,7 +252,9 @@ class Settings(BaseSettings):
         "the context at once (400); false leaves that check to the worker (an error event in the stream).",
     )
     served_models: str = Field(
-        "", description="Comma-separated models ingress accepts even with no live worker (queued in Kafka)."
+        "",
+        description="Comma-separated models ingress and the router accept even with no live worker (queued in "
+        "Kafka); `up` adds the models it serves; the compose file names its demo model.",
     )
     allow_anonymous: bool = Field(
         False, description="Accept requests without an API key (tenant 'default'); for local demos only."
@@ -485,6 +487,11 @@ class Settings(BaseSettings):
     api_key: str = Field(
         "", description="API key `sluicegate batch` sends when neither --api-key nor OPENAI_API_KEY is given."
     )
+
+    @property
+    def served_model_names(self) -> frozenset[str]:
+        """``served_models`` as names (blanks and spaces around the commas dropped)."""
+        return frozenset(m.strip() for m in self.served_models.split(",") if m.strip())
 
     @property
     def stream_token_lifetime_s(self) -> int:

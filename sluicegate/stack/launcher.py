@@ -207,7 +207,7 @@ def _wait_http(url: str, child: Child, timeout_s: float) -> None:
 
 def _wait_model(ingress_url: str, api_key: str, name: str, worker: Child, timeout_s: float) -> None:
     """Wait until ingress lists ``name``, i.e. the worker has loaded it and its heartbeat is live: before that a
-    request for the model gets a 404, so "up" must not be printed earlier."""
+    request for the model waits in Kafka for the worker (a served model), so "up" must not be printed earlier."""
     request = urllib.request.Request(f"{ingress_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

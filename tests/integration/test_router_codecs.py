@@ -8,7 +8,6 @@ in ``llm.inbound`` stopped the router at every restart, and every request behind
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from ingress_support import MODEL, consume, reader
@@ -27,7 +26,7 @@ CODECS = ("gzip", "snappy", "lz4", "zstd")
 
 
 @pytest.fixture
-def settings(test_settings: Settings, tmp_path: Path) -> Settings:
+def settings(test_settings: Settings) -> Settings:
     # The model is served: its records are queued for a worker even while none is beating.
     return test_settings.model_copy(update={"topic_partitions": 3, "served_models": MODEL})
 
