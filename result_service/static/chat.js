@@ -236,6 +236,7 @@ class StoppedBeforeAccepted extends Error {}
 function restorePrompt(prompt) {
   if (promptInput.value.trim()) return;
   promptInput.value = prompt;
+  keepDraft(prompt);
   checkPrompt();
 }
 
@@ -332,6 +333,8 @@ function restoreSession() {
   conversation = saved.conversation;
   if (saved.shown) for (const message of saved.shown) showAgain(addMessage(message.role, message.text), message);
   else for (const message of conversation) addMessage(message.role, message.content);
+  promptInput.value = readDraft(); // what was being typed, or a failed send's message put back
+  checkPrompt();
   // Shown as it was, and at its end: each message scrolled there before its note and figures filled in.
   atEnd = true;
   followToEnd();
@@ -385,11 +388,15 @@ composer.addEventListener("submit", (event) => {
     return;
   }
   promptInput.value = "";
+  keepDraft("");
   checkPrompt();
   submit(prompt);
 });
 
-promptInput.addEventListener("input", checkPrompt);
+promptInput.addEventListener("input", () => {
+  keepDraft(promptInput.value);
+  checkPrompt();
+});
 
 promptInput.addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) {

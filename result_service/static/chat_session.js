@@ -59,3 +59,23 @@ function writeSession(session) {
     console.warn("could not keep the conversation for a reload", err);
   }
 }
+
+const DRAFT_KEY = "sluicegate.chat.draft";
+
+/** The message being typed (or put back after a failed send), kept so that a reload does not lose it. */
+function keepDraft(text) {
+  try {
+    if (text) sessionStorage.setItem(DRAFT_KEY, text);
+    else sessionStorage.removeItem(DRAFT_KEY);
+  } catch (err) {
+    console.warn("could not keep the message being typed", err);
+  }
+}
+
+function readDraft() {
+  try {
+    return sessionStorage.getItem(DRAFT_KEY) || "";
+  } catch {
+    return "";
+  }
+}

@@ -503,7 +503,7 @@ def test_a_message_too_long_for_the_context_is_to_be_shortened_and_a_refused_sen
 ) -> None:
     """A message that alone fills the model's context is to be shortened (lowering Max tokens could not help); one
     that fits with fewer tokens to generate gets the Max tokens advice. A send that was not accepted puts its text
-    back in the input, unless the person has typed something new meanwhile."""
+    back in the input, unless the person has typed something new meanwhile; a reload keeps what is in the input."""
     configure(page, apiKey=pipeline.api_key, maxTokens="256", temperature="0")
     page.execute_script(_REFUSE_POSTS)
     settings = page.find_element(By.ID, "settings")
@@ -540,6 +540,13 @@ def test_a_message_too_long_for_the_context_is_to_be_shortened_and_a_refused_sen
     message = send(page, "Anyone there now?")
     assert wait_ended(message, timeout_s=30) == "failed"
     assert prompt_box(page).get_attribute("value") == "Anyone there now?"
+
+    # A reload keeps the message put back (and anything being typed): it was only ever in the input.
+    page.refresh()
+    wait_for(lambda: prompt_box(page).get_attribute("value") == "Anyone there now?", "the put-back message kept")
+    prompt_box(page).send_keys(" Hello?")
+    page.refresh()
+    wait_for(lambda: prompt_box(page).get_attribute("value") == "Anyone there now? Hello?", "the typed text kept")
 
 
 def test_on_a_phone_a_long_status_stays_one_line_and_the_buttons_stay_on_screen(
