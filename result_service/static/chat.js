@@ -217,7 +217,7 @@ async function submit(prompt) {
       view.aside.textContent = `${leftOut} earlier turn${leftOut === 1 ? "" : "s"} left out to fit the model's context`;
     }
     const { request_id: requestId, stream_url: streamUrl, stream_token: token } = await response.json();
-    pending = { prompt, messages, streamUrl, token, requestId };
+    pending = { prompt, messages, streamUrl, token, requestId, aside: view.aside.textContent };
     saveSession();
     setStatus(`queued as ${requestId}`);
     await follow(pending, view, startedAt);
@@ -344,6 +344,7 @@ function restoreSession() {
   pending = turn;
   const asked = addMessage("user", turn.prompt);
   const view = addMessage("assistant", "");
+  view.aside.textContent = turn.aside || ""; // "n earlier turns left out", said when it was sent
   inFlight = [asked.element, view.element];
   setBusy(true);
   setStatus(`following ${turn.requestId} again`);

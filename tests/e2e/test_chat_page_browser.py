@@ -288,6 +288,39 @@ def test_a_reload_mid_reply_shows_the_conversation_and_follows_the_reply_to_its_
     assert [m["role"] for m in json.loads(history)["conversation"]] == ["user", "assistant"] * 2
 
 
+_REFUSE_THE_FIRST_POST = """const original = window.fetch;
+let refused = false;
+window.fetch = async (url, init) => {
+  if (!init || init.method !== "POST" || refused) return original(url, init);
+  refused = true;
+  const body = JSON.stringify({ error: { type: "invalid_request_error", ...arguments[0] } });
+  return new Response(body, { status: 400, headers: { "Content-Type": "application/json" } });
+};"""
+
+
+def test_a_reload_mid_reply_keeps_the_note_that_earlier_turns_were_left_out(
+    page: webdriver.Chrome, pipeline: Pipeline
+) -> None:
+    """The reply in flight is shown again after a reload with what was said of it when it was sent: here that the
+    conversation's oldest turn was left out to fit the context (ingress's first answer, a context refusal)."""
+    configure(page, apiKey=pipeline.api_key, maxTokens="40", temperature="0")
+    first = send(page, "First question")
+    assert wait_ended(first) == "done", first.text
+    page.execute_script(_REFUSE_THE_FIRST_POST, context_refusal(9000, 40))
+    message = send(page)
+    left_out = "1 earlier turn left out to fit the model's context"
+    wait_for(lambda: message.find_element(By.CLASS_NAME, "aside").text == left_out, "the note")
+    wait_for(lambda: reply_text(page, message), "some streamed text")
+    page.refresh()
+    followed = wait_for(
+        lambda: (m := page.find_elements(By.CSS_SELECTOR, ".message.assistant"))[1:] and m[-1], "the reply again"
+    )
+    assert followed.find_element(By.CLASS_NAME, "aside").text == left_out
+    assert wait_ended(followed) == "done", followed.text
+    # Followed again from its stream, not shown from a finished turn: its earlier tokens came in one burst.
+    assert re.fullmatch(r"\d+ tokens?", followed.find_element(By.CLASS_NAME, "metrics").text)
+
+
 _SHOWN_MESSAGES = """return [...document.querySelectorAll("#log > .message")].map((m) => ({
   classes: [...m.classList].filter((c) => c !== "streaming").sort(),
   state: m.dataset.state ?? null,
