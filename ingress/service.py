@@ -140,8 +140,15 @@ class IngressService:
         self.settings = settings
         self.metrics = metrics
         self.names = Names(settings.topic_prefix)
-        # Bounded reads: the follower's blocked XREAD returns within its block_ms, so 10 s means Redis is gone.
-        self.redis: Redis = create_redis(settings, socket_timeout=10.0, connect_timeout=2.0, client_name="ingress")
+        # Every command bounded, once: a Redis that hangs is a 503 within ingress_redis_timeout_s, not a request that
+        # waits as long as it hangs. The stream follower's blocked XREADs bound their own reads (block_ms + grace).
+        self.redis: Redis = create_redis(
+            settings,
+            socket_timeout=settings.ingress_redis_timeout_s,
+            connect_timeout=2.0,
+            client_name="ingress",
+            retry_timeouts=False,
+        )
         self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
             settings.kafka_bootstrap,

@@ -21,7 +21,9 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluicegate.settings import Settings, get_settings
 
@@ -75,6 +77,7 @@ def create_redis(
     client_name: str | None = "sluicegate",
     max_connections: int | None = None,
     retries: int = 3,
+    retry_timeouts: bool = True,
 ) -> Redis:
     """An async Redis client for ``url`` (default ``Settings.redis_url``).
 
@@ -83,6 +86,8 @@ def create_redis(
     is right for relays that block on streams. Connection setup is always bounded by
     ``connect_timeout``. Commands are retried ``retries`` times (default three) on connection errors with a
     short backoff: every write Sluicegate makes is idempotent (stream entry ids derive from a sequence number).
+    ``retry_timeouts`` False retries refused connections only: a server that hangs is waited for once, not
+    ``retries`` + 1 times (a caller that owes someone an answer soon).
     """
     if socket_timeout is not None and socket_timeout <= 0:
         raise ValueError(f"socket_timeout must be positive or None, got {socket_timeout}")
@@ -95,8 +100,12 @@ def create_redis(
         health_check_interval=health_check_interval,
         client_name=client_name,
         max_connections=max_connections,
-        # Retries connection and timeout errors (Retry's default error set).
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=retries),
+        # Retries connection and (unless told not to) timeout errors.
+        retry=Retry(
+            ExponentialBackoff(cap=1.0, base=0.05),
+            retries=retries,
+            supported_errors=(RedisConnectionError, RedisTimeoutError) if retry_timeouts else (RedisConnectionError,),
+        ),
     )
 
 

@@ -370,6 +370,12 @@ class Settings(BaseSettings):
     worker_replica_ack_max_events: int = Field(
         50_000, ge=1, description="Most stream events a worker keeps awaiting a replica (the oldest go first)."
     )
+    ingress_redis_timeout_s: float = Field(
+        3.0,
+        gt=0,
+        description="Longest ingress waits for one Redis command before a 503 (a Redis that hangs answers nothing; "
+        "not retried, unlike a refused connection).",
+    )
     worker_redis_timeout_s: float = Field(
         5.0,
         gt=0,

@@ -377,3 +377,31 @@ async def test_redis_outage_is_a_clear_503_and_recovers(
             "published_while_down": len(set(on_kafka) - set(accepted)),
         },
     )
+
+
+async def test_a_hung_redis_is_a_503_within_the_bound_not_a_wait_as_long_as_it_hangs(
+    stack: PrivateStack, settings: Settings
+) -> None:
+    """A Redis server that stops answering (SIGSTOP: a stalled host, a long fork) without closing its sockets: a
+    request gets its 503 within ``ingress_redis_timeout_s`` (once, not retried), and the first request after the
+    server resumes is accepted."""
+    settings = settings.model_copy(update={"ingress_redis_timeout_s": 1.0})
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "hang on", "max_tokens": 4}
+    redis_pid = stack.info.redis_pid
+    assert redis_pid is not None
+    async with running_ingress(settings) as url, httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+        assert (await http.post("/v1/requests", json=body)).status_code == 202
+        os.kill(redis_pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            hung = await http.post("/v1/requests", json=body)
+            waited = time.monotonic() - started
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+        assert hung.status_code == 503 and hung.json()["error"]["message"].startswith("Redis is unavailable"), hung.text
+        # The rate-limit script is the one command before the answer: one timeout of 1 s, plus the request's work.
+        assert waited < 1.0 + PROMPT_S, f"{waited:.1f} s"
+        deadline = time.monotonic() + 15
+        while (after := await http.post("/v1/requests", json=body)).status_code != 202:
+            assert time.monotonic() < deadline, after.text
