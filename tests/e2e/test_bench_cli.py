@@ -198,18 +198,24 @@ def test_ctrl_c_keeps_the_levels_already_measured(pipeline: Pipeline, tmp_path: 
     env["OPENAI_API_KEY"] = pipeline.api_key
     command = [
         sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", f"{pipeline.ingress_url}/v1",
-        "--concurrency", "8,1", "--num-prompts", "16", "--output-len", "256", "--ignore-eos", "--json", str(out),
+        # The second level runs the 16 requests one at a time, 16 times longer than the first: seconds, even on a
+        # busy box where this test's reads of stderr may wait their turn.
+        "--concurrency", "16,1", "--num-prompts", "16", "--output-len", "1024", "--ignore-eos", "--json", str(out),
     ]  # fmt: skip
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as bench_run:
         assert bench_run.stderr is not None
-        # Off a terminal, each level's progress line is written once, when the level ends.
+        # Each level's progress line ends with a newline when the level ends (before it, a terminal gets redraws).
+        seen: list[str] = []
         for line in bench_run.stderr:
-            if line.startswith("concurrency 8"):
+            seen.append(line)
+            if "concurrency 16" in line and "16/16" in line:
                 break
+        else:
+            pytest.fail(f"the first level's end never showed on stderr: {seen!r}")
         bench_run.send_signal(signal.SIGINT)
         stdout, _ = bench_run.communicate(timeout=60)
     assert bench_run.returncode == 130
-    assert "concurrency 8" in stdout and "concurrency 1 " not in stdout
+    assert "concurrency 16" in stdout and "concurrency 1 " not in stdout
     got = strict_json(out)
-    assert got["incomplete"] == "interrupted" and [run["concurrency"] for run in got["runs"]] == [8]
+    assert got["incomplete"] == "interrupted" and [run["concurrency"] for run in got["runs"]] == [16]
     assert_consistent(got["runs"][0], 16)
