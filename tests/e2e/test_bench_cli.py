@@ -202,7 +202,16 @@ def test_ctrl_c_keeps_the_levels_already_measured(pipeline: Pipeline, tmp_path: 
         # busy box where this test's reads of stderr may wait their turn.
         "--concurrency", "16,1", "--num-prompts", "16", "--output-len", "1024", "--ignore-eos", "--json", str(out),
     ]  # fmt: skip
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as bench_run:
+    # A process started in the background by a non-interactive shell (as `setsid nohup bash .ci/run &` starts CI)
+    # inherits SIGINT ignored, and Python then leaves it ignored: the child gets a terminal's default back.
+    with subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    ) as bench_run:
         assert bench_run.stderr is not None
         # Each level's progress line ends with a newline when the level ends (before it, a terminal gets redraws).
         seen: list[str] = []

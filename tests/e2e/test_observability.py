@@ -440,8 +440,9 @@ def test_batch_worker_metrics_and_a_falling_eta(pipeline: Pipeline, traced_batch
     lines = 60
     client = pipeline.openai()
     batch = client.batches.create(
-        # Lengths spread out so lines finish over many ticks rather than all in one engine step.
-        input_file_id=_batch_file(pipeline, lines, 8, step=8),
+        # Lengths spread out (8 to 952 tokens) so lines finish over many ticks rather than all in one engine step,
+        # and the ETA is recomputed several times once a tenth are done even when a busy box delays the beat.
+        input_file_id=_batch_file(pipeline, lines, 8, step=16),
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
