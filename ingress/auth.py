@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from schemas import Tier, tier_rank
 from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import KeyLimits
+from sluicegate.settings import comma_separated
 from sluicegate.validation_errors import summarize
 
 _TENANT_PATTERN = r"^[A-Za-z0-9._:@-]+$"
@@ -152,7 +153,7 @@ class KeyRing:
             ("SLUICEGATE_API_KEYS", env_keys, False),
             ("SLUICEGATE_ADMIN_API_KEYS", admin_keys, True),
         ):
-            for number, key in enumerate((k.strip() for k in listed.split(",") if k.strip()), start=1):
+            for number, key in enumerate(comma_separated(listed), start=1):
                 try:
                     keys.append(_KeyFileEntry(key=key, admin=admin).to_api_key())
                 except ValidationError as exc:

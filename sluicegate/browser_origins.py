@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from sluicegate.settings import Settings
+from sluicegate.settings import Settings, comma_separated
 
 
 def browser_origins(settings: Settings) -> list[str]:
@@ -16,5 +16,5 @@ def browser_origins(settings: Settings) -> list[str]:
     public = urlsplit(settings.public_stream_url)
     if public.scheme in ("ws", "wss", "http", "https") and public.netloc:
         origins.append(f"{'https' if public.scheme in ('wss', 'https') else 'http'}://{public.netloc}")
-    origins += [o.strip().rstrip("/") for o in settings.cors_origins.split(",") if o.strip()]
+    origins += [origin.rstrip("/") for origin in comma_separated(settings.cors_origins)]
     return list(dict.fromkeys(origins))

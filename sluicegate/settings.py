@@ -497,13 +497,18 @@ class Settings(BaseSettings):
     @property
     def served_model_names(self) -> frozenset[str]:
         """``served_models`` as names (blanks and spaces around the commas dropped)."""
-        return frozenset(m.strip() for m in self.served_models.split(",") if m.strip())
+        return frozenset(comma_separated(self.served_models))
 
     @property
     def stream_token_lifetime_s(self) -> int:
         """Seconds a stream token stays valid after issue: the request's longest life (its status record and cancel
         marker are kept ``request_record_ttl_s``) plus the finished stream's retention (``stream_ttl_s``)."""
         return self.request_record_ttl_s + self.stream_ttl_s
+
+
+def comma_separated(text: str) -> list[str]:
+    """A comma-separated setting's items in order, each stripped, blanks dropped (``" a, ,b "`` -> ``["a", "b"]``)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 @lru_cache(maxsize=1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sluicegate.models.naming import default_public_name, gguf_checkpoint
 from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
-from sluicegate.settings import Settings
+from sluicegate.settings import Settings, comma_separated
 from sluicegate.stack.devstack import StackInfo
 from sluicegate.stack.supervisor import Child, CrashLoop, Supervisor
 
@@ -187,8 +187,7 @@ def served_models(configured: str, specs: list[ModelSpec]) -> str:
     """``SLUICEGATE_SERVED_MODELS`` for the stack's children: the models this stack serves, beside any the caller
     named. Without them the router dead-letters a Kafka-native record as an unknown model whenever the model's
     worker is not beating yet (the stack starting, a worker restarting), instead of queuing it for the worker."""
-    names = [m.strip() for m in configured.split(",") if m.strip()]
-    return ",".join(dict.fromkeys([*names, *(spec.name for spec in specs)]))
+    return ",".join(dict.fromkeys([*comma_separated(configured), *(spec.name for spec in specs)]))
 
 
 def _wait_http(url: str, child: Child, timeout_s: float) -> None:
