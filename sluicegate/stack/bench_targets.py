@@ -302,20 +302,20 @@ def run_bench(args: argparse.Namespace) -> int:
         _write_json(args.json, report)
         return 0
     runs: list[dict[str, Any]] = []
-    base_url = _base_url(args) if args.target in ("openai", "native") else None
+    report["base_url"] = _base_url(args) if args.target in ("openai", "native") else None
+
+    def show(**extra: Any) -> None:
+        console.print(render_table(runs, slo))
+        _write_json(args.json, report | {"model": args.model, "runs": runs} | extra)
+
     try:
         asyncio.run(_sweep(args, prompts, slo, runs))
     except (BenchError, KeyboardInterrupt) as exc:
         # What finished is still shown and saved, marked incomplete; the error (or 130) follows.
         if runs:
-            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
-            console.print(render_table(runs, slo))
-            partial = {"base_url": base_url, "model": args.model, "runs": runs, "incomplete": why}
-            _write_json(args.json, report | partial)
+            show(incomplete="interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc))
         raise
-    report |= {"base_url": base_url, "model": args.model, "runs": runs}
-    console.print(render_table(runs, slo))
-    _write_json(args.json, report)
+    show()
     return 0
 
 
