@@ -36,11 +36,30 @@ function showAgain(view, saved) {
   view.aside.textContent = saved.aside || "";
 }
 
+/** The tab's stored text under ``key`` ("" when none, or storage is refused). */
+function readStored(key) {
+  try {
+    return sessionStorage.getItem(key) || "";
+  } catch {
+    return "";
+  }
+}
+
+/** Store ``text`` under ``key`` for a reload ("" removes it); ``what`` names it if storage is refused. */
+function store(key, text, what) {
+  try {
+    if (text) sessionStorage.setItem(key, text);
+    else sessionStorage.removeItem(key);
+  } catch (err) {
+    console.warn(`could not keep ${what}`, err);
+  }
+}
+
 /** {conversation, pending, shown} as kept; shown is null for a session written before messages were kept. */
 function readSession() {
   let saved = {};
   try {
-    saved = JSON.parse(sessionStorage.getItem(SESSION_KEY) || "{}") || {};
+    saved = JSON.parse(readStored(SESSION_KEY) || "{}") || {};
   } catch {
     saved = {};
   }
@@ -53,29 +72,16 @@ function readSession() {
 }
 
 function writeSession(session) {
-  try {
-    sessionStorage.setItem(SESSION_KEY, JSON.stringify(session));
-  } catch (err) {
-    console.warn("could not keep the conversation for a reload", err);
-  }
+  store(SESSION_KEY, JSON.stringify(session), "the conversation for a reload");
 }
 
 const DRAFT_KEY = "sluicegate.chat.draft";
 
 /** The message being typed (or put back after a failed send), kept so that a reload does not lose it. */
 function keepDraft(text) {
-  try {
-    if (text) sessionStorage.setItem(DRAFT_KEY, text);
-    else sessionStorage.removeItem(DRAFT_KEY);
-  } catch (err) {
-    console.warn("could not keep the message being typed", err);
-  }
+  store(DRAFT_KEY, text, "the message being typed");
 }
 
 function readDraft() {
-  try {
-    return sessionStorage.getItem(DRAFT_KEY) || "";
-  } catch {
-    return "";
-  }
+  return readStored(DRAFT_KEY);
 }
