@@ -172,6 +172,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         provider.close()
 
 
+@pytest.fixture(autouse=True)
+def _torch_seed() -> None:
+    """Every test starts from the same torch RNG state: which tests ran before it on its pytest-xdist worker
+    changes from run to run, and a test whose unseeded draws once met a tolerance one seed in 60 missed failed
+    CI only now and then. Seeded, a test passes or fails the same way every run, and a failure replays alone."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def backbone() -> Iterator[Backbone]:
     """The session's Kafka/Redis provider; starts nothing until an address is asked for."""

@@ -64,6 +64,17 @@ def _assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
 
 
+def _assert_matches_beside_poison(y: torch.Tensor, y0: torch.Tensor, ref: torch.Tensor, token_slots: list[int]) -> None:
+    """fp32 ``y`` against ``ref`` when a slot's scale is a ~1e3 poison: base rows (-1) must come back bitwise
+    untouched, and the other rows close within a bound that scales with the delta's size. A row on the poison slot
+    adds terms ~1e3 times the others that largely cancel, so sums taken in another order differ by a few ulps of the
+    terms, not of the result (a fixed 1e-4 failed about one seed in 60)."""
+    base = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(y[base], y0[base])
+    delta = (ref - y0.float()).abs().max().item()
+    torch.testing.assert_close(y, ref, atol=max(1e-4, 1e-6 * delta), rtol=1e-4)
+
+
 def _run_case(
     mix: str, dtype: torch.dtype, device: str, strategy: str, *, seed: int = 0, y_dtype: torch.dtype | None = None
 ) -> None:
@@ -229,11 +240,13 @@ def test_triton_kernels_mask_base_and_padding_segments(monkeypatch: pytest.Monke
     # The stacks are views one slot into their storage: an unmasked slot -1 would read that poison slot.
     scales[0] = 1e3
     a, b, scales = a[1:], b[1:], scales[1:]
-    x = torch.randn(tokens, 40, device=device)
-    y = torch.randn(tokens, 30, device=device)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(tokens, 40, generator=gen).to(device)
+    y = torch.randn(tokens, 30, generator=gen).to(device)
+    y0 = y.clone()
     ref = _reference(y, x, a, b, scales, token_slots, 0)
     add_lora(y, x, a, b, scales, per_token)
-    _assert_matches(y, ref)
+    _assert_matches_beside_poison(y, y0, ref, token_slots)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -252,10 +265,12 @@ def test_per_row_batch_reads_slots_when_it_runs(path: str, monkeypatch: pytest.M
     scales[0] = 1e3  # the poison slot
     token_slots = [2, -1, 0, 3, -1, -1]
     slots.copy_(torch.tensor(token_slots, dtype=torch.int32))
-    x = torch.randn(rows, 40, device=device)
-    y = torch.randn(rows, 30, device=device)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(rows, 40, generator=gen).to(device)
+    y = torch.randn(rows, 30, generator=gen).to(device)
+    y0 = y.clone()
     ref = _reference(y, x, a, b, scales, token_slots, 0)
     add_lora(y, x, a, b, scales, batch)
-    _assert_matches(y, ref)
+    _assert_matches_beside_poison(y, y0, ref, token_slots)
     with pytest.raises(ValueError, match="per-row LoRA batch"):
         LoRABatch.per_row(slots, slots[:2], slots)
