@@ -37,7 +37,8 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection as RedisConnection
 
 from ingress.auth import hash_key
-from ingress.service import IngressService, ProducerPool
+from ingress.producer_pool import ProducerPool
+from ingress.service import IngressService
 from ingress.telemetry import IngressMetrics
 from router import KeyPolicy
 from router.policy import affinity_prefix, key_partition, partition_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from gpu_workers.engine import EngineStats
-from gpu_workers.worker.telemetry import _EngineCollector
+from gpu_workers.worker.engine_collector import EngineCollector
 
 
 class _StatsOnly:
@@ -25,7 +25,7 @@ def test_spec_decode_metrics_follow_engine_stats() -> None:
         spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=30,
     )  # fmt: skip
     registry = CollectorRegistry()
-    registry.register(_EngineCollector(_StatsOnly(stats), "m"))  # type: ignore[arg-type]
+    registry.register(EngineCollector(_StatsOnly(stats), "m"))  # type: ignore[arg-type]
 
     def value(name: str) -> float | None:
         return registry.get_sample_value(name, {"model": "m"})
