@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,44 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
+from ports import free_port
 
 API_KEY = "sk-e2e-test-key"
 MODEL_NAME = "tiny-e2e"
 REPO_MODELS = Path(__file__).resolve().parents[2] / ".sluicegate" / "models"
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands to outgoing connections (and to ``bind(0)``)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-#: Ports this process already handed out: two services given ports before either binds must not get the same one
-#: (it happened: both workers of a test took one metrics port, and one ran unobserved).
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing uses now, below the kernel's ephemeral range.
-
-    A port from ``bind(0)`` is an ephemeral one: between this call and the service binding it, any outgoing
-    connection (a Kafka or Redis client of the many processes under test) may take it as its local port, and the
-    service then fails with "address already in use" (seen once in CI: ingress under ``up``)."""
-    low = _ephemeral_low()
-    for _ in range(500):
-        port = random.randrange(low // 2, low)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 @pytest.fixture(scope="session")

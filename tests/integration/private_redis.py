@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from needs import require_tool
+from ports import free_port
 
 
 class RedisServer:
@@ -46,12 +47,6 @@ class RedisServer:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=10)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -34,7 +34,9 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
             "api_keys": KEY,
             "stream_token_secret": "deadline-secret",
             "topic_partitions": 3,
-            "heartbeat_interval_s": 1.0,
+            # One heartbeat written at a test's start stays live for three intervals: a slow test on a loaded
+            # machine (a router joining its group, topics created) must not outlive it (a 1 s interval did).
+            "heartbeat_interval_s": 30.0,
             "kafka_timeout_s": 5.0,
             "served_models": MODEL,
         }

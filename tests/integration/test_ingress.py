@@ -78,7 +78,9 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
             "api_keys_file": keys,
             "stream_token_secret": "integration-secret",
             "topic_partitions": 3,
-            "heartbeat_interval_s": 1.0,
+            # One heartbeat written at a test's start stays live for three intervals: a slow test on a loaded
+            # machine (a router joining its group, topics created) must not outlive it (a 1 s interval did).
+            "heartbeat_interval_s": 30.0,
             "kafka_timeout_s": 5.0,
             "request_timeout_s": 30.0,
             "public_stream_url": "ws://results.example:8001",
@@ -345,7 +347,7 @@ async def test_unknown_model_is_404_unless_configured(ingress: str, settings: Se
         await client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "hi"}])
     assert info.value.code == "model_not_found"
     # A stale heartbeat (older than three intervals) is not a live worker either.
-    await heartbeat(redis, Names(settings.topic_prefix), "ghost", age_s=10)
+    await heartbeat(redis, Names(settings.topic_prefix), "ghost", age_s=600)
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="ghost", prompt="hi")
     with pytest.raises(openai.AuthenticationError):
@@ -365,7 +367,7 @@ async def test_models_list_follows_heartbeats(ingress: str, settings: Settings, 
     await heartbeat(redis, names, "alpha")
     await heartbeat(redis, names, "beta", worker="w1")
     await heartbeat(redis, names, "beta", worker="w2", description="random weights")
-    await heartbeat(redis, names, "stale", age_s=10)
+    await heartbeat(redis, names, "stale", age_s=600)
     models = [m async for m in client.models.list()]
     assert sorted(m.id for m in models) == ["alpha", "beta"]
     assert {m.object for m in models} == {"model"}

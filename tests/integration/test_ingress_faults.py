@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -34,6 +33,7 @@ import pytest
 from aiokafka import TopicPartition
 from ingress_support import KEY, MODEL, running_ingress
 from needs import require
+from ports import free_port
 from redis.asyncio import Redis
 
 from schemas import CancelRequest, InferenceRequest, Names
@@ -48,27 +48,6 @@ KAFKA_TIMEOUT_S = 2.0
 # A 503 must come back within the Kafka timeout plus scheduling slack on a busy 2-core machine.
 PROMPT_S = 2 * KAFKA_TIMEOUT_S + 1.0
 PARTITIONS = 2
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(exclude: tuple[int, ...] = (), *, with_successor: bool = False) -> int:
-    """A free port not in ``exclude``; ``with_successor`` also wants port + 1 free (a broker's controller)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port in exclude or (with_successor and (port + 1 in exclude or not _bindable(port + 1))):
-            continue
-        return port
-    raise RuntimeError("no free port found")
 
 
 @dataclass

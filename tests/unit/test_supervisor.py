@@ -99,10 +99,16 @@ def test_exits_outside_the_window_do_not_add_up(tmp_path: Path) -> None:
 
 def test_stop_ends_children_that_ignore_sigterm(tmp_path: Path) -> None:
     supervisor = Supervisor(tmp_path, command=(sys.executable, "-c"), say=lambda _: None)
-    stubborn = supervisor.start(
-        "stubborn", ["import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"], {}
+    ready = tmp_path / "ignoring"
+    code = (
+        "import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
     )
-    time.sleep(0.5)  # let it install its handler
+    stubborn = supervisor.start("stubborn", [code], {})
+    deadline = time.monotonic() + 60
+    while not ready.exists():  # its handler is installed (a busy machine's interpreter start-up can take seconds)
+        assert time.monotonic() < deadline and stubborn.process.poll() is None
+        time.sleep(0.02)
     started = time.monotonic()
     supervisor.stop(grace_s=1)
     assert stubborn.process.returncode == -9 and time.monotonic() - started < 10
