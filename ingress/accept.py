@@ -45,9 +45,12 @@ from .usage_ledger import cache_hit_record
 SUBMIT_ERRORS = (400, 401, 404, 413, 429, 503)
 
 
-async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str) -> InferenceRequest:
+async def accept(
+    request: Request, caller: ApiKey, body: AnyBody, endpoint: str, *, relayed: bool = True
+) -> InferenceRequest:
     """Check the model, build the pipeline request and publish it under a span whose context travels
-    in the Kafka headers."""
+    in the Kafka headers. ``relayed``: only this HTTP response carries the output, and its client cannot resume
+    it, so the request names this instance's reader lease (its workers stop it if this instance dies)."""
     service = service_of(request)
     body = _with_header_deadline(body, request.headers.get(DEADLINE_HEADER))
     accepted_at = time.perf_counter()
@@ -90,6 +93,7 @@ async def accept(request: Request, caller: ApiKey, body: AnyBody, endpoint: str)
                 default_deadline=limits.default_deadline(now),
                 key_id=caller.key_id,
                 adapter=adapter,
+                reader=service.reader.id if relayed else None,
             )
         except ValidationError as exc:
             raise invalid(exc) from exc

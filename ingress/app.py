@@ -73,6 +73,7 @@ def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
         service = IngressService(settings, metrics)
         app.state.service = service
         service.routes.start()  # watch the routing file for changes
+        service.reader.start()
         app.state.files = FileStore(settings, service.redis, service.names)
         app.state.batches = BatchStore(settings, service.redis, service.names)
         app.state.responses = ResponseStore(settings, service.redis, service.names)

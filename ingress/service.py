@@ -46,6 +46,7 @@ from .errors import unavailable
 from .model_routes import ModelRoutes
 from .producer_pool import ProducerPool
 from .ratelimit import RateLimiter, RateState
+from .reader_lease import ReaderLease
 from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
 from .usage_ledger import UsageLedger
@@ -86,6 +87,8 @@ class IngressService:
         self.heartbeats = HeartbeatCache(self.redis, self.names, max_age_s=3 * settings.heartbeat_interval_s)
         self.tokenizers = ModelTokenizers(self.redis, self.names)  # the workers' tokenizers: exact prompt counts
         self.producers = ProducerPool(settings)
+        # This instance's reader lease: requests it relays to a client that cannot resume them name it.
+        self.reader = ReaderLease(self.redis, self.names, settings.reader_lease_s)
         self.backlog = BacklogMonitor(settings, self.names, metrics)
         self.rate_limiter = RateLimiter(self.redis, self.names)
         self.quotas = Quotas(self.redis, self.names)
@@ -115,6 +118,7 @@ class IngressService:
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
         try:
+            await self.reader.close()
             await self.cache.close()
             await self.usage.close()
             await self.routes.close()

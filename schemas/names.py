@@ -116,6 +116,10 @@ class Names:
         """Marker that a request was cancelled (honoured even if it is still queued in Kafka)."""
         return f"{self.prefix}llm:cancel:{request_id}"
 
+    def reader_key(self, reader: str) -> str:
+        """Lease (a key with a TTL) of an ingress instance relaying output to clients that cannot resume it."""
+        return f"{self.prefix}llm:reader:{reader}"
+
     def workers_key(self, model: str) -> str:
         """Hash of live workers' latest heartbeats for ``model``, field = worker id."""
         return f"{self.prefix}llm:workers:{model_token(model)}"

@@ -21,6 +21,9 @@ Task = Literal["generate", "embed"]
 #: decoder models) or the mean over every prompt token; either is L2-normalized.
 Pooling = Literal["last", "mean"]
 
+#: An ingress instance that relays requests' output to their HTTP clients (its reader lease's name).
+ReaderId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="An ingress instance's reader id.")]
+
 #: The end user a request is made for (OpenAI's ``user``): a route sticky per user keeps them on one version.
 EndUser = Annotated[
     str,
@@ -129,6 +132,14 @@ class InferenceRequest(Message):
     # model's name, so the request keeps the base model's topic).
     adapter: AdapterName | None = Field(
         None, description="A registered LoRA adapter of 'model' to apply (its name); None: the base model."
+    )
+    # Optional, so producers that predate it are unaffected: who relays the output to a client that cannot resume
+    # it (an OpenAI-style HTTP response). Workers stop the request once that reader's lease lapses in Redis
+    # (``Names.reader_key``): its client is gone with it, so nobody would read what it makes.
+    reader: ReaderId | None = Field(
+        None,
+        description="The ingress instance relaying the output to a client that cannot resume it; workers stop the "
+        "request once its lease key lapses. None: the output is read from the stream (resumable) or by a batch.",
     )
 
     @field_validator("prompt")

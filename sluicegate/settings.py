@@ -381,6 +381,13 @@ class Settings(BaseSettings):
         gt=0,
         description="Socket timeout of a worker's Redis calls; a Redis that hangs counts as down and is retried.",
     )
+    reader_lease_s: float = Field(
+        15.0,
+        ge=0,
+        description="TTL of each ingress instance's reader lease in Redis, renewed every third of it. Workers stop "
+        "an OpenAI-style request (its client cannot resume) once its ingress's lease is found lapsed twice, a third "
+        "of it apart: an ingress that died mid-response leaves no generation running for nobody. 0: no leases.",
+    )
 
     # --- ingress admission control and per-key limits (a keys-file entry overrides the limit_* defaults) --------
     max_backlog_per_model: int = Field(

@@ -41,5 +41,7 @@ class WorkerConfig:
     # (StreamPublisher); at most this many are kept.
     replica_ack: bool = False
     replica_ack_max_events: int = 50_000
+    # The ingress instances' reader lease TTL (``readers``): a lapsed lease is looked for every third of it; 0: never.
+    reader_lease_s: float = 15.0
     # False (SLUICEGATE_METRICS_ENABLED): a Worker built without a WorkerTelemetry keeps none.
     metrics: bool = True

@@ -59,7 +59,11 @@ class Cancels:
                 while len(self._early) > EARLY_CANCELS_KEPT:
                     self._early.popitem(last=False)
                 continue
-            log.info("worker.cancel", extra={"request_id": cancel.request_id, "reason": cancel.reason})
-            entry.cancelled = True
-            for engine_id in entry.engine_request_ids:
-                await self.engine.abort(engine_id)
+            await self.stop(entry, cancel.reason)
+
+    async def stop(self, entry: Active, reason: str) -> None:
+        """Cancel a request this worker holds: never started if it has not been, aborted in the engine if it runs."""
+        log.info("worker.cancel", extra={"request_id": entry.request_id, "reason": reason})
+        entry.cancelled = True
+        for engine_id in entry.engine_request_ids:
+            await self.engine.abort(engine_id)

@@ -33,6 +33,8 @@ class Active:
     tier: Tier = "batch"
     handed_off: bool = False  # partition revoked: the new owner continues it, emit nothing more
     cancelled: bool = False
+    # The ingress instance relaying its output to a client that cannot resume it (``InferenceRequest.reader``).
+    reader: str | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
     # The engine request started before the pickup reads answered (see ``Serving.start_early``).
     early: RequestStream | None = field(default=None, repr=False)

@@ -257,6 +257,7 @@ async def _run_started(
         if settings.worker_replica_ack is None
         else settings.worker_replica_ack,
         replica_ack_max_events=settings.worker_replica_ack_max_events,
+        reader_lease_s=settings.reader_lease_s,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
     topics |= {

@@ -91,6 +91,7 @@ class Serving:
                 return True
             if entry.request_id != parsed.request_id and not await self.in_flight.claim(entry, parsed.request_id):
                 return True  # a duplicate of a request this worker is running
+            entry.reader = parsed.reader
             if self.telemetry is None:
                 return await self._serve_request(parsed, entry, record)
             entry.watch = self.telemetry.watch(parsed, record)

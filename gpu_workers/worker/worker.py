@@ -53,6 +53,7 @@ from .in_flight import InFlight
 from .intake import Intake
 from .observer import WorkerObserver
 from .outputs import Outputs
+from .readers import ReaderWatch
 from .serving import Serving
 from .telemetry import WorkerTelemetry
 
@@ -92,6 +93,7 @@ class Worker:
         self.intake = Intake(
             consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping, observer
         )
+        self.readers = ReaderWatch(redis, names, self.in_flight, self.cancels, config.reader_lease_s)
         self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping, adapters)
         self._redis = redis
         if telemetry is not None:
@@ -153,6 +155,8 @@ class Worker:
             asyncio.create_task(self.cancels.run(), name="control"),
             asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
         ]
+        if self.readers.enabled:
+            loops.append(asyncio.create_task(self.readers.run(), name="readers"))
         if self.adapters is not None:  # this worker verifies adapter registrations for its model (ingress asks)
             checks = serve_checks(self._redis, self.names.prefix, self.config.model_name, self.adapters.verify)
             loops.append(asyncio.create_task(checks, name="lora-checks"))

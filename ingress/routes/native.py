@@ -37,7 +37,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 async def submit(request: Request) -> JSONResponse:
     caller = await authenticate(request)
     body = await parse_body(request, NativeRequestBody, root_field="prompt")
-    inference = await accept(request, caller, body, "/v1/requests")
+    inference = await accept(request, caller, body, "/v1/requests", relayed=False)
     settings = service_of(request).settings
     rid = inference.request_id
     payload = {

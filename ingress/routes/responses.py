@@ -74,7 +74,7 @@ async def create_response(request: Request) -> Response:
     given = stored_items(body.input)  # type: ignore[arg-type]
     chat = chat_body(body, chat_messages(history + given, body.instructions))
     try:
-        inference = await accept(request, caller, chat, "/v1/responses")
+        inference = await accept(request, caller, chat, "/v1/responses", relayed=not body.background)
     except ApiError as exc:
         raise responses_error(exc) from None
     rid = inference.request_id

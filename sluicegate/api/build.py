@@ -39,13 +39,15 @@ def build_request(
     default_deadline: datetime | None = None,
     key_id: str | None = None,
     adapter: str | None = None,
+    reader: str | None = None,
 ) -> InferenceRequest:
     """The pipeline request for a validated body; ``ValueError`` for a deadline already passed.
 
     ``max_tokens`` replaces the body's (already checked against the key's cap); ``default_deadline`` applies
     when the body gives no deadline (the key's queue-time budget); ``key_id`` names the caller's API key (the
     usage ledger's); ``adapter`` the LoRA adapter the body's model name resolved to (``sluicegate.lora.resolve``:
-    the body's ``model`` is then already its base model).
+    the body's ``model`` is then already its base model); ``reader`` the ingress instance relaying the output to a
+    client that cannot resume it (``InferenceRequest.reader``).
     """
     now = now or utcnow()
     prompt: str | list[int] | None = None
@@ -89,4 +91,5 @@ def build_request(
         task=task,
         pooling=pooling,
         adapter=adapter,
+        reader=reader,
     )

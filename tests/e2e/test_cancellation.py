@@ -23,7 +23,7 @@ from websockets.asyncio.client import connect
 
 from schemas import DoneEvent, TokenEvent, WorkerHeartbeat
 
-from .conftest import MODEL_NAME, Pipeline
+from .conftest import MODEL_NAME, Pipeline, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -43,7 +43,8 @@ def tiny_model_dir(paced_model_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def pipeline_env() -> dict[str, str]:
     # Ingress accepts the model while no worker runs (the queued-cancel test stops them all).
-    return {"SLUICEGATE_SERVED_MODELS": MODEL_NAME, "OMP_NUM_THREADS": "1"}
+    # A short reader lease: a killed ingress's requests are stopped within seconds.
+    return {"SLUICEGATE_SERVED_MODELS": MODEL_NAME, "OMP_NUM_THREADS": "1", "SLUICEGATE_READER_LEASE_S": "1.5"}
 
 
 def wait_tokens(pipeline: Pipeline, request_id: str, count: int, timeout_s: float = 30) -> None:
@@ -147,7 +148,9 @@ async def test_websocket_cancel_message_aborts_the_request(pipeline: Pipeline) -
     report("cancel_websocket", events=len(received), done_after_s=round(took, 3))
 
 
-def streamed_completion(pipeline: Pipeline, prompt: str | list[str]) -> AbstractContextManager[httpx.Response]:
+def streamed_completion(
+    pipeline: Pipeline, prompt: str | list[str], ingress_url: str | None = None
+) -> AbstractContextManager[httpx.Response]:
     """A long streamed /v1/completions, read by hand so that leaving the block drops the connection mid-stream."""
     body = {
         "model": pipeline.model,
@@ -157,24 +160,50 @@ def streamed_completion(pipeline: Pipeline, prompt: str | list[str]) -> Abstract
         "stream": True,
         "ignore_eos": True,
     }
-    url = f"{pipeline.ingress_url}/v1/completions"
+    url = f"{ingress_url or pipeline.ingress_url}/v1/completions"
     return httpx.stream("POST", url, json=body, headers=pipeline.headers(), timeout=60)
+
+
+def read_chunks(response: httpx.Response, count: int) -> tuple[str, int]:
+    """Read ``count`` SSE chunks of a streamed answer (200); returns its request id and the chunks read."""
+    assert response.status_code == 200
+    chunks = 0
+    for line in response.iter_lines():
+        chunks += line.startswith("data: ")
+        if chunks >= count:
+            break
+    return response.headers["x-request-id"], chunks
 
 
 def test_openai_client_disconnect_aborts_the_request(pipeline: Pipeline) -> None:
     with streamed_completion(pipeline, PROMPT) as response:
-        assert response.status_code == 200
-        rid = response.headers["x-request-id"]
-        chunks = 0
-        for line in response.iter_lines():
-            chunks += line.startswith("data: ")
-            if chunks >= 10:
-                break  # leaving the block closes the connection mid-stream
+        rid, chunks = read_chunks(response, 10)
+    # Leaving the block closed the connection mid-stream.
     left_at = time.monotonic()
     assert_aborted(pipeline, rid)
     took = time.monotonic() - left_at
     wait_engine_idle(pipeline, pipeline.record(rid).worker_id, time.time())
     report("cancel_client_disconnect", chunks_read=chunks, done_after_s=round(took, 3))
+
+
+def test_an_openai_stream_whose_ingress_died_is_stopped_by_its_worker(pipeline: Pipeline) -> None:
+    """An ingress killed mid-response cancels nothing, and its client cannot resume: the worker stops the request
+    once that ingress's reader lease lapses (``SLUICEGATE_READER_LEASE_S``, 1.5 s in this module)."""
+    port = free_port()
+    second = pipeline.start("ingress-2", "ingress", extra_env={"SLUICEGATE_INGRESS_PORT": str(port)})
+    url = f"http://127.0.0.1:{port}"
+    pipeline.wait_http(f"{url}/healthz", second)
+    with streamed_completion(pipeline, PROMPT, url) as response:
+        rid, chunks = read_chunks(response, 10)
+        pipeline.kill(second)  # SIGKILL: no disconnect handling, no cancel, no lease given up
+        killed_at = time.monotonic()
+    assert_aborted(pipeline, rid)
+    took = time.monotonic() - killed_at
+    worker = pipeline.record(rid).worker_id
+    wait_engine_idle(pipeline, worker, time.time())
+    log = pipeline.find(worker).log_path.read_text(errors="replace").splitlines()
+    assert any("worker.reader_gone" in line and rid in line for line in log)
+    report("cancel_ingress_killed", chunks_read=chunks, done_after_s=round(took, 3))
 
 
 def test_cancel_while_queued_in_kafka_is_honoured_at_pickup(pipeline: Pipeline) -> None:

@@ -502,6 +502,38 @@ async def test_client_disconnect_mid_stream_cancels(ingress: str, settings: Sett
         assert CancelRequest.model_validate_json(marker).reason == "client_disconnected"
 
 
+async def test_openai_requests_name_the_ingress_reader_lease_which_ends_with_the_ingress(
+    settings: Settings, redis: Redis, cleanup_topics: None
+) -> None:
+    # Only ingress relays an OpenAI-style response, and its client cannot resume it: the request names this
+    # instance's lease (workers stop it once the lease lapses). A native request's client resumes from the stream.
+    names = Names(settings.topic_prefix)
+    await heartbeat(redis, names)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "stream": True}
+    async with FakeWorker(settings, redis, mode="hang") as worker:
+        async with (
+            running_ingress(settings) as url,
+            httpx.AsyncClient(base_url=url, headers={"x-api-key": KEY}) as http,
+        ):
+            native = await http.post("/v1/requests", json={"model": MODEL, "prompt": "resumable"})
+            assert native.status_code == 202, native.text
+            async with http.stream("POST", "/v1/chat/completions", json=chat) as response:
+                assert response.status_code == 200
+                relayed = response.headers["x-request-id"]
+
+                async def both_seen() -> bool:
+                    return len(worker.seen) == 2
+
+                await eventually(both_seen)
+                readers = {request.request_id: request.reader for _, request in worker.seen}
+                assert readers[native.json()["request_id"]] is None
+                lease = readers[relayed]
+                assert lease is not None
+                assert 0 < await redis.pttl(names.reader_key(lease)) <= settings.reader_lease_s * 1000
+        # The ingress stopped: it gave its lease up, so its requests' workers stop them.
+        assert not await redis.exists(names.reader_key(lease))
+
+
 # --- router stream processor -----------------------------------------------------------------------------------
 async def test_router_routes_valid_and_dead_letters_invalid(
     settings: Settings, redis: Redis, cleanup_topics: None

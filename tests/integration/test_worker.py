@@ -27,9 +27,11 @@ from redis.exceptions import RedisError
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
 from gpu_workers.worker.config import WorkerConfig
-from gpu_workers.worker.in_flight import Active
+from gpu_workers.worker.control import Cancels
+from gpu_workers.worker.in_flight import Active, InFlight
 from gpu_workers.worker.main import run_worker
 from gpu_workers.worker.outputs import Outputs
+from gpu_workers.worker.readers import ReaderWatch
 from gpu_workers.worker.resume import Continuation
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (
@@ -572,6 +574,85 @@ async def test_a_cancel_heard_only_on_the_control_topic_keeps_a_request_from_sta
             assert [e.type for e in await wait_terminal(redis, names, served.request_id)][-1] == "done"
             await wait_idle_heartbeat(redis, names)
     finally:
+        await redis.aclose()
+
+
+async def _wait_tokens(redis: Redis, names: Names, request_id: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(e.type == "token" for e in await read_events(redis, names, request_id)):
+        assert time.monotonic() < deadline, f"{request_id} streamed no token within {timeout_s}s"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_request_whose_reader_lease_lapsed_stops_and_the_others_run_on(
+    kafka_bootstrap: str, redis_url: str, model_dir: Path, unique_prefix: str
+) -> None:
+    # Ingress relays an OpenAI-style request's output to its HTTP client and cancels it when the client leaves;
+    # when that ingress dies nobody cancels, so the worker stops the requests whose ingress's lease lapsed.
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    dead, alive = f"dead-{unique_prefix}", f"alive-{unique_prefix}"
+    orphan = request_for(1500).model_copy(update={"reader": dead})
+    relayed = request_for(40).model_copy(update={"reader": alive})
+    native = request_for(40)  # no reader: its client resumes from the stream, it is never stopped for one
+    try:
+        await redis.set(names.reader_key(dead), "ingress 1", px=60_000)
+        await redis.set(names.reader_key(alive), "ingress 2", px=60_000)
+        async with running_worker(
+            kafka_bootstrap, redis_url, model_dir, unique_prefix, reader_lease_s=0.6, max_num_seqs=4
+        ) as worker:
+            await publish(worker, orphan, relayed, native)
+            await _wait_tokens(redis, names, orphan.request_id)
+            await redis.delete(names.reader_key(dead))  # the ingress relaying the orphan died
+            events = await wait_terminal(redis, names, orphan.request_id, timeout_s=30)
+            done = events[-1]
+            assert isinstance(done, DoneEvent) and done.finish_reason == "abort"
+            assert 0 < done.usage.completion_tokens < 1500
+            for kept in (relayed, native):
+                last = (await wait_terminal(redis, names, kept.request_id))[-1]
+                assert isinstance(last, DoneEvent) and last.finish_reason == "length"
+                assert last.usage.completion_tokens == 40
+            await wait_idle_heartbeat(redis, names)
+    finally:
+        await redis.delete(names.reader_key(dead), names.reader_key(alive))
+        await redis.aclose()
+
+
+class _Aborts:
+    """The engine's abort, recorded: all the reader watch asks of an engine."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+async def test_a_reader_lease_missing_at_one_check_only_stops_nothing(redis_url: str, unique_prefix: str) -> None:
+    # A Redis that restarted empty (or failed over ahead of a renewal) loses the lease until ingress renews it,
+    # within a third of the lease: one check in between must stop nothing; two misses in a row stop the request.
+    names = Names(unique_prefix)
+    redis = Redis.from_url(redis_url)
+    in_flight, engine = InFlight(), _Aborts()
+    watch = ReaderWatch(redis, names, in_flight, Cancels(None, engine, in_flight), lease_s=3.0)  # type: ignore[arg-type]
+    entry = in_flight.take(TopicPartition("t", 0), 0, "interactive")
+    assert in_flight.claim_at_once(entry, "rid-1")
+    entry.reader = "ingress-a"
+    no_reader = in_flight.take(TopicPartition("t", 0), 1, "interactive")  # a native request: never stopped
+    assert in_flight.claim_at_once(no_reader, "rid-2")
+    key = names.reader_key("ingress-a")
+    try:
+        assert await watch.check() == []  # first miss
+        await redis.set(key, "renewed", px=3000)
+        assert await watch.check() == []  # back: the miss is forgotten
+        await redis.delete(key)
+        assert await watch.check() == []  # a first miss again
+        assert engine.aborted == [] and not entry.cancelled
+        assert await watch.check() == ["rid-1"]  # the second in a row
+        assert entry.cancelled and engine.aborted == ["rid-1"] and not no_reader.cancelled
+        assert await watch.check() == [] and engine.aborted == ["rid-1"]  # stopped once
+    finally:
+        await redis.delete(key)
         await redis.aclose()
 
 
