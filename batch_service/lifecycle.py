@@ -313,6 +313,12 @@ async def _cancel_lines(runtime: BatchRuntime, batch_id: str, tenant: str, reaso
 async def _cancel(runtime: BatchRuntime, batch_id: str, state: dict[str, str]) -> None:
     """Stop publishing, abort what is in flight (once), wait a little for the aborts, then finish as cancelled:
     lines that finished keep their results, the rest become ``batch_cancelled`` error lines."""
+    if "chunks" not in state:
+        # Cancelled before it was validated: no line was prepared or published, so there is nothing to abort and
+        # no output to write (reading the prepared lines would fail on every step, leaving it "cancelling").
+        if await runtime.batches.transition(batch_id, "cancelled", ("cancelling",)):
+            log.info("batch.cancelled batch_id=%s before_validation=true", batch_id)
+        return
     if "cancel_sent_at" not in state:
         count = await _cancel_lines(runtime, batch_id, state["tenant"], "batch_cancelled")
         await runtime.batches.set_fields(batch_id, cancel_sent_at=time.time())

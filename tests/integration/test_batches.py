@@ -229,6 +229,27 @@ async def test_cancel_keeps_finished_lines(ingress: str, settings: Settings, red
     await api.close()
 
 
+async def test_a_batch_cancelled_before_it_was_validated_ends_cancelled(
+    ingress: str, settings: Settings, redis: Redis, tmp_path: Path
+) -> None:
+    # No batch worker yet, so the batch is still validating when the cancel comes (a CI run's cancel right after
+    # submit once met it so): the worker must end it, not fail every step on the lines it never prepared.
+    await heartbeat(redis, Names(settings.topic_prefix))
+    api = client(ingress)
+    uploaded = await api.files.create(file=("in.jsonl", jsonl([chat_line("never", "run me")])), purpose="batch")
+    batch = await api.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "validating"
+    assert (await api.batches.cancel(batch.id)).status == "cancelling"
+    with batch_worker(settings, tmp_path / "batch-worker.log"):
+        done = await wait_status(api, batch.id, {"cancelled", "failed", "completed"})
+    assert done.status == "cancelled" and done.cancelled_at, done
+    assert done.request_counts.total == 0 and done.output_file_id is None and done.error_file_id is None
+    assert not await redis.exists(Names(settings.topic_prefix).cancel_key(f"{batch.id}-L1"))  # nothing to abort
+    await api.close()
+
+
 async def test_batch_expires_at_the_window_end(
     settings: Settings, redis: Redis, tmp_path: Path, cleanup_topics: None
 ) -> None:
