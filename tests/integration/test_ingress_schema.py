@@ -129,7 +129,14 @@ def test_ingress_conforms_to_its_openapi_document(operation: APIOperation, live_
     cases = st.one_of([operation.as_strategy(generation_mode=mode) for mode in GenerationMode])
 
     @given(case=cases)
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    # print_blob: a failure drawn in one CI run prints the @reproduce_failure line that replays it anywhere.
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+    )
     def conforms(case: schemathesis.Case) -> None:
         body = case.body
         if isinstance(body, dict) and isinstance(body.get("model"), str):
