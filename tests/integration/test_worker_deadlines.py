@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from start_order import finish_order, stream_done
 
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.worker.main import run_worker
-from schemas import STREAM_FIELD, InferenceRequest, Names, SamplingOptions, WorkerHeartbeat, parse_stream_event, utcnow
+from schemas import InferenceRequest, Names, SamplingOptions, WorkerHeartbeat, utcnow
 from schemas.names import HEADER_REQUEST_ID
 from sluicegate.kafka import create_admin, create_producer
 from sluicegate.settings import Settings
@@ -35,11 +35,6 @@ def _request(rid: str, max_tokens: int, deadline_s: float | None) -> InferenceRe
         sampling=SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
         deadline=None if deadline_s is None else utcnow() + timedelta(seconds=deadline_s),
     )
-
-
-async def _done(redis: Redis, names: Names, rid: str) -> bool:
-    entries = await redis.xrange(names.stream_key(rid))
-    return bool(entries) and parse_stream_event(entries[-1][1][STREAM_FIELD.encode()]).type == "done"
 
 
 async def test_a_worker_starts_what_it_holds_earliest_deadline_first(
@@ -92,20 +87,9 @@ async def test_a_worker_starts_what_it_holds_earliest_deadline_first(
         await send(_request("plain", 12, None))
         for rid in shuffled:
             await send(_request(rid, 12, 100 + 50 * int(rid[1:])))
-        assert not await _done(redis, names, "holder"), "the holder finished before the rest arrived: too fast a box?"
-        # One seat: each starts after the one before it finished. Order of first appearance, done ones first.
-        order: list[str] = []
-        waiting = ["plain", *with_deadline]
-        until = time.monotonic() + 90
-        while waiting:
-            assert time.monotonic() < until, f"not started: {waiting}"
-            with contextlib.suppress(RedisError):
-                appeared = [rid for rid in waiting if await redis.exists(names.stream_key(rid))]
-                done = {rid for rid in appeared if await _done(redis, names, rid)}
-                for rid in sorted(appeared, key=lambda r: r not in done):
-                    order.append(rid)
-                    waiting.remove(rid)
-            await asyncio.sleep(0.005)
+        assert not await stream_done(redis, names, "holder"), "the holder finished first: too fast a box?"
+        # One seat: each starts after the one before it finished, so the finish order is the start order.
+        order = await finish_order(redis, names, ["plain", *with_deadline], timeout_s=90)
         assert order == [*with_deadline, "plain"]
     finally:
         stop.set()

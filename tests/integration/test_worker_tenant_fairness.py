@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from start_order import finish_order, stream_done
 
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.worker.main import run_worker
-from schemas import STREAM_FIELD, InferenceRequest, Names, SamplingOptions, WorkerHeartbeat, parse_stream_event
+from schemas import InferenceRequest, Names, SamplingOptions, WorkerHeartbeat
 from schemas.names import HEADER_REQUEST_ID
 from sluicegate.kafka import create_admin, create_producer
 from sluicegate.settings import Settings
@@ -40,11 +40,6 @@ def _request(rid: str, tenant: str, prompt: list[int], max_tokens: int) -> Infer
         prompt=prompt,
         sampling=SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
     )
-
-
-async def _done(redis: Redis, names: Names, rid: str) -> bool:
-    entries = await redis.xrange(names.stream_key(rid))
-    return bool(entries) and parse_stream_event(entries[-1][1][STREAM_FIELD.encode()]).type == "done"
 
 
 async def test_a_tenants_short_requests_start_before_anothers_long_backlog_drains(
@@ -99,29 +94,13 @@ async def test_a_tenants_short_requests_start_before_anothers_long_backlog_drain
             await send(_request(rid, "tenant-a", LONG_PROMPT, 8))
         for rid in shorts:
             await send(_request(rid, "tenant-b", SHORT_PROMPT, 8))
-        assert not await _done(redis, names, "holder"), "the holder finished before the rest arrived: too fast a box?"
-        # One seat: each starts after the one before it finished. Order of first appearance, done ones first.
-        order: list[str] = []
-        waiting = [*backlog, *shorts]
-        until = time.monotonic() + 120
-        while waiting:
-            assert time.monotonic() < until, f"not started: {waiting} (order so far {order})"
-            with contextlib.suppress(RedisError):
-                appeared = [rid for rid in waiting if await redis.exists(names.stream_key(rid))]
-                done = {rid for rid in appeared if await _done(redis, names, rid)}
-                for rid in sorted(appeared, key=lambda r: r not in done):
-                    order.append(rid)
-                    waiting.remove(rid)
-            await asyncio.sleep(0.005)
+        assert not await stream_done(redis, names, "holder"), "the holder finished first: too fast a box?"
+        # One seat: each starts after the one before it finished, so the finish order is the start order.
+        order = await finish_order(redis, names, [*backlog, *shorts], timeout_s=120)
         # In Kafka order B's would start after all six of A's; by tokens they start before A's third.
         last_short = max(order.index(rid) for rid in shorts)
         assert last_short < order.index("a3"), order
         assert [rid for rid in order if rid in backlog] == backlog, order  # one tenant's records keep their order
-        for rid in order:
-            until = time.monotonic() + 60
-            while not await _done(redis, names, rid):
-                assert time.monotonic() < until, f"{rid} never finished"
-                await asyncio.sleep(0.02)
     finally:
         stop.set()
         with contextlib.suppress(Exception):
