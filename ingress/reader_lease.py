@@ -52,15 +52,17 @@ class ReaderLease:
 
     async def _renew(self) -> None:
         holder = f"{socket.gethostname()} pid {os.getpid()}"  # for an operator reading the key
+        third_s = self._ttl_ms / 3000
         while True:
             try:
-                await self._redis.set(self._key, holder, px=self._ttl_ms)
-                delay = self._ttl_ms / 3000
-            except (RedisError, OSError) as exc:
+                # Bounded by a third of the lease: a hung Redis must not hold the renewal past the next one's time.
+                await asyncio.wait_for(self._redis.set(self._key, holder, px=self._ttl_ms), timeout=max(0.5, third_s))
+                delay = third_s
+            except Exception as exc:  # any failure: the loop must go on, or a healthy ingress loses its lease
                 # Workers stop this instance's requests only after the lease is seen lapsed twice, a third of it
                 # apart: a renewal retried within a second or two keeps a Redis blip from stopping them.
                 log.warning("ingress.reader_lease_not_renewed", extra={"reader": self.id, "error": repr(exc)})
-                delay = min(_RETRY_S, self._ttl_ms / 3000)
+                delay = min(_RETRY_S, third_s)
             await asyncio.sleep(delay)
 
     async def close(self) -> None:

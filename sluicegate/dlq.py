@@ -169,6 +169,15 @@ def check_payload(letter: DeadLetter) -> InferenceRequest | str:
     return request
 
 
+def replay_payload(letter: DeadLetter, request: InferenceRequest) -> bytes:
+    """What a replay publishes: the original record, byte for byte, unless it names a reader. That reader was the
+    ingress relaying the first try to an HTTP client long gone; a replay is read from its status record and
+    ``llm.results``, and a lapsed lease would have workers stop it, so it is sent without one."""
+    if request.reader is None:
+        return letter.payload.encode()
+    return request.model_copy(update={"reader": None}).model_dump_json().encode()
+
+
 async def _batch_ended(redis: Redis, names: Names, request_id: str) -> str | None:
     """Why a batch line is not replayed: its batch has ended, its output files written without it (a replayed line
     would run for nothing); None for a line of a running batch, or not a batch line."""
@@ -243,7 +252,7 @@ async def replay(
                 continue
             await producer.send_and_wait(
                 names.inbound_topic,
-                entry.letter.payload.encode(),
+                replay_payload(entry.letter, checked),
                 key=checked.request_id.encode(),
                 headers=_headers(checked),
             )

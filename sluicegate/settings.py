@@ -386,7 +386,8 @@ class Settings(BaseSettings):
         ge=0,
         description="TTL of each ingress instance's reader lease in Redis, renewed every third of it. Workers stop "
         "an OpenAI-style request (its client cannot resume) once its ingress's lease is found lapsed twice, a third "
-        "of it apart: an ingress that died mid-response leaves no generation running for nobody. 0: no leases.",
+        "of it apart, and never start that ingress's requests still queued: an ingress that died mid-response "
+        "leaves no generation running for nobody. Give ingress and workers the same value. 0: no leases.",
     )
 
     # --- ingress admission control and per-key limits (a keys-file entry overrides the limit_* defaults) --------

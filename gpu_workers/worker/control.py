@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # Cancels remembered for requests not picked up yet; the oldest are dropped past this many.
 EARLY_CANCELS_KEPT = 10_000
+# Readers (ingress instances) whose lease lapsed, remembered so their queued requests never start; the oldest are
+# dropped past this many (each ingress process has a reader id of its own, so dead ones accumulate).
+GONE_READERS_KEPT = 1_000
 
 
 class Cancels:
@@ -33,18 +36,38 @@ class Cancels:
         self.in_flight = in_flight
         # Cancels that arrived before their request was picked up (bounded, oldest dropped).
         self._early: OrderedDict[str, None] = OrderedDict()
+        # Readers whose lease lapsed (``readers.ReaderWatch``): nobody reads what their requests would make.
+        self._gone_readers: OrderedDict[str, None] = OrderedDict()
 
-    def pending(self, request_id: str) -> bool:
-        """Whether a cancel for ``request_id`` arrived before the request did."""
-        return request_id in self._early
+    def pending(self, request_id: str, reader: str | None = None) -> bool:
+        """Whether a cancel for ``request_id`` arrived before the request did, or its reader is gone."""
+        return request_id in self._early or (reader is not None and reader in self._gone_readers)
 
     def requested(self, entry: Active, cancel_marked: bool) -> bool:
-        """A cancel seen on the control topic (before or after pick-up) or marked in Redis."""
+        """A cancel seen on the control topic (before or after pick-up) or marked in Redis, or its reader gone."""
         rid = entry.request_id
         if rid in self._early:
             del self._early[rid]
             entry.cancelled = True
+        if entry.reader is not None and entry.reader in self._gone_readers:
+            entry.cancelled = True
         return entry.cancelled or cancel_marked
+
+    @property
+    def gone_readers(self) -> list[str]:
+        """The readers whose lease lapsed and has not come back."""
+        return list(self._gone_readers)
+
+    def reader_gone(self, reader: str) -> None:
+        """Remember a lapsed reader: its requests picked up from now on are never started."""
+        self._gone_readers[reader] = None
+        self._gone_readers.move_to_end(reader)
+        while len(self._gone_readers) > GONE_READERS_KEPT:
+            self._gone_readers.popitem(last=False)
+
+    def reader_back(self, reader: str) -> None:
+        """A lapsed reader's lease exists again (the same ingress renewed it): its requests run again."""
+        self._gone_readers.pop(reader, None)
 
     async def run(self) -> None:
         async for message in self.consumer:

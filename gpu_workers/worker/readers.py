@@ -53,12 +53,19 @@ class ReaderWatch:
             try:
                 await self.check()
             except (RedisError, OSError) as exc:
-                # Nothing is stopped on a failed read, and the misses seen so far stand: the next check decides.
+                # Nothing is stopped on a failed read, and the misses seen so far are forgotten: two misses must
+                # come from two reads in a row that Redis answered (it may come back empty, before a renewal).
+                self._missing = frozenset()
                 log.warning("worker.reader_check_failed", extra={"error": repr(exc)})
 
     async def check(self) -> list[str]:
-        """One check: the request ids stopped because their reader's lease was missing now and at the last check."""
-        readers = sorted({entry.reader for entry in self._in_flight if entry.reader is not None})
+        """One check: the request ids stopped because their reader's lease was missing now and at the last check.
+
+        A reader found lapsed is remembered by :class:`Cancels`, so its requests picked up later never start; it
+        is looked for at every check too, and forgotten when its lease exists again."""
+        held = {entry.reader for entry in self._in_flight if entry.reader is not None}
+        gone = set(self._cancels.gone_readers)
+        readers = sorted(held | gone)
         if not readers:
             self._missing = frozenset()
             return []
@@ -67,10 +74,17 @@ class ReaderWatch:
                 pipe.exists(self._names.reader_key(reader))
             found = await pipe.execute()
         missing = frozenset(reader for reader, count in zip(readers, found, strict=True) if not count)
-        lapsed, self._missing = missing & self._missing, missing
+        for reader in gone - missing:
+            log.info("worker.reader_back", extra={"reader": reader})
+            self._cancels.reader_back(reader)
+        lapsed = (missing & self._missing) - gone
+        self._missing = missing - gone
+        for reader in lapsed:
+            self._cancels.reader_gone(reader)
+        dead = lapsed | (gone & missing)  # a request of a gone reader that slipped past its pick-up check stops too
         stopped: list[str] = []
         for entry in list(self._in_flight):
-            if entry.reader in lapsed and not entry.cancelled:
+            if entry.reader in dead and not entry.cancelled:
                 log.warning("worker.reader_gone", extra={"request_id": entry.request_id, "reader": entry.reader})
                 await self._cancels.stop(entry, READER_GONE)
                 stopped.append(entry.request_id)

@@ -141,7 +141,7 @@ class Serving:
     def start_early(self, request: InferenceRequest, entry: Active) -> RequestStream | None:
         """Start the engine on a request that looks new; None when anything says it should wait."""
         rid = request.request_id
-        if entry.cancelled or entry.handed_off or self.cancels.pending(rid) or request.expired():
+        if entry.cancelled or entry.handed_off or self.cancels.pending(rid, request.reader) or request.expired():
             return None
         if request.adapter is not None:
             # Early only when the adapter needs no I/O (looked up recently and loaded); else the task resolves it.

@@ -608,6 +608,12 @@ async def test_a_request_whose_reader_lease_lapsed_stops_and_the_others_run_on(
             done = events[-1]
             assert isinstance(done, DoneEvent) and done.finish_reason == "abort"
             assert 0 < done.usage.completion_tokens < 1500
+            # A request of that ingress still queued (a backlog behind it) is never started.
+            queued = request_for(1500).model_copy(update={"reader": dead})
+            await publish(worker, queued)
+            (never,) = await wait_terminal(redis, names, queued.request_id, timeout_s=30)
+            assert isinstance(never, DoneEvent) and never.finish_reason == "abort"
+            assert never.usage.completion_tokens == 0
             for kept in (relayed, native):
                 last = (await wait_terminal(redis, names, kept.request_id))[-1]
                 assert isinstance(last, DoneEvent) and last.finish_reason == "length"
@@ -651,6 +657,14 @@ async def test_a_reader_lease_missing_at_one_check_only_stops_nothing(redis_url:
         assert await watch.check() == ["rid-1"]  # the second in a row
         assert entry.cancelled and engine.aborted == ["rid-1"] and not no_reader.cancelled
         assert await watch.check() == [] and engine.aborted == ["rid-1"]  # stopped once
+        # Its requests still queued never start: refused before the early start and at pick-up.
+        later = in_flight.take(TopicPartition("t", 0), 2, "interactive")
+        assert in_flight.claim_at_once(later, "rid-3")
+        later.reader = "ingress-a"
+        assert watch._cancels.pending("rid-3", "ingress-a") and watch._cancels.requested(later, False)
+        # The same ingress renewed its lease after all (a partition healed): its requests run again.
+        await redis.set(key, "renewed", px=3000)
+        assert await watch.check() == [] and not watch._cancels.pending("rid-4", "ingress-a")
     finally:
         await redis.delete(key)
         await redis.aclose()

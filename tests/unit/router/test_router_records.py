@@ -14,7 +14,7 @@ from router.refusal_events import refusal_event
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
 from sluicegate import dead_letters
 from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
-from sluicegate.dlq import check_payload
+from sluicegate.dlq import check_payload, replay_payload
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 
@@ -152,3 +152,22 @@ def test_a_reason_s_kind_leaves_out_the_field_a_producer_named() -> None:
     # Metric labels take the kind: a field name comes from the record's writer, and would grow a series per name.
     assert dead_letters.reason_kind("schema_violation:x_any_field_7f3a") == "schema_violation"
     assert dead_letters.reason_kind("deadline_exceeded") == "deadline_exceeded"
+
+
+def _letter(body: dict[str, object]) -> tuple[DeadLetter, bytes]:
+    raw = json.dumps(body).encode()
+    record = ConsumerRecord("llm.inbound", 0, 7, 0, 0, None, raw, None, 0, len(raw), [])
+    return DeadLetter.model_validate_json(dead_letter(Rejection("unknown_model", "no worker", "r-1"), record)[0]), raw
+
+
+def test_a_replay_names_no_reader_and_keeps_other_records_byte_for_byte() -> None:
+    """A replay is read from its status record and llm.results, not by the ingress that relayed the first try
+    (long gone, its lease lapsed: workers would stop the replay), so it is sent without that ingress's reader."""
+    plain, raw = _letter(VALID)
+    checked = check_payload(plain)
+    assert isinstance(checked, InferenceRequest) and replay_payload(plain, checked) == raw
+    relayed, _ = _letter(VALID | {"reader": "ingress-1-abc"})
+    checked = check_payload(relayed)
+    assert isinstance(checked, InferenceRequest) and checked.reader == "ingress-1-abc"
+    replayed = InferenceRequest.model_validate_json(replay_payload(relayed, checked))
+    assert replayed.reader is None and replayed == checked.model_copy(update={"reader": None})
