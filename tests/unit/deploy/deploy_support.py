@@ -8,6 +8,7 @@ fail: ``tests/needs.py``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -56,15 +57,21 @@ def helm() -> Path:
     if binary.exists() and _built_version(go, binary) == HELM_VERSION:
         return binary
     HELM_BIN_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GOBIN": str(HELM_BIN_DIR), "GOFLAGS": "-buildvcs=false"}
-    result = subprocess.run(
-        [go, "install", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
+    # Each pytest-xdist worker has its own session: one builds while the others wait for it and then use its
+    # binary, instead of two `go install`s writing one file (a half-written helm, or "text file busy").
+    with (HELM_BIN_DIR / ".helm-build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if binary.exists() and _built_version(go, binary) == HELM_VERSION:
+            return binary
+        env = {**os.environ, "GOBIN": str(HELM_BIN_DIR), "GOFLAGS": "-buildvcs=false"}
+        result = subprocess.run(
+            [go, "install", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
     assert result.returncode == 0, f"go install helm {HELM_VERSION} failed:\n{result.stderr[-4000:]}"
     assert _built_version(go, binary) == HELM_VERSION
     return binary
