@@ -8,6 +8,7 @@ marker, read with the pickup state, covers cancels sent before this worker was l
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 from aiokafka import AIOKafkaConsumer
@@ -22,9 +23,11 @@ log = logging.getLogger(__name__)
 
 # Cancels remembered for requests not picked up yet; the oldest are dropped past this many.
 EARLY_CANCELS_KEPT = 10_000
-# Readers (ingress instances) whose lease lapsed, remembered so their queued requests never start; the oldest are
-# dropped past this many (each ingress process has a reader id of its own, so dead ones accumulate).
+# Readers (ingress instances) whose lease lapsed, remembered so their queued requests never start, for this long
+# and at most this many (each ingress process has a reader id of its own, so dead ones accumulate; a request of
+# one forgotten still stops, after two checks of the reader watch).
 GONE_READERS_KEPT = 1_000
+GONE_READERS_KEPT_S = 3600.0
 
 
 class Cancels:
@@ -36,8 +39,8 @@ class Cancels:
         self.in_flight = in_flight
         # Cancels that arrived before their request was picked up (bounded, oldest dropped).
         self._early: OrderedDict[str, None] = OrderedDict()
-        # Readers whose lease lapsed (``readers.ReaderWatch``): nobody reads what their requests would make.
-        self._gone_readers: OrderedDict[str, None] = OrderedDict()
+        # Readers whose lease lapsed (``readers.ReaderWatch``), with when: nobody reads what their requests make.
+        self._gone_readers: OrderedDict[str, float] = OrderedDict()
 
     def pending(self, request_id: str, reader: str | None = None) -> bool:
         """Whether a cancel for ``request_id`` arrived before the request did, or its reader is gone."""
@@ -55,12 +58,20 @@ class Cancels:
 
     @property
     def gone_readers(self) -> list[str]:
-        """The readers whose lease lapsed and has not come back."""
+        """The readers whose lease lapsed and has not come back (those remembered longer than
+        ``GONE_READERS_KEPT_S`` are forgotten here)."""
+        horizon = time.monotonic() - GONE_READERS_KEPT_S
+        while self._gone_readers and next(iter(self._gone_readers.values())) < horizon:
+            self._gone_readers.popitem(last=False)
         return list(self._gone_readers)
+
+    def reader_is_gone(self, reader: str) -> bool:
+        """Whether ``reader``'s lease was seen lapsed and not back since."""
+        return reader in self._gone_readers
 
     def reader_gone(self, reader: str) -> None:
         """Remember a lapsed reader: its requests picked up from now on are never started."""
-        self._gone_readers[reader] = None
+        self._gone_readers[reader] = time.monotonic()
         self._gone_readers.move_to_end(reader)
         while len(self._gone_readers) > GONE_READERS_KEPT:
             self._gone_readers.popitem(last=False)

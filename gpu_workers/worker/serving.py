@@ -174,7 +174,13 @@ class Serving:
 
     async def _serve_picked_up(self, request: InferenceRequest, entry: Active, record: Any) -> bool:
         rid = request.request_id
-        pickup = await read_pickup_state(self.outputs.publisher, self.names, rid)
+        # A reader seen lapsed is asked after once more: its lease may be back (the same ingress renewed it) before
+        # the next check of the reader watch would see it.
+        gone = request.reader is not None and self.cancels.reader_is_gone(request.reader)
+        lease_key = self.names.reader_key(request.reader) if gone and request.reader is not None else None
+        pickup = await read_pickup_state(self.outputs.publisher, self.names, rid, lease_key)
+        if pickup.lease_exists and request.reader is not None:
+            self.cancels.reader_back(request.reader)
         state, ended_before = pickup.stream, pickup.ended_before
         if state.finished:
             # Re-delivered after it finished but before its offset was committed.
@@ -192,7 +198,10 @@ class Serving:
         seq = state.next_seq
         if self.cancels.requested(entry, pickup.cancel_marked):
             self.cancelled_before_start += 1
-            log.info("worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered})
+            why = "reader_gone" if gone and not pickup.lease_exists else "cancelled"
+            log.info(
+                "worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered, "reason": why}
+            )
             prompt_len = prompt_len_or_zero(request, self.engine.tokenizer)
             return await self._finish(entry, request, seq, "abort", state.token_ids, state.text, prompt_len, 0)
         if not state.exists and request.expired():

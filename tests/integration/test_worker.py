@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
+from gpu_workers.worker import control
 from gpu_workers.worker.config import WorkerConfig
 from gpu_workers.worker.control import Cancels
 from gpu_workers.worker.in_flight import Active, InFlight
@@ -64,6 +65,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("worker-model") / MODEL, num_layers=2, hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def paced_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A larger random model (6 layers, hidden 384: ~5 ms a token on an idle core, the tiny one ~1 ms), for a
+    request that must still be generating when the test acts."""
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("paced-model") / MODEL, num_layers=6, hidden_size=384)
 
 
 @dataclass
@@ -585,7 +595,7 @@ async def _wait_tokens(redis: Redis, names: Names, request_id: str, timeout_s: f
 
 
 async def test_a_request_whose_reader_lease_lapsed_stops_and_the_others_run_on(
-    kafka_bootstrap: str, redis_url: str, model_dir: Path, unique_prefix: str
+    kafka_bootstrap: str, redis_url: str, paced_model_dir: Path, unique_prefix: str
 ) -> None:
     # Ingress relays an OpenAI-style request's output to its HTTP client and cancels it when the client leaves;
     # when that ingress dies nobody cancels, so the worker stops the requests whose ingress's lease lapsed.
@@ -599,7 +609,7 @@ async def test_a_request_whose_reader_lease_lapsed_stops_and_the_others_run_on(
         await redis.set(names.reader_key(dead), "ingress 1", px=60_000)
         await redis.set(names.reader_key(alive), "ingress 2", px=60_000)
         async with running_worker(
-            kafka_bootstrap, redis_url, model_dir, unique_prefix, reader_lease_s=0.6, max_num_seqs=4
+            kafka_bootstrap, redis_url, paced_model_dir, unique_prefix, reader_lease_s=1.5, max_num_seqs=4
         ) as worker:
             await publish(worker, orphan, relayed, native)
             await _wait_tokens(redis, names, orphan.request_id)
@@ -614,6 +624,13 @@ async def test_a_request_whose_reader_lease_lapsed_stops_and_the_others_run_on(
             (never,) = await wait_terminal(redis, names, queued.request_id, timeout_s=30)
             assert isinstance(never, DoneEvent) and never.finish_reason == "abort"
             assert never.usage.completion_tokens == 0
+            # The same ingress renews its lease after all (Redis was out of its reach): a request it sends at once
+            # runs, though the watch's next check (half a second apart here) has not seen the lease back yet.
+            await redis.set(names.reader_key(dead), "ingress 1 again", px=60_000)
+            revived = request_for(20).model_copy(update={"reader": dead})
+            await publish(worker, revived)
+            last = (await wait_terminal(redis, names, revived.request_id))[-1]
+            assert isinstance(last, DoneEvent) and last.finish_reason == "length", last
             for kept in (relayed, native):
                 last = (await wait_terminal(redis, names, kept.request_id))[-1]
                 assert isinstance(last, DoneEvent) and last.finish_reason == "length"
@@ -634,7 +651,9 @@ class _Aborts:
         self.aborted.append(request_id)
 
 
-async def test_a_reader_lease_missing_at_one_check_only_stops_nothing(redis_url: str, unique_prefix: str) -> None:
+async def test_a_reader_lease_missing_at_one_check_only_stops_nothing(
+    redis_url: str, unique_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A Redis that restarted empty (or failed over ahead of a renewal) loses the lease until ingress renews it,
     # within a third of the lease: one check in between must stop nothing; two misses in a row stop the request.
     names = Names(unique_prefix)
@@ -665,6 +684,11 @@ async def test_a_reader_lease_missing_at_one_check_only_stops_nothing(redis_url:
         # The same ingress renewed its lease after all (a partition healed): its requests run again.
         await redis.set(key, "renewed", px=3000)
         assert await watch.check() == [] and not watch._cancels.pending("rid-4", "ingress-a")
+        # A dead ingress's id never comes back (a restarted one has a new id): it is forgotten after a while.
+        watch._cancels.reader_gone("ingress-dead")
+        assert watch._cancels.gone_readers == ["ingress-dead"]
+        monkeypatch.setattr(control, "GONE_READERS_KEPT_S", -1.0)
+        assert watch._cancels.gone_readers == [] and not watch._cancels.reader_is_gone("ingress-dead")
     finally:
         await redis.delete(key)
         await redis.aclose()
