@@ -64,15 +64,23 @@ def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(logprobs: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
-    """A completion choice's legacy ``logprobs`` object (parallel lists; top alternatives as dicts)."""
+    """A completion choice's legacy ``logprobs`` object (parallel lists; top alternatives as dicts).
+
+    Each position's alternatives include the sampled token, as OpenAI's legacy API (and vLLM) give them: up to
+    ``logprobs`` + 1 entries when sampling chose a token outside the top ones. Chat's ``top_logprobs`` stay the
+    top ones only, as OpenAI's chat API gives them."""
     offsets = []
+    tops = []
     for lp in logprobs:
         offsets.append(text_offset)
         text_offset += len(lp.token)
+        top = {t.token: t.logprob for t in lp.top}
+        top.setdefault(lp.token, lp.logprob)
+        tops.append(top)
     return {
         "tokens": [lp.token for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 

@@ -284,6 +284,16 @@ def test_completion_logprobs_shape(pipeline: Pipeline) -> None:
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert "".join(lp.tokens) == out.choices[0].text and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    # Sampled, a token outside the top two still has its logprob among the alternatives (up to three of them).
+    sampled = (
+        client.completions.create(
+            model=pipeline.model, prompt="The river", max_tokens=12, logprobs=2, temperature=1.5, seed=5
+        )
+        .choices[0]
+        .logprobs
+    )
+    # (Byte tokens of a partial character all read "\ufffd", so two alternatives may share a key.)
+    assert all(t in sampled.top_logprobs[i] and len(sampled.top_logprobs[i]) <= 3 for i, t in enumerate(sampled.tokens))
 
 
 def test_n_choices_streamed_and_not(pipeline: Pipeline) -> None:

@@ -134,3 +134,17 @@ def test_logprob_bytes_of_a_partial_utf8_character_are_the_tokens_own(tmp_path) 
     content = chat_logprobs(out)["content"][0]
     assert content["bytes"] == [0xE2]
     assert [t["bytes"] for t in content["top_logprobs"]] == [[0xE2], list(b" the")]
+
+
+def test_legacy_completion_alternatives_include_the_sampled_token() -> None:
+    """OpenAI's legacy completions (and vLLM) always give the sampled token's logprob among a position's
+    alternatives: up to logprobs + 1 of them when sampling chose one outside the top."""
+    from schemas import TokenLogprob, TopLogprob
+    from sluicegate.api.openai_format import completion_logprobs
+
+    top = [TopLogprob(token_id=1, token=" a", logprob=-1.0), TopLogprob(token_id=2, token=" the", logprob=-2.0)]
+    outside = TokenLogprob(token_id=9, token=" unto", logprob=-7.5, top=top)
+    inside = TokenLogprob(token_id=1, token=" a", logprob=-1.0, top=top)
+    out = completion_logprobs([outside, inside])
+    assert out["top_logprobs"] == [{" a": -1.0, " the": -2.0, " unto": -7.5}, {" a": -1.0, " the": -2.0}]
+    assert out["tokens"] == [" unto", " a"] and out["token_logprobs"] == [-7.5, -1.0] and out["text_offset"] == [0, 5]
