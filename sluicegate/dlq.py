@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from pydantic import ValidationError
@@ -116,6 +117,17 @@ def _order(entry: DlqEntry) -> tuple[datetime, int, int]:
     return (entry.timestamp, entry.partition, entry.offset)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _printable(text: str | None) -> str:
+    """A producer's string on one line: control characters (a newline in a refused request id) as escapes, so no
+    entry can split or forge the one-line-per-entry output."""
+    if not text:
+        return "-"
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def format_entry(entry: DlqEntry) -> str:
     """One line per entry: when, why, where it came from, which request, and the detail."""
     when = entry.timestamp.isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -127,7 +139,7 @@ def format_entry(entry: DlqEntry) -> str:
     if len(detail) > 160:
         detail = detail[:157] + "..."
     return (
-        f"{when}  reason={entry.reason}  source={source}  request_id={letter.request_id or '-'}  "
+        f"{when}  reason={entry.reason}  source={source}  request_id={_printable(letter.request_id)}  "
         f"detail={json.dumps(detail, ensure_ascii=False)}"
     )
 
@@ -143,7 +155,7 @@ class ReplayOutcome:
 
     def line(self) -> str:
         source = f"{self.entry.partition}@{self.entry.offset}"
-        return f"{self.action:<12}  dlq={source}  request_id={self.entry.request_id or '-'}  {self.message}"
+        return f"{self.action:<12}  dlq={source}  request_id={_printable(self.entry.request_id)}  {self.message}"
 
 
 def _matches(entry: DlqEntry, reason: str | None, request_id: str | None) -> bool:
@@ -154,15 +166,24 @@ def _matches(entry: DlqEntry, reason: str | None, request_id: str | None) -> boo
 
 
 def check_payload(letter: DeadLetter) -> InferenceRequest | str:
-    """The request to replay, or why it still cannot be served."""
+    """The request to replay (without a reader: see :func:`replay_payload`), or why it still cannot be served."""
     if letter.payload_truncated:
         return "its payload was cut to fit the letter: the original record is not kept whole"
+    raw = record_json(letter.payload.encode())
     try:
-        request = InferenceRequest.model_validate_json(record_json(letter.payload.encode()))
+        request = InferenceRequest.model_validate_json(raw)
     except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in error["loc"]) or "message"
-        return f"payload is still invalid ({where}: {error['msg']})"
+        errors = exc.errors(include_url=False)
+        fields = _json_object(raw)
+        if fields is None or "reader" not in fields or any(e["loc"][:1] != ("reader",) for e in errors):
+            error = errors[0]
+            where = ".".join(str(p) for p in error["loc"]) or "message"
+            return f"payload is still invalid ({where}: {error['msg']})"
+        # Only its reader is wrong, and a replay is sent without one anyway.
+        try:
+            request = InferenceRequest.model_validate({k: v for k, v in fields.items() if k != "reader"})
+        except ValidationError:
+            return "payload is still invalid (reader)"
     if request.expired():
         assert request.deadline is not None
         return f"its deadline {request.deadline.isoformat()} has passed"
@@ -173,9 +194,19 @@ def replay_payload(letter: DeadLetter, request: InferenceRequest) -> bytes:
     """What a replay publishes: the original record, byte for byte, unless it names a reader. That reader was the
     ingress relaying the first try to an HTTP client long gone; a replay is read from its status record and
     ``llm.results``, and a lapsed lease would have workers stop it, so it is sent without one."""
-    if request.reader is None:
+    fields = _json_object(record_json(letter.payload.encode()))
+    if fields is None or "reader" not in fields:
         return letter.payload.encode()
-    return request.model_copy(update={"reader": None}).model_dump_json().encode()
+    return request.model_copy(update={"reader": None}).model_dump_json(exclude={"reader"}).encode()
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """A record's JSON object, or None when it is not one."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 async def _batch_ended(redis: Redis, names: Names, request_id: str) -> str | None:

@@ -14,7 +14,7 @@ from router.refusal_events import refusal_event
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
 from sluicegate import dead_letters
 from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
-from sluicegate.dlq import check_payload, replay_payload
+from sluicegate.dlq import DlqEntry, ReplayOutcome, check_payload, format_entry, replay_payload
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 
@@ -171,3 +171,23 @@ def test_a_replay_names_no_reader_and_keeps_other_records_byte_for_byte() -> Non
     assert isinstance(checked, InferenceRequest) and checked.reader == "ingress-1-abc"
     replayed = InferenceRequest.model_validate_json(replay_payload(relayed, checked))
     assert replayed.reader is None and replayed == checked.model_copy(update={"reader": None})
+
+
+def test_a_letter_whose_only_fault_is_its_reader_replays_without_one() -> None:
+    letter, _ = _letter(VALID | {"reader": "has space"})
+    checked = check_payload(letter)
+    assert isinstance(checked, InferenceRequest) and checked.reader is None
+    sent = json.loads(replay_payload(letter, checked))
+    assert "reader" not in sent and sent["request_id"] == "r-1"
+    still_bad, _ = _letter(VALID | {"reader": "has space", "prompt": 42})
+    assert check_payload(still_bad) == "payload is still invalid (prompt.str: Input should be a valid string)"
+
+
+def test_dlq_lines_show_a_producers_control_characters_escaped() -> None:
+    """A refused request id with a newline (schema_violation:request_id) must not split ``sluicegate dlq``'s
+    one line per entry."""
+    letter, _ = _letter(VALID | {"request_id": "qa-nl\nforged  reason=fake"})
+    letter = letter.model_copy(update={"request_id": "qa-nl\nforged  reason=fake"})
+    entry = DlqEntry(0, 3, utcnow(), "schema_violation:request_id", letter)
+    for line in (format_entry(entry), ReplayOutcome(entry, "skipped", "x").line()):
+        assert "\n" not in line and "request_id=qa-nl\\x0aforged" in line
