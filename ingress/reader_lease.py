@@ -59,8 +59,8 @@ class ReaderLease:
                 await asyncio.wait_for(self._redis.set(self._key, holder, px=self._ttl_ms), timeout=max(0.5, third_s))
                 delay = third_s
             except Exception as exc:  # any failure: the loop must go on, or a healthy ingress loses its lease
-                # Workers stop this instance's requests only after the lease is seen lapsed twice, a third of it
-                # apart: a renewal retried within a second or two keeps a Redis blip from stopping them.
+                # Workers stop this instance's requests only after the lease is seen missing for half of it: a
+                # renewal retried within a second or two keeps a Redis blip from stopping them.
                 log.warning("ingress.reader_lease_not_renewed", extra={"reader": self.id, "error": repr(exc)})
                 delay = min(_RETRY_S, third_s)
             await asyncio.sleep(delay)

@@ -385,9 +385,10 @@ class Settings(BaseSettings):
         15.0,
         ge=0,
         description="TTL of each ingress instance's reader lease in Redis, renewed every third of it. Workers stop "
-        "an OpenAI-style request (its client cannot resume) once its ingress's lease is found lapsed twice, a third "
-        "of it apart, and never start that ingress's requests still queued: an ingress that died mid-response "
-        "leaves no generation running for nobody. Give ingress and workers the same value. 0: no leases.",
+        "an OpenAI-style request (its client cannot resume) once its ingress's lease is found missing at every check "
+        "(a third of it apart) over half of it, and never start that ingress's requests still queued: an ingress "
+        "that died mid-response leaves no generation running for nobody. Give ingress and workers the same value. "
+        "0: no leases.",
     )
 
     # --- ingress admission control and per-key limits (a keys-file entry overrides the limit_* defaults) --------

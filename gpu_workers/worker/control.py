@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 EARLY_CANCELS_KEPT = 10_000
 # Readers (ingress instances) whose lease lapsed, remembered so their queued requests never start, for this long
 # and at most this many (each ingress process has a reader id of its own, so dead ones accumulate; a request of
-# one forgotten still stops, after two checks of the reader watch).
+# one forgotten still stops, once the reader watch sees its lease missing for half of it).
 GONE_READERS_KEPT = 1_000
 GONE_READERS_KEPT_S = 3600.0
 

@@ -3,15 +3,17 @@
 An OpenAI-style request's output reaches its client only through the ingress instance that accepted it
 (``InferenceRequest.reader``); ingress cancels the request when its client leaves, but an ingress that dies cancels
 nothing, and the generation would run on for nobody. Every third of the lease, the worker asks Redis, in one
-pipeline, whether the leases of the readers of the requests it holds still exist. A lease must be missing at two
-checks in a row, at least a third of the lease apart, before its requests stop: a Redis that restarted empty, or
-failed over to a replica a renewal had not reached, has the lease back by then (ingress renews it every third).
+pipeline, whether the leases of the readers of the requests it holds still exist. A lease must be missing at every
+check, of those Redis answered, over at least half the lease before its requests stop: a Redis that restarted
+empty, or failed over to a replica a renewal had not reached, has the lease back by then, since ingress renews it
+every third (a sixth of the lease to spare for a late renewal or a slow check).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -38,8 +40,10 @@ class ReaderWatch:
         self._in_flight = in_flight
         self._cancels = cancels
         self.interval_s = lease_s / 3
-        # Readers whose lease the last check found missing: a second miss stops their requests.
-        self._missing: frozenset[str] = frozenset()
+        self.span_s = lease_s / 2
+        # Readers whose lease the checks have found missing since, by when the first of those checks ran: missing
+        # for ``span_s`` (at least two checks), their requests stop.
+        self._missing: dict[str, float] = {}
         self.stopped = 0  # requests stopped because their reader was gone (logs, tests)
 
     @property
@@ -53,13 +57,13 @@ class ReaderWatch:
             try:
                 await self.check()
             except (RedisError, OSError) as exc:
-                # Nothing is stopped on a failed read, and the misses seen so far are forgotten: two misses must
-                # come from two reads in a row that Redis answered (it may come back empty, before a renewal).
-                self._missing = frozenset()
+                # Nothing is stopped on a failed read, and the misses seen so far are forgotten: a lapse is seen only
+                # by reads in a row that Redis answered (it may come back empty, before a renewal).
+                self._missing = {}
                 log.warning("worker.reader_check_failed", extra={"error": repr(exc)})
 
     async def check(self) -> list[str]:
-        """One check: the request ids stopped because their reader's lease was missing now and at the last check.
+        """One check: the request ids stopped because their reader's lease has been missing for ``span_s``.
 
         A reader found lapsed is remembered by :class:`Cancels`, so its requests picked up later never start; it
         is looked for at every check too, and forgotten when its lease exists again."""
@@ -67,7 +71,7 @@ class ReaderWatch:
         gone = set(self._cancels.gone_readers)
         readers = sorted(held | gone)
         if not readers:
-            self._missing = frozenset()
+            self._missing = {}
             return []
         async with self._redis.pipeline(transaction=False) as pipe:
             for reader in readers:
@@ -77,9 +81,11 @@ class ReaderWatch:
         for reader in gone - missing:
             log.info("worker.reader_back", extra={"reader": reader})
             self._cancels.reader_back(reader)
-        lapsed = (missing & self._missing) - gone
-        self._missing = missing - gone
+        now = time.monotonic()
+        self._missing = {reader: self._missing.get(reader, now) for reader in missing - gone}
+        lapsed = {reader for reader, since in self._missing.items() if now - since >= self.span_s}
         for reader in lapsed:
+            del self._missing[reader]
             self._cancels.reader_gone(reader)
         dead = lapsed | (gone & missing)  # a request of a gone reader that slipped past its pick-up check stops too
         stopped: list[str] = []
