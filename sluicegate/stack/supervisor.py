@@ -5,12 +5,15 @@ doubles with each exit inside the crash window (1 s, 2 s, 4 s ... at most 30 s),
 requests resume on the restarted process (Kafka re-delivers what it had not finished). Only repeated exits
 (``max_crashes`` within ``window_s``) stop the stack: :meth:`Supervisor.check` then raises :class:`CrashLoop`
 naming the child and its log. Each child runs in a session of its own, so Ctrl-C reaches ``up`` once and
-``up`` stops the children in order.
+``up`` stops the children in order; once a child has exited, whatever it left in its process group (a Celery
+worker's embedded beat after the worker was killed) is killed too, so no process outlives the stack.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -96,6 +99,7 @@ class Supervisor:
                 code = child.process.poll()
                 if code is None:
                     continue
+                _kill_leftovers(child.process)
                 child.exits.append(now)
                 while child.exits and now - child.exits[0] > self.window_s:
                     child.exits.popleft()
@@ -125,3 +129,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
+            _kill_leftovers(child.process)
+
+
+def _kill_leftovers(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what an exited child left in its process group (its own session: the group's id is its pid).
+
+    A child SIGKILLed, or crashed, cannot stop its own children: a Celery worker's embedded beat, for one, then
+    sleeps on as an orphan, holding its schedule file. A group keeps its id while any member lives, so the id names
+    only the leftovers; none left is the usual case."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)

@@ -112,3 +112,45 @@ def test_stop_ends_children_that_ignore_sigterm(tmp_path: Path) -> None:
     started = time.monotonic()
     supervisor.stop(grace_s=1)
     assert stubborn.process.returncode == -9 and time.monotonic() - started < 10
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("ending", ["stopped", "crashed"])
+def test_what_a_child_leaves_behind_goes_with_it(tmp_path: Path, ending: str) -> None:
+    """A child SIGKILLed at stop (or one that crashed) cannot stop its own children: a Celery worker's embedded
+    beat once slept on after `up` had stopped. Its process group goes with it."""
+    supervisor = Supervisor(tmp_path, command=(sys.executable, "-c"), say=lambda _: None)
+    pid_file = tmp_path / "grandchild"
+    code = (
+        "import pathlib, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); "
+        + ("sys.exit(3)" if ending == "crashed" else "time.sleep(60)")
+    )
+    child = supervisor.start("parent", [code], {})
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    grandchild = int(pid_file.read_text())
+    try:
+        if ending == "crashed":
+            _wait_exit(child)
+            supervisor.check()  # notes the exit (and schedules a restart, not due yet)
+        else:
+            supervisor.stop(grace_s=1)
+            assert child.process.returncode == -9
+        deadline = time.monotonic() + 10
+        while _alive(grandchild):
+            assert time.monotonic() < deadline, "the child's own child outlived it"
+            time.sleep(0.05)
+    finally:
+        supervisor.stop(grace_s=1)
