@@ -262,6 +262,7 @@ def up(
     ``backbone``: (Kafka bootstrap, Redis URL) of a Kafka and Redis already running; then none is started or
     stopped here. Children that exit are restarted (:mod:`sluicegate.stack.supervisor`)."""
     from sluicegate.stack import devstack
+    from sluicegate.stack.backbone_watch import BackboneWatch
 
     specs = [
         spec or default_model(settings, model_name=model_name)
@@ -322,8 +323,12 @@ def up(
         print(banner(specs, result_url, ingress_url, api_key, generated_key, info, log_dir), flush=True)
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
+        # The Kafka and Redis started here are kept running too; a backbone given from outside is its owner's.
+        backbone_watch = BackboneWatch(settings) if backbone is None else None
         while not stop:
             supervisor.check()  # restarts a child that exited; raises CrashLoop when one keeps exiting
+            if backbone_watch is not None:
+                backbone_watch.check()
             time.sleep(0.5)
         return 0
     except CrashLoop as exc:
