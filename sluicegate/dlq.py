@@ -117,7 +117,7 @@ def _order(entry: DlqEntry) -> tuple[datetime, int, int]:
     return (entry.timestamp, entry.partition, entry.offset)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _printable(text: str | None) -> str:
@@ -132,14 +132,14 @@ def format_entry(entry: DlqEntry) -> str:
     """One line per entry: when, why, where it came from, which request, and the detail."""
     when = entry.timestamp.isoformat(timespec="seconds").replace("+00:00", "Z")
     if entry.letter is None:
-        return f"{when}  reason={entry.reason}  dlq={entry.partition}@{entry.offset}  {entry.problem}"
+        return f"{when}  reason={_printable(entry.reason)}  dlq={entry.partition}@{entry.offset}  {entry.problem}"
     letter = entry.letter
     source = f"{letter.source_topic}[{letter.source_partition}]@{letter.source_offset}"
     detail = " ".join(letter.detail.split())
     if len(detail) > 160:
         detail = detail[:157] + "..."
     return (
-        f"{when}  reason={entry.reason}  source={source}  request_id={_printable(letter.request_id)}  "
+        f"{when}  reason={_printable(entry.reason)}  source={source}  request_id={_printable(letter.request_id)}  "
         f"detail={json.dumps(detail, ensure_ascii=False)}"
     )
 
@@ -178,10 +178,12 @@ def check_payload(letter: DeadLetter) -> InferenceRequest | str:
         if fields is None or "reader" not in fields or any(e["loc"][:1] != ("reader",) for e in errors):
             error = errors[0]
             where = ".".join(str(p) for p in error["loc"]) or "message"
-            return f"payload is still invalid ({where}: {error['msg']})"
+            return f"payload is still invalid ({_printable(where)}: {error['msg']})"
         # Only its reader is wrong, and a replay is sent without one anyway.
         try:
-            request = InferenceRequest.model_validate({k: v for k, v in fields.items() if k != "reader"})
+            # Through JSON again: the contract is strict, and only its JSON mode reads an ISO ``created_at``.
+            without = json.dumps({k: v for k, v in fields.items() if k != "reader"})
+            request = InferenceRequest.model_validate_json(without)
         except ValidationError:
             return "payload is still invalid (reader)"
     if request.expired():

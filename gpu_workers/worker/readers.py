@@ -82,12 +82,17 @@ class ReaderWatch:
             log.info("worker.reader_back", extra={"reader": reader})
             self._cancels.reader_back(reader)
         now = time.monotonic()
-        self._missing = {reader: self._missing.get(reader, now) for reader in missing - gone}
-        lapsed = {reader for reader, since in self._missing.items() if now - since >= self.span_s}
+        # A reader not asked this time (none of its requests held now: a backlog of short ones, with gaps) keeps
+        # its run of misses for a lease at most, so its next request does not start the count again.
+        kept = {r: since for r, since in self._missing.items() if r not in readers and now - since < 2 * self.span_s}
+        self._missing = kept | {reader: self._missing.get(reader, now) for reader in missing - gone}
+        lapsed = {reader for reader, since in self._missing.items() if now - since >= self.span_s and reader in missing}
         for reader in lapsed:
             del self._missing[reader]
             self._cancels.reader_gone(reader)
-        dead = lapsed | (gone & missing)  # a request of a gone reader that slipped past its pick-up check stops too
+        # A request of a gone reader that slipped past its pick-up check stops too; not if a pick-up found the lease
+        # back while this check awaited Redis (then the reader is no longer gone).
+        dead = lapsed | {reader for reader in gone & missing if self._cancels.reader_is_gone(reader)}
         stopped: list[str] = []
         for entry in list(self._in_flight):
             if entry.reader in dead and not entry.cancelled:

@@ -198,7 +198,8 @@ class Serving:
         seq = state.next_seq
         if self.cancels.requested(entry, pickup.cancel_marked):
             self.cancelled_before_start += 1
-            why = "reader_gone" if gone and not pickup.lease_exists else "cancelled"
+            reader_gone = request.reader is not None and self.cancels.reader_is_gone(request.reader)
+            why = "reader_gone" if reader_gone else "cancelled"
             log.info(
                 "worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered, "reason": why}
             )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from sluicegate.settings import Settings
 from sluicegate.stack import devstack
 from sluicegate.stack.kafka_cluster import node_layouts, running_pids
-from sluicegate.stack.layout import DevStackError, StackLayout
+from sluicegate.stack.layout import StackLayout
 from sluicegate.stack.processes import running_pid
 from sluicegate.stack.redis_server import redis_owner
 
@@ -64,8 +64,9 @@ class BackboneWatch:
         names = " and ".join(gone)
         self.say(f"{names} exited; starting it again (see {self.layout.state})")
         try:
-            devstack.up(self.settings, services=self.services)
-        except (DevStackError, OSError, TimeoutError) as exc:  # `up` goes on: the next check tries again
+            # Only what exited: a Redis restart waits on no Kafka probe (whose failure would stop the Redis again).
+            devstack.up(self.settings, services=tuple(gone))
+        except Exception as exc:  # anything at all: `up` goes on, and the next check tries again
             self.say(f"{names} did not start again: {exc}; trying again in {self.interval_s:.0f} s")
             return
         self.restarts += 1

@@ -119,11 +119,16 @@ class Supervisor:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM every running child (newest first), then SIGKILL what is still running after ``grace_s``."""
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+        # Only the ones running now: an exited child's leftovers went at its exit (``check``), and its old pid may
+        # since name another process group.
+        running = [child for child in reversed(self.children) if child.process.poll() is None]
+        for child in self.children:
+            if child.restart_at is None and child not in running:  # exited since the last check: not seen yet
+                _kill_leftovers(child.process)
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for child in reversed(self.children):
+        for child in running:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -692,6 +692,18 @@ async def test_a_reader_lease_missing_at_one_check_only_stops_nothing(
         assert watch._cancels.gone_readers == ["ingress-dead"]
         monkeypatch.setattr(control, "GONE_READERS_KEPT_S", -1.0)
         assert watch._cancels.gone_readers == [] and not watch._cancels.reader_is_gone("ingress-dead")
+        # A dead reader's short requests, with gaps between them: its run of misses is kept across the gaps.
+        short = in_flight.take(TopicPartition("t", 0), 5, "interactive")
+        assert in_flight.claim_at_once(short, "rid-5")
+        short.reader = "ingress-b"
+        assert await watch.check() == []  # its first miss
+        in_flight.release(short)  # it ended before the next check
+        assert await watch.check() == []  # not asked now
+        await asyncio.sleep(0.2)
+        following = in_flight.take(TopicPartition("t", 0), 6, "interactive")
+        assert in_flight.claim_at_once(following, "rid-6")
+        following.reader = "ingress-b"
+        assert await watch.check() == ["rid-6"]  # missing since the first check, over half the lease
     finally:
         await redis.delete(key)
         await redis.aclose()

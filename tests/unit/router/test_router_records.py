@@ -174,7 +174,8 @@ def test_a_replay_names_no_reader_and_keeps_other_records_byte_for_byte() -> Non
 
 
 def test_a_letter_whose_only_fault_is_its_reader_replays_without_one() -> None:
-    letter, _ = _letter(VALID | {"reader": "has space"})
+    # As ingress and the router write them: with an ISO created_at, which only the contract's JSON mode reads.
+    letter, _ = _letter(VALID | {"reader": "has space", "created_at": "2026-11-30T02:00:00+00:00"})
     checked = check_payload(letter)
     assert isinstance(checked, InferenceRequest) and checked.reader is None
     sent = json.loads(replay_payload(letter, checked))
@@ -188,6 +189,11 @@ def test_dlq_lines_show_a_producers_control_characters_escaped() -> None:
     one line per entry."""
     letter, _ = _letter(VALID | {"request_id": "qa-nl\nforged  reason=fake"})
     letter = letter.model_copy(update={"request_id": "qa-nl\nforged  reason=fake"})
-    entry = DlqEntry(0, 3, utcnow(), "schema_violation:request_id", letter)
+    # The reason names a producer's field too (schema_violation:<its key>).
+    entry = DlqEntry(0, 3, utcnow(), "schema_violation:evil\nreason=forged", letter)
     for line in (format_entry(entry), ReplayOutcome(entry, "skipped", "x").line()):
         assert "\n" not in line and "request_id=qa-nl\\x0aforged" in line
+    assert "reason=schema_violation:evil\\x0areason=forged" in format_entry(entry)
+    bad_key, _ = _letter(VALID | {"evil\nkey": 1})
+    why = check_payload(bad_key)
+    assert isinstance(why, str) and "\n" not in why and "evil\\x0akey" in why
