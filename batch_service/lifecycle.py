@@ -132,6 +132,12 @@ async def _validate(runtime: BatchRuntime, batch_id: str, state: dict[str, str])
         return
     for model in prepared.models:
         await runtime.topics.ensure_model(model)
+    current = await runtime.batches.state(batch_id)
+    if current is None or current["status"] in BATCH_TERMINAL:
+        # A validation that outlived its lock, while another step ended the batch (a cancel before any line was
+        # prepared): its lines must not be written into a batch that has ended.
+        log.info("batch.validated_after_end batch_id=%s status=%s", batch_id, current and current["status"])
+        return
     await runtime.batches.set_fields(
         batch_id, total=prepared.total, chunks=chunks_json(prepared.chunks), invalid=len(prepared.errors)
     )
