@@ -420,7 +420,7 @@ class Serving:
         if not self.outputs.emit(entry, done):
             return False
         if entry.watch is not None:
-            entry.watch.finished(reason, usage)
+            entry.watch.finished(reason, usage, entry.first_output_wall)
         # The stream must hold ``done`` before the offset can be committed.
         await self.outputs.flush()
         await self.outputs.publish_result(request, done, tokens, text, choices, entry)

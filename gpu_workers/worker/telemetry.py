@@ -168,7 +168,6 @@ class WorkerTelemetry:
         self._tier_of_topic: dict[str, Tier] = {}
         # Request spans waiting for their first token (tracing on only): the event marks the token reaching this
         # loop, from where the next stream append (one pipeline for every request's events) publishes it.
-        self._awaiting_first: dict[str, trace.Span] = {}
         self.tracer = trace.get_tracer("sluicegate.worker")
         engine.add_delta_observer(self._on_deltas)
 
@@ -199,8 +198,6 @@ class WorkerTelemetry:
     def _on_deltas(self, deltas: list[RequestDelta]) -> None:
         now = time.perf_counter()
         last_delta = self._last_delta
-        if self._awaiting_first:
-            self._first_token_events(deltas)
         for delta in deltas:
             seen = last_delta.get(delta.request_id)
             if seen is None or not delta.token_ids:
@@ -213,12 +210,6 @@ class WorkerTelemetry:
                 for _ in delta.token_ids:
                     self._itl[tier].observe(share)
             last_delta[delta.request_id] = (tier, now)
-
-    def _first_token_events(self, deltas: list[RequestDelta]) -> None:
-        awaiting = self._awaiting_first
-        for delta in deltas:
-            if delta.token_ids and delta.request_id in awaiting:
-                awaiting.pop(delta.request_id).add_event("sluicegate.first_token.emitted")
 
     # --- the background sampler ------------------------------------------------------------------------------
     async def sample_backlog(
@@ -313,15 +304,14 @@ class RequestWatch:
     def generating(self) -> None:
         """The request is in the engine: its deltas count for inter-token latency from now."""
         self.owner._last_delta[self.request.request_id] = (self.tier, 0.0)
-        if self.span is not None:
-            self.owner._awaiting_first[self.request.request_id] = self.span
 
     def engine_finished(self, metrics: RequestMetrics) -> None:
         self.engine_metrics = metrics
 
-    def finished(self, reason: str, usage: Usage) -> None:
+    def finished(self, reason: str, usage: Usage, first_output_wall: float | None = None) -> None:
         """Record the request's end: token counts, the engine's timings, the GenAI server metrics, the span's
-        usage attributes and the engine's phase events."""
+        usage attributes and the engine's phase events, and ``first_output_wall`` (when the worker's loop took its
+        first output for the stream append) as the ``sluicegate.first_token.emitted`` event."""
         owner, model, tier = self.owner, self.owner.model, self.tier
         owner.prompt_tokens.labels(model, tier).inc(usage.prompt_tokens)
         owner.generation_tokens.labels(model, tier).inc(usage.completion_tokens)
@@ -345,6 +335,10 @@ class RequestWatch:
             )
             if metrics is not None:
                 self._engine_events(metrics)
+            if first_output_wall is not None:
+                # Stamped when it happened, added now: an early-started request's first token can come before its
+                # span exists, so an event made as deltas arrive missed it now and then.
+                self.span.add_event("sluicegate.first_token.emitted", timestamp=int(first_output_wall * 1e9))
 
     def failed(self, code: str) -> None:
         if self.span is not None:
@@ -355,7 +349,6 @@ class RequestWatch:
         """End the span and stop inter-token tracking (also for a request handed off mid-way)."""
         self.owner._last_delta.pop(self.request.request_id, None)
         if self.span is not None:
-            self.owner._awaiting_first.pop(self.request.request_id, None)
             self.span.end()
 
     def _observe_engine(self, m: RequestMetrics, usage: Usage) -> None:

@@ -232,6 +232,8 @@ def test_one_trace_spans_ingress_worker_engine_and_relay(pipeline: Pipeline, rec
     assert any(s.service == "sluicegate-worker" and s.kind == 3 and s.parent_id == served.span_id for s in spans)
     # the first token reaching the worker's loop for the stream append, as an event of the request's span
     assert "sluicegate.first_token.emitted" in served.events
+    emitted = served.event_times["sluicegate.first_token.emitted"]
+    assert served.event_times["engine.decode"] - 1_000_000 <= emitted <= served.end_ns  # after the engine made it
     # the worker's stream appends carry every request's events: none of their spans lands in this trace
     # (nor do the status-record writes of ingress and the worker)
     assert not [s.name for s in spans if s.name == "SET"]
