@@ -36,12 +36,13 @@ def free_port_run(count: int) -> int:
     """The first of ``count`` consecutive free ports (a multi-broker stack derives its ports from one)."""
     for _ in range(200):
         base = free_port()
-        if base + count < 65535 and all(_bindable(base + i) for i in range(count)):
+        if base + count < 65535 and all(bindable(base + i) for i in range(count)):
             return base
     raise RuntimeError(f"no run of {count} free ports found")
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether nothing listens on (or holds) ``port`` on the loopback address now."""
     with socket.socket() as sock:
         try:
             sock.bind(("127.0.0.1", port))

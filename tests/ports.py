@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
+
+from benchmarks.common import bindable
 
 #: Ports this process already handed out: two services given ports before either binds must not get the same one
 #: (it happened: both workers of a test took one metrics port, and one ran unobserved).
@@ -38,16 +39,6 @@ def port_range() -> range:
         start += int(worker[2:]) % count * size
         stop = start + size
     return range(start, stop)
-
-
-def bindable(port: int) -> bool:
-    """Whether nothing listens on (or holds) ``port`` on the loopback address now."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port(exclude: tuple[int, ...] = (), *, with_successor: bool = False) -> int:

@@ -44,7 +44,7 @@ class Cancels:
 
     def pending(self, request_id: str, reader: str | None = None) -> bool:
         """Whether a cancel for ``request_id`` arrived before the request did, or its reader is gone."""
-        return request_id in self._early or (reader is not None and reader in self._gone_readers)
+        return request_id in self._early or self.reader_is_gone(reader)
 
     def requested(self, entry: Active, cancel_marked: bool) -> bool:
         """A cancel seen on the control topic (before or after pick-up) or marked in Redis, or its reader gone."""
@@ -52,7 +52,7 @@ class Cancels:
         if rid in self._early:
             del self._early[rid]
             entry.cancelled = True
-        if entry.reader is not None and entry.reader in self._gone_readers:
+        if self.reader_is_gone(entry.reader):
             entry.cancelled = True
         return entry.cancelled or cancel_marked
 
@@ -65,9 +65,9 @@ class Cancels:
             self._gone_readers.popitem(last=False)
         return list(self._gone_readers)
 
-    def reader_is_gone(self, reader: str) -> bool:
-        """Whether ``reader``'s lease was seen lapsed and not back since."""
-        return reader in self._gone_readers
+    def reader_is_gone(self, reader: str | None) -> bool:
+        """Whether ``reader``'s lease was seen lapsed and not back since (never for a request naming none)."""
+        return reader is not None and reader in self._gone_readers
 
     def reader_gone(self, reader: str) -> None:
         """Remember a lapsed reader: its requests picked up from now on are never started."""

@@ -176,11 +176,12 @@ class Serving:
         rid = request.request_id
         # A reader seen lapsed is asked after once more: its lease may be back (the same ingress renewed it) before
         # the next check of the reader watch would see it.
-        gone = request.reader is not None and self.cancels.reader_is_gone(request.reader)
-        lease_key = self.names.reader_key(request.reader) if gone and request.reader is not None else None
+        reader = request.reader
+        gone = self.cancels.reader_is_gone(reader)
+        lease_key = self.names.reader_key(reader) if gone and reader is not None else None
         pickup = await read_pickup_state(self.outputs.publisher, self.names, rid, lease_key)
-        if pickup.lease_exists and request.reader is not None:
-            self.cancels.reader_back(request.reader)
+        if pickup.lease_exists and reader is not None:
+            self.cancels.reader_back(reader)
         state, ended_before = pickup.stream, pickup.ended_before
         if state.finished:
             # Re-delivered after it finished but before its offset was committed.
@@ -198,8 +199,7 @@ class Serving:
         seq = state.next_seq
         if self.cancels.requested(entry, pickup.cancel_marked):
             self.cancelled_before_start += 1
-            reader_gone = request.reader is not None and self.cancels.reader_is_gone(request.reader)
-            why = "reader_gone" if reader_gone else "cancelled"
+            why = "reader_gone" if self.cancels.reader_is_gone(reader) else "cancelled"
             log.info(
                 "worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered, "reason": why}
             )

@@ -166,8 +166,6 @@ class WorkerTelemetry:
         self._itl = {tier: self._hist["itl"].labels(model, tier) for tier in TIERS}
         self._kafka_wait = {tier: self.kafka_wait.labels(model, tier) for tier in TIERS}
         self._tier_of_topic: dict[str, Tier] = {}
-        # Request spans waiting for their first token (tracing on only): the event marks the token reaching this
-        # loop, from where the next stream append (one pipeline for every request's events) publishes it.
         self.tracer = trace.get_tracer("sluicegate.worker")
         engine.add_delta_observer(self._on_deltas)
 
