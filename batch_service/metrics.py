@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 # |predicted - actual| / actual remaining time, from 0 (exact) up.
 _ETA_ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
-#: Share of a batch's lines resolved when its ETA is checked against the real finish (the issue's 10 %).
+#: Share of a batch's lines resolved when its ETA is checked against the real finish (the 10 % the ETA is held to).
 ETA_CHECK_AT = 0.10
 
 

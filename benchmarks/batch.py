@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 TARGET_RATIO = 1.25
-#: The batch's ETA is scored when a tenth of its lines are done (issue 35: within 25 % of the real finish).
+#: The batch's ETA is scored when a tenth of its lines are done (within 25 % of the real finish).
 ETA_CHECK_AT = 0.10
 ETA_TARGET = 0.25
 

@@ -1,4 +1,4 @@
-"""The engine on one GPU against its floor, the issue's targets and transformers, in one run.
+"""The engine on one GPU against its floor, its targets and transformers, in one run.
 
 Builds a Llama-3.1-8B-shaped checkpoint (32 layers, hidden 4096, 32 query / 8 KV heads, MLP 14336,
 vocab 128256, llama3 RoPE) with random bf16 weights created on the GPU, saves it as sharded
@@ -32,7 +32,7 @@ engine's normal loader. Nothing is downloaded. Phases, in order, under one time 
 9. multi-LoRA (``benchmarks/lora_gpu.py``): rank-16 q/v adapters against base requests at c=1 and c=8, with the
    decode graphs' LoRA variants and eagerly.
 
-Prints one table of targets with pass/fail (targets from the issue: c=1 ITL <= 1.10x floor;
+Prints one table of targets with pass/fail (the targets: c=1 ITL <= 1.10x floor;
 voice-bot p99 ITL no worse than the A100 TensorRT-LLM reference and tok/s >= 1.6x it; prefix
 caching TTFT p50 at c=1 >= 5x lower than off; FP8 ITL <= 0.6x bf16; >= 3x transformers continuous
 batching tok/s at c=64; FP8 KV cache >= 2x the concurrent sequences of bf16 at the same KV budget),
@@ -97,7 +97,7 @@ KV_FP8_CAPACITY_FACTOR = 2.0
 # 1024 + 128 tokens (fp8: 28); ITL over 32 sequences of 2048-token prompts.
 KV_FP8_GPU = KVFp8Workload(2 << 30, 64, 1024, 128, 32, 2048, 32, 3)
 KV_FP8_SMOKE = KVFp8Workload(24 * 16 * 512, 40, 32, 8, 4, 32, 4, 1)
-# The issue: n-gram speculation on a repetitive workload >= 1.5x plain decoding at acceptance >= 0.6.
+# Target: n-gram speculation on a repetitive workload >= 1.5x plain decoding at acceptance >= 0.6.
 SPEC_FACTOR = 1.5
 SPEC_MIN_ACCEPTANCE = 0.6
 LLAMA31_ROPE = {
@@ -160,7 +160,7 @@ def full_setup(budget_s: float) -> Setup:
         system_len=1900,
         unique_len=100,
         output_len=200,
-        # The issue's priority levels first (1 and 64, then the A100 table's 8 and 256), so a cut run keeps them.
+        # The priority levels first (1 and 64, then the A100 table's 8 and 256), so a cut run keeps them.
         concurrencies=(1, 64, 8, 256, 16, 128, 2, 4, 32),
         prefix_off_concurrencies=(1, 8),
         cascade_off_concurrencies=(64, 8),

@@ -1,4 +1,4 @@
-"""Where one decode step of the engine goes, on the real default model on this CPU (issue 30).
+"""Where one decode step of the engine goes, on the real default model on this CPU.
 
     python -m benchmarks.engine_step [--batch 1 8 32] [--dtype bfloat16] [--quantization Q] [--steps 32]
 

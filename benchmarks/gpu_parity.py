@@ -1,6 +1,6 @@
 """Greedy tokens of the engine against transformers ``generate`` on one device, per attention path.
 
-The engine's reference of truth (DESIGN.md) is that greedy decoding gives exactly the tokens transformers
+The engine's reference of truth (docs/design.md) is that greedy decoding gives exactly the tokens transformers
 gives for the same model and prompts in fp32. The unit tests check it on the CPU; this script checks it on
 a GPU for every path the GPU adds: the torch backend on CUDA tensors, the compiled Triton kernels with
 CUDA graphs off and on, flash-attn when installed, and the Triton path with prefix caching, cascade

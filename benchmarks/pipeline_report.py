@@ -1,6 +1,6 @@
 """The pipeline benchmark's analysis and tables: join the client samples with the worker's stamps into
 per-request series (overhead and its four stages), and print them, the CPU cost, the transport floor and the
-relay throughput as markdown tables against the issue's targets.
+relay throughput as markdown tables against their targets.
 """
 
 from __future__ import annotations

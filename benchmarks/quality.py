@@ -35,7 +35,7 @@ from benchmarks import quality_measures as qm
 
 DOC = qm.REPO / "docs" / "quality.md"
 BEGIN, END = "<!-- quality:begin -->", "<!-- quality:end -->"
-# Targets of issue 28 (see docs/quality.md).
+# The quality targets (see docs/quality.md).
 FP8_KV_MIN_AGREEMENT = 0.98
 FP8_KV_MAX_PPL_CHANGE = 0.02
 ENGINE_FP8_KV = qm.ENGINE_VARIANTS["FP8 KV cache"]

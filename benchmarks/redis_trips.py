@@ -1,6 +1,6 @@
 """Redis commands and round trips per request, by pipeline process, from a ``redis-cli monitor`` capture.
 
-Issue 31's measure of the request path's Redis traffic: capture a few seconds of a pipeline benchmark run
+The request path's Redis traffic, measured: capture a few seconds of a pipeline benchmark run
 (``python -m benchmarks.pipeline --rates 50 ...`` on its private Redis, ``timeout 5 redis-cli -p 26692 monitor >
 FILE`` once the log says "50 req/s for"), then ``python -m benchmarks.redis_trips FILE``.
 

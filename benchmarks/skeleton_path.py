@@ -1,6 +1,6 @@
 """The request path's skeleton: the contract's hops with as little Python around them as will carry a request,
 measured like the pipeline, so the pipeline's overhead can be read against what any implementation of the same
-path pays on this machine (issue 31).
+path pays on this machine.
 
 The pipeline benchmark compares its overhead with the *transport floor*: one Kafka record produced and fetched,
 one Redis stream entry appended and read. A request on the native path also crosses an HTTP submit and a

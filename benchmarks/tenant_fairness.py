@@ -6,7 +6,7 @@ serves, so both build a backlog. The worker's intake takes records off it as the
 tiny random Llama of :mod:`benchmarks.deadlines`, ``--max-num-seqs`` seats, its own per-tenant fair queuing on)
 serves them. The same arrivals run through each intake, in the same run:
 
-* ``kafka order``: the intake as it was before issue 34's fairness: records start in partition order while fewer
+* ``kafka order``: the intake without fairness across tenants: records start in partition order while fewer
   than ``--lookahead`` are started (the engine orders only those by tenant);
 * ``fair intake, hold N``: :class:`gpu_workers.worker.fair_intake.FairIntake` driven as the worker's intake drives
   it: up to N records fetched past what runs, started tenant by tenant by tokens (prompt + max_tokens charged at

@@ -1,6 +1,6 @@
 """The engine against llama.cpp on the CPU, on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): the same
 8 chat prompts (chat template applied, the same token ids sent to every system), 64 greedy tokens each, the same
-number of threads everywhere (issue 30).
+number of threads everywhere.
 
 - Concurrency 1 (the prompts one after another): the engine (``gpu_workers.engine.LLM``, the GGUF dequantized to
   ``--dtype``, or kept quantized through ``--quantization``) against llama-cpp-python (pinned, in the benchmark's

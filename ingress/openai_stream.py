@@ -161,7 +161,7 @@ async def sse_events(
         return sse(ids.choices_chunk([choice], include_usage=include_usage, usage=usage))
 
     # What one read of the stream gives goes out as one write: each write is a trip through the middleware and a
-    # socket send, and a request's last token, its finish, usage and [DONE] often arrive together (issue 31).
+    # socket send, and a request's last token, its finish, usage and [DONE] often arrive together.
     pending: list[str] = []
     try:
         for choice in chunks.opening():

@@ -1,5 +1,5 @@
 """The LoRA adapter record kept in the Redis registry: what ingress resolves a model name to and what a worker
-loads on demand (issue 32).
+loads on demand.
 
 An adapter is served under its own name as if it were a model; requests for it keep the base model's topic
 (``InferenceRequest.model`` = ``base_model``, ``InferenceRequest.adapter`` = ``name``).

@@ -141,7 +141,7 @@ class Names:
         """Counter for one API key's rate limit in one window."""
         return f"{self.prefix}llm:rate:{key_id}:{window}"
 
-    # --- LoRA adapters (issue 32) ----------------------------------------------------------------------
+    # --- LoRA adapters ----------------------------------------------------------------------
     @property
     def lora_adapters_key(self) -> str:
         """Hash of the registered LoRA adapters: field = adapter name, value = ``LoRAAdapter`` JSON."""

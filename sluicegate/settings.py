@@ -203,7 +203,7 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
     enable_lora: bool = Field(
         False,
-        description="Serve LoRA adapters of the worker's model (issue 32): requests naming an adapter, loaded on "
+        description="Serve LoRA adapters of the worker's model: requests naming an adapter, loaded on "
         "demand from the adapter registry; on by itself when SLUICEGATE_WORKER_LORAS names any.",
     )
     worker_loras: dict[str, str] = Field(
@@ -309,7 +309,7 @@ class Settings(BaseSettings):
         "0 diverts every request as before.",
     )
 
-    # --- response cache and model routes (issue 21) ------------------------------------------------------
+    # --- response cache and model routes ------------------------------------------------------
     response_cache_ttl_s: int = Field(
         0,
         ge=0,
@@ -323,7 +323,7 @@ class Settings(BaseSettings):
         1_000_000, ge=1024, description="Largest reply (its stream events, JSON) the response cache keeps."
     )
 
-    # --- Responses API (issue 33) ---------------------------------------------------------------------------
+    # --- Responses API ---------------------------------------------------------------------------
     responses_ttl_s: int = Field(
         30 * 86400,
         ge=60,

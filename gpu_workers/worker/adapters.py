@@ -1,5 +1,5 @@
 """The LoRA adapters a worker serves: named at start, looked up in the Redis registry per request, fetched to local
-disk, loaded into the engine, advertised in heartbeats, and verified for ingress's registrations (issue 32).
+disk, loaded into the engine, advertised in heartbeats, and verified for ingress's registrations.
 
 A request naming an adapter (``InferenceRequest.adapter``) is resolved here to the engine's ``LoRARequest``:
 registry lookup (cached a few seconds, so an unregister is seen soon), the adapter's files fetched to the worker's

@@ -154,7 +154,7 @@ class Outputs:
     async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
         """Write the status record in the stream publisher's next pipeline and return once Redis has it.
 
-        A round trip of its own per request was a third of the worker's Redis round trips (issue 31); carried by
+        A round trip of its own per request was a third of the worker's Redis round trips; carried by
         the publisher, it shares the pipeline of other requests' appends, waiting at most ``_RECORD_RIDE_S`` for
         one. Not through :meth:`emit`: a request handed off meanwhile still gets its record (its stream already
         holds ``done``), as with a plain ``SET``.

@@ -1,7 +1,7 @@
 """The GPU worker: consumes a model's request topics, runs the engine, streams events to Redis.
 
 :class:`Worker` owns the state its parts share and runs them; each guarantee below is kept in one file
-(see DESIGN.md, request flow 3-5):
+(see docs/design.md, request flow 3-5):
 
 * tiers drain in order (interactive, standard, batch): a tier starts requests while the worker runs fewer
   than ``max_in_flight`` of that tier or above, so lower-tier work never keeps a higher-tier request out, and

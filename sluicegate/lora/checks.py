@@ -1,7 +1,7 @@
 """Load-time verification of a LoRA adapter by a live worker of its base model, request-reply over Redis lists.
 
 Ingress has no model and must not import the engine, yet a registration is only accepted once the files were
-read against the real base model (issue 32: a corrupt adapter, or one whose target modules or base do not match,
+read against the real base model (a corrupt adapter, or one whose target modules or base do not match,
 is refused at load with a one-line reason). So :func:`ask_check` pushes an :class:`AdapterCheck` onto the base
 model's list (``Names.lora_checks_key``) and waits on a list of its own (``Names.lora_verdict_key``) for the
 :class:`CheckVerdict` that :func:`serve_checks`, running in every worker, pushes back after calling its

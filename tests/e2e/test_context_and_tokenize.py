@@ -1,4 +1,4 @@
-"""Exact prompt counts in ingress (issue 33): the worker publishes its tokenizer to Redis, ingress counts with it,
+"""Exact prompt counts in ingress: the worker publishes its tokenizer to Redis, ingress counts with it,
 answers ``/tokenize`` and ``/detokenize`` as vLLM does, and refuses prompt + ``max_tokens`` over the context with
 a 400 ``context_length_exceeded`` before anything reaches Kafka (checked with the official openai SDK)."""
 

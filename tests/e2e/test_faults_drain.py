@@ -30,7 +30,7 @@ from .conftest import Pipeline
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPTS = ["The drain began at dawn", "Rivers drain into the sea", "A quiet harbour at night", "Bells over the hill"]
-# Twice what the drained worker finished within the grace on a quiet box (200 tokens in 2.1 s, session 17): the
+# Twice what the drained worker finished within the grace on a quiet box (200 tokens in 2.1 s): the
 # requests must outlive the grace for the hand-back to be tested at all.
 MAX_TOKENS = 400
 GRACE_S = 2.0

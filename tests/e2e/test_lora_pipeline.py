@@ -1,4 +1,4 @@
-"""LoRA adapters on the real pipeline (issue 32): a worker started with ``SLUICEGATE_WORKER_LORAS`` serves the
+"""LoRA adapters on the real pipeline: a worker started with ``SLUICEGATE_WORKER_LORAS`` serves the
 adapter under its own model name; a streamed chat completion naming it gives exactly the tokens of
 ``LLM.generate(..., lora_request=...)``; an adapter loaded at run time through ``/v1/load_lora_adapter`` with the
 official ``openai`` SDK is checked by the worker's engine (a corrupt one, one of another base model and one above

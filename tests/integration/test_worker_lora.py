@@ -1,4 +1,4 @@
-"""The worker serving LoRA adapters on real Kafka and Redis (issue 32): adapters named at start are registered and
+"""The worker serving LoRA adapters on real Kafka and Redis: adapters named at start are registered and
 preloaded, others load on demand from the registry (an fsspec URL fetched to the worker's cache), each request gets
 exactly the tokens ``LLM.generate(..., lora_request=...)`` gives, an unknown or broken adapter fails only its own
 request, heartbeats list the adapters held, registrations are verified by the worker, and a request resumed after

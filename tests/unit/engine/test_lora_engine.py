@@ -199,7 +199,7 @@ def test_refusals(adapters: dict[str, Adapters], model_dir: Callable[[str], Path
 def test_fp8_kv_cache_with_adapters(
     adapters: dict[str, Adapters], references: Callable[[str], MergedReference], make_llm: Callable[..., LLM]
 ) -> None:
-    # A lossy cache is not held to exact greedy parity (DESIGN.md): the adapter runs with it, each prompt's first
+    # A lossy cache is not held to exact greedy parity (docs/design.md): the adapter runs with it, each prompt's first
     # token matches the merged reference, and the adapter still steers the output away from the base model's.
     ads, ref = adapters["llama"], references("llama")
     llm = make_llm(ref.base, enable_lora=True, kv_cache_dtype="fp8")

@@ -1,5 +1,5 @@
 """The router's token shares per tenant and worker: an overloaded worker sheds the tenant that sent it more than an
-equal share of its recent tokens and keeps the others' affinity (issue 34, fairness across workers)."""
+equal share of its recent tokens and keeps the others' affinity (fairness across workers)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The LoRA contracts (issue 32): the adapter record, and the adapter fields on requests, heartbeats and usage."""
+"""The LoRA contracts: the adapter record, and the adapter fields on requests, heartbeats and usage."""
 
 from __future__ import annotations
 

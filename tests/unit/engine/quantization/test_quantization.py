@@ -155,7 +155,7 @@ def test_skip_nothing_quantizes_lm_head_too(float_model: LlamaForCausalLM) -> No
 
 
 def test_unknown_method_is_a_value_error(float_model: LlamaForCausalLM) -> None:
-    # (awq and gptq are known since issue 19: INT4 checkpoints; test_engine_int4.py covers them.)
+    # (awq and gptq are INT4 checkpoints; test_engine_int4.py covers them.)
     with pytest.raises(ValueError, match=r"unknown quantization method 'hqq'.*bnb-int8, bnb-nf4, fp8, .*awq, gptq"):
         check_quantization_supported("hqq", torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown quantization method"):
