@@ -1,6 +1,6 @@
 """What every benchmark shares: a free local port, nearest-rank percentiles and number formatting, markdown
 tables, CPU time of a process, uvloop when installed, and a private Kafka + Redis started through the dev-stack
-API (``sluicegate.stack.devstack``, the one place that starts them).
+API (``cli.backbone.devstack``, the one place that starts them).
 
 Only the standard library is imported at module level: ``engine_gpu.py`` and ``engine_cpu.py`` import this
 module on a bare GPU image (torch and transformers, no aiokafka, redis or pydantic-settings), so the dev stack
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from cli.backbone.devstack import StackInfo
     from sluicegate.settings import Settings
-    from sluicegate.stack.devstack import StackInfo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,7 +101,7 @@ class PrivateStack:
     settings: Settings
 
     def close(self) -> None:
-        from sluicegate.stack import devstack
+        from cli.backbone import devstack
 
         if self.info.started:
             devstack.down(self.settings, services=self.info.started)
@@ -124,8 +124,8 @@ def start_private_stack(
     """Kafka and Redis (or only ``services``) on the given ports through the dev-stack API, reusing ones already
     running there. ``state_dir`` defaults to the repository's ``.sluicegate`` (its broker-jar cache);
     ``full_jit`` lifts the dev broker's C1-only JIT cap (latency runs, as a production broker compiles)."""
+    from cli.backbone import devstack
     from sluicegate.settings import Settings
-    from sluicegate.stack import devstack
 
     settings = Settings(
         state_dir=state_dir or REPO_ROOT / ".sluicegate",

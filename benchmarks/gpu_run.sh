@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The engine on a real GPU in one prepared run (issue 29): every GPU path checked, then measured.
+# The engine on a real GPU in one prepared run: every GPU path checked, then measured.
 #
-# Phases, in the issue's priority order, each under its own time limit, each leaving its files in $OUT
+# Phases, in priority order, each under its own time limit, each leaving its files in $OUT
 # before the next starts (a run cut short keeps what it measured):
 #   env     nvidia-smi and the versions of python, torch, triton, transformers, bitsandbytes, flash-attn
 #   tests   the `gpu` tests of the engine (pytest -m gpu tests/unit/engine) -> gpu_tests.xml
@@ -42,7 +42,8 @@ mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$OUT/gpu_run.log") 2>&1
 
-PY=python3
+# The GPU image's python3 by default; PY names another interpreter (the tests pass their own, a venv's).
+PY=${PY:-python3}
 site=${TMPDIR:-/tmp}/sluicegate-gpu-site
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \

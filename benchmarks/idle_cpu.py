@@ -1,6 +1,6 @@
-"""What a running stack costs while nobody sends anything: CPU per second of each of its processes (issue 31).
+"""What a running stack costs while nobody sends anything: CPU per second of each of its processes.
 
-Finds the processes of a running ``sluicegate up`` on this machine: every ``sluicegate.stack.cli <role>`` (ingress,
+Finds the processes of a running ``sluicegate up`` on this machine: every ``cli.main <role>`` (ingress,
 result-service, worker, router, batch-worker, up itself), the engine's child (``process_main``), the Kafka broker and
 ``redis-server``. Reads each one's CPU time (``/proc/<pid>/stat``, all threads) at the start and the end of
 ``--seconds`` and prints milliseconds of CPU per second, one row per process, as a markdown table. Send nothing
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import markdown_table, process_cpu_seconds
 
-_ROLE = re.compile(r"sluicegate\.stack\.cli\s+([\w-]+)")
+_ROLE = re.compile(r"-m\s+cli\.main\s+([\w-]+)")
 
 
 def classify(cmdline: str) -> str | None:

@@ -1,4 +1,4 @@
-"""Multi-LoRA cost on the real default model on this CPU (issue 32): decode ITL and throughput of one batch whose
+"""Multi-LoRA cost on the real default model on this CPU: decode ITL and throughput of one batch whose
 requests use 1, 4 or 16 distinct adapters (0: no adapter, on the LoRA engine), against the base model alone, in one
 run.
 
@@ -20,7 +20,7 @@ with its own chat prompt, ``--tokens`` greedy tokens past end-of-text; request `
 uses adapter ``i % k``. Prefix caching is off so every configuration prefills the same tokens. Figures per
 configuration: median over rounds of the batch's median ITL ((finish - first token) / (tokens - 1) per request)
 and of output tokens per second (all tokens over the run's wall time); the ratio is to the base engine's.
-The issue's CPU target: 16 adapters cost <= 1.3x the base model's ITL.
+The CPU target: 16 adapters cost <= 1.3x the base model's ITL.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def run_batch(llm: Any, prompts: list[list[int]], tokens: int, lora_requests: li
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli.stack.launcher import default_model_dtype, default_model_quantization
     from gpu_workers.engine import LoRARequest
-    from sluicegate.stack.launcher import default_model_dtype, default_model_quantization
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", default="1,4,16", help="comma-separated distinct adapter counts per batch")

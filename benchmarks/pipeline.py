@@ -1,7 +1,7 @@
 """Request-path benchmark: what the pipeline adds on top of the engine, and how fast the relay fans out.
 
 The whole pipeline runs on the tiny random-weight model on CPU: Kafka and Redis (a private
-``sluicegate.stack.devstack`` on non-default ports, or the addresses given), ingress and the result service as
+``cli.backbone.devstack`` on non-default ports, or the addresses given), ingress and the result service as
 ``sluicegate`` subprocesses, one worker in a child process of this script. At each rate (10, 50 and 100
 requests/s by default) open-loop Poisson arrivals each ``POST /v1/requests`` (short prompt, ``max_tokens``
 8, greedy) and then read the stream over the WebSocket the response names.

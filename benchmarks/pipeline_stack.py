@@ -168,7 +168,7 @@ class Stack:
     def spawn(self, name: str, *args: str) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
         self.services[name] = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.stack.cli", *args],
+            [sys.executable, "-m", "cli.main", *args],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -225,7 +225,7 @@ def backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Callab
         return args.kafka_bootstrap, args.redis_url, {}, None
     if args.kafka_bootstrap or args.redis_url:
         raise SystemExit("pass both --kafka-bootstrap and --redis-url, or neither")
-    progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (sluicegate.stack.devstack) ...")
+    progress(f"starting Kafka on :{args.kafka_port} and Redis on :{args.redis_port} (cli.backbone.devstack) ...")
     private = start_private_stack(args.kafka_port, args.redis_port, full_jit=args.broker_jit == "full")
     info = private.info
     pids = {name: pid for name, pid in (("kafka", info.kafka_pid), ("redis", info.redis_pid)) if pid is not None}
@@ -241,7 +241,7 @@ def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, st
     bootstrap, redis_url, backbone_pids, down = backbone(args)
     weights: dict[str, str] = {}
     if getattr(args, "model", "tiny") == "smollm2":
-        from sluicegate.stack.launcher import default_model
+        from cli.stack.launcher import default_model
 
         spec = default_model(Settings())  # fetched once into the state folder, as `sluicegate up` does
         if spec.description:

@@ -108,7 +108,7 @@ def main() -> int:
     }
     children = [
         subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.stack.cli", name],
+            [sys.executable, "-m", "cli.main", name],
             env=env,
             stdout=(work / f"{name}.log").open("wb"),
             stderr=subprocess.STDOUT,

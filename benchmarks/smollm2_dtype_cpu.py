@@ -3,7 +3,7 @@ bfloat16, or kept quantized (``gguf``: the file's Q4_1 blocks int4 and its Q8_0 
 blocks int4, the LM head bfloat16; ``cpu-int8``: per-channel int8; each with the model in bfloat16, and ``gguf``
 also under a float32 model). Batch 1, greedy, a fixed number of new tokens, best of a few runs, the variants
 interleaved so a busy machine slows them alike. ``sluicegate up`` serves the default model in the faster float
-dtype (``sluicegate.stack.launcher.default_model_dtype``).
+dtype (``cli.stack.launcher.default_model_dtype``).
 
 Each variant's prefill is timed too: a ``--prefill-tokens`` prompt of fresh random token ids each round (so the
 prefix cache never answers it), one new token. ``cpu-int4, kernel only`` is ``cpu-int4`` with its long-prefill

@@ -1,6 +1,6 @@
 """Soak: the whole pipeline under mixed load while workers die and a broker restarts; counts what was lost.
 
-Starts a private 3-broker Kafka and a Redis (``sluicegate.stack.devstack``), the router, ingress, result service
+Starts a private 3-broker Kafka and a Redis (``cli.backbone.devstack``), the router, ingress, result service
 and two CPU workers on a random-weight model, then for ``--minutes``:
 
 * interactive, standard and batch requests (native ``POST /v1/requests``, greedy, ``ignore_eos``) from paced
@@ -38,9 +38,9 @@ import httpx
 from redis.asyncio import Redis
 
 from benchmarks.common import REPO_ROOT, free_port, free_port_run, percentile, progress
+from cli.backbone import devstack
 from schemas import STREAM_FIELD, Names, parse_stream_event
 from sluicegate.settings import Settings
-from sluicegate.stack import devstack
 
 API_KEY = "sk-soak-key"
 MODEL = "tiny-soak"
@@ -70,7 +70,7 @@ class Soak:
     def start(self, name: str, *cli: str, **extra: str) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
         self.services[name] = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.stack.cli", *cli],
+            [sys.executable, "-m", "cli.main", *cli],
             env={**self.env, **extra},
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,8 +1,8 @@
-"""``python -m sluicegate``: the same command line as the ``sluicegate`` script (:mod:`sluicegate.stack.cli`), for
-machines where pip's script folder is not on ``PATH``. Like the stack, this module is a composition root."""
+"""``python -m cli``: the same command line as the ``sluicegate`` script (:mod:`cli.main`), for machines where the
+virtual environment's script folder is not on ``PATH``."""
 
 import sys
 
-from sluicegate.stack.cli import main
+from cli.main import main
 
 sys.exit(main())

@@ -31,7 +31,7 @@ def _schemas_export(args: argparse.Namespace) -> int:
 
 
 def _dev(args: argparse.Namespace) -> int:
-    from sluicegate.stack import devstack
+    from cli.backbone import devstack
 
     settings = get_settings()
     if args.brokers is not None:
@@ -175,7 +175,7 @@ def _dlq_replay(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from sluicegate.stack.launcher import up
+    from cli.stack.launcher import up
 
     if (args.kafka_bootstrap is None) != (args.redis_url is None):
         raise CliError("--kafka-bootstrap and --redis-url go together (an existing Kafka and Redis)")
@@ -297,15 +297,15 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_replay.add_argument("--dry-run", action="store_true", help="say what would be replayed, publish nothing")
     dlq_replay.set_defaults(handler=_dlq_replay)
 
-    from sluicegate.stack.batch_cli import add_batch_commands
+    from cli.tools.batch import add_batch_commands
 
     add_batch_commands(sub)
 
-    from sluicegate.stack.usage_cli import add_usage_command
+    from cli.tools.usage import add_usage_command
 
     add_usage_command(sub)
 
-    from sluicegate.stack.bench import add_bench_command
+    from cli.bench.command import add_bench_command
 
     add_bench_command(sub)
 

@@ -79,7 +79,7 @@ class _Reader(Generic[T]):
     def __init__(self, follower: StreamFollower[T], index: int) -> None:
         self.follower = follower
         self.index = index
-        self.streams: dict[str, StreamState[T]] = {}
+        self.streams: dict[str, StreamState[T, _Reader[T]]] = {}
         self._changed = asyncio.Event()
         self._generation = 0
         self._in_flight: int | None = None
@@ -185,7 +185,7 @@ class _Reader(Generic[T]):
                 # reader's next XREAD (a loopback send that also does Redis's receive work) does.
                 await asyncio.sleep(0)
 
-    def _dispatch(self, reply: Any, requested: dict[str, StreamState[T]]) -> None:
+    def _dispatch(self, reply: Any, requested: dict[str, StreamState[T, _Reader[T]]]) -> None:
         decode = self.follower.decode
         per_stream = reply.items() if isinstance(reply, dict) else reply
         for raw_key, entries in per_stream:
@@ -306,7 +306,7 @@ class StreamFollower(Generic[T]):
         subscription opened with ``wake=False``) and return the caller's replies.
 
         A new subscriber usually reads something first (the result service's probe): the wake-up rides in that
-        round trip instead of one of its own (issue 31). When it woke nothing (the XREAD had not reached Redis
+        round trip instead of one of its own. When it woke nothing (the XREAD had not reached Redis
         yet) or the pipeline failed, the reader's own retrying wake-up takes over."""
         reader = sub.stream.reader
         client_id = reader._client_id if reader.needs_wake else None

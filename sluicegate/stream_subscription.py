@@ -1,9 +1,10 @@
 """One subscriber's view of one followed stream: the history it missed, then the live tail, each event once.
 
-:class:`Subscription` is what :class:`sluicegate.stream_follower.StreamFollower` hands out; a reader of the
-follower pushes decoded entries into every subscription of a stream (:class:`StreamState`). A subscription first
-pages through the entries that passed the reader before it joined (``XRANGE``), then drains its bounded buffer,
-deduplicating by ``seq``; one that falls too far behind is dropped with :class:`SlowConsumer`.
+:class:`Subscription` is what :class:`sluicegate.stream_follower.StreamFollower` hands out (reaching back only
+through :class:`Source`); a reader of the follower pushes decoded entries into every subscription of a stream
+(:class:`StreamState`). A subscription first pages through the entries that passed the reader before it joined
+(``XRANGE``), then drains its bounded buffer, deduplicating by ``seq``; one that falls too far behind is dropped
+with :class:`SlowConsumer`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from schemas import stream_entry_id
-
-if TYPE_CHECKING:
-    from .stream_follower import StreamFollower, _Reader
 
 #: The resume point before the first entry: "nothing seen yet".
 START_SEQ = -1
@@ -33,6 +31,27 @@ class Followed(Protocol):
 
 
 T = TypeVar("T", bound=Followed)
+#: The follower's reader that owns a stream: only the follower looks into it.
+R = TypeVar("R")
+
+
+class PendingBound(Protocol):
+    """How many events a subscriber may fall behind before it is dropped."""
+
+    @property
+    def max_pending(self) -> int: ...
+
+
+class Source(Protocol[T]):
+    """What a subscription asks of the follower that made it (:class:`sluicegate.stream_follower.StreamFollower`),
+    named here so that arrows run one way: the follower builds on subscriptions, never the reverse."""
+
+    @property
+    def config(self) -> PendingBound: ...
+
+    def detach(self, sub: Subscription[T]) -> None: ...
+
+    async def read_history(self, key: str, after_id: str, until_seq: int) -> tuple[list[T], str | None]: ...
 
 
 def entry_id_after(seq: int) -> str:
@@ -44,12 +63,12 @@ class SlowConsumer(Exception):
     """The subscriber fell more than ``max_pending`` events behind and was dropped."""
 
 
-class StreamState(Generic[T]):
+class StreamState(Generic[T, R]):
     """The follower's state for one stream key: its read cursor and its subscribers."""
 
     __slots__ = ("cursor", "ended", "key", "read_after", "reader", "subscribers")
 
-    def __init__(self, key: str, cursor: int, reader: _Reader[T]) -> None:
+    def __init__(self, key: str, cursor: int, reader: R) -> None:
         self.key = key
         #: Seq of the last event the reader passed on; only the reader moves it.
         self.cursor = cursor
@@ -63,7 +82,7 @@ class StreamState(Generic[T]):
 class Subscription(Generic[T]):
     """One subscriber's view of one stream: history first, then the live tail, each event exactly once."""
 
-    def __init__(self, follower: StreamFollower[T], stream: StreamState[T], after_seq: int, fail_fast: bool) -> None:
+    def __init__(self, follower: Source[T], stream: StreamState[T, Any], after_seq: int, fail_fast: bool) -> None:
         self._follower = follower
         self.stream = stream
         self.key = stream.key

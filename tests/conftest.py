@@ -2,7 +2,7 @@
 
 Kafka and Redis come, in order, from addresses in the environment (``SLUICEGATE_TEST_KAFKA_BOOTSTRAP``,
 ``SLUICEGATE_TEST_REDIS_URL``), from testcontainers when a Docker daemon answers, or from the local dev
-stack (``sluicegate.stack.devstack``) on test ports, sharing the repository's ``.sluicegate`` jar cache.
+stack (``cli.backbone.devstack``) on test ports, sharing the repository's ``.sluicegate`` jar cache.
 They are lazy: a test that asks for neither never starts anything (except under pytest-xdist, whose controller
 starts them once for all its workers).
 """
@@ -123,7 +123,7 @@ class Backbone:
         return f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
 
     def _local_stack(self) -> None:
-        from sluicegate.stack import devstack
+        from cli.backbone import devstack
 
         settings = Settings(state_dir=REPO_ROOT / ".sluicegate", kafka_port=TEST_KAFKA_PORT, redis_port=TEST_REDIS_PORT)
         info = devstack.up(settings)

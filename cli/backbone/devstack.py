@@ -5,7 +5,7 @@ processes whose pid files, data and logs live under ``Settings.state_dir`` (see 
 This module is THE place that starts and stops Kafka + Redis: ``sluicegate up``, the test session and the
 benchmarks call :func:`up` / :func:`down` / :func:`status`. The jobs behind them live beside it: pid files
 and processes (``processes.py``), Java and the broker jars (``jars.py``), the broker (``kafka_broker.py``)
-and Redis (``redis_server.py``). ``python -m sluicegate.stack.devstack fetch|up|status|down`` is its script
+and Redis (``redis_server.py``). ``python -m cli.backbone.devstack fetch|up|status|down`` is its script
 entry (CI and ``infra/local/run.sh``).
 """
 
@@ -20,12 +20,9 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluicegate.kafka import probe_kafka, wait_for_kafka
-from sluicegate.redis_client import wait_for_redis
-from sluicegate.settings import Settings, get_settings
-from sluicegate.stack.jars import ensure_jars, find_java
-from sluicegate.stack.kafka_broker import KAFKA_START_TIMEOUT_S, KAFKA_STOP_TIMEOUT_S, kafka_owner
-from sluicegate.stack.kafka_cluster import (
+from cli.backbone.jars import ensure_jars, find_java
+from cli.backbone.kafka_broker import KAFKA_START_TIMEOUT_S, KAFKA_STOP_TIMEOUT_S, kafka_owner
+from cli.backbone.kafka_cluster import (
     check_size,
     cluster_bootstrap,
     node_layouts,
@@ -34,8 +31,15 @@ from sluicegate.stack.kafka_cluster import (
     start_nodes,
     wait_for_brokers,
 )
-from sluicegate.stack.layout import DevStackError, StackLayout
-from sluicegate.stack.processes import (
+from cli.backbone.redis_server import (
+    REDIS_START_TIMEOUT_S,
+    REDIS_STOP_TIMEOUT_S,
+    find_redis_server,
+    redis_owner,
+    start_redis,
+)
+from cli.stack.layout import DevStackError, StackLayout
+from cli.stack.processes import (
     Running,
     alive,
     last_problem,
@@ -46,13 +50,9 @@ from sluicegate.stack.processes import (
     running_pid,
     stop,
 )
-from sluicegate.stack.redis_server import (
-    REDIS_START_TIMEOUT_S,
-    REDIS_STOP_TIMEOUT_S,
-    find_redis_server,
-    redis_owner,
-    start_redis,
-)
+from sluicegate.kafka import probe_kafka, wait_for_kafka
+from sluicegate.redis_client import wait_for_redis
+from sluicegate.settings import Settings, get_settings
 
 SERVICES: tuple[str, ...] = ("kafka", "redis")
 
@@ -349,8 +349,8 @@ def down(settings: Settings | None = None, services: tuple[str, ...] = SERVICES)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sluicegate.stack.devstack fetch|up|status|down`` (CI and scripts; users have the CLI)."""
-    parser = argparse.ArgumentParser(prog="python -m sluicegate.stack.devstack", description=main.__doc__)
+    """``python -m cli.backbone.devstack fetch|up|status|down`` (CI and scripts; users have the CLI)."""
+    parser = argparse.ArgumentParser(prog="python -m cli.backbone.devstack", description=main.__doc__)
     parser.add_argument("command", choices=["fetch", "up", "status", "down"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")

@@ -12,8 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from sluicegate.stack.layout import DevStackError, StackLayout
-from sluicegate.stack.processes import last_problem, log
+from cli.stack.layout import DevStackError, StackLayout
+from cli.stack.processes import last_problem, log
 
 INFRA_DIR = Path(__file__).resolve().parents[2] / "infra" / "local"
 POM = INFRA_DIR / "pom.xml"

@@ -13,10 +13,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from cli.backbone.jars import INFRA_DIR, infra_file, kafka_version
+from cli.stack.layout import DevStackError, StackLayout
+from cli.stack.processes import Owner, log, spawn
 from sluicegate.settings import Settings
-from sluicegate.stack.jars import INFRA_DIR, infra_file, kafka_version
-from sluicegate.stack.layout import DevStackError, StackLayout
-from sluicegate.stack.processes import Owner, log, spawn
 
 SERVER_TEMPLATE = INFRA_DIR / "server.properties.template"
 LOG4J_CONFIG = INFRA_DIR / "log4j.properties"

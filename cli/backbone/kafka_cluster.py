@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cli.backbone.kafka_broker import Quorum, kafka_owner, new_cluster_id, start_kafka
+from cli.stack.layout import DevStackError, StackLayout
+from cli.stack.processes import running_pid
 from sluicegate.kafka import probe_kafka
 from sluicegate.settings import Settings
-from sluicegate.stack.kafka_broker import Quorum, kafka_owner, new_cluster_id, start_kafka
-from sluicegate.stack.layout import DevStackError, StackLayout
-from sluicegate.stack.processes import running_pid
 
 MAX_BROKERS = 5
 

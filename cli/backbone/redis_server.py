@@ -8,8 +8,8 @@ import os
 import shutil
 import subprocess
 
-from sluicegate.stack.layout import DevStackError, StackLayout
-from sluicegate.stack.processes import Owner, log, spawn
+from cli.stack.layout import DevStackError, StackLayout
+from cli.stack.processes import Owner, log, spawn
 
 REDIS_START_TIMEOUT_S = 15.0
 REDIS_STOP_TIMEOUT_S = 10.0

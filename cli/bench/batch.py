@@ -12,9 +12,8 @@ import time
 from contextlib import nullcontext
 from typing import Any
 
-from sluicegate.stack import bench
-from sluicegate.stack.bench import Prompt, progress_bar, request_body
-from sluicegate.stack.bench_kafka import unreachable
+from cli.bench import measure as bench
+from cli.bench.measure import Prompt, progress_bar, request_body, unreachable
 
 ETA_CHECK_AT = 0.10
 BATCH_TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})

@@ -16,15 +16,8 @@ import time
 import uuid
 from typing import Any
 
+from cli.bench.measure import BenchError, Prompt, Sample, unreachable
 from sluicegate.settings import get_settings
-from sluicegate.stack.bench import EXIT_UNREACHABLE, BenchError, Prompt, Sample
-
-
-def unreachable(what: str, exc: BaseException) -> BenchError:
-    """The one-line error for a server, broker or Redis that does not answer (exit 3)."""
-    text, name = str(exc), exc.__class__.__name__
-    # aiokafka's errors already start with their class name; others are given it once.
-    return BenchError(f"cannot reach {what} ({text if text.startswith(name) else f'{name}: {text}'})", EXIT_UNREACHABLE)
 
 
 class KafkaTarget:

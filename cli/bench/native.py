@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from sluicegate.stack.bench import Prompt, Sample, api_error
+from cli.bench.measure import Prompt, Sample, api_error
 
 
 class _Followed:

@@ -1,12 +1,12 @@
 """``sluicegate bench``'s sweep: the OpenAI-compatible target, the runs of a sweep and the report (the workload,
-statistics and the parser are in :mod:`sluicegate.stack.bench`, the native, Kafka-native and batch targets
-in ``bench_native``, ``bench_kafka`` and ``bench_batch``).
+statistics and levels are in :mod:`cli.bench.measure`, the flags in :mod:`cli.bench.command`, the native,
+Kafka-native and batch targets in :mod:`cli.bench.native`, :mod:`cli.bench.kafka` and :mod:`cli.bench.batch`).
 
 * ``openai``: ``POST {base}/chat/completions`` (or ``/completions``) over ``httpx``, streamed with
   ``stream_options.include_usage`` so the token counts are the server's own; TTFT is the first content chunk,
   ITL the gaps between content chunks. Any OpenAI-compatible server works.
 * ``native``: ``POST {base}/requests``, then the request's stream on one multiplexed WebSocket of the result
-  service (``/v1/streams``) kept for the run (:mod:`sluicegate.stack.bench_native`).
+  service (``/v1/streams``) kept for the run (:mod:`cli.bench.native`).
 * ``kafka``: an :class:`~schemas.InferenceRequest` per prompt produced to ``llm.inbound`` (acknowledged, as a
   Kafka-native producer does), then the request's Redis stream (``llm:stream:<id>``) read with ``XREAD BLOCK``
   until its ``done``/``error`` event; TTFT is produce-sent to the first token entry, counts from ``done``'s usage.
@@ -31,8 +31,9 @@ from typing import Any
 
 import httpx
 
-from sluicegate.settings import get_settings
-from sluicegate.stack.bench import (
+from cli.bench.batch import batch_table, run_batch
+from cli.bench.kafka import KafkaTarget
+from cli.bench.measure import (
     EXIT_NO_SUCCESS,
     BenchError,
     Prompt,
@@ -46,10 +47,10 @@ from sluicegate.stack.bench import (
     render_table,
     request_body,
     summarize,
+    unreachable,
 )
-from sluicegate.stack.bench_batch import batch_table, run_batch
-from sluicegate.stack.bench_kafka import KafkaTarget, unreachable
-from sluicegate.stack.bench_native import NativeTarget
+from cli.bench.native import NativeTarget
+from sluicegate.settings import get_settings
 
 #: How long ``GET /models`` may take before the server counts as unreachable (``--timeout`` is per request).
 PREFLIGHT_TIMEOUT_S = 30.0

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from cli.backbone import devstack
+from cli.backbone.kafka_cluster import node_layouts, running_pids
+from cli.backbone.redis_server import redis_owner
+from cli.stack.layout import StackLayout
+from cli.stack.processes import running_pid
 from sluicegate.settings import Settings
-from sluicegate.stack import devstack
-from sluicegate.stack.kafka_cluster import node_layouts, running_pids
-from sluicegate.stack.layout import StackLayout
-from sluicegate.stack.processes import running_pid
-from sluicegate.stack.redis_server import redis_owner
 
 
 class BackboneWatch:

@@ -1,6 +1,6 @@
 """``sluicegate up``: the whole local stack in one command.
 
-Starts Kafka and Redis (through :mod:`sluicegate.stack.devstack`), then the router, ingress, result
+Starts Kafka and Redis (through :mod:`cli.backbone.devstack`), then the router, ingress, result
 service, one worker per model (``--model PATH[=NAME]``, repeatable: each model its own worker group) and one
 batch worker (Celery, beat embedded) as child processes with their logs in one folder; prints the URLs and the
 API key; stops everything on Ctrl-C or SIGTERM.
@@ -17,11 +17,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from cli.backbone.devstack import StackInfo
+from cli.stack.supervisor import Child, CrashLoop, Supervisor
 from sluicegate.models.naming import default_public_name, gguf_checkpoint
 from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
 from sluicegate.settings import Settings, comma_separated
-from sluicegate.stack.devstack import StackInfo
-from sluicegate.stack.supervisor import Child, CrashLoop, Supervisor
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # The fallback when the default model cannot be fetched, and the model of tests that need a fast, tiny one.
@@ -260,9 +260,9 @@ def up(
     """Run the full stack until interrupted; returns the exit code (1: a child kept crashing).
 
     ``backbone``: (Kafka bootstrap, Redis URL) of a Kafka and Redis already running; then none is started or
-    stopped here. Children that exit are restarted (:mod:`sluicegate.stack.supervisor`)."""
-    from sluicegate.stack import devstack
-    from sluicegate.stack.backbone_watch import BackboneWatch
+    stopped here. Children that exit are restarted (:mod:`cli.stack.supervisor`)."""
+    from cli.backbone import devstack
+    from cli.stack.backbone_watch import BackboneWatch
 
     specs = [
         spec or default_model(settings, model_name=model_name)

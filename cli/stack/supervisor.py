@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 #: What a child runs: this prefix plus its own arguments (the stack's CLI by default).
-CLI = (sys.executable, "-m", "sluicegate.stack.cli")
+CLI = (sys.executable, "-m", "cli.main")
 
 
 class CrashLoop(RuntimeError):

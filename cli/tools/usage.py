@@ -15,7 +15,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from .batch_cli import EXIT_BAD_INPUT, BatchCliError, _call, make_client
+from cli.tools.batch import EXIT_BAD_INPUT, BatchCliError, _call, make_client
 
 _COLUMNS = (
     ("requests", "requests"),

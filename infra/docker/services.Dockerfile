@@ -17,6 +17,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY sluicegate ./sluicegate
+COPY cli ./cli
 COPY ingress ./ingress
 COPY batch_service ./batch_service
 COPY router ./router

@@ -81,7 +81,7 @@ class Pipeline:
     def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Service:
         log_path = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.stack.cli", *args],
+            [sys.executable, "-m", "cli.main", *args],
             env={**self.env, **(extra_env or {})},
             stdout=log_path.open("ab"),
             stderr=subprocess.STDOUT,
@@ -343,7 +343,7 @@ def real_pipeline(
     kafka_bootstrap: str, redis_url: str, smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pipeline]:
     """A pipeline serving the real default model as ``sluicegate up`` does: its public name and its dtype."""
-    from sluicegate.stack.launcher import DEFAULT_MODEL_NAME, default_model_dtype, default_model_quantization
+    from cli.stack.launcher import DEFAULT_MODEL_NAME, default_model_dtype, default_model_quantization
 
     # Several prompts at once (the structured-output test) share the engine's batch; the default KV budget of the
     # tiny model is too small for a 135M model's longer prompts. The cache holds at least one request of the model's

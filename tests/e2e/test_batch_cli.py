@@ -21,7 +21,7 @@ def cli(pipeline: Pipeline, *args: str, cwd: Path, timeout_s: float = 240) -> su
     env = {k: v for k, v in pipeline.env.items() if k not in ("SLUICEGATE_API_KEY", "OPENAI_API_KEY")}
     env["OPENAI_API_KEY"] = pipeline.api_key
     return subprocess.run(
-        [sys.executable, "-m", "sluicegate.stack.cli", "batch", *args, "--base-url", f"{pipeline.ingress_url}/v1"],
+        [sys.executable, "-m", "cli.main", "batch", *args, "--base-url", f"{pipeline.ingress_url}/v1"],
         env=env,
         cwd=cwd,
         capture_output=True,

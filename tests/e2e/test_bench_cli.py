@@ -24,7 +24,7 @@ def bench(pipeline: Pipeline, *args: str, timeout_s: float = 200) -> subprocess.
     env = {k: v for k, v in pipeline.env.items() if k not in ("SLUICEGATE_API_KEY", "OPENAI_API_KEY")}
     env["OPENAI_API_KEY"] = pipeline.api_key
     return subprocess.run(
-        [sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", f"{pipeline.ingress_url}/v1", *args],
+        [sys.executable, "-m", "cli.main", "bench", "--base-url", f"{pipeline.ingress_url}/v1", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -162,7 +162,7 @@ def test_bad_input_is_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("sluicegate bench: error: ") and text in lines[0], result.stderr
     gone = subprocess.run(
-        [sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", "http://127.0.0.1:9/v1"],
+        [sys.executable, "-m", "cli.main", "bench", "--base-url", "http://127.0.0.1:9/v1"],
         capture_output=True, text=True, timeout=60, env=pipeline.env,
     )  # fmt: skip
     assert gone.returncode == 3 and "cannot reach http://127.0.0.1:9/v1/" in gone.stderr, gone.stderr
@@ -197,7 +197,7 @@ def test_ctrl_c_keeps_the_levels_already_measured(pipeline: Pipeline, tmp_path: 
     env = {k: v for k, v in pipeline.env.items() if k not in ("SLUICEGATE_API_KEY", "OPENAI_API_KEY")}
     env["OPENAI_API_KEY"] = pipeline.api_key
     command = [
-        sys.executable, "-m", "sluicegate.stack.cli", "bench", "--base-url", f"{pipeline.ingress_url}/v1",
+        sys.executable, "-m", "cli.main", "bench", "--base-url", f"{pipeline.ingress_url}/v1",
         # The second level runs the 16 requests one at a time, 16 times longer than the first: seconds, even on a
         # busy box where this test's reads of stderr may wait their turn.
         "--concurrency", "16,1", "--num-prompts", "16", "--output-len", "1024", "--ignore-eos", "--json", str(out),

@@ -193,7 +193,7 @@ def test_poison_messages_go_to_the_dlq_and_the_consumer_moves_on(pipeline: Pipel
 
 def cli(pipeline: Pipeline, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "sluicegate.stack.cli", "dlq", *args],
+        [sys.executable, "-m", "cli.main", "dlq", *args],
         env=pipeline.env,
         capture_output=True,
         text=True,

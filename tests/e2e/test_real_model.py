@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from benchmarks.smollm2_quality import CAPITAL_PROMPTS, CITY_SCHEMA, WEATHER_TOOL, is_city
-from sluicegate.stack.launcher import DEFAULT_MODEL_NAME
+from cli.stack.launcher import DEFAULT_MODEL_NAME
 
 from .conftest import Pipeline
 

@@ -64,7 +64,7 @@ class Up:
         for proc in psutil.Process(self.process.pid).children():
             with contextlib.suppress(psutil.Error):
                 cmdline = proc.cmdline()
-                if cmdline[-1:] == [subcommand] and "sluicegate.stack.cli" in cmdline:
+                if cmdline[-1:] == [subcommand] and "cli.main" in cmdline:
                     return proc
         raise AssertionError(f"no running {subcommand!r} child of up: " + "\n".join(self.lines))
 
@@ -96,7 +96,7 @@ def up(
         "SLUICEGATE_FILES_URL": str(state / "files"),
         "PYTHONUNBUFFERED": "1",
     }
-    command = [sys.executable, "-m", "sluicegate.stack.cli", "up", "--model", f"{paced_model_dir}=paced-up"]
+    command = [sys.executable, "-m", "cli.main", "up", "--model", f"{paced_model_dir}=paced-up"]
     command += ["--kafka-bootstrap", kafka_bootstrap, "--redis-url", redis_url]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

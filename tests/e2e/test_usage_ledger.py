@@ -302,7 +302,7 @@ def test_ledger_totals_equal_the_usage_clients_were_given_across_a_mixed_run_wit
 
     # The command line reads the same report.
     out = subprocess.run(
-        [sys.executable, "-m", "sluicegate.stack.cli", "usage", "--json", "--group-by", "model",
+        [sys.executable, "-m", "cli.main", "usage", "--json", "--group-by", "model",
          "--base-url", f"{pipeline.ingress_url}/v1", "--api-key", API_KEY],
         env=pipeline.env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip

@@ -41,7 +41,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
 @contextlib.contextmanager
 def batch_worker(settings: Settings, log_path: Path, *, beat: bool = True) -> Iterator[subprocess.Popen[bytes]]:
     """A ``sluicegate batch-worker`` process (Celery, solo pool, beat embedded) for ``settings``; stopped after."""
-    args = [sys.executable, "-m", "sluicegate.stack.cli", "batch-worker"] + ([] if beat else ["--no-beat"])
+    args = [sys.executable, "-m", "cli.main", "batch-worker"] + ([] if beat else ["--no-beat"])
     with log_path.open("ab") as log:
         process = subprocess.Popen(args, env=worker_env(settings), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

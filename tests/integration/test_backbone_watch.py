@@ -14,9 +14,9 @@ import redis
 from needs import require_tool
 from ports import free_port
 
+from cli.backbone import devstack
+from cli.stack.backbone_watch import BackboneWatch
 from sluicegate.settings import Settings
-from sluicegate.stack import devstack
-from sluicegate.stack.backbone_watch import BackboneWatch
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""Ingress on a 3-broker KRaft cluster (``sluicegate.stack.devstack`` with ``kafka_brokers=3`` on ports of its
+"""Ingress on a 3-broker KRaft cluster (``cli.backbone.devstack`` with ``kafka_brokers=3`` on ports of its
 own) while the broker leading the most request partitions is SIGKILLed under steady load, then brought back.
 
 Checked: topics Sluicegate creates have 3 replicas and ``min.insync.replicas`` 2; no accepted request is lost
@@ -32,12 +32,12 @@ from ingress_support import KEY, MODEL, running_ingress
 from needs import require
 
 from benchmarks.common import free_port_run
+from cli.backbone import devstack
+from cli.backbone.kafka_cluster import node_layouts
+from cli.stack.layout import StackLayout
 from schemas import InferenceRequest, Names
 from sluicegate.kafka import create_admin, create_consumer
 from sluicegate.settings import Settings
-from sluicegate.stack import devstack
-from sluicegate.stack.kafka_cluster import node_layouts
-from sluicegate.stack.layout import StackLayout
 
 # ``alone``: the recovery check compares the p99 after the outage with the p99 before it, a minute earlier; a
 # neighbour's pipeline starting on the other core in between would be measured instead (tests/alone.py).

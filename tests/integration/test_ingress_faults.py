@@ -1,4 +1,4 @@
-"""Ingress under backbone faults, on a private Kafka broker and Redis server (``sluicegate.stack.devstack`` on ports of
+"""Ingress under backbone faults, on a private Kafka broker and Redis server (``cli.backbone.devstack`` on ports of
 their own), so the shared test broker is never disturbed.
 
 Kafka: the broker is killed (SIGKILL) under steady load and restarted. Every response must come back promptly
@@ -36,10 +36,10 @@ from needs import require
 from ports import free_port
 from redis.asyncio import Redis
 
+from cli.backbone import devstack
 from schemas import CancelRequest, InferenceRequest, Names
 from sluicegate.kafka import create_consumer
 from sluicegate.settings import Settings
-from sluicegate.stack import devstack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
 

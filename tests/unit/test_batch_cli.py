@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.stack import batch_cli
-from sluicegate.stack.cli import main
+from cli.main import main
+from cli.tools import batch as batch_cli
 
 
 def _exit_code(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

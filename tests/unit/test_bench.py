@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.stack.bench import BenchError, Sample, Slo, load_prompts, parse_levels, quantile, summarize
-from sluicegate.stack.bench_targets import _finite
+from cli.bench.measure import BenchError, Sample, Slo, load_prompts, parse_levels, quantile, summarize
+from cli.bench.sweep import _finite
 
 
 def test_quantile_interpolates_and_orders() -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from needs import needs
 
+from cli.backbone import kafka_broker
+from cli.backbone.jars import ensure_jars, find_java
+from cli.backbone.kafka_broker import Quorum, new_cluster_id
+from cli.stack.layout import StackLayout
 from sluicegate.settings import Settings
-from sluicegate.stack import kafka_broker
-from sluicegate.stack.jars import ensure_jars, find_java
-from sluicegate.stack.kafka_broker import Quorum, new_cluster_id
-from sluicegate.stack.layout import StackLayout
 
 REPO_STATE = Path(__file__).resolve().parents[2] / ".sluicegate"
 # 16 bytes whose URL-safe base64 text starts with "-" (the first 6 bits are 62).

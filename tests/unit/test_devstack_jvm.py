@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from cli.backbone.kafka_broker import C1_ONLY, KAFKA_JVM_OPTS, kafka_jvm_opts
 from sluicegate.settings import Settings
-from sluicegate.stack.kafka_broker import C1_ONLY, KAFKA_JVM_OPTS, kafka_jvm_opts
 
 
 def test_the_dev_broker_is_c1_only_by_default_and_full_jit_lifts_only_that_cap() -> None:

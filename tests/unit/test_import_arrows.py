@@ -1,15 +1,16 @@
 """The arrows between packages run one way (docs/architecture.md): read every module's imports and check them.
 
 * ``schemas`` imports no other package of the project;
-* the runtime library (``sluicegate`` outside ``sluicegate.stack``) imports only ``schemas``;
+* the runtime library ``sluicegate`` imports only ``schemas``;
 * ``gpu_workers.engine`` imports nothing of the pipeline: no project package outside itself, no Kafka, Redis
   or pydantic (it must run on a bare GPU image);
 * services import no other service, except ``ingress`` -> ``router`` and ``batch_service`` -> ``router`` (the
   routing library, used in-process to publish); the worker may use the engine; in particular ``ingress`` and
   ``batch_service`` never import each other: what both use lives in the runtime library (``sluicegate.api``,
   ``sluicegate.batches``);
-* nothing imports the composition root ``sluicegate.stack`` (``python -m sluicegate``, ``sluicegate.__main__``, is
-  part of that root).
+* nothing imports the composition root ``cli`` (the command line, ``up``, the local backbone, the client tools) but
+  the benchmarks, which stand beside it on top;
+* no import cycle among the product's modules: arrows between files run one way too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = (
     "schemas",
     "sluicegate",
+    "cli",
     "ingress",
     "batch_service",
     "router",
@@ -30,8 +32,8 @@ PROJECT = (
     "result_service",
     "benchmarks",
 )
-#: What wires the services together: the stack, and ``python -m sluicegate`` which starts its command line.
-COMPOSITION_ROOT = ("sluicegate.stack", "sluicegate.__main__")
+#: What wires the services together: the command line, ``up`` and the local backbone.
+COMPOSITION_ROOT = "cli"
 PIPELINE_LIBRARIES = ("aiokafka", "redis", "pydantic", "pydantic_settings", "fastapi", "celery")
 
 
@@ -89,15 +91,7 @@ def test_schemas_import_no_other_package() -> None:
 
 
 def test_the_runtime_library_imports_only_schemas() -> None:
-    bad = _offending("sluicegate", ("schemas",), skip=COMPOSITION_ROOT)
-    bad += [
-        f"{_module_name(p)} -> {n}"
-        for p in _modules("sluicegate")
-        if not any(_within(_module_name(p), root) for root in COMPOSITION_ROOT)
-        for n in _imports(p)
-        if _within(n, "sluicegate.stack")
-    ]
-    assert bad == []
+    assert _offending("sluicegate", ("schemas",)) == []
 
 
 def test_the_engine_imports_nothing_of_the_pipeline() -> None:
@@ -122,9 +116,17 @@ def test_the_engine_imports_nothing_of_the_pipeline() -> None:
     ],
 )
 def test_services_import_only_downwards(service: str, allowed: tuple[str, ...]) -> None:
-    bad = _offending(service, allowed)
-    bad += [
-        f"{_module_name(p)} -> {n}" for p in _modules(service) for n in _imports(p) if _within(n, "sluicegate.stack")
+    assert _offending(service, allowed) == []
+
+
+def test_nothing_but_the_benchmarks_imports_the_composition_root() -> None:
+    bad = [
+        f"{_module_name(p)} -> {n}"
+        for package in PROJECT
+        if package not in (COMPOSITION_ROOT, "benchmarks")
+        for p in _modules(package)
+        for n in _imports(p)
+        if _within(n, COMPOSITION_ROOT)
     ]
     assert bad == []
 
@@ -141,3 +143,105 @@ def test_the_reader_resolves_relative_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("from .stack import cli\nfrom ..ingress import app\nimport router.policy\n")
     assert _imports(probe, "sluicegate.sub.probe") == {"sluicegate.sub.stack", "sluicegate.ingress", "router.policy"}
+
+
+# --- cycles between files ---------------------------------------------------------------------------------------
+
+
+def _file_of(name: str) -> Path | None:
+    """The project file that an imported name is: a module, or a package's ``__init__.py``."""
+    base = ROOT / name.replace(".", "/")
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py"
+    return None
+
+
+def _file_arrows(path: Path) -> set[Path]:
+    """The project files ``path`` imports, lazy imports included: ``from pkg import mod`` is an arrow to
+    ``pkg/mod.py`` when that is a module, else to ``pkg/__init__.py``."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                source = ".".join([*base, node.module] if node.module else base)
+            else:
+                source = node.module or ""
+            names = [f"{source}.{alias.name}" if _file_of(f"{source}.{alias.name}") else source for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PROJECT and (target := _file_of(name)) is not None and target != path:
+                targets.add(target)
+    return targets
+
+
+def _cycles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in arrows:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(arrows[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(arrows.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_among_the_product_s_files() -> None:
+    """Two files that import each other (even lazily) have one job between them, or a shared type that wants a
+    module of its own."""
+
+    def name(path: Path) -> str:
+        return str(path.relative_to(ROOT))
+
+    arrows = {name(path): {name(t) for t in _file_arrows(path)} for package in PROJECT for path in _modules(package)}
+    assert _cycles(arrows) == []
+
+
+def test_the_cycle_finder_sees_loops_and_only_loops() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    assert sorted(_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}})) == [["a", "b"], ["c", "d"]]
+
+
+def test_the_file_reader_sees_a_lazy_import_of_a_submodule() -> None:
+    """``from cli.bench import measure`` inside a function is an arrow to ``cli/bench/measure.py``."""
+    assert ROOT / "cli" / "bench" / "measure.py" in _file_arrows(ROOT / "cli" / "bench" / "batch.py")

@@ -7,15 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ingress.routes.openai import _model_card
-from schemas import WorkerHeartbeat
-from sluicegate.models.naming import default_public_name
-from sluicegate.models.smollm2 import GGUF_NAME, GGUF_SIZE
-from sluicegate.settings import Settings
-from sluicegate.stack import launcher
-from sluicegate.stack.cli import build_parser
-from sluicegate.stack.devstack import StackInfo
-from sluicegate.stack.launcher import (
+from cli.backbone.devstack import StackInfo
+from cli.main import build_parser
+from cli.stack import launcher
+from cli.stack.launcher import (
     DEFAULT_MODEL_NAME,
     DEMO_MODEL_NAME,
     RANDOM_WEIGHTS,
@@ -28,6 +23,11 @@ from sluicegate.stack.launcher import (
     parse_model_specs,
     served_models,
 )
+from ingress.routes.openai import _model_card
+from schemas import WorkerHeartbeat
+from sluicegate.models.naming import default_public_name
+from sluicegate.models.smollm2 import GGUF_NAME, GGUF_SIZE
+from sluicegate.settings import Settings
 
 
 def test_no_model_means_the_default_model() -> None:

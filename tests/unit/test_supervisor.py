@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sluicegate.stack.supervisor import Child, CrashLoop, Supervisor
+from cli.stack.supervisor import Child, CrashLoop, Supervisor
 
 SLEEPER = ["import time; time.sleep(60)"]
 CRASHER = ["import sys; sys.exit(3)"]

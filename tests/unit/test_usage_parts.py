@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 
 import pytest
 
+from cli.main import build_parser
+from cli.tools.usage import parse_time, render
 from ingress.auth import parse_keys_file
 from schemas import InferenceRequest, SamplingOptions, Usage, UsageRecord
 from sluicegate.api.limits import Limits
 from sluicegate.settings import Settings
-from sluicegate.stack.cli import build_parser
-from sluicegate.stack.usage_cli import parse_time, render
 from sluicegate.usage.ledger import outcome_of, usage_record
 from sluicegate.usage.quota import QuotaLimit, QuotaRefusal, claim_for, period_end, period_label, tenant_quotas
 from sluicegate.usage.report import hour_window

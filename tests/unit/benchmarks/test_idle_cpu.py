@@ -10,8 +10,8 @@ from benchmarks.idle_cpu import classify, measure
 
 def test_stack_processes_are_told_apart_by_command_line() -> None:
     python = "/root/.pyenv/versions/3.11.7/bin/python3"
-    assert classify(f"{python} -m sluicegate.stack.cli worker") == "worker"
-    assert classify(f"{python} -m sluicegate.stack.cli result-service") == "result-service"
+    assert classify(f"{python} -m cli.main worker") == "worker"
+    assert classify(f"{python} -m cli.main result-service") == "result-service"
     assert classify(f"{python} -m gpu_workers.engine.entrypoints.process_main --fd 15") == "engine"
     assert classify("/usr/bin/java -Xmx512m -cp /x/libs/* kafka.Kafka /x/server.properties") == "kafka"
     assert classify("/usr/bin/redis-server 127.0.0.1:6379") == "redis"

@@ -120,7 +120,7 @@ def by_kind(manifests: Manifests, kind: str) -> dict[str, dict[str, Any]]:
 
 def parse_cli(args: list[str]) -> Any:
     """Parse ``sluicegate <args>`` with the real CLI parser; an unknown command fails the test."""
-    from sluicegate.stack.cli import build_parser
+    from cli.main import build_parser
 
     try:
         return build_parser().parse_args(args)

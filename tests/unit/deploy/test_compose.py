@@ -28,7 +28,7 @@ def _ours(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _launcher_env_names() -> set[str]:
     """The SLUICEGATE_* variables `sluicegate up` sets for its children, read from launcher.py itself."""
-    tree = ast.parse((REPO_ROOT / "sluicegate" / "stack" / "launcher.py").read_text())
+    tree = ast.parse((REPO_ROOT / "cli" / "stack" / "launcher.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Dict):

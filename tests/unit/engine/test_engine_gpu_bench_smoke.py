@@ -61,7 +61,7 @@ def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
 def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
     """The prepared GPU run (benchmarks/gpu_run.sh) in its CPU rehearsal: every phase leaves its files and its
     exit status in summary.json, and greedy parity with transformers holds on the CPU's attention paths."""
-    env = {**os.environ, "OUT": str(tmp_path)}
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # gpu_parity --smoke sets it itself, before triton's import
     result = subprocess.run(
         ["bash", str(REPO_ROOT / "benchmarks" / "gpu_run.sh"), "--smoke", "--only", "env,parity"],

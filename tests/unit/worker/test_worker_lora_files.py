@@ -9,10 +9,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from cli.main import CliError, _lora_pairs, _worker_settings, build_parser
 from gpu_workers.worker.adapter_files import AdapterFetchError, fetch_adapter, is_remote
 from gpu_workers.worker.main import engine_arguments, lora_enabled
 from sluicegate.settings import Settings
-from sluicegate.stack.cli import CliError, _lora_pairs, _worker_settings, build_parser
 
 FILES = {"adapter_config.json": b'{"peft_type": "LORA"}', "adapter_model.safetensors": b"\x02" + bytes(7) + b"{}"}
 

@@ -1,0 +1,1 @@
+"""Client commands of the ``sluicegate`` command line: ``sluicegate batch`` and ``sluicegate usage``."""
