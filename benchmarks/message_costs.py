@@ -44,7 +44,7 @@ RECORD = b"r" * 200
 BODY = json.dumps({"model": "m", "prompt": "p" * 160}).encode()
 FRAME = json.dumps({"type": "token", "seq": 0, "text": " word", "token_ids": [1]})
 
-# Messages per request on the path at 50 req/s, 8 tokens, stream interval 5 ms (docs/benchmarks.md, issue 31):
+# Messages per request on the path at 50 req/s, 8 tokens, stream interval 5 ms (docs/benchmarks.md):
 # Redis round trips from redis_trips; one produce and one fetched record per Kafka leg; one POST; one stream.
 PATH_COUNTS: dict[str, dict[str, float]] = {
     "ingress": {"http": 1, "kafka-produce": 1, "redis": 1},

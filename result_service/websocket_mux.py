@@ -2,7 +2,7 @@
 
 A chat page or a gateway that keeps one socket open pays the handshake, the connection's tasks and its close once
 instead of once per request: on the 2-core box about 0.7 ms of the relay's CPU and 1 ms of the client's per
-request (``docs/benchmarks.md``, issue 31). Each subscription keeps the single-stream socket's guarantees: the same
+request (``docs/benchmarks.md``). Each subscription keeps the single-stream socket's guarantees: the same
 token check, probe and resume point, every event once and in order (each carries its ``request_id``), and a
 ``closed`` notice with the close code that socket would have used when a subscription ends without ``done`` or
 ``error``. A client message that cannot be served gets an ``invalid`` notice; the socket and its other streams
