@@ -56,7 +56,7 @@ async def _events(ctx: RelayContext, grant: StreamGrant, trace: TraceContext | N
 
 def _bearer(request: Request) -> str | None:
     """The stream token sent as ``Authorization: Bearer`` (a fetch-based SSE client can set headers; EventSource
-    cannot, so ``?token=`` stays the way the README shows)."""
+    cannot, so ``?token=`` stays the way docs/api.md shows)."""
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer":
         return None

@@ -1,13 +1,13 @@
 """A Kafka-native record the router refuses still answers whoever reads its stream.
 
 A producer learns of a refused record from ``llm.dlq``, but a client that only follows the request's Redis
-stream (as the README tells Kafka-native producers to) would wait there forever: the router, unlike a worker,
+stream (as docs/api.md tells Kafka-native producers to) would wait there forever: the router, unlike a worker,
 writes nothing to it. So when the refused record's request id can be read, the router also appends one
 ``error`` event to ``llm:stream:<id>`` (the dead letter's reason as its code, the detail as its message), kept
 ``stream_ttl_s`` as a finished stream is.
 
 Only into a stream that does not exist yet: a record refused under the id of a request that already runs or
-ran (a duplicate id, which the README asks producers not to send) must not end that request's stream. The
+ran (a duplicate id, which docs/api.md asks producers not to send) must not end that request's stream. The
 check and the append are one Lua script, so a worker cannot start the stream between them.
 
 Only once the batch's dead letters are acknowledged and its offsets committed (one pipelined round trip for all

@@ -1,6 +1,6 @@
 """Process settings for every Sluicegate service, read from the environment (prefix ``SLUICEGATE_``).
 
-One flat model on purpose: the README's configuration table lists each field, and a service reads
+One flat model on purpose: the configuration reference (docs/configuration.md) lists each field, and a service reads
 only the fields it needs. Nested values use JSON (e.g. ``SLUICEGATE_TOPIC_PARTITIONS``).
 """
 
@@ -527,7 +527,7 @@ def get_settings() -> Settings:
 
 
 def settings_table_markdown() -> str:
-    """The README's configuration table, generated from the fields above so it cannot drift."""
+    """The configuration table of docs/configuration.md, generated from the fields above so it cannot drift."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for name, field in Settings.model_fields.items():
         default = field.default

@@ -39,7 +39,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/var/lib/sluicegate/hf
 WORKDIR /var/lib/sluicegate
 USER 10001:10001
-# ingress, result service, worker metrics, router metrics (see the README's settings table).
+# ingress, result service, worker metrics, router metrics (see docs/configuration.md).
 EXPOSE 8000 8001 8002 8003
 ENTRYPOINT ["sluicegate"]
 CMD ["--help"]

@@ -1,4 +1,4 @@
-"""Settings come from SLUICEGATE_* variables and the README documents every one of them."""
+"""Settings come from SLUICEGATE_* variables and docs/configuration.md documents every one of them."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from sluicegate.settings import Settings, settings_table_markdown
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_env_prefix_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,7 +24,7 @@ def test_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings()
 
 
-def test_readme_documents_every_setting() -> None:
-    assert settings_table_markdown() in README.read_text(), (
-        "README's configuration table is stale: paste sluicegate.settings.settings_table_markdown()"
+def test_configuration_reference_documents_every_setting() -> None:
+    assert settings_table_markdown() in CONFIGURATION.read_text(), (
+        "docs/configuration.md is stale: paste sluicegate.settings.settings_table_markdown() between the markers"
     )
