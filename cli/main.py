@@ -154,7 +154,7 @@ def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _dlq_list(args: argparse.Namespace) -> int:
-    from sluicegate.dlq import format_entry, list_entries
+    from sluicegate.dead_letter_admin import format_entry, list_entries
 
     entries = _dlq_run(list_entries(get_settings(), limit=args.limit))
     for entry in entries:
@@ -165,7 +165,7 @@ def _dlq_list(args: argparse.Namespace) -> int:
 
 
 def _dlq_replay(args: argparse.Namespace) -> int:
-    from sluicegate.dlq import replay, summary
+    from sluicegate.dead_letter_admin import replay, summary
 
     outcomes = _dlq_run(replay(get_settings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run))
     for outcome in outcomes:

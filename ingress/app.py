@@ -16,7 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore
 from sluicegate.browser_origins import browser_origins
-from sluicegate.heap import freeze_startup_heap
+from sluicegate.gc_freeze import freeze_startup_heap
 from sluicegate.settings import Settings
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, instrument_app, instrument_celery, tracer
@@ -24,11 +24,11 @@ from sluicegate.telemetry import configure_tracing, instrument_app, instrument_c
 from .auth import KeyRing
 from .body_limit import BodyLimitMiddleware
 from .errors import install_error_handlers
-from .lean_route import LeanRoute
 from .openapi import install_openapi
 from .ratelimit import RATE_LIMIT_HEADERS
 from .responses.store import ResponseStore
 from .responses.sweeper import ResponseSweeper
+from .route_without_dependencies import LeanRoute
 from .routes import adapters, batches, embeddings, files, native, openai, ops, responses, tokenize, usage
 from .service import IngressService
 from .telemetry import IngressMetrics, MetricsMiddleware

@@ -1,5 +1,6 @@
 """Reading a request's JSON body by hand (the publishing endpoints skip FastAPI's body handling, see
-:mod:`ingress.lean_route`): 400 for malformed JSON or an unpaired surrogate, 400 naming the bad field."""
+:mod:`ingress.route_without_dependencies`): 400 for malformed JSON or an unpaired surrogate, 400 naming the bad
+field."""
 
 from __future__ import annotations
 

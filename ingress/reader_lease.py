@@ -3,7 +3,7 @@ while the process lives and deleted when it stops.
 
 Requests whose output this instance relays to an HTTP client that cannot resume it (the OpenAI-style endpoints)
 name the lease in ``InferenceRequest.reader``. When their client leaves, ingress cancels them; when ingress itself
-dies, nobody does, so workers watch the leases instead (``gpu_workers.worker.readers``) and stop the requests of a
+dies, nobody does, so workers watch the leases instead (``gpu_workers.worker.reader_leases``) and stop the requests of a
 lease that lapsed.
 """
 

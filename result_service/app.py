@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from schemas import Names
 from sluicegate.browser_origins import browser_origins
 from sluicegate.cancellation import Canceller
-from sluicegate.heap import freeze_startup_heap
+from sluicegate.gc_freeze import freeze_startup_heap
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings

@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas import STREAM_FIELD, ErrorEvent, Names, stream_entry_id
-from sluicegate.dead_letters import Rejection, reason_kind
+from sluicegate.record_check import Rejection, reason_kind
 
 log = logging.getLogger(__name__)
 

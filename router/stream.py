@@ -30,11 +30,11 @@ from redis.exceptions import RedisError
 from schemas import InferenceRequest, Names, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.errors import ApiError
-from sluicegate.dead_letters import Rejection, dead_letter, header, reason_kind, request_id_of, validate_record
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.metrics_http import MetricsServer
+from sluicegate.record_check import Rejection, dead_letter, header, reason_kind, request_id_of, validate_record
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 from sluicegate.task_stop import cancel_and_wait
@@ -79,7 +79,7 @@ def _too_large(exc: MessageSizeTooLargeError) -> str:
 class RouterProcessor:
     """Consumes ``llm.inbound`` batch by batch; see the module docstring for the guarantees.
 
-    Besides the reasons of :func:`sluicegate.dead_letters.validate_record` it dead-letters ``unknown_model``
+    Besides the reasons of :func:`sluicegate.record_check.validate_record` it dead-letters ``unknown_model``
     (no live worker, not in ``served_models``; or an unknown adapter), ``invalid_adapter`` (an adapter of another
     base model than the record's ``model``), ``deadline_unmeetable`` (its deadline is sooner than the workers'
     backlog), ``insufficient_quota`` (over its tenant's token quota; a record's ``key_id`` is not checked: the keys

@@ -39,7 +39,7 @@ class Cancels:
         self.in_flight = in_flight
         # Cancels that arrived before their request was picked up (bounded, oldest dropped).
         self._early: OrderedDict[str, None] = OrderedDict()
-        # Readers whose lease lapsed (``readers.ReaderWatch``), with when: nobody reads what their requests make.
+        # Readers whose lease lapsed (``reader_leases.ReaderWatch``), with when: nobody reads what their requests make.
         self._gone_readers: OrderedDict[str, float] = OrderedDict()
 
     def pending(self, request_id: str, reader: str | None = None) -> bool:

@@ -47,7 +47,7 @@ class Active:
     # Wall-clock (unix seconds) of the take and of its first output: the usage record's queue and TTFT times.
     taken_wall: float = field(default_factory=time.time)
     first_output_wall: float | None = None
-    # Its first output reached the worker: it no longer waits for a first token (see ``tier_rooms``).
+    # Its first output reached the worker: it no longer waits for a first token (see ``tier_limits``).
     produced: bool = False
     # Its start in the intake's per-tenant fair queue (a ``fair_intake.Held``), settled when it ends with
     # ``used_tokens`` (prompt + output, set once it finishes; None: the estimate stands).

@@ -3,7 +3,7 @@ each tier's room, hand-off on rebalance, and offset commits.
 
 Fetching and starting are apart. A tier's records are fetched while fewer than ``intake_hold`` of them are held
 (fetched, not started), and its partitions paused once that many are, so the rest of the backlog stays in Kafka.
-Held records start in the tier's room (:mod:`.tier_rooms`: ``max_in_flight`` requests of that tier or above, and
+Held records start in the tier's room (:mod:`.tier_limits`: ``max_in_flight`` requests of that tier or above, and
 the batch tier's yielding to interactive traffic), in the order :mod:`.fair_intake` gives: earliest deadline
 first, then tenant by tenant by tokens. An offset is committed only when every request at or below it reached an
 outcome (:mod:`.offsets`); a held record counts as unfinished from its fetch, so one never started is re-delivered.
@@ -33,7 +33,7 @@ from gpu_workers.engine import EngineFront
 from schemas import TIERS, InferenceRequest, Names
 from schemas.names import Tier
 from sluicegate.api.limits import request_token_cost
-from sluicegate.dead_letters import Rejection, validate_record
+from sluicegate.record_check import Rejection, validate_record
 from sluicegate.task_stop import cancel_and_wait
 
 from .config import WorkerConfig
@@ -44,7 +44,7 @@ from .offsets import CompletionWatermarks
 from .outputs import Outputs
 from .serving import Serving
 from .telemetry import WorkerTelemetry
-from .tier_rooms import TierRooms
+from .tier_limits import TierLimits
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Intake:
         self.stopping = stopping
         self.watermarks: CompletionWatermarks[TopicPartition] = CompletionWatermarks()
         self._tiers: dict[str, Tier] = {names.request_topic(config.model_name, t): t for t in TIERS}
-        self.rooms = TierRooms(config)
+        self.rooms = TierLimits(config)
         self.held: FairIntake[Record] = FairIntake(config.tenant_weights)  # fetched, not started
         self._room = asyncio.Event()
         self._commit_task: asyncio.Task[None] | None = None
@@ -167,7 +167,7 @@ class Intake:
         return self._tiers.get(tp.topic, "batch")
 
     def _rooms(self) -> dict[Tier, int]:
-        """How many more requests each tier may take now (:class:`.tier_rooms.TierRooms`)."""
+        """How many more requests each tier may take now (:class:`.tier_limits.TierLimits`)."""
         held = dict.fromkeys(TIERS, 0)
         awaiting: list[tuple[Tier, float]] = []
         for entry in self.in_flight:

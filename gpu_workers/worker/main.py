@@ -22,7 +22,7 @@ from gpu_workers.engine import AsyncEngine, EngineFront, ProcessEngine
 from gpu_workers.engine.models.loader import resolve_model_path
 from schemas import TIERS, Names
 from sluicegate import event_loop
-from sluicegate.heap import freeze_startup_heap
+from sluicegate.gc_freeze import freeze_startup_heap
 from sluicegate.kafka import create_consumer, create_producer, ensure_topics
 from sluicegate.logs import configure_logging
 from sluicegate.lora.registry import LoRARegistry

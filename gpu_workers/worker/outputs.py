@@ -30,7 +30,7 @@ from schemas import (
     utcnow,
 )
 from schemas.events import FinishReason
-from sluicegate.dead_letters import Rejection, dead_letter
+from sluicegate.record_check import Rejection, dead_letter
 from sluicegate.usage.ledger import usage_record
 
 from .config import WorkerConfig

@@ -31,7 +31,7 @@ from schemas import (
     tier_rank,
 )
 from schemas.events import FinishReason
-from sluicegate.dead_letters import Rejection, request_id_of
+from sluicegate.record_check import Rejection, request_id_of
 from sluicegate.telemetry import attached
 
 from .adapters import AdapterError, Adapters, lora_kwargs, resolve_adapter

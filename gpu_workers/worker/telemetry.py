@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gpu_workers.engine import EngineFront
 from gpu_workers.engine.outputs import RequestDelta, RequestMetrics
 from schemas import TIERS, InferenceRequest, Tier, Usage
-from sluicegate.dead_letters import reason_kind
+from sluicegate.record_check import reason_kind
 from sluicegate.telemetry import context_from_headers, genai_operation, genai_request_attributes, tracing_enabled
 
 from .backlog_seconds import GenerationRate, TokensPerRequest, backlog_seconds

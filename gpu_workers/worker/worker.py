@@ -21,7 +21,7 @@
 * a request naming a LoRA adapter runs with it, looked up in the Redis registry and loaded on demand; an
   unknown or unloadable adapter fails that request with an ``error`` event (:mod:`.adapters`, :mod:`.serving`);
 * a message that cannot be decoded or served goes to ``llm.dlq`` with a ``reason`` header
-  (:mod:`sluicegate.dead_letters`, :mod:`.serving`);
+  (:mod:`sluicegate.record_check`, :mod:`.serving`);
 * final results (``llm.results``) and dead letters are retried until Kafka takes them (at-least-once)
   (:mod:`.outputs`);
 * every event of one flush goes to Redis in one pipelined round trip, with entry ids from ``seq``;
@@ -53,7 +53,7 @@ from .in_flight import InFlight
 from .intake import Intake
 from .observer import WorkerObserver
 from .outputs import Outputs
-from .readers import ReaderWatch
+from .reader_leases import ReaderWatch
 from .serving import Serving
 from .telemetry import WorkerTelemetry
 

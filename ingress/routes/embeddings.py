@@ -15,8 +15,8 @@ from ..accept import SUBMIT_ERRORS, answered_model, rate_headers
 from ..auth import authenticate
 from ..body_parsing import parse_body
 from ..fan_out import accept_each, collect_each
-from ..lean_route import lean_post
 from ..openapi import EmbeddingList, errors, json_body, ok
+from ..route_without_dependencies import lean_post
 
 router = APIRouter(tags=["openai"])
 

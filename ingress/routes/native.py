@@ -18,8 +18,8 @@ from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
-from ..lean_route import lean_post
 from ..openapi import CancelResponse, SubmitResponse, errors, json_body, ok
+from ..route_without_dependencies import lean_post
 
 router = APIRouter(tags=["native"])
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (the whole
-answer, or server-sent events with ``stream``; a completion's list of prompts in :mod:`ingress.several_prompts`),
-and the model listing ``GET /v1/models[/{model}]`` (models with a live worker, the routed public names one of whose
-versions has one, and the LoRA adapters the caller's tenant may use whose base model is listed, with ``parent`` =
-that base as vLLM shows them)."""
+answer, or server-sent events with ``stream``; a completion's list of prompts in
+:mod:`ingress.multi_prompt_completions`), and the model listing ``GET /v1/models[/{model}]`` (models with a live
+worker, the routed public names one of whose versions has one, and the LoRA adapters the caller's tenant may use
+whose base model is listed, with ``parent`` = that base as vLLM shows them)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers, tool_c
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
-from ..lean_route import lean_post
+from ..multi_prompt_completions import answer_prompts
 from ..openai_stream import body_events, collect_or_cancel, stream_failure
 from ..openapi import ChatCompletion, ModelCard, ModelList, TextCompletion, errors, json_body, ok
-from ..several_prompts import answer_prompts
+from ..route_without_dependencies import lean_post
 
 router = APIRouter(tags=["openai"])
 

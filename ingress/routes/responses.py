@@ -26,7 +26,6 @@ from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
 from ..errors import unavailable
-from ..lean_route import lean_post
 from ..openai_stream import follow_or_cancel
 from ..openapi import errors, json_body, ok
 from ..responses.bodies import RESPONSE_ID, ResponseCreateBody, chat_body, echo_fields, responses_error
@@ -36,6 +35,7 @@ from ..responses.items import chat_messages, stored_items, with_ids
 from ..responses.objects import PlanSpec, ResponseRecord
 from ..responses.relay import cancelled, current, sse_events, stream_exists
 from ..responses.store import ResponseStore, Stored, not_found
+from ..route_without_dependencies import lean_post
 
 router = APIRouter(tags=["responses"])
 

@@ -35,7 +35,7 @@ from schemas import (
     utcnow,
 )
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID
-from sluicegate.dlq import read_topic
+from sluicegate.dead_letter_admin import read_topic
 from sluicegate.kafka import create_admin, create_producer
 
 from .conftest import MODEL_NAME, Pipeline

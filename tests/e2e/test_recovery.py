@@ -27,7 +27,7 @@ from websockets.asyncio.client import connect
 
 from gpu_workers.engine import LLM, IncrementalDetokenizer, SamplingParams
 from schemas import DoneEvent, FinalResult, Names, RestartEvent, TokenEvent
-from sluicegate.dlq import read_topic
+from sluicegate.dead_letter_admin import read_topic
 
 from .conftest import Pipeline
 

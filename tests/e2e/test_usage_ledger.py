@@ -24,7 +24,7 @@ from aiokafka import TopicPartition
 
 from ingress.auth import derived_tenant, hash_key
 from schemas import DoneEvent, ErrorEvent, FinalResult, InferenceRequest, Names, SamplingOptions, UsageRecord
-from sluicegate.dlq import read_topic
+from sluicegate.dead_letter_admin import read_topic
 from sluicegate.kafka import create_admin, create_consumer, create_producer
 
 from .batch_support import TERMINAL, chat_line

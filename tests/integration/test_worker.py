@@ -32,7 +32,7 @@ from gpu_workers.worker.control import Cancels
 from gpu_workers.worker.in_flight import Active, InFlight
 from gpu_workers.worker.main import run_worker
 from gpu_workers.worker.outputs import Outputs
-from gpu_workers.worker.readers import ReaderWatch
+from gpu_workers.worker.reader_leases import ReaderWatch
 from gpu_workers.worker.resume import Continuation
 from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
 from schemas import (

@@ -12,9 +12,9 @@ from aiokafka.structs import ConsumerRecord
 from router.publish import request_headers
 from router.refusal_events import refusal_event
 from schemas import DeadLetter, InferenceRequest, TraceContext, utcnow
-from sluicegate import dead_letters
-from sluicegate.dead_letters import Rejection, dead_letter, request_id_of, validate_record
-from sluicegate.dlq import DlqEntry, ReplayOutcome, check_payload, format_entry, replay_payload
+from sluicegate import record_check
+from sluicegate.dead_letter_admin import DlqEntry, ReplayOutcome, check_payload, format_entry, replay_payload
+from sluicegate.record_check import Rejection, dead_letter, request_id_of, validate_record
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 
@@ -54,7 +54,7 @@ def test_a_record_that_fails_to_be_read_is_rejected_not_raised(monkeypatch: pyte
     def broken(*_args: object) -> Rejection:
         raise RuntimeError("a reader bug")
 
-    monkeypatch.setattr(dead_letters, "_classify", broken)
+    monkeypatch.setattr(record_check, "_classify", broken)
     got = validate_record(b'{"prompt": 42}', [("request_id", b"r-9")])
     assert isinstance(got, Rejection) and got.reason == "unreadable_record" and got.request_id == "r-9"
     assert "a reader bug" in got.detail
@@ -120,8 +120,8 @@ def test_a_dead_letter_always_fits_in_one_record(body: bytes) -> None:
     record = ConsumerRecord("llm.inbound", 0, 7, 0, 0, b"k", body, None, 1, len(body), [])
     value, _ = dead_letter(Rejection("invalid_json", "bad", "r-big"), record)
     letter = DeadLetter.model_validate_json(value)
-    assert len(value) <= dead_letters.LETTER_LIMIT and letter.payload_truncated
-    assert body.decode().startswith(letter.payload) and len(letter.payload) > dead_letters.LETTER_LIMIT // 10
+    assert len(value) <= record_check.LETTER_LIMIT and letter.payload_truncated
+    assert body.decode().startswith(letter.payload) and len(letter.payload) > record_check.LETTER_LIMIT // 10
     assert check_payload(letter) == "its payload was cut to fit the letter: the original record is not kept whole"
     one = ConsumerRecord("llm.inbound", 0, 8, 0, 0, b"k", b"x", None, 1, 1, [])
     small = DeadLetter.model_validate_json(dead_letter(Rejection("invalid_json", "bad"), one)[0])
@@ -150,8 +150,8 @@ def test_a_refusal_tells_the_stream_its_reason_as_a_bare_code_when_its_id_is_a_r
 
 def test_a_reason_s_kind_leaves_out_the_field_a_producer_named() -> None:
     # Metric labels take the kind: a field name comes from the record's writer, and would grow a series per name.
-    assert dead_letters.reason_kind("schema_violation:x_any_field_7f3a") == "schema_violation"
-    assert dead_letters.reason_kind("deadline_exceeded") == "deadline_exceeded"
+    assert record_check.reason_kind("schema_violation:x_any_field_7f3a") == "schema_violation"
+    assert record_check.reason_kind("deadline_exceeded") == "deadline_exceeded"
 
 
 def _letter(body: dict[str, object]) -> tuple[DeadLetter, bytes]:

@@ -1,4 +1,4 @@
-"""How the worker reads a request record (:mod:`sluicegate.dead_letters`, shared with the router): the same
+"""How the worker reads a request record (:mod:`sluicegate.record_check`, shared with the router): the same
 reasons, a deadline left to pick-up time, and the request id taken from the header first."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from aiokafka.structs import ConsumerRecord
 
 from schemas import DeadLetter, InferenceRequest, utcnow
 from schemas.names import HEADER_REQUEST_ID
-from sluicegate.dead_letters import DETAIL_LIMIT, Rejection, dead_letter, request_id_of, validate_record
+from sluicegate.record_check import DETAIL_LIMIT, Rejection, dead_letter, request_id_of, validate_record
 
 VALID = {"request_id": "r-1", "model": "llama", "prompt": "hello"}
 HEADERS = [(HEADER_REQUEST_ID, b"from-header")]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sluicegate.heap import freeze_startup_heap
+from sluicegate.gc_freeze import freeze_startup_heap
 
 
 class _Node:

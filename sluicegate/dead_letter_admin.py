@@ -37,8 +37,8 @@ from schemas import (
     utcnow,
 )
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
-from sluicegate.dead_letters import record_json
 from sluicegate.kafka import create_admin, create_consumer, create_producer
+from sluicegate.record_check import record_json
 from sluicegate.redis_client import create_redis
 from sluicegate.settings import Settings
 

@@ -32,7 +32,7 @@ _FIRST_TOKEN_HOLD_S = 0.5
 _FIRST_TOKEN_POLL_S = 0.005
 
 
-class TierRooms:
+class TierLimits:
     """Each tier's room, from what the worker holds and what it took lately."""
 
     def __init__(self, config: WorkerConfig, clock: Callable[[], float] = time.monotonic) -> None:

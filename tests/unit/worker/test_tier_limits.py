@@ -11,7 +11,7 @@ from aiokafka import TopicPartition
 from gpu_workers.worker.config import WorkerConfig
 from gpu_workers.worker.in_flight import InFlight
 from gpu_workers.worker.intake import Intake
-from gpu_workers.worker.tier_rooms import TierRooms
+from gpu_workers.worker.tier_limits import TierLimits
 from schemas import Names
 from schemas.names import Tier
 
@@ -59,8 +59,8 @@ class _Clock:
         return self.now
 
 
-def _rooms(clock: _Clock, **config: float) -> TierRooms:
-    return TierRooms(WorkerConfig(model_name="m", worker_id="w", **config), clock=clock)  # type: ignore[arg-type]
+def _rooms(clock: _Clock, **config: float) -> TierLimits:
+    return TierLimits(WorkerConfig(model_name="m", worker_id="w", **config), clock=clock)  # type: ignore[arg-type]
 
 
 def test_a_tier_stays_busy_for_the_window_after_it_last_took_a_request() -> None:
