@@ -66,6 +66,12 @@ def require_import(module: str, hint: str = "") -> ModuleType:
     raise AssertionError("unreachable: require skipped or failed")
 
 
+def require_triton_interpreter(interpreted: bool) -> None:
+    """Triton kernels on CPU tensors need Triton's interpreter, chosen before triton's first import
+    (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``): a test that finds it off skips, or fails under ``CI``."""
+    require(interpreted, "Triton's interpreter on the CPU", "TRITON_INTERPRET=1 before triton's first import")
+
+
 def needs(available: bool, what: str, hint: str = "") -> pytest.MarkDecorator:
     """A mark: the test skips (outside CI) or fails (under ``CI``) at set-up when ``available`` is false."""
     return pytest.mark.needs(available=available, what=what, hint=hint)

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
+from needs import require_import
 
 from benchmarks.lora import make_adapter
 from gpu_workers.engine import LLM, SamplingParams
@@ -28,7 +29,7 @@ from schemas import ChatMessage, InferenceRequest, TokenEvent
 
 from .conftest import API_KEY, Pipeline
 
-pytest.importorskip("peft")
+require_import("peft")
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
 ADAPTER = "sql-tuned"

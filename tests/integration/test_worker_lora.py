@@ -17,6 +17,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from needs import require_import
 from redis.asyncio import Redis
 from safetensors.torch import load_file, save_file
 from test_worker import (
@@ -38,7 +39,7 @@ from schemas import ErrorEvent, InferenceRequest, Names, SamplingOptions, TokenE
 from sluicegate.lora.checks import ask_check
 from sluicegate.lora.registry import LoRARegistry
 
-pytest.importorskip("peft")
+require_import("peft")
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 MAX_TOKENS = 24

@@ -84,3 +84,18 @@ def test_present_runs_under_ci(tmp_path: Path) -> None:
     source = "from needs import needs, require_tool\n\n@needs(True, 'x')\ndef test_it():\n    require_tool('sh')\n"
     run = run_pytest(tmp_path, source, ci="true")
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout
+
+
+def test_the_suite_skips_what_it_needs_only_through_needs() -> None:
+    """A raw ``pytest.importorskip``, or a bare ``pytest.skip`` over a missing library or interpreter mode, would let
+    CI pass while the test never ran; only missing hardware (CUDA, a CPU feature) may skip plainly."""
+    raw = ("pytest.importorskip(", "is not installed", "TRITON_INTERPRET=1 before")
+    offenders = [
+        f"{path.relative_to(TESTS_DIR)}:{number}"
+        for path in sorted(TESTS_DIR.rglob("*.py"))
+        if path.name not in ("needs.py", Path(__file__).name)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "pytest.skip(" in line or "importorskip(" in line
+        if any(marker in line for marker in raw)
+    ]
+    assert offenders == []

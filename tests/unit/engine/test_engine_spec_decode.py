@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from needs import require_import
+from needs import require_import, require_triton_interpreter
 
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.core.sequence import Sequence
@@ -282,8 +282,8 @@ def test_triton_backend_verifies_drafts_like_plain_decoding(
     require_import("triton")
     from gpu_workers.engine.attention.triton_kernels import INTERPRETED
 
-    if not torch.cuda.is_available() and not INTERPRETED:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton's first import")
+    if not torch.cuda.is_available():
+        require_triton_interpreter(INTERPRETED)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = model_dir("llama")
     prompts = repetitive_prompts(9, count=2)

@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 import torch
-from needs import require
+from needs import require, require_triton_interpreter
 
 from gpu_workers.engine.lora import LoRABatch, add_lora
 from gpu_workers.engine.lora import kernels as lora_kernels
@@ -191,8 +191,7 @@ def _triton_ready(monkeypatch: pytest.MonkeyPatch) -> str:
         raise
     if HAS_CUDA:
         return "cuda"
-    if not triton_lora.INTERPRETED:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton's first import")
+    require_triton_interpreter(triton_lora.INTERPRETED)
     monkeypatch.setattr(lora_kernels, "TRITON_ON_CPU", True)
     return "cpu"
 

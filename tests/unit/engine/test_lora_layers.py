@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from needs import require, require_triton_interpreter
 from torch import nn
 
 from gpu_workers.engine import LLM, LoRARequest, SamplingParams
@@ -135,9 +136,9 @@ def _triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     try:
         from gpu_workers.engine.lora import triton_lora
     except ImportError:
-        pytest.skip("triton is not installed")
-    if not triton_lora.INTERPRETED:
-        pytest.skip("needs TRITON_INTERPRET=1 before triton's first import")
+        require(False, "triton", "a dependency of torch; pip install -e '.[dev]'")
+        raise
+    require_triton_interpreter(triton_lora.INTERPRETED)
     monkeypatch.setattr(lora_kernels, "TRITON_ON_CPU", True)
     return lora_kernels
 

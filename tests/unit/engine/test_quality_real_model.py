@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from needs import require_import
+from needs import require_import, require_triton_interpreter
 from transformers import AutoTokenizer
 
 from benchmarks import quality_measures as qm
@@ -59,8 +59,8 @@ def test_greedy_equals_transformers_on_triton(gguf: Path, reference: qm.Referenc
     require_import("triton")
     from gpu_workers.engine.attention.triton_kernels import INTERPRETED
 
-    if not torch.cuda.is_available() and not INTERPRETED:
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton's first import")
+    if not torch.cuda.is_available():
+        require_triton_interpreter(INTERPRETED)
     check = qm.check_greedy(gguf, reference, prompts[:2], 2, "triton", staggered=True, attention_backend="triton")
     assert check.equal == 2 and check.prefix_hit_tokens > 0, check
 
