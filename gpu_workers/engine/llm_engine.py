@@ -21,7 +21,7 @@ from .core.deltas import check_stop, delta_due, make_delta
 from .core.request import EngineRequest, PromptInput
 from .core.scheduler import Scheduler
 from .core.sequence import RequestStatus, Sequence
-from .core.sequences import SequenceFactory
+from .core.sequence_factory import SequenceFactory
 from .distributed.ranks import TensorParallelRanks, TPModelRunner
 from .execution.model_runner import ModelRunner
 from .execution.sampler import Sampler
