@@ -253,7 +253,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestDelta]:
         """Run one engine iteration; returns a delta for every request that produced a token (with
-        ``stream_interval_ms``, for those whose interval is up, see :func:`.deltas.delta_due`)."""
+        ``stream_interval_ms``, for those whose interval is up, see :func:`.core.deltas.delta_due`)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.sampler)
         batch = self.scheduler.schedule()
