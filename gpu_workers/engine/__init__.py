@@ -5,19 +5,20 @@ Offline: ``LLM(model=...).generate(prompts, SamplingParams(...))``. Online: ``As
 (optional GPU packages are imported lazily).
 
 Layout: ``entrypoints/`` the front ends (``LLM``, ``AsyncEngine``, ``ProcessEngine`` on ``EngineFront``);
-``core/`` the loop they drive (``LLMEngine``, scheduler, KV block manager, request and sequence state,
-admission); ``execution/`` the forward pass and sampling; ``attention/``, ``models/``, ``quantization/``
-the kernels, architectures and quantized layers. Everything outside the engine imports from this package.
+``llm_engine.py`` the loop they drive (``LLMEngine``); ``core/`` the state and bookkeeping it steps (scheduler,
+KV block manager, request and sequence state, admission, deltas); ``execution/`` the forward pass and sampling;
+``attention/``, ``models/``, ``quantization/`` the kernels, architectures and quantized layers. Everything outside
+the engine imports from this package.
 """
 
 from .config import EngineConfig
-from .core.llm_engine import LLMEngine
 from .detokenizer import IncrementalDetokenizer
 from .entrypoints.async_engine import AsyncEngine
 from .entrypoints.engine_front import EngineFront, RequestStream
 from .entrypoints.llm import LLM
 from .entrypoints.process_engine import ProcessEngine
 from .guided import GuidedDecoding
+from .llm_engine import LLMEngine
 from .lora import LoRAError, LoRARequest
 from .outputs import EngineStats, RequestDelta, RequestMetrics, RequestOutput, TokenLogprob
 from .sampling_params import SamplingParams

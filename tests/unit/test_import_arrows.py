@@ -4,6 +4,9 @@
 * the runtime library ``sluicegate`` imports only ``schemas``;
 * ``gpu_workers.engine`` imports nothing of the pipeline: no project package outside itself, no Kafka, Redis
   or pydantic (it must run on a bare GPU image);
+* inside the engine, ``core`` holds the leaf types (sequence, scheduler, KV block manager, request) that the driver
+  ``llm_engine`` steps and ``execution``, ``spec_decode``, ``distributed`` and ``entrypoints`` read: it imports
+  none of them;
 * services import no other service, except ``ingress`` -> ``router`` and ``batch_service`` -> ``router`` (the
   routing library, used in-process to publish); the worker may use the engine; in particular ``ingress`` and
   ``batch_service`` never import each other: what both use lives in the runtime library (``sluicegate.api``,
@@ -35,6 +38,15 @@ PROJECT = (
 #: What wires the services together: the command line, ``up`` and the local backbone.
 COMPOSITION_ROOT = "cli"
 PIPELINE_LIBRARIES = ("aiokafka", "redis", "pydantic", "pydantic_settings", "fastapi", "celery")
+#: What stands above the engine's leaf types in ``gpu_workers.engine.core``: the driver that steps them, and the
+#: packages that run their sequences (``execution``, ``spec_decode``, ``distributed``) or front the driver.
+ABOVE_ENGINE_CORE = (
+    "gpu_workers.engine.llm_engine",
+    "gpu_workers.engine.execution",
+    "gpu_workers.engine.spec_decode",
+    "gpu_workers.engine.distributed",
+    "gpu_workers.engine.entrypoints",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -44,8 +56,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, module: str | None = None) -> set[str]:
-    """Absolute names of everything ``path`` imports (relative imports resolved against its package)."""
+def _imports(path: Path, module: str | None = None, *, with_names: bool = False) -> set[str]:
+    """Absolute names of everything ``path`` imports (relative imports resolved against its package).
+
+    ``with_names``: also ``package.name`` for each ``from package import name``, since the name may be a module
+    (``from .. import llm_engine``)."""
     module = module or _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -60,6 +75,8 @@ def _imports(path: Path, module: str | None = None) -> set[str]:
             else:
                 name = node.module or ""
             found.add(name)
+            if with_names:
+                found.update(f"{name}.{alias.name}" for alias in node.names if alias.name != "*")
     return found
 
 
@@ -105,6 +122,23 @@ def test_the_engine_imports_nothing_of_the_pipeline() -> None:
     assert libraries == []
 
 
+def test_the_engine_core_imports_nothing_that_stands_above_it() -> None:
+    """``core`` is the engine's ground floor: the driver and the execution, speculative-decoding, tensor-parallel
+    and front-end packages import its types, so an import the other way would close a circle."""
+    core = _modules("gpu_workers.engine.core")
+    assert core, "no modules under gpu_workers.engine.core"
+    for above in ABOVE_ENGINE_CORE:
+        where = ROOT / above.replace(".", "/")
+        assert where.is_dir() or where.with_suffix(".py").is_file(), f"{above} is gone: name what replaced it"
+    bad = [
+        f"{_module_name(p)} -> {n}"
+        for p in core
+        for n in _imports(p, with_names=True)
+        if any(_within(n, above) for above in ABOVE_ENGINE_CORE)
+    ]
+    assert bad == []
+
+
 @pytest.mark.parametrize(
     ("service", "allowed"),
     [
@@ -143,6 +177,15 @@ def test_the_reader_resolves_relative_imports(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text("from .stack import cli\nfrom ..ingress import app\nimport router.policy\n")
     assert _imports(probe, "sluicegate.sub.probe") == {"sluicegate.sub.stack", "sluicegate.ingress", "router.policy"}
+
+
+def test_the_reader_sees_a_module_imported_by_name(tmp_path: Path) -> None:
+    """``from .. import llm_engine`` names the module only as an imported name; ``with_names`` sees it."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from .. import llm_engine\nfrom .scheduler import Scheduler\n")
+    found = _imports(probe, "gpu_workers.engine.core.probe", with_names=True)
+    assert {"gpu_workers.engine.llm_engine", "gpu_workers.engine.core.scheduler"} <= found
+    assert "gpu_workers.engine.llm_engine" not in _imports(probe, "gpu_workers.engine.core.probe")
 
 
 # --- cycles between files ---------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from ..config import EngineConfig
-from ..core.llm_engine import LLMEngine
 from ..core.request import EngineRequest
+from ..llm_engine import LLMEngine
 from ..outputs import EngineStats
 from .engine_front import ENGINE_CALLS, EngineFront, RequestStream
 

@@ -9,8 +9,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..config import EngineConfig
-from ..core.llm_engine import LLMEngine
 from ..core.request import EngineRequest, PromptInput
+from ..llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams

@@ -123,7 +123,7 @@ def serve(sock: socket.socket) -> int:
     try:
         if initializer is not None:
             initializer()
-        from ..core.llm_engine import LLMEngine
+        from ..llm_engine import LLMEngine
 
         engine = LLMEngine(config)
     except Exception as exc:

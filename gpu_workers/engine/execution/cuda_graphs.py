@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import AttentionMetadata
-from ..lora.kernels import LoRABatch
+from ..lora.batch import LoRABatch
 from ..lora.layers import LoRAContext
 
 logger = logging.getLogger(__name__)

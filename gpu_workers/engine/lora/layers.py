@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .kernels import LoRABatch, add_lora
+from .batch import LoRABatch
+from .kernels import add_lora
 
 
 class LoRAContext:

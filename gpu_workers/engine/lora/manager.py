@@ -22,7 +22,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..core.sequence import Sequence
-from .kernels import LoRABatch
+from .batch import LoRABatch
 from .layers import LoRAContext
 from .peft_files import AdapterWeights, LoRAError, load_adapter
 from .request import LoRARequest

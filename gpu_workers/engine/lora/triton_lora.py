@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from .kernels import LoRABatch
+    from .batch import LoRABatch
 
 # tl.dot needs every dimension >= 16.
 _BLOCK_M = 16

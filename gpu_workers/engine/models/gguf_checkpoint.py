@@ -26,19 +26,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .gguf_errors import GGUFLoadError
+
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1  # bump when the folder layout changes: older cached folders are rebuilt
 SOURCE_FILE = "gguf_source.json"
-
-
-class GGUFLoadError(ValueError):
-    """A GGUF file that cannot be loaded; the message names the file and the reason."""
-
-    def __init__(self, path: Path | str, reason: str) -> None:
-        super().__init__(f"GGUF file {path}: {reason}")
-        self.path = Path(path)
-        self.reason = reason
 
 
 def find_gguf(model: str | Path) -> Path | None:

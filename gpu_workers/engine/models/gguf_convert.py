@@ -17,7 +17,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
-from .gguf_checkpoint import GGUFLoadError
+from .gguf_errors import GGUFLoadError
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from ..quantization.cpu_linear import DEFAULT_INT4_GROUP, CpuInt4Linear, CpuInt8
 from ..quantization.cpu_quant import gguf_layer_kind
 from ..quantization.gguf_blocks import GROUP, INT4_GGUF_TYPES, int4_parts, q8_0_float
 from ..quantization.int4_load import MERGED_PROJECTIONS
-from .gguf_checkpoint import GGUFLoadError
 from .gguf_convert import ARCHITECTURES, TENSOR_INDEX, read_gguf, tensor_index, unpermute_rows
+from .gguf_errors import GGUFLoadError
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from gpu_workers.engine import LLM, SamplingParams
-from gpu_workers.engine.models.gguf_checkpoint import GGUFLoadError
 from gpu_workers.engine.models.gguf_convert import TENSOR_INDEX
+from gpu_workers.engine.models.gguf_errors import GGUFLoadError
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear, cpu_linear
 

@@ -13,7 +13,7 @@ import pytest
 
 from gpu_workers.engine import LLM, AsyncEngine, RequestStream, SamplingParams
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.core.llm_engine import LLMEngine
+from gpu_workers.engine.llm_engine import LLMEngine
 
 from .conftest import HFReference, random_prompts
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpu_workers.engine import LLM, SamplingParams
-from gpu_workers.engine.core.llm_engine import LLMEngine
+from gpu_workers.engine.llm_engine import LLMEngine
 
 from .conftest import HFReference, random_prompts
 

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from gpu_workers.engine import LLM, RequestDelta, SamplingParams
+from gpu_workers.engine import LLM, RequestDelta, SamplingParams, llm_engine
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.core import llm_engine
 
 PROMPT = [5, 17, 99, 17, 250, 3, 41, 41, 300, 7]
 

@@ -12,7 +12,7 @@ import pytest
 
 from gpu_workers.engine import SamplingParams
 from gpu_workers.engine.config import EngineConfig
-from gpu_workers.engine.core.llm_engine import LLMEngine
+from gpu_workers.engine.llm_engine import LLMEngine
 
 from .conftest import MAX_MODEL_LEN, HFReference, random_prompts
 

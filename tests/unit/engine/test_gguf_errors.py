@@ -9,7 +9,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from gpu_workers.engine import LLM
-from gpu_workers.engine.models.gguf_checkpoint import GGUFLoadError, converted_folder
+from gpu_workers.engine.models.gguf_checkpoint import converted_folder
+from gpu_workers.engine.models.gguf_errors import GGUFLoadError
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
 from .gguf_files import write_gguf

@@ -1,39 +1,39 @@
 """The synchronous engine loop: take ``EngineRequest``s, run one scheduling + forward + sampling step at a
 time, apply stop rules, and report per-request deltas. Not thread-safe: every front end drives it from one
-thread (``LLM`` the caller's, ``AsyncEngine`` its step thread, ``ProcessEngine`` its engine process)."""
+thread (``LLM`` the caller's, ``AsyncEngine`` its step thread, ``ProcessEngine`` its engine process).
+
+The driver stands above everything it drives: the leaf state and bookkeeping of ``core/`` (scheduler, KV block
+manager, sequences, requests), the forward pass of ``execution/`` (or ``distributed/``'s tensor-parallel one),
+``spec_decode/`` and ``lora/``. None of those imports it; only the front ends of ``entrypoints/`` do."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention import get_attention_backend
-from ..config import EngineConfig
-from ..distributed.ranks import TensorParallelRanks, TPModelRunner
-from ..execution.model_runner import ModelRunner
-from ..execution.sampler import Sampler
-from ..lora.manager import LoRAManager
-from ..lora.peft_files import AdapterSpec, load_adapter
-from ..lora.request import LoRARequest
-from ..models.loader import load_model
-from ..outputs import EngineStats, RequestDelta
-from ..sampling_params import SamplingParams
-from ..spec_decode.draft_model import build_draft_model
-from ..spec_decode.speculator import Speculator
-from ..tokenizer import load_tokenizer, resolve_eos_token_ids
-from .admission import RequestValidator
-from .block_manager import KVBlockManager
-from .choices import fork_choices
-from .deltas import check_stop, delta_due, make_delta
-from .request import EngineRequest, PromptInput
-from .scheduler import Scheduler
-from .sequence import RequestStatus, Sequence
-from .sequences import SequenceFactory
-
-if TYPE_CHECKING:
-    pass
+from .attention import get_attention_backend
+from .config import EngineConfig
+from .core.admission import RequestValidator
+from .core.block_manager import KVBlockManager
+from .core.choices import fork_choices
+from .core.deltas import check_stop, delta_due, make_delta
+from .core.request import EngineRequest, PromptInput
+from .core.scheduler import Scheduler
+from .core.sequence import RequestStatus, Sequence
+from .core.sequence_factory import SequenceFactory
+from .distributed.ranks import TensorParallelRanks, TPModelRunner
+from .execution.model_runner import ModelRunner
+from .execution.sampler import Sampler
+from .lora.manager import LoRAManager
+from .lora.peft_files import AdapterSpec, load_adapter
+from .lora.request import LoRARequest
+from .models.loader import load_model
+from .outputs import EngineStats, RequestDelta
+from .sampling_params import SamplingParams
+from .spec_decode.draft_model import build_draft_model
+from .spec_decode.speculator import Speculator
+from .tokenizer import load_tokenizer, resolve_eos_token_ids
 
 
 class LLMEngine:
@@ -253,7 +253,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestDelta]:
         """Run one engine iteration; returns a delta for every request that produced a token (with
-        ``stream_interval_ms``, for those whose interval is up, see :func:`.deltas.delta_due`)."""
+        ``stream_interval_ms``, for those whose interval is up, see :func:`.core.deltas.delta_due`)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.sampler)
         batch = self.scheduler.schedule()
@@ -292,7 +292,7 @@ class LLMEngine:
             sample_seqs, logits = self._fork_choices(sample_seqs, logits)
         token_mask = None
         if any(seq.guided is not None for seq in sample_seqs):
-            from ..guided.matcher import grammar_bitmask
+            from .guided.matcher import grammar_bitmask
 
             token_mask = grammar_bitmask([seq.guided for seq in sample_seqs], logits.shape[1])
         sampled = self.sampler(logits, sample_seqs, token_mask)
