@@ -1,8 +1,10 @@
 """Accepting a request, the step every publishing endpoint shares: resolve its model name (a LoRA adapter's name
 becomes its base model + the adapter, ``sluicegate.lora.resolve``; a routed name a version), resolve its tier,
 check it against the caller's limits and the model's live workers, build the pipeline's
-:class:`schemas.InferenceRequest` from the body (``build_request``) and publish it under a span whose context
-travels in the Kafka headers."""
+:class:`schemas.InferenceRequest` from the body (``build_request``), answer it from the response cache or check it
+against the queue (deadline, backlog), charge the key (rate limits, then quotas: only once the queue has room, so a
+request it turns away costs nothing) and record + publish it (:meth:`IngressService.publish`, one step) under a
+span whose context travels in the Kafka headers."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from fastapi import Request
 from opentelemetry import propagate
 from opentelemetry.trace import Span, SpanKind
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
-from router.policy import resolve_tier
-from schemas import InferenceRequest, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
+from router.policy import deadline_unmeetable, resolve_tier
+from schemas import InferenceRequest, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.bodies import AnyBody
 from sluicegate.api.build import advertised_tool_call_format, build_request
@@ -32,13 +35,17 @@ from sluicegate.api.limits import (
     checked_max_tokens,
     model_context,
 )
+from sluicegate.api.openai_format import worker_failure
 from sluicegate.api.prompt_tokens import ModelTokenizers, check_prompt_fits
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
-from sluicegate.usage.quota import claim_for
+from sluicegate.usage.quota import QuotaClaim, claim_for
 
 from .app_state import service_of, tracer_of
 from .auth import ApiKey
+from .errors import unavailable
 from .ratelimit import RateState
+from .service import IngressService
+from .telemetry import IngressMetrics
 from .usage_ledger import cache_hit_record
 
 # The statuses accepting a request can answer (documented on every publishing endpoint).
@@ -72,7 +79,8 @@ async def accept(
     limits = caller.limits.resolve(service.settings)
     prompt_tokens = check_prompt_tokens(body, limits)
     max_tokens = checked_max_tokens(body, limits)
-    check_rate_cost(prompt_tokens + max_tokens, limits)
+    tokens = prompt_tokens + max_tokens  # what the key's token rate is charged
+    check_rate_cost(tokens, limits)
     heartbeats = await service.model_heartbeats(body.model)
     max_tokens = check_context(body, max_tokens, model_context(heartbeats))
     request.state.tool_call_format = advertised_tool_call_format(heartbeats)
@@ -108,32 +116,27 @@ async def accept(
             span.update_name(f"{genai_operation(inference)} {inference.model}")
             span.set_attributes(genai_request_attributes(inference))
         cache_key, lookup = service.cache.plan(inference, request.headers.get("cache-control"))
-        charge: Limits | None = limits
         cached = await service.cache.lookup(inference, cache_key) if lookup and cache_key is not None else None
+        charged = False
         if cached is not None:
             # Answered from the response cache: no GPU, but the key still pays for the call (first: a 429 leaves
-            # nothing behind).
-            _keep_rate(request, await service.charge(caller.key_id, limits, prompt_tokens + max_tokens))
-            if quota is not None:
-                await service.reserve(quota)  # settled by the rollup, from the usage record sent below
+            # nothing behind). The quota settles from the usage record sent below.
+            _keep_rate(request, await _charge(service, caller.key_id, limits, tokens, quota))
+            charged = True
             if await service.cache.replay(inference, cached):
                 if (record := cache_hit_record(inference, cached.events)) is not None:
                     service.usage.send_later(record)
                 if span is not None:
                     span.set_attribute("sluicegate.route_reason", "response_cache")
                 return inference
-            charge = None  # already charged: the worker answers, and submit must not charge again
-        route, rate = await service.submit(
-            inference,
-            max_tier=caller.max_tier,
-            heartbeats=heartbeats,
-            trace_carrier=carrier,
-            key_id=caller.key_id,
-            limits=charge,
-            tokens=prompt_tokens + max_tokens,
-            quota=quota,
-        )
-        _keep_rate(request, rate)
+            # Redis did not take the replay: a worker answers it, already charged.
+        route = await service.route(inference, max_tier=caller.max_tier, heartbeats=heartbeats)
+        _check_deadline(service.metrics, inference, route.tier, heartbeats)
+        await service.backlog.admit(inference.model, route.tier, heartbeats, service.partitions(inference.model))
+        if not charged:  # only now: a request the queue turns away costs its key nothing
+            _keep_rate(request, await _charge(service, caller.key_id, limits, tokens, quota))
+        published = await service.publish(inference, route, carrier)  # recorded and published, one step
+        service.backlog.accepted(inference.model, route.tier, published.topic, published.partition, published.offset)
         if cache_key is not None:
             service.cache.fill_later(inference, cache_key)
         if version is not None:
@@ -213,6 +216,49 @@ async def _fit_context(
         return inference, prompt_tokens
     sampling = inference.sampling.model_copy(update={"max_tokens": fitted})
     return inference.model_copy(update={"sampling": sampling}), prompt_tokens
+
+
+def _check_deadline(
+    metrics: IngressMetrics, request: InferenceRequest, tier: Tier, heartbeats: list[WorkerHeartbeat]
+) -> None:
+    """504 ``deadline_exceeded`` for a deadline that passed while the request was checked (a deadline of a few ms:
+    answered as the worker would, not queued); 429 ``deadline_unmeetable`` when the backlog the model's workers
+    report at ``tier`` and above cannot be worked off before it."""
+    if request.expired():
+        metrics.rejected.labels("deadline_exceeded").inc()
+        assert request.deadline is not None
+        message = f"The deadline {request.deadline.isoformat()} passed before the request was queued."
+        raise worker_failure("deadline_exceeded", message)
+    if (unmeetable := deadline_unmeetable(request, tier, heartbeats)) is not None:
+        metrics.rejected.labels("deadline_unmeetable").inc()
+        # Retrying cannot bring the deadline back: the SDKs are told not to.
+        headers = {"x-should-retry": "false"}
+        raise ApiError(429, f"{unmeetable}; nothing was queued.", code="deadline_unmeetable", headers=headers)
+
+
+async def _charge(
+    service: IngressService, key_id: str, limits: Limits, tokens: int, quota: QuotaClaim | None
+) -> RateState | None:
+    """Charge one request of ``tokens`` to the key's rate limits, then reserve its tokens under its quotas
+    (``quota``). Returns what the rate limits have left (None without any); 429 over a limit (nothing charged) or a
+    quota (``insufficient_quota``), 503 without Redis."""
+    try:
+        rate = await service.rate_limiter.acquire(key_id, limits, tokens=tokens)
+    except ApiError:
+        service.metrics.rejected.labels("rate_limited").inc()
+        raise
+    except (RedisError, OSError) as exc:
+        raise unavailable("Redis", exc) from exc
+    if quota is None:
+        return rate
+    try:
+        refusal = await service.quotas.reserve(quota)
+    except (RedisError, OSError) as exc:
+        raise unavailable("Redis", exc) from exc
+    if refusal is not None:
+        service.metrics.rejected.labels("insufficient_quota").inc()
+        raise refusal.error()
+    return rate
 
 
 def tool_call_format(request: Request) -> ToolCallFormat | None:

@@ -173,7 +173,8 @@ async def test_the_produce_request_leaves_before_the_status_record(
                 writes.clear()
                 monkeypatch.setattr(AIOKafkaConnection, "send", stamped_kafka)
                 monkeypatch.setattr(RedisConnection, "send_packed_command", stamped_redis)
-            await service.submit(request, max_tier="interactive", heartbeats=heartbeats, trace_carrier={})
+            route = await service.route(request, max_tier="interactive", heartbeats=heartbeats)
+            await service.publish(request, route, {})
     finally:
         monkeypatch.undo()
         await service.close()
