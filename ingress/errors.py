@@ -1,12 +1,15 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, for every failure ingress
 reports, so OpenAI clients raise their usual exception classes with a readable message; a backbone that does
-not answer is a 503 with ``Retry-After``.
+not answer is a 503 with ``Retry-After``. An error about an accepted request carries that request's id itself
+(:func:`answered_under`), so the handlers need nothing but the error.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,18 +23,33 @@ from sluicegate.api.errors import ApiError
 log = logging.getLogger(__name__)
 
 
-def error_response(exc: ApiError, accepted_id: str | None = None) -> JSONResponse:
+def error_response(exc: ApiError) -> JSONResponse:
     """The HTTP response of ``exc``: its status, its OpenAI-shaped body and its headers, always with an
-    ``x-request-id``: the error's own, else the request this HTTP request had accepted (``accepted_id``: a worker's
-    failure, a timeout), else a fresh one that only this answer and its log line carry (the SDKs show it as the
-    error's ``request_id``, so a user can quote it and an operator find it)."""
+    ``x-request-id``: the error's own (the request it is about, :func:`answered_under`), else a fresh one that only
+    this answer and its log line carry (the SDKs show it as the error's ``request_id``, so a user can quote it
+    and an operator find it)."""
     headers = exc.headers or {}
     request_id = headers.get("x-request-id")
     if request_id is None:
-        request_id = accepted_id or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex
         headers = {"x-request-id": request_id} | headers
     log.info("ingress.refused status=%d code=%s request_id=%s", exc.status, exc.code, request_id)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+@contextmanager
+def answered_under(request_id: str) -> Iterator[None]:
+    """Every ``ApiError`` raised inside names ``request_id`` (its ``x-request-id``) unless it names a request of its
+    own: the request an HTTP call accepted (the first, for a call of several), so a refusal, a worker's failure or
+    a timeout is answered under the id a client and an operator can look up."""
+    try:
+        yield
+    except ApiError as exc:
+        headers = exc.headers or {}
+        if "x-request-id" not in headers:
+            # A new dict: an error's headers may be a dict its raiser keeps.
+            exc.headers = {"x-request-id": request_id} | headers
+        raise
 
 
 def unavailable(what: str, exc: BaseException, *, request_id: str | None = None) -> ApiError:
@@ -47,9 +65,9 @@ def unavailable(what: str, exc: BaseException, *, request_id: str | None = None)
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error (ours, routing 404/405, FastAPI's own validation) through the OpenAI shape."""
 
-    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return error_response(exc, getattr(request.state, "request_id", None))
+        return error_response(exc)
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -18,14 +18,15 @@ import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from schemas import InferenceRequest, Usage
+from schemas import Usage
 from sluicegate.api.bodies import CompletionBody
 from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import SSE_DONE, ResponseIds, sse
 from sluicegate.task_stop import cancel_and_wait
 
-from .accept import answered_model, rate_headers
+from .accept import Accepted, answered_model, rate_headers
 from .auth import ApiKey
+from .errors import answered_under
 from .fan_out import accept_each, collect_each
 from .openai_stream import StreamPart, body_events
 
@@ -46,32 +47,33 @@ async def answer_prompts(request: Request, caller: ApiKey, body: CompletionBody)
     """Accept every prompt of ``body``, then answer them together, whole or streamed."""
     accepted_at = time.perf_counter()
     accepted = await accept_each(request, caller, body.one_per_prompt(), _ENDPOINT)
-    first = accepted[0]
+    first = accepted[0].inference
     ids = ResponseIds("completion", first.request_id, answered_model(first), int(time.time()))
     n = first.sampling.n
     plan = ChoicePlan("completion", n=n, logprobs=first.sampling.logprobs is not None)
     # Every part's id too (``x-request-ids``, in prompt order), so a client can follow or cancel each one.
-    headers = {"x-request-id": first.request_id, "x-request-ids": ",".join(i.request_id for i in accepted)}
-    headers |= rate_headers(request)
+    headers = {"x-request-id": first.request_id, "x-request-ids": ",".join(a.request_id for a in accepted)}
+    headers |= rate_headers(*accepted)
     if body.stream:
         events = _merged_events(request, accepted, ids, plan, body, accepted_at)
         headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    results = await collect_each(request, accepted)
-    if results is None:
-        return Response(status_code=499)  # the client left; every prompt is cancelled
-    choices = [
-        choice | {"index": position * n + choice["index"]}
-        for position, (assembler, _) in enumerate(results)
-        for choice in whole_choices(assembler, plan)
-    ]
-    usage = summed_usage([done.usage for _, done in results])
+    with answered_under(first.request_id):  # a part's failure, a timeout: answered under the call's id
+        results = await collect_each(request, accepted)
+        if results is None:
+            return Response(status_code=499)  # the client left; every prompt is cancelled
+        choices = [
+            choice | {"index": position * n + choice["index"]}
+            for position, (assembler, _) in enumerate(results)
+            for choice in whole_choices(assembler, plan)
+        ]
+        usage = summed_usage([done.usage for _, done in results])
     return JSONResponse(ids.choices_response(choices, usage), headers=headers)
 
 
 async def _merged_events(
     request: Request,
-    accepted: list[InferenceRequest],
+    accepted: list[Accepted],
     ids: ResponseIds,
     plan: ChoicePlan,
     body: CompletionBody,
@@ -82,21 +84,21 @@ async def _merged_events(
     stop_reason = "client_disconnected"  # until a part fails: then the others stop because it did
     queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
 
-    async def pump(position: int, inference: InferenceRequest) -> None:
+    async def pump(position: int, accepted_part: Accepted) -> None:
         part = StreamPart(
-            inference.request_id,
+            accepted_part.request_id,
             position * plan.n,
             on_done=lambda usage: usages.__setitem__(position, usage),
             stopped_because=lambda: stop_reason,
         )
-        events = body_events(request, ids, body, tenant=inference.tenant, plan=plan, accepted_at=accepted_at, part=part)
+        events = body_events(request, ids, body, accepted_part, plan=plan, accepted_at=accepted_at, part=part)
         try:
             async for text in events:
                 queue.put_nowait((position, text))
         finally:
             queue.put_nowait((position, None))
 
-    pumps = [asyncio.create_task(pump(position, inference)) for position, inference in enumerate(accepted)]
+    pumps = [asyncio.create_task(pump(position, each)) for position, each in enumerate(accepted)]
     running = len(pumps)
     try:
         while running:

@@ -22,7 +22,7 @@ from sluicegate.api.openai_choices import ChoiceChunks, ChoicePlan
 from sluicegate.api.openai_format import SSE_DONE, ResponseIds, running_usage, sse, worker_failure
 from sluicegate.task_stop import cancel_and_wait
 
-from .accept import counted_prompts
+from .accept import Accepted
 from .app_state import service_of
 from .service import IngressService
 from .telemetry import IngressMetrics
@@ -46,26 +46,25 @@ def body_events(
     request: Request,
     ids: ResponseIds,
     body: ChatCompletionBody | CompletionBody,
+    accepted: Accepted,
     *,
-    tenant: str,
     plan: ChoicePlan,
     accepted_at: float,
     part: StreamPart | None = None,
 ) -> AsyncIterator[str]:
-    """:func:`sse_events` with the stream options of an OpenAI ``body``, each request's running usage counting
-    the prompt ingress counted for it (a part's own prompt, for a list of prompts)."""
+    """:func:`sse_events` of the ``accepted`` request with the stream options of an OpenAI ``body``, its running
+    usage counting the prompt ingress counted for it (a part's own prompt, for a list of prompts)."""
     service = service_of(request)
-    request_id = part.request_id if part is not None else ids.request_id
     return sse_events(
         service,
         ids,
-        tenant=tenant,
+        tenant=accepted.inference.tenant,
         include_usage=body.include_usage,
         accepted_at=accepted_at,
         metrics=service.metrics,
         plan=plan,
         continuous_usage=body.continuous_usage,
-        prompt_tokens=counted_prompts(request).get(request_id),
+        prompt_tokens=accepted.counted_prompt_tokens,
         part=part,
     )
 

@@ -1,7 +1,8 @@
-"""What ingress does against Kafka and Redis: decide whether a model is served, publish a routed request
-(status record first, then the Kafka record, acknowledged by every in-sync replica), cancel (through the
-one cancel path, ``sluicegate.cancellation``), read status, and follow a request's Redis stream (through
-the one stream follower, ``sluicegate.stream_follower``).
+"""What ingress does against Kafka and Redis: decide whether a model is served, route a request and record +
+publish it as one step (the Kafka record acknowledged by every in-sync replica, the status record written while
+it is), cancel (through the one cancel path, ``sluicegate.cancellation``), read status, and follow a request's
+Redis stream (through the one stream follower, ``sluicegate.stream_follower``). Whether a request may be
+published at all (limits, quotas, deadline, backlog) is admission's, in :mod:`ingress.accept`.
 
 Every Kafka wait is bounded by ``kafka_timeout_s`` and surfaces as a 503, never a hang.
 """
@@ -22,13 +23,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.heartbeats import HeartbeatCache
-from router.policy import deadline_unmeetable
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
 from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
 from sluicegate.api.errors import ApiError
-from sluicegate.api.limits import Limits
-from sluicegate.api.openai_format import worker_failure
 from sluicegate.api.prompt_tokens import ModelTokenizers
 from sluicegate.cancellation import Canceller
 from sluicegate.lora.registry import LoRARegistry
@@ -39,13 +37,13 @@ from sluicegate.stream_entries import StreamEntry, parse_entry
 from sluicegate.stream_follower import FollowerConfig, StreamFollower
 from sluicegate.stream_subscription import START_SEQ, SlowConsumer
 from sluicegate.telemetry import untraced
-from sluicegate.usage.quota import QuotaClaim, Quotas
+from sluicegate.usage.quota import Quotas
 
 from .backlog import BacklogMonitor
 from .errors import unavailable
 from .model_routes import ModelRoutes
 from .producer_pool import ProducerPool
-from .ratelimit import RateLimiter, RateState
+from .ratelimit import RateLimiter
 from .reader_lease import ReaderLease
 from .response_cache import ResponseCache
 from .telemetry import IngressMetrics
@@ -152,28 +150,10 @@ class IngressService:
         return beats
 
     # --- publishing -----------------------------------------------------------------------------
-    async def submit(
-        self,
-        request: InferenceRequest,
-        *,
-        max_tier: Tier,
-        heartbeats: list[WorkerHeartbeat],
-        trace_carrier: Mapping[str, str],
-        key_id: str | None = None,
-        limits: Limits | None = None,
-        tokens: int = 0,
-        quota: QuotaClaim | None = None,
-    ) -> tuple[Route, RateState | None]:
-        """Admit the request (backlog bound, then the key's rate limits when ``key_id`` and ``limits`` are
-        given, charging ``tokens``, then its token quotas' reservation, ``quota``), then record it as queued and
-        publish it, both at once. Returns its route and what the key's rate limits have left (None when not
-        charged here or the key has none).
-
-        429 when the request's deadline cannot be met by the backlog its workers report (``deadline_unmeetable``),
-        when the model's backlog is full or the key is over a limit (nothing is charged or queued for a
-        request the backlog turns away); 503 when Kafka or Redis fails, with no record left and a request
-        that did reach Kafka cancelled (workers never start it).
-        """
+    async def route(self, request: InferenceRequest, *, max_tier: Tier, heartbeats: list[WorkerHeartbeat]) -> Route:
+        """Where ``request`` goes: its tier's topic (capped at ``max_tier``) and a partition, from the model's live
+        ``heartbeats``. The producers are started and the model's topics made on first use: a Kafka that does not
+        answer is a 503 here, before admission charges anything."""
         try:
             await self.producers.start()
             await self.topics.ensure_model(request.model)
@@ -181,25 +161,22 @@ class IngressService:
             self.metrics.publish_failures.labels(request.model).inc()
             raise unavailable("Kafka", exc) from exc
         self.router.set_heartbeats(request.model, heartbeats)
-        route = self.router.route(request, max_tier=max_tier)
-        if request.expired():
-            # Passed while it was checked (a deadline of a few ms): answered as the worker would, not queued.
-            self.metrics.rejected.labels("deadline_exceeded").inc()
-            assert request.deadline is not None
-            message = f"The deadline {request.deadline.isoformat()} passed before the request was queued."
-            raise worker_failure("deadline_exceeded", message)
-        if (unmeetable := deadline_unmeetable(request, route.tier, heartbeats)) is not None:
-            self.metrics.rejected.labels("deadline_unmeetable").inc()
-            # Retrying cannot bring the deadline back: the SDKs are told not to.
-            headers = {"x-should-retry": "false"}
-            raise ApiError(429, f"{unmeetable}; nothing was queued.", code="deadline_unmeetable", headers=headers)
-        partitions = {topic: self.router.partitions(topic) for topic in self.names.request_topics(request.model)}
-        await self.backlog.admit(request.model, route.tier, heartbeats, partitions)
-        rate: RateState | None = None
-        if key_id is not None and limits is not None:
-            rate = await self.charge(key_id, limits, tokens)
-        if quota is not None:
-            await self.reserve(quota)
+        return self.router.route(request, max_tier=max_tier)
+
+    def partitions(self, model: str) -> dict[str, int]:
+        """The partition count of each of ``model``'s request topics (what its backlog is read from)."""
+        return {topic: self.router.partitions(topic) for topic in self.names.request_topics(model)}
+
+    async def publish(
+        self, request: InferenceRequest, route: Route, trace_carrier: Mapping[str, str]
+    ) -> RecordMetadata:
+        """Record ``request`` as queued and publish it on ``route``, as one step: both happen or neither stays.
+        Returns where Kafka put it. Admission (``ingress.accept``) has checked and charged it already.
+
+        The status record is written while the broker acknowledges the produce, so it costs no round trip of its
+        own. 503 when Kafka or Redis fails: a publish that failed leaves no record (and gives back the request's
+        quota reservation), and a request in Kafka whose record failed is cancelled (workers never start it).
+        """
         record = RequestRecord(
             request_id=request.request_id,
             model=request.model,
@@ -243,8 +220,6 @@ class IngressService:
             # drop a request cancelled before they start it), so a retry does not run it twice.
             await self.canceller.publish(request.request_id, request.tenant, "record_failed")
             raise unavailable("Redis", exc, request_id=request.request_id) from exc
-        metadata = published
-        self.backlog.accepted(request.model, route.tier, metadata.topic, metadata.partition, metadata.offset)
         self.metrics.publish_latency.observe(time.perf_counter() - started)
         self.metrics.published.labels(request.model, route.tier, route.reason).inc()
         log.info(
@@ -256,7 +231,7 @@ class IngressService:
             route.reason,
             request.tenant,
         )
-        return route, rate
+        return published
 
     async def _save_record(self, record: RequestRecord) -> None:
         """Write the "queued" status record, a few event-loop turns from now.
@@ -275,28 +250,6 @@ class IngressService:
                 ex=self.settings.request_record_ttl_s,
                 nx=True,
             )
-
-    async def charge(self, key_id: str, limits: Limits, tokens: int) -> RateState | None:
-        """Charge one request of ``tokens`` to the key's rate limits: what they have left (None without any), 429
-        over a limit, 503 without Redis."""
-        try:
-            return await self.rate_limiter.acquire(key_id, limits, tokens=tokens)
-        except ApiError:
-            self.metrics.rejected.labels("rate_limited").inc()
-            raise
-        except (RedisError, OSError) as exc:
-            raise unavailable("Redis", exc) from exc
-
-    async def reserve(self, claim: QuotaClaim) -> None:
-        """Reserve the request's tokens under its quotas: 429 ``insufficient_quota`` over one, 503 without Redis.
-        Reserving a request again charges nothing (a cache hit that falls back to a worker)."""
-        try:
-            refusal = await self.quotas.reserve(claim)
-        except (RedisError, OSError) as exc:
-            raise unavailable("Redis", exc) from exc
-        if refusal is not None:
-            self.metrics.rejected.labels("insufficient_quota").inc()
-            raise refusal.error()
 
     async def _abandon(self, request: InferenceRequest) -> None:
         # A send that timed out may still reach Kafka from the producer's buffer: the cancel marker makes

@@ -14,6 +14,7 @@ from sluicegate.api.embeddings import EmbeddingBody, embedding_response
 from ..accept import SUBMIT_ERRORS, answered_model, rate_headers
 from ..auth import authenticate
 from ..body_parsing import parse_body
+from ..errors import answered_under
 from ..fan_out import accept_each, collect_each
 from ..openapi import EmbeddingList, errors, json_body, ok
 from ..route_without_dependencies import lean_post
@@ -32,13 +33,15 @@ _ENDPOINT = "/v1/embeddings"
 async def embeddings(request: Request) -> Response:
     caller = await authenticate(request)
     body = await parse_body(request, EmbeddingBody, root_field="input")
-    accepted = await accept_each(request, caller, body.items(), _ENDPOINT)
-    results = await collect_each(request, accepted)
-    if results is None:
-        return Response(status_code=499)  # the client left; every input is cancelled
-    dones = [done for _, done in results]
-    model = answered_model(accepted[0]) if accepted else body.model
-    headers = ({"x-request-id": accepted[0].request_id} if accepted else {}) | rate_headers(request)
-    vectors = [done.embedding for done in dones]
-    prompt_tokens = sum(done.usage.prompt_tokens for done in dones)
-    return JSONResponse(embedding_response(model, vectors, prompt_tokens, body.encoding_format), headers=headers)
+    accepted = await accept_each(request, caller, body.items(), _ENDPOINT)  # one at least: a body has an input
+    first = accepted[0]
+    with answered_under(first.request_id):  # an input's failure, a timeout: answered under the call's id
+        results = await collect_each(request, accepted)
+        if results is None:
+            return Response(status_code=499)  # the client left; every input is cancelled
+        dones = [done for _, done in results]
+        vectors = [done.embedding for done in dones]
+        prompt_tokens = sum(done.usage.prompt_tokens for done in dones)
+        response = embedding_response(answered_model(first.inference), vectors, prompt_tokens, body.encoding_format)
+    headers = {"x-request-id": first.request_id} | rate_headers(*accepted)
+    return JSONResponse(response, headers=headers)

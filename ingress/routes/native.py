@@ -37,7 +37,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 async def submit(request: Request) -> JSONResponse:
     caller = await authenticate(request)
     body = await parse_body(request, NativeRequestBody, root_field="prompt")
-    inference = await accept(request, caller, body, "/v1/requests", relayed=False)
+    accepted = await accept(request, caller, body, "/v1/requests", relayed=False)
+    inference = accepted.inference
     settings = service_of(request).settings
     rid = inference.request_id
     payload = {
@@ -50,7 +51,7 @@ async def submit(request: Request) -> JSONResponse:
             settings.stream_token_secret, rid, inference.tenant, lifetime_s=settings.stream_token_lifetime_s
         ),
     }
-    return JSONResponse(payload, status_code=202, headers={"x-request-id": rid} | rate_headers(request))
+    return JSONResponse(payload, status_code=202, headers={"x-request-id": rid} | rate_headers(accepted))
 
 
 @router.get("/v1/requests/{request_id}", responses=ok(RequestRecord) | errors(401, 404, 503))

@@ -20,10 +20,11 @@ from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import Kind, ResponseIds
 from sluicegate.api.tool_calls import ToolPlan, plan_for
 
-from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers, tool_call_format
+from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
+from ..errors import answered_under
 from ..multi_prompt_completions import answer_prompts
 from ..openai_stream import body_events, collect_or_cancel, stream_failure
 from ..openapi import ChatCompletion, ModelCard, ModelList, TextCompletion, errors, json_body, ok
@@ -38,32 +39,34 @@ _RESULT_ERRORS = (409, 500, 504)
 async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | CompletionBody, kind: Kind) -> Response:
     """Accept the request, then answer it as a stream of events or as one response."""
     accepted_at = time.perf_counter()
-    inference = await accept(request, caller, body, f"/v1/{'chat/' if kind == 'chat' else ''}completions")
-    ids = ResponseIds(kind, inference.request_id, answered_model(inference), int(time.time()))
-    plan = ChoicePlan(
-        kind,
-        n=inference.sampling.n,
-        logprobs=inference.sampling.logprobs is not None,
-        tools=plan_for(body.tools, body.tool_choice, tool_call_format(request))
-        if isinstance(body, ChatCompletionBody)
-        else ToolPlan(),
-    )
-    headers = {"x-request-id": inference.request_id} | rate_headers(request)
-    service = service_of(request)
-    if body.stream:
-        stream = body_events(request, ids, body, tenant=inference.tenant, plan=plan, accepted_at=accepted_at)
-        headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-    assembler = await collect_or_cancel(request, service, inference.request_id, inference.tenant)
-    if assembler is None:
-        # The client left; nobody reads this, 499 is for logs and metrics.
-        return Response(status_code=499)
-    failure = stream_failure(assembler)
-    if failure is not None:
-        raise failure
-    assert assembler.done is not None
-    payload = ids.choices_response(whole_choices(assembler, plan), assembler.done.usage)
-    return JSONResponse(payload, headers=headers)
+    accepted = await accept(request, caller, body, f"/v1/{'chat/' if kind == 'chat' else ''}completions")
+    inference = accepted.inference
+    with answered_under(inference.request_id):  # a worker's failure, a timeout: answered under the request's id
+        ids = ResponseIds(kind, inference.request_id, answered_model(inference), int(time.time()))
+        plan = ChoicePlan(
+            kind,
+            n=inference.sampling.n,
+            logprobs=inference.sampling.logprobs is not None,
+            tools=plan_for(body.tools, body.tool_choice, accepted.tool_call_format)
+            if isinstance(body, ChatCompletionBody)
+            else ToolPlan(),
+        )
+        headers = {"x-request-id": inference.request_id} | rate_headers(accepted)
+        service = service_of(request)
+        if body.stream:
+            stream = body_events(request, ids, body, accepted, plan=plan, accepted_at=accepted_at)
+            headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        assembler = await collect_or_cancel(request, service, inference.request_id, inference.tenant)
+        if assembler is None:
+            # The client left; nobody reads this, 499 is for logs and metrics.
+            return Response(status_code=499)
+        failure = stream_failure(assembler)
+        if failure is not None:
+            raise failure
+        assert assembler.done is not None
+        payload = ids.choices_response(whole_choices(assembler, plan), assembler.done.usage)
+        return JSONResponse(payload, headers=headers)
 
 
 @lean_post(

@@ -21,11 +21,11 @@ from sluicegate.api.errors import ApiError
 from sluicegate.api.openai_format import worker_failure
 from sluicegate.api.tool_calls import plan_for
 
-from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers, tool_call_format
+from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers
 from ..app_state import service_of
 from ..auth import ApiKey, Caller, authenticate
 from ..body_parsing import parse_body
-from ..errors import unavailable
+from ..errors import answered_under, unavailable
 from ..openai_stream import follow_or_cancel
 from ..openapi import errors, json_body, ok
 from ..responses.bodies import RESPONSE_ID, ResponseCreateBody, chat_body, echo_fields, responses_error
@@ -74,46 +74,48 @@ async def create_response(request: Request) -> Response:
     given = stored_items(body.input)  # type: ignore[arg-type]
     chat = chat_body(body, chat_messages(history + given, body.instructions))
     try:
-        inference = await accept(request, caller, chat, "/v1/responses", relayed=not body.background)
+        accepted = await accept(request, caller, chat, "/v1/responses", relayed=not body.background)
     except ApiError as exc:
-        raise responses_error(exc) from None
+        raise responses_error(exc) from None  # with the refusal's headers: its x-request-id among them
+    inference = accepted.inference
     rid = inference.request_id
-    record = ResponseRecord(
-        id=f"resp_{rid}",
-        request_id=rid,
-        tenant=caller.tenant,
-        created_at=int(inference.created_at.timestamp()),
-        model=answered_model(inference),
-        background=bool(body.background),
-        echo=echo_fields(body),
-        plan=PlanSpec.of(plan_for(chat.tools, chat.tool_choice, tool_call_format(request))),
-        input_items=with_ids(given, rid),
-        chain=chain,
-    )
-    if body.stored:
-        try:
-            await store.create(record)
-        except (RedisError, OSError) as exc:
-            # Queued but not recorded: take the request back, so a retry does not run it twice.
-            await service.cancel(rid, caller.tenant, reason="record_failed")
-            raise unavailable("Redis", exc, request_id=rid) from exc
-    headers = {"x-request-id": rid} | rate_headers(request)
-    if body.stream:
-        events = sse_events(
-            service, record, store=store if body.stored else None, cancel_on_disconnect=not body.background
+    with answered_under(rid):  # a worker's failure, a timeout: answered under the request's id
+        record = ResponseRecord(
+            id=f"resp_{rid}",
+            request_id=rid,
+            tenant=caller.tenant,
+            created_at=int(inference.created_at.timestamp()),
+            model=answered_model(inference),
+            background=bool(body.background),
+            echo=echo_fields(body),
+            plan=PlanSpec.of(plan_for(chat.tools, chat.tool_choice, accepted.tool_call_format)),
+            input_items=with_ids(given, rid),
+            chain=chain,
         )
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers | _SSE_HEADERS)
-    builder = ResponseEvents(record)
-    if body.background:
-        return JSONResponse(builder.response(), headers=headers)
-    if not await follow_or_cancel(request, service, rid, caller.tenant, builder.feed):
-        return Response(status_code=499)  # the client left; nobody reads this
-    response = builder.response()
-    if body.stored:
-        await store.finalize(record, response)
-    if builder.failure is not None:
-        raise worker_failure(*builder.failure)
-    return JSONResponse(response, headers=headers)
+        if body.stored:
+            try:
+                await store.create(record)
+            except (RedisError, OSError) as exc:
+                # Queued but not recorded: take the request back, so a retry does not run it twice.
+                await service.cancel(rid, caller.tenant, reason="record_failed")
+                raise unavailable("Redis", exc, request_id=rid) from exc
+        headers = {"x-request-id": rid} | rate_headers(accepted)
+        if body.stream:
+            events = sse_events(
+                service, record, store=store if body.stored else None, cancel_on_disconnect=not body.background
+            )
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers | _SSE_HEADERS)
+        builder = ResponseEvents(record)
+        if body.background:
+            return JSONResponse(builder.response(), headers=headers)
+        if not await follow_or_cancel(request, service, rid, caller.tenant, builder.feed):
+            return Response(status_code=499)  # the client left; nobody reads this
+        response = builder.response()
+        if body.stored:
+            await store.finalize(record, response)
+        if builder.failure is not None:
+            raise worker_failure(*builder.failure)
+        return JSONResponse(response, headers=headers)
 
 
 async def _conversation(

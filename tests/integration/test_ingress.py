@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from aiokafka.conn import AIOKafkaConnection
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 from ingress_support import (
     CAPPED_KEY,
     KEY,
@@ -58,9 +58,11 @@ from schemas import (
     WorkerHeartbeat,
     utcnow,
 )
+from sluicegate.api.errors import ApiError
 from sluicegate.kafka import create_admin, create_producer, ensure_topics
 from sluicegate.settings import Settings
 from sluicegate.stream_tokens import verify_stream_token
+from sluicegate.usage.quota import QuotaClaim, QuotaLimit, Quotas
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -173,13 +175,59 @@ async def test_the_produce_request_leaves_before_the_status_record(
                 writes.clear()
                 monkeypatch.setattr(AIOKafkaConnection, "send", stamped_kafka)
                 monkeypatch.setattr(RedisConnection, "send_packed_command", stamped_redis)
-            await service.submit(request, max_tier="interactive", heartbeats=heartbeats, trace_carrier={})
+            route = await service.route(request, max_tier="interactive", heartbeats=heartbeats)
+            await service.publish(request, route, {})
     finally:
         monkeypatch.undo()
         await service.close()
     assert writes == ["produce", "record"]
     stored = RequestRecord.model_validate_json(await redis.get(names.request_key("order-2")))
     assert stored.status == "queued"
+
+
+async def test_a_publish_kafka_does_not_acknowledge_leaves_no_record_and_no_quota_reservation(
+    settings: Settings, redis: Redis, cleanup_topics: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Recording and publishing are one step: the status record goes out while the broker acknowledges, and a
+    # delivery that fails takes it back (leaving the cancel marker) and gives back the quota admission reserved,
+    # so a request its client hears 503 for leaves nothing that says it was queued.
+    names = Names(settings.topic_prefix)
+    await heartbeat(redis, names)
+    written = asyncio.Event()
+    save_record = IngressService._save_record
+
+    async def noted_save(self: IngressService, record: RequestRecord) -> None:
+        await save_record(self, record)
+        written.set()
+
+    async def unacknowledged(*_: Any) -> asyncio.Task[None]:
+        async def delivery() -> None:
+            await written.wait()  # the record is in Redis by now
+            raise KafkaTimeoutError()
+
+        return asyncio.create_task(delivery())
+
+    service = IngressService(settings, IngressMetrics())
+    quotas = Quotas(redis, names)
+    day = QuotaLimit("tenant", "t", "day", 1000)
+    try:
+        heartbeats = await service.model_heartbeats(MODEL)
+        request = InferenceRequest(request_id="lost", model=MODEL, prompt="never acknowledged", tenant="t")
+        route = await service.route(request, max_tier="interactive", heartbeats=heartbeats)
+        assert await quotas.reserve(QuotaClaim("lost", 50, (day,))) is None  # what admission reserved for it
+        monkeypatch.setattr(IngressService, "_save_record", noted_save)
+        monkeypatch.setattr("ingress.service.send_routed", unacknowledged)
+        with pytest.raises(ApiError) as refused:
+            await service.publish(request, route, {})
+    finally:
+        monkeypatch.undo()
+        await service.close()
+    assert written.is_set()
+    assert refused.value.status == 503 and refused.value.headers is not None
+    assert refused.value.headers["x-request-id"] == "lost"
+    assert await redis.get(names.request_key("lost")) is None
+    assert await redis.exists(names.cancel_key("lost"))
+    assert await quotas.used(day) == 0 and not await redis.exists(names.quota_hold_key("lost"))
 
 
 async def test_concurrent_publishes_go_through_different_producers(settings: Settings, cleanup_topics: None) -> None:

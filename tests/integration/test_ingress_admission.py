@@ -36,6 +36,7 @@ from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import Limits
 from sluicegate.kafka import create_consumer
 from sluicegate.settings import Settings
+from sluicegate.usage.quota import QuotaLimit, Quotas
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -44,6 +45,7 @@ RPS_KEY = "sk-one-per-second"
 TPM_KEY = "sk-thousand-tokens-per-minute"
 SMALL_KEY = "sk-small-requests-only"
 OTHER_TENANT_KEY = "sk-other-tenant-key"
+CHARGED_KEY = "sk-three-per-minute-and-a-daily-quota"
 SECRET = "admission-secret"
 
 
@@ -63,6 +65,7 @@ def settings(test_settings: Settings, tmp_path: Path) -> Settings:
             "default_queue_budget_s": 30,
         },
         {"key": OTHER_TENANT_KEY, "tenant": "other"},
+        {"key": CHARGED_KEY, "tenant": "charged", "rpm": 3, "tokens_per_day": 10_000},
     ]
     keys.write_text("\n".join(json.dumps(e) for e in entries) + "\n")
     return test_settings.model_copy(
@@ -162,6 +165,35 @@ async def test_backlog_bound_answers_429_and_readmits_as_workers_progress(
     # Nothing accepted was dropped, nothing refused was queued, nothing was published twice.
     requests = await published(settings, len(accepted))
     assert sorted(r.request_id for r in requests) == sorted(accepted)
+
+
+async def test_a_request_the_backlog_refuses_costs_its_key_nothing(
+    settings: Settings, redis: Redis, cleanup_topics: None
+) -> None:
+    # Admission charges a key (its rate limits, then its token quota) only once the queue has room: a request
+    # the backlog bound turns away leaves no rate-limit counter and no quota reservation behind.
+    bounded = settings.model_copy(update={"max_backlog_per_model": 1})
+    names = Names(settings.topic_prefix)
+    key_id = hash_key(CHARGED_KEY)[:16]
+    day = QuotaLimit("key", key_id, "day", 10_000)
+    quotas = Quotas(redis, names)
+    body = {"model": MODEL, "prompt": "queue me", "max_tokens": 4}
+    async with running_ingress(bounded) as url, client(url) as free, client(url, CHARGED_KEY) as charged:
+        # No worker runs: one request fills the backlog.
+        assert (await free.post("/v1/requests", json=body)).status_code == 202
+        refused = await charged.post("/v1/requests", json=body)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "model_backlog_full", refused.text
+        assert "x-ratelimit-remaining-requests" not in refused.headers
+    assert not await redis.exists(names.rate_key(key_id, "rpm"))
+    assert not await redis.exists(names.quota_hold_key(refused.headers["x-request-id"]))
+    assert await quotas.used(day) == 0
+    # The same key through an ingress with room is charged for one request: the refused one cost nothing.
+    async with running_ingress(settings) as url, client(url, CHARGED_KEY) as charged:
+        admitted = await charged.post("/v1/requests", json=body)
+    assert admitted.status_code == 202, admitted.text
+    assert admitted.headers["x-ratelimit-remaining-requests"] == "2"
+    assert await redis.exists(names.quota_hold_key(admitted.json()["request_id"]))
+    assert 0 < await quotas.used(day) < 100
 
 
 # --- rate limits -------------------------------------------------------------------------------------------------
