@@ -60,8 +60,9 @@ from .service import IngressService
 from .telemetry import IngressMetrics
 from .usage_ledger import cache_hit_record
 
-# The statuses accepting a request can answer (documented on every publishing endpoint).
-SUBMIT_ERRORS = (400, 401, 404, 413, 429, 503)
+# The statuses accepting a request can answer (documented on every publishing endpoint); 504: its deadline passed
+# while it was being accepted.
+SUBMIT_ERRORS = (400, 401, 404, 413, 429, 503, 504)
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,7 +217,8 @@ _ERROR_DESCRIPTIONS = {
     "(X-Request-Deadline or the deadline field) cannot be met by the backlog (deadline_unmeetable).",
     500: "The worker failed the request.",
     503: "Kafka or Redis does not answer, or no worker verified a LoRA adapter in time; see Retry-After.",
-    504: "No result within the request timeout or the request's deadline.",
+    504: "No result within the request timeout or the request's deadline, or the deadline passed before the request "
+    "was queued (deadline_exceeded).",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
 

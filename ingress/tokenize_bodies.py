@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas import ChatMessage, ToolSpec
+from sluicegate.api.bodies.base import MODEL_DESCRIPTION
 from sluicegate.api.chat_messages import ChatMessageIn
+from sluicegate.api.schema_rules import exactly_one, rules
 
 
 class TokenizeBody(BaseModel):
     """``prompt`` (text) or ``messages`` (rendered through the chat template), as vLLM takes them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=rules(exactly_one("prompt", "messages")))
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, description=MODEL_DESCRIPTION)
     prompt: str | None = None
     # As chat completions takes them (an assistant turn with tool_calls and no content, text parts...), so any
     # conversation the API serves can be counted.
@@ -42,8 +46,11 @@ class TokenizeResponse(BaseModel):
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1)
-    tokens: list[int] = Field(max_length=1_000_000)
+    model: str = Field(min_length=1, description=MODEL_DESCRIPTION)
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(
+        max_length=1_000_000,
+        description="Token ids of the model's vocabulary; an id past its end is a 400 token_out_of_vocabulary.",
+    )
 
 
 class DetokenizeResponse(BaseModel):

@@ -28,11 +28,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from schemas import EndUser, Tier
 from sluicegate.api.bodies import ChatCompletionBody
+from sluicegate.api.bodies.base import MODEL_DESCRIPTION
 from sluicegate.api.errors import ApiError, invalid
-from sluicegate.api.response_format import JsonSchemaSpec
+from sluicegate.api.response_format import JSON_SCHEMA_DESCRIPTION, JsonSchemaSpec
+from sluicegate.api.schema_rules import any_of, every, given, has, rules
 
 from .items import InputItem, unsupported
 
@@ -79,7 +82,7 @@ def _function_or_other(value: Any) -> str:
 
 
 Tool = Annotated[
-    Annotated[FunctionTool, Tag("function-tool")] | Annotated[BuiltInTool, Tag("other-tool")],
+    Annotated[FunctionTool, Tag("function-tool")] | Annotated[BuiltInTool, Tag("other-tool"), SkipJsonSchema()],
     Discriminator(_function_or_other),
 ]
 
@@ -88,7 +91,8 @@ class FunctionChoice(_Body):
     """``{"type": "function", "name": ...}``: call exactly this function."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64)
+    # A tool's name pattern (FunctionTool): no other name can be one of ``tools``.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="One of the tools' names.")
 
 
 class OtherChoice(BaseModel):
@@ -105,7 +109,7 @@ class OtherChoice(BaseModel):
 ToolChoice = (
     Literal["none", "auto", "required"]
     | Annotated[
-        Annotated[FunctionChoice, Tag("function-tool")] | Annotated[OtherChoice, Tag("other-tool")],
+        Annotated[FunctionChoice, Tag("function-tool")] | Annotated[OtherChoice, Tag("other-tool"), SkipJsonSchema()],
         Discriminator(_function_or_other),
     ]
 )
@@ -124,7 +128,7 @@ class TextFormatJsonSchema(JsonSchemaSpec):
     Responses API requires the schema: without one a client's mistake would quietly become "any JSON"."""
 
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema", description=JSON_SCHEMA_DESCRIPTION)
 
 
 def _format_kind(value: Any) -> str | None:
@@ -167,22 +171,56 @@ class ResponseStreamOptions(_Body):
 _NOT_SUPPORTED = "this parameter is not supported"
 
 
+# The tool_choice values that force no call; any other (required, a named function) forces one.
+_NOT_FORCED = has("tool_choice", {"enum": ["none", "auto", None]})
+_PLAIN_TEXT = has(
+    "text",
+    {
+        "anyOf": [
+            {"type": "null"},
+            has("format", {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}),
+        ]
+    },
+)
+
+#: The chat path's rules between fields (``ChatCompletionBody``'s, under the Responses names), and this API's own.
+RESPONSE_RULES = (
+    # A forced tool_choice needs tools to call, and leaves no room for a text.format.
+    any_of(_NOT_FORCED, every(given("tools", {"type": "array", "minItems": 1}), _PLAIN_TEXT)),
+    # background needs store.
+    any_of(has("background", {"enum": [False, None]}), has("store", {"enum": [True, None]})),
+)
+
+
 class ResponseCreateBody(_Body):
     """``POST /v1/responses``."""
 
-    model: str = Field(min_length=1, max_length=256)
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1, max_length=4096)]
+    model_config = ConfigDict(json_schema_extra=rules(*RESPONSE_RULES))
+
+    model: str = Field(min_length=1, max_length=256, description=MODEL_DESCRIPTION)
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1, max_length=4096)] = (
+        Field(
+            description="Text, or items; a function_call_output must answer a function_call (by call_id) earlier in "
+            "the conversation."
+        )
+    )
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=1_000_000)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     text: TextConfig | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description="'required' or a named function needs tools; a named function must be one of them."
+    )
     parallel_tool_calls: bool | None = None
     store: bool | None = Field(None, description="Keep the response (default true): GET, input_items, chaining.")
     background: bool | None = Field(None, description="Queue it and answer at once; needs store.")
-    previous_response_id: str | None = Field(None, pattern=RESPONSE_ID.pattern)
+    previous_response_id: str | None = Field(
+        None,
+        pattern=RESPONSE_ID.pattern,
+        description="A stored response of the key's tenant that has ended; a missing one is a 404 not_found.",
+    )
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=16
     )

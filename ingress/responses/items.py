@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from sluicegate.api.errors import ApiError
@@ -123,7 +124,7 @@ InputItem = Annotated[
     Annotated[MessageIn, Tag("message-item")]
     | Annotated[FunctionCallIn, Tag("function-call")]
     | Annotated[FunctionCallOutputIn, Tag("call-output")]
-    | Annotated[UnsupportedItem, Tag("other-item")],
+    | Annotated[UnsupportedItem, Tag("other-item"), SkipJsonSchema()],
     Discriminator(_item_tag),
 ]
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas import AdapterName
 from sluicegate.api.errors import ApiError
+from sluicegate.api.schema_rules import any_of, given, rules
 from sluicegate.lora.checks import NoCheckerError, ask_check
 from sluicegate.lora.registry import AdapterExistsError
 
@@ -58,7 +59,7 @@ class LoadLoRAAdapterBody(BaseModel):
 class UnloadLoRAAdapterBody(BaseModel):
     """vLLM's unload body: the adapter's name (or its integer id)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=rules(any_of(given("lora_name"), given("lora_int_id"))))
 
     lora_name: AdapterName | None = None
     lora_int_id: int | None = Field(None, ge=1)

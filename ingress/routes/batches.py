@@ -33,9 +33,12 @@ class CreateBatchBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input_file_id: str = Field(min_length=1)
-    endpoint: str
-    completion_window: str
+    input_file_id: str = Field(min_length=1, description="An uploaded purpose=batch file of the caller's tenant.")
+    # Checked by the endpoint (for its own error codes); the document lists the values it takes.
+    endpoint: str = Field(
+        json_schema_extra={"enum": list(BATCH_ENDPOINTS)}, description="The endpoint every line of the file targets."
+    )
+    completion_window: str = Field(json_schema_extra={"enum": ["24h"]})
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=16
     )

@@ -49,8 +49,16 @@ async def owned_file(request: Request, caller: Caller, file_id: str) -> StoredFi
 async def upload_file(
     request: Request,
     caller: Caller,
-    file: Annotated[UploadFile, File(description="The JSONL batch input file.")],
-    purpose: Annotated[str, Form(description='Only "batch" is accepted.')],
+    file: Annotated[
+        UploadFile,
+        File(
+            description="The JSONL batch input file: one request per line ({custom_id, method, url, body}), unique "
+            "custom_ids, one url for all. A file that is not is a 400 naming the first bad line (invalid_json_line, "
+            "invalid_request_line, duplicate_custom_id, mixed_endpoints, too_many_lines, empty_file)."
+        ),
+    ],
+    # Checked by the endpoint (for its own error code); the document lists the one value it takes.
+    purpose: Annotated[str, Form(description='Only "batch" is accepted.', json_schema_extra={"enum": ["batch"]})],
 ) -> FileObject:
     if purpose != "batch":
         raise ApiError(

@@ -5,8 +5,9 @@ cancel it, for the tenant that submitted it only."""
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 
 from schemas import RequestRecord
@@ -25,6 +26,11 @@ router = APIRouter(tags=["native"])
 
 # Same alphabet as schemas' RequestId: anything else cannot name a request.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Documented, not validated: a malformed id gets the same 404 as an unknown one.
+RequestIdPath = Annotated[
+    str,
+    Path(json_schema_extra={"pattern": f"^{_REQUEST_ID.pattern}$"}, description="The id POST /v1/requests gave."),
+]
 
 
 @lean_post(
@@ -55,7 +61,7 @@ async def submit(request: Request) -> JSONResponse:
 
 
 @router.get("/v1/requests/{request_id}", responses=ok(RequestRecord) | errors(401, 404, 503))
-async def request_status(request: Request, caller: Caller, request_id: str) -> JSONResponse:
+async def request_status(request: Request, caller: Caller, request_id: RequestIdPath) -> JSONResponse:
     record = await _owned_record(request, caller, request_id)
     return JSONResponse(record.model_dump(mode="json"))
 
@@ -65,7 +71,7 @@ async def request_status(request: Request, caller: Caller, request_id: str) -> J
     status_code=202,
     responses=ok(CancelResponse, status=202) | errors(401, 404, 409, 503),
 )
-async def cancel_request(request: Request, caller: Caller, request_id: str) -> JSONResponse:
+async def cancel_request(request: Request, caller: Caller, request_id: RequestIdPath) -> JSONResponse:
     record = await _owned_record(request, caller, request_id)
     if record.status in ("finished", "failed", "cancelled"):
         raise ApiError(409, f"Request '{request_id}' already {record.status}.", code="request_finished")

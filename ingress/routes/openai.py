@@ -7,10 +7,10 @@ whose base model is listed, with ``parent`` = that base as vLLM shows them)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from schemas import LoRAAdapter
@@ -121,8 +121,12 @@ async def list_models(request: Request, caller: Caller) -> dict[str, Any]:
     return {"object": "list", "data": list((await _cards(request, caller)).values())}
 
 
+# A model's name has no control characters; the route's pattern would not even match one with a line feed.
+ModelPath = Annotated[str, Path(json_schema_extra={"pattern": r"^[^\x00-\x1f\x7f]+$"})]
+
+
 @router.get("/v1/models/{model:path}", responses=ok(ModelCard) | errors(401, 404, 503))
-async def get_model(request: Request, caller: Caller, model: str) -> dict[str, Any]:
+async def get_model(request: Request, caller: Caller, model: ModelPath) -> dict[str, Any]:
     card = (await _cards(request, caller)).get(model)
     if card is None:
         raise ApiError(

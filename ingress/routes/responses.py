@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from redis.exceptions import RedisError
 
@@ -45,6 +45,14 @@ _ENDED = frozenset({"finished", "cancelled", "failed"})
 # usage); a running request ends within a step or two of the cancel reaching its worker.
 _CANCEL_SETTLE_S = 2.0
 _CANCEL_QUEUED_S = 0.5
+
+# Documented, not validated: a malformed id gets the same 404 as an unknown one.
+ResponseIdPath = Annotated[str, Path(json_schema_extra={"pattern": f"^{RESPONSE_ID.pattern}$"})]
+# Nothing can be included: the document offers only the empty list (its validator answers 400 unsupported_parameter
+# to any other).
+Include = Annotated[
+    list[str] | None, Query(description="Not supported beyond nothing.", json_schema_extra={"maxItems": 0})
+]
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -166,10 +174,10 @@ def _nothing_included(include: list[str] | None) -> None:
 async def retrieve_response(
     request: Request,
     caller: Caller,
-    response_id: str,
+    response_id: ResponseIdPath,
     stream: bool = False,
     starting_after: Annotated[int | None, Query(ge=0, description="Stream the events after this one.")] = None,
-    include: Annotated[list[str] | None, Query(description="Not supported beyond nothing.")] = None,
+    include: Include = None,
     include_obfuscation: bool | None = None,
 ) -> Response:
     _nothing_included(include)
@@ -194,7 +202,7 @@ async def retrieve_response(
 
 
 @router.post("/v1/responses/{response_id}/cancel", responses=response_ok() | errors(400, 401, 404, 503))
-async def cancel_response(request: Request, caller: Caller, response_id: str) -> JSONResponse:
+async def cancel_response(request: Request, caller: Caller, response_id: ResponseIdPath) -> JSONResponse:
     stored = await _owned(request, caller, response_id)
     if not stored.record.background:
         raise ApiError(
@@ -233,7 +241,7 @@ async def _settled(request: Request, caller: ApiKey, response_id: str, response:
 
 
 @router.delete("/v1/responses/{response_id}", responses=ok(ResponseDeleted) | errors(401, 404, 503))
-async def delete_response(request: Request, caller: Caller, response_id: str) -> dict[str, Any]:
+async def delete_response(request: Request, caller: Caller, response_id: ResponseIdPath) -> dict[str, Any]:
     stored = await _owned(request, caller, response_id)
     service = service_of(request)
     if stored.final is None:
@@ -248,11 +256,14 @@ async def delete_response(request: Request, caller: Caller, response_id: str) ->
 async def list_input_items(
     request: Request,
     caller: Caller,
-    response_id: str,
-    after: Annotated[str | None, Query(max_length=256, description="List the items after this item id.")] = None,
+    response_id: ResponseIdPath,
+    after: Annotated[
+        str | None,
+        Query(max_length=256, description="List the items after this item id, which must be one of the response's."),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
-    include: Annotated[list[str] | None, Query(description="Not supported beyond nothing.")] = None,
+    include: Include = None,
 ) -> dict[str, Any]:
     _nothing_included(include)
     stored = await _owned(request, caller, response_id)

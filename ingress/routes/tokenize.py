@@ -48,7 +48,9 @@ async def tokenize(request: Request) -> dict[str, Any]:
         else:
             tokens = view.encode_text(body.prompt or "", body.add_special_tokens)
     except Exception as exc:  # the template's own refusal, or no template
-        raise ApiError(400, f"Cannot render these messages: {exc}", param="messages") from exc
+        raise ApiError(
+            400, f"Cannot render these messages: {exc}", code="chat_template_error", param="messages"
+        ) from exc
     return {"count": len(tokens), "max_model_len": context, "tokens": tokens}
 
 

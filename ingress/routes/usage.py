@@ -15,7 +15,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from sluicegate.api.errors import ApiError
-from sluicegate.usage.report import GroupBy, UsageReport, usage_report
+from sluicegate.usage.report import MAX_WINDOW_S, GroupBy, UsageReport, usage_report
 
 from ..app_state import service_of
 from ..auth import Caller
@@ -38,9 +38,22 @@ async def get_usage(
     request: Request,
     caller: Caller,
     start: Annotated[
-        int | None, Query(ge=0, le=_MAX_TIME, description="Unix seconds; default: the start of end's UTC month.")
+        int | None,
+        Query(
+            ge=0,
+            le=_MAX_TIME,
+            description=f"Unix seconds; default: the start of end's UTC month. At most {MAX_WINDOW_S // 86400} "
+            "days before end (else a 400 invalid_value naming start).",
+        ),
     ] = None,
-    end: Annotated[int | None, Query(ge=1, le=_MAX_TIME, description="Unix seconds; default: now.")] = None,
+    end: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=_MAX_TIME,
+            description="Unix seconds; default: now. After start (else a 400 invalid_value naming end).",
+        ),
+    ] = None,
     group_by: Annotated[GroupBy | None, Query(description="Rows per model, per API key or per LoRA adapter.")] = None,
 ) -> UsageReport:
     now = time.time()

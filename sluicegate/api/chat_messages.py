@@ -47,9 +47,43 @@ class ContentPart(_Body):
         return self
 
 
+_GIVEN_CONTENT = {"type": ["string", "array"]}  # content that is there: text or parts, not null
+_NO_TOOL_CALLS = {"type": "null"}
+
+# The rules of ``ChatMessageIn._content_given``, one branch per kind of message, for the OpenAPI document (the
+# properties' own schemas still apply): a client generated from it sends only messages the validator takes.
+_BY_ROLE: list[dict[str, Any]] = [
+    {
+        "properties": {
+            "role": {"enum": ["system", "user", "developer"]},
+            "content": _GIVEN_CONTENT,
+            "tool_calls": _NO_TOOL_CALLS,
+        },
+        "required": ["content"],
+    },
+    {"properties": {"role": {"const": "assistant"}, "content": _GIVEN_CONTENT}, "required": ["content"]},
+    {
+        "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+        "required": ["tool_calls"],
+        "description": "Content may be null or left out when the message carries tool calls.",
+    },
+    {
+        "properties": {
+            "role": {"const": "tool"},
+            "content": _GIVEN_CONTENT,
+            "tool_call_id": {"type": "string"},
+            "tool_calls": _NO_TOOL_CALLS,
+        },
+        "required": ["content", "tool_call_id"],
+    },
+]
+
+
 class ChatMessageIn(_Body):
     """A chat message as clients send it; assistant messages may carry ``tool_calls`` and ``tool`` messages
     answer one by ``tool_call_id`` (both rendered by the model's chat template)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"anyOf": _BY_ROLE})
 
     role: Annotated[
         Literal["system", "user", "assistant", "developer", "tool", "function"],

@@ -2,7 +2,7 @@
 
 Either form takes a number of seconds from now (``30``, ``2.5``; also as a string, since a header is one) or an
 absolute RFC 3339 time with a zone (``2026-11-26T16:00:00Z``, ``...+01:00``). Anything else is refused, naming
-the field: a time without a zone, a date alone, ``true``, zero or negative seconds, more than a year from now.
+the field: a time without a zone, a date alone, ``true``, less than a microsecond, more than a year from now.
 The body's field wins over the header when both are given. The deadline is the time after which the request is
 not started: within a tier, requests with one go earliest-deadline-first, and admission refuses one the backlog
 cannot meet (``deadline_unmeetable``).
@@ -18,6 +18,8 @@ from pydantic import PlainValidator, WithJsonSchema
 
 #: Longest relative deadline (seconds from now) a request may give: a year, far past any queue wait.
 MAX_DEADLINE_S = 365 * 86400
+#: Shortest relative deadline: a microsecond, the resolution of a time; anything shorter is now, already passed.
+MIN_DEADLINE_S = 1e-6
 #: The header that carries a deadline for any endpoint (same forms as the body field).
 DEADLINE_HEADER = "X-Request-Deadline"
 
@@ -41,8 +43,8 @@ def parse_deadline(value: Any) -> datetime | float:
             return _absolute(text)
     else:
         seconds = float(value)
-    if not math.isfinite(seconds) or not 0 < seconds <= MAX_DEADLINE_S:
-        raise ValueError(f"a relative deadline is more than 0 and at most {MAX_DEADLINE_S} seconds")
+    if not math.isfinite(seconds) or not MIN_DEADLINE_S <= seconds <= MAX_DEADLINE_S:
+        raise ValueError(f"a relative deadline is at least {MIN_DEADLINE_S:g} and at most {MAX_DEADLINE_S} seconds")
     return seconds
 
 
@@ -72,12 +74,12 @@ DeadlineField = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_DEADLINE_S},
+                {"type": "number", "minimum": MIN_DEADLINE_S, "maximum": MAX_DEADLINE_S},
                 {"type": "string", "format": "date-time"},
             ],
             "description": "Deadline: seconds from now, or an RFC 3339 time with a zone (also the "
-            "X-Request-Deadline header). Earliest deadlines start first within a tier; one the backlog "
-            "cannot meet is a 429 deadline_unmeetable.",
+            "X-Request-Deadline header). A time that has already passed is a 400 (invalid_value). Earliest "
+            "deadlines start first within a tier; one the backlog cannot meet is a 429 deadline_unmeetable.",
         }
     ),
 ]

@@ -17,7 +17,7 @@ from pydantic import Field, WithJsonSchema, field_validator
 from schemas import EndUser, Pooling, Tier, decode_embedding
 
 from .bodies import EmbeddingInput
-from .bodies.base import TOKEN_IDS_SCHEMA, Body, unsupported
+from .bodies.base import MODEL_DESCRIPTION, TOKEN_IDS_SCHEMA, Body, unsupported
 from .deadlines import DeadlineField
 from .errors import ApiError
 
@@ -52,7 +52,7 @@ InputField = Annotated[
 class EmbeddingBody(Body):
     """``POST /v1/embeddings``."""
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str = Field(min_length=1, max_length=256, description=MODEL_DESCRIPTION)
     input: InputField
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[

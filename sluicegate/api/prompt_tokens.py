@@ -68,7 +68,12 @@ class ModelTokenizerView:
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         bad = next((t for t in ids if not 0 <= t < size), None)
         if bad is not None:
-            raise ApiError(400, f"Token id {bad} is outside the vocabulary (size {size}).", param=param)
+            raise ApiError(
+                400,
+                f"Token id {bad} is outside the vocabulary (size {size}).",
+                code="token_out_of_vocabulary",
+                param=param,
+            )
 
 
 class ModelTokenizers:

@@ -30,12 +30,16 @@ class JsonObjectFormat(_Body):
     type: Literal["json_object"]
 
 
+#: What JSON Schema cannot say of a field that holds one.
+JSON_SCHEMA_DESCRIPTION = "A JSON Schema (draft 2020-12) the output must match; one that is not valid is a 400."
+
+
 class JsonSchemaSpec(_Body):
     """``response_format.json_schema``."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=JSON_SCHEMA_DESCRIPTION)
     strict: bool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -64,7 +68,8 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Fie
 
 
 class NamedFunction(_Body):
-    name: str = Field(min_length=1, max_length=64)
+    # A tool's name pattern (schemas.FunctionSpec): no other name can be one of ``tools``.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="One of the tools' names.")
 
 
 class NamedToolChoice(_Body):

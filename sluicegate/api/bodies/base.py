@@ -25,6 +25,7 @@ from schemas import (
 )
 
 from ..deadlines import DeadlineField, absolute_deadline
+from ..schema_rules import any_of, given, left_out, rules
 
 #: ``max_tokens`` when a chat or native request gives none (OpenAI's own default is "until the context
 #: ends", which a queue-based service should not assume).
@@ -52,6 +53,13 @@ def nullable(schema: dict[str, Any], description: str = "") -> WithJsonSchema:
 
 
 NOTHING = nullable({"type": "array", "maxItems": 0}, "Tool and function calling are not supported.")
+
+
+#: What JSON Schema cannot say of a request's model: which names are served is the server's state.
+MODEL_DESCRIPTION = (
+    "A model with a live worker (or a routed name, or a LoRA adapter the key may use): GET /v1/models lists them; "
+    "any other is a 404 model_not_found."
+)
 
 
 class Body(BaseModel):
@@ -94,7 +102,7 @@ class DeadlineBody(Body):
 class SamplingBody(DeadlineBody):
     """Fields every endpoint shares: model, sampling, priority."""
 
-    model: str = Field(min_length=1, max_length=256)
+    model: str = Field(min_length=1, max_length=256, description=MODEL_DESCRIPTION)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: Annotated[int | None, nullable({"type": "integer", "minimum": -1}, "vLLM-style: -1 or 0 disables.")] = None
@@ -108,9 +116,19 @@ class SamplingBody(DeadlineBody):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="vLLM-style, over prompt + output.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    logit_bias: (
-        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None
-    ) = Field(None, max_length=1024, description="Token id -> bias added to its logit.")
+    logit_bias: Annotated[
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None,
+        # pydantic documents the key pattern as patternProperties alone, which lets any other key through.
+        nullable(
+            {
+                "type": "object",
+                "patternProperties": {r"^[0-9]{1,9}$": {"type": "number", "minimum": -100, "maximum": 100}},
+                "additionalProperties": False,
+                "maxProperties": 1024,
+            },
+            "Token id -> bias added to its logit.",
+        ),
+    ] = Field(None, max_length=1024)
 
     @field_validator("top_k")
     @classmethod
@@ -162,8 +180,14 @@ def reject_unless(value: Any, allowed: tuple[Any, ...], message: str) -> Any:
     return value
 
 
+#: ``stream_options`` only with ``stream`` (``OpenAIBody._stream_options_need_stream``).
+STREAM_OPTIONS_NEED_STREAM = any_of(left_out("stream_options"), given("stream", {"const": True}))
+
+
 class OpenAIBody(SamplingBody):
     """Fields both OpenAI endpoints share."""
+
+    model_config = ConfigDict(json_schema_extra=rules(STREAM_OPTIONS_NEED_STREAM))
 
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -188,5 +212,11 @@ class OpenAIBody(SamplingBody):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-#: A list of token ids, for the OpenAPI document.
-TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+#: A list of token ids, for the OpenAPI document (where ingress knows the model's vocabulary, an id past its end is
+#: a 400 token_out_of_vocabulary; the vocabulary is the model's, so the document cannot bound it).
+TOKEN_IDS_SCHEMA = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0},
+    "minItems": 1,
+    "description": "Token ids of the model's vocabulary.",
+}

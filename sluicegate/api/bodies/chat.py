@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    ConfigDict,
     Field,
     PrivateAttr,
     ValidationInfo,
@@ -23,9 +24,11 @@ from schemas import (
 
 from ..chat_messages import ChatMessageIn
 from ..response_format import ResponseFormat, ToolChoice, guided_for
+from ..schema_rules import any_of, every, given, has, left_out, rules
 from .base import (
     DEFAULT_MAX_TOKENS,
     NOTHING,
+    STREAM_OPTIONS_NEED_STREAM,
     OpenAIBody,
     nullable,
     only,
@@ -33,9 +36,28 @@ from .base import (
     unsupported,
 )
 
+# The tool_choice values that force no call; any other (required, a named function) forces one.
+_NOT_FORCED = has("tool_choice", {"enum": ["none", "auto", None]})
+_PLAIN_TEXT = has("response_format", {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]})
+_SOME_TOOLS = given("tools", {"type": "array", "minItems": 1})
+
+#: What ``guided_for`` checks between the fields, as far as JSON Schema can say it (a named function must also be
+#: one of ``tools``; that is in the field's description).
+CHAT_RULES = (
+    STREAM_OPTIONS_NEED_STREAM,
+    # top_logprobs needs logprobs: true.
+    any_of(has("top_logprobs", {"enum": [0, None]}), given("logprobs", {"const": True})),
+    # A forced tool_choice needs tools to call, and leaves no room for a response_format.
+    any_of(_NOT_FORCED, every(_SOME_TOOLS, _PLAIN_TEXT)),
+    # guided_regex is the only constraint when given.
+    any_of(left_out("guided_regex"), every(_NOT_FORCED, _PLAIN_TEXT)),
+)
+
 
 class ChatCompletionBody(OpenAIBody):
     """``POST /v1/chat/completions``."""
+
+    model_config = ConfigDict(json_schema_extra=rules(*CHAT_RULES))
 
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, le=1_000_000)
@@ -43,13 +65,18 @@ class ChatCompletionBody(OpenAIBody):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolSpec] | None = Field(None, max_length=128)
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description="'required' or a named function needs tools; a named function must be one of them."
+    )
     functions: Annotated[list[Any] | None, NOTHING] = None
     function_call: Annotated[Any, only("none", None)] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extra_body name: the output must match this regular expression.
-    guided_regex: str | None = Field(None, min_length=1, max_length=10_000)
+    guided_regex: Annotated[
+        str | None,
+        nullable({"type": "string", "minLength": 1, "maxLength": 10_000, "format": "regex"}),
+    ] = Field(None, min_length=1, max_length=10_000)
     _guided: GuidedSpec | None = PrivateAttr(None)
     modalities: Annotated[list[str] | None, nullable({"type": "array", "items": {"const": "text"}, "minItems": 1})] = (
         None
