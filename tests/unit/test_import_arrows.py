@@ -56,6 +56,15 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _source(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` reads from, a relative one resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join([*base, node.module] if node.module else base)
+
+
 def _imports(path: Path, module: str | None = None, *, with_names: bool = False) -> set[str]:
     """Absolute names of everything ``path`` imports (relative imports resolved against its package).
 
@@ -68,12 +77,7 @@ def _imports(path: Path, module: str | None = None, *, with_names: bool = False)
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-                name = ".".join([*base, node.module] if node.module else base)
-            else:
-                name = node.module or ""
+            name = _source(node, package)
             found.add(name)
             if with_names:
                 found.update(f"{name}.{alias.name}" for alias in node.names if alias.name != "*")
@@ -211,12 +215,7 @@ def _file_arrows(path: Path) -> set[Path]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-                source = ".".join([*base, node.module] if node.module else base)
-            else:
-                source = node.module or ""
+            source = _source(node, package)
             names = [f"{source}.{alias.name}" if _file_of(f"{source}.{alias.name}") else source for alias in node.names]
         else:
             continue
