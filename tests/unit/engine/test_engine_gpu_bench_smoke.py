@@ -54,7 +54,19 @@ def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
     assert [r["workload"] for r in lora_rows[:4]] == ["c=1, base", "c=1, adapter", "c=8, base", "c=8, 4 adapters"]
     assert len(lora_rows) == 8 and all(r["itl_p50_ms"] > 0 and r["tok_s"] > 0 for r in lora_rows)
     names = [t["name"] for t in results["targets"]]
-    assert "c=1 decode ITL p50 / floor (weights read per token)" in names and "tok/s vs transformers CB, c=4" in names
+    assert "bf16 c=1 decode ITL p50 / floor" in names and "tok/s vs transformers CB, c=4" in names
+    wanted = {"FP8 c=1 ITL p50 / its own floor", "AWQ INT4 c=1 ITL p50 / bf16", "voice bot c=256 output tok/s"}
+    assert wanted <= set(names)
+    # c=1 has a p99 ITL target and no tok/s one.
+    assert "voice bot c=1 p99 ITL" in names and "voice bot c=1 output tok/s" not in names
+    # Every target says what was measured against which goal, where and when.
+    assert results["device"] == "CPU" and results["date"]
+    for target in results["targets"]:
+        assert set(target) >= {"name", "measured", "goal", "met", "device", "date"}, target
+        assert target["device"] == "CPU" and target["date"] == results["date"]
+    measured = {t["name"]: t for t in results["targets"]}
+    assert measured["bf16 c=1 decode ITL p50 / floor"]["measured"] > 0
+    assert measured["GPTQ INT4 c=1 ITL p50 / its own floor"]["measured"] > 0
 
 
 @pytest.mark.slow
