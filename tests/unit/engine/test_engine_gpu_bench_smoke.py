@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,75 @@ def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
     assert parity["failures"] == [] and len(parity["cases"]) >= 4
     assert all(case["all_equal"] for case in parity["cases"]), parity["cases"]
     assert "torch" in (tmp_path / "gpu_run.log").read_text()
+
+
+# The per-step fields of gpu_profile.json (docs/benchmarks.md's H100 section describes them).
+STEP_FIELDS = {
+    "step",
+    "itl_ms",
+    "trace_step_ms",
+    "tokens",
+    "gpu_busy_ms",
+    "gpu_idle_ms",
+    "host_before_first_launch_ms",
+    "first_kernel_start_ms",
+    "after_last_kernel_ms",
+    "kernels",
+    "launches",
+    "gaps",
+    "top_kernels",
+}
+
+
+@pytest.mark.slow
+def test_gpu_run_profile_and_targets_rehearse_on_cpu(tmp_path: Path) -> None:
+    """The model, profile and c1 phases in their CPU rehearsal: per-step profile rows, the target list with its
+    device and date copied where the lead keeps it, and no more files in $OUT than a lent machine hands back."""
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_run.sh"), "--smoke", "--only", "model,profile,c1"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(summary[p]["rc"] == 0 for p in ("model", "profile", "c1")), summary
+    assert summary["targets"]["file"] == "gpu_targets.json" and summary["targets"]["keep_as"] == "docs/gpu_targets.json"
+
+    profile = json.loads((tmp_path / "gpu_profile.json").read_text())
+    assert profile["partial"] is False and profile["errors"] == [] and profile["device"] == "CPU" and profile["date"]
+    assert [c["format"] for c in profile["configs"]] == ["bf16", "fp8", "awq"]
+    for config in profile["configs"]:
+        assert config["floor_ms"] > 0 and config["weight_bytes"] > 0
+        assert [run["concurrency"] for run in config["runs"]] == [1, 8]
+        for run in config["runs"]:
+            assert len(run["steps"]) == profile["steps"]
+            for row in run["steps"]:
+                assert set(row) >= STEP_FIELDS, row
+                assert row["tokens"] == run["concurrency"] and row["itl_ms"] > 0 and row["gpu_busy_ms"] == 0.0
+                assert row["top_kernels"] and row["top_kernels"][0]["ms"] > 0
+            assert run["summary"]["itl_ms"]["p50"] > 0 and run["itl_unprofiled_ms"]["p50"] > 0
+            assert run["top_kernels"] and 0 < run["trace"]["bytes"] <= 1.5 * 2**20
+    assert "| bf16 | 1 |" in (tmp_path / "gpu_profile.md").read_text()
+
+    targets = json.loads((tmp_path / "gpu_targets.json").read_text())
+    assert targets["device"] == "CPU" and targets["groups_run"] == ["c1"]
+    for target in targets["targets"]:
+        assert set(target) >= {"name", "measured", "goal", "met", "device", "date"} and target["date"]
+    c1 = {t["name"]: t for t in targets["targets"]}
+    assert c1["bf16 c=1 decode ITL p50 / floor"]["measured"] > 0 and c1["AWQ INT4 c=1 ITL p50 / bf16"]["measured"] > 0
+    assert c1["voice bot c=64 p99 ITL"]["measured"] is None and c1["voice bot c=64 p99 ITL"]["met"] is None
+
+    with tarfile.open(tmp_path / "gpu_run_files.tar") as tar:
+        traces = {Path(n).name for n in tar.getnames() if n.endswith(".json.gz")}
+    assert traces == {f"{f}_c{c}.json.gz" for f in ("bf16", "fp8", "awq") for c in (1, 8)}
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
 
 
 def _x(name: str, cat: str, ts: float, dur: float, corr: int | None = None, **args: object) -> dict[str, object]:
