@@ -184,12 +184,16 @@ for name in ("triton", "transformers", "bitsandbytes", "flash_attn", "pydantic",
 EOF
 }
 smoke_flag() { ((SMOKE)) && echo --smoke; }
+inner_budget() {  # margin: the seconds a phase's own budget leaves before its limit to write its files (never <1/3)
+    local margin=$1
+    if ((PHASE_LIMIT > 3 * margin)); then echo $((PHASE_LIMIT - margin)); else echo $((PHASE_LIMIT * 2 / 3)); fi
+}
 model_phase() {
     "$PY" benchmarks/engine_gpu.py $(smoke_flag) --build-only --model-dir "$MODEL_DIR"
 }
 profile_phase() {  # its budget leaves time to write the last format's files before the limit
     "$PY" -m benchmarks.gpu_profile $(smoke_flag) --model-dir "$MODEL_DIR" --trace-dir "$FILES/profile_traces" \
-        --trace-mb 1.5 --budget-s $((PHASE_LIMIT - 25))
+        --trace-mb 1.5 --budget-s "$(inner_budget 25)"
 }
 tests_phase() {
     "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors \
@@ -200,7 +204,7 @@ parity_phase() {
 }
 bench_group() {  # an engine_gpu.py group, merged into engine_gpu.json; its budget leaves time to write it
     "$PY" benchmarks/engine_gpu.py $(smoke_flag) --groups "$1" --merge --model-dir "$MODEL_DIR" \
-        --budget-s $((PHASE_LIMIT - 15)) ${SKIP:+--skip "$SKIP"}
+        --budget-s "$(inner_budget 15)" ${SKIP:+--skip "$SKIP"}
 }
 lora_phase() {  # the LoRA kernels' tests (CUDA when present, else the interpreter's Triton or a skip), then timings
     "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$FILES/lora_tests.xml" \
@@ -213,7 +217,7 @@ lora_phase() {  # the LoRA kernels' tests (CUDA when present, else the interpret
     fi
     return $rc
 }
-export -f environment smoke_flag model_phase profile_phase tests_phase parity_phase bench_group lora_phase
+export -f environment smoke_flag inner_budget model_phase profile_phase tests_phase parity_phase bench_group lora_phase
 
 phase env bash -c environment
 phase model bash -c model_phase
