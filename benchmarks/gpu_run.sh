@@ -4,15 +4,15 @@
 # Phases, in priority order, each under its own time limit and all under the run's deadline (--total-s, 540 s:
 # a lent machine takes at most 10 minutes a command), each leaving its files in $OUT before the next starts (a run
 # cut short keeps what it measured). Limits in seconds; the first seven sum to 535, lora and rest get what is left:
-#   env       10  nvidia-smi and the versions of python, torch, triton, transformers, bitsandbytes, flash-attn
-#   model     50  the Llama-3.1-8B-shaped random checkpoint and its AWQ copy (engine_gpu.py --build-only), written
+#   env       15  nvidia-smi and the versions of python, torch, triton, transformers, bitsandbytes, flash-attn
+#   model     45  the Llama-3.1-8B-shaped random checkpoint and its AWQ copy (engine_gpu.py --build-only), written
 #                 once for every later phase (/dev/shm when it has room)
 #   profile  120  benchmarks/gpu_profile.py: the torch profiler over 50 decode steps at c=1 and c=64 in bf16, FP8
 #                 and AWQ weights -> gpu_profile.json, gpu_profile.md, traces in gpu_run_files.tar
 #   tests    120  the `gpu` tests of the engine (pytest -m gpu tests/unit/engine; 101 s on the H100)
 #   parity    60  greedy tokens equal transformers for each GPU attention path (benchmarks/gpu_parity.py)
-#   c1        80  engine_gpu.py --groups c1: the copy-bandwidth floor, c=1 decode ITL in bf16, FP8 and AWQ
-#   voicebot  95  engine_gpu.py --groups voicebot: the voice bot at the A100 table's levels 1, 64, 8, 256
+#   c1        90  engine_gpu.py --groups c1: the copy-bandwidth floor, c=1 decode ITL in bf16, FP8 and AWQ
+#   voicebot  85  engine_gpu.py --groups voicebot: the voice bot at the A100 table's levels 1, 64, 8, 256
 #   lora     120  the multi-LoRA Triton kernels against the per-token reference and through the engine (the LoRA
 #                 unit tests, which take CUDA when present), then benchmarks/lora_kernels.py timing them
 #   rest     480  engine_gpu.py --groups rest: the other voice-bot levels, cascade and prefix caching off, GPTQ,
@@ -42,7 +42,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 phases=env,model,profile,tests,parity,c1,voicebot,lora,rest
 usage="usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]"
-declare -A limits=([env]=10 [model]=50 [profile]=120 [tests]=120 [parity]=60 [c1]=80 [voicebot]=95 [lora]=120 [rest]=480)
+declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480)
 declare -A chosen=()  # --limit's, applied over the defaults below
 smoke=0 only=$phases total="" skip=""
 while (($#)); do
