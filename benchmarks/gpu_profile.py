@@ -298,7 +298,9 @@ def analyze_trace(events: list[dict[str, Any]], walls_ms: list[float] | None = N
     }
 
 
-def trimmed_trace(trace: dict[str, Any], windows: list[tuple[float, float]], limit_bytes: int) -> tuple[bytes, dict]:
+def trimmed_trace(
+    trace: dict[str, Any], windows: list[tuple[float, float]], limit_bytes: int
+) -> tuple[bytes, dict[str, int]]:
     """The trace's events of its first steps, gzip-compressed under ``limit_bytes``: as many of the
     ``windows`` (step start, end) as fit, then as many events of the first as fit."""
     events = trace.get("traceEvents", [])
