@@ -16,6 +16,14 @@ The floor is the bytes of weights one step reads (every parameter but an untied 
 step only indexes) over the memory read bandwidth measured here (a sum over a tensor far larger than the
 caches, on the same threads). A torch profiler table of each configuration goes to ``--profile-dir``
 (docs/profiles/ by default).
+
+**Host ms per step** is the step minus the device's busy time in it: what the host adds to the critical path,
+the figure that work taking the host off that path (scheduling ahead, fewer launches, graphs for more steps)
+must bring down. On CUDA the busy time is the union of the step's kernel intervals from a torch-profiler pass
+(``benchmarks/gpu_profile.py``'s analysis); on the CPU the forward's kernels run on the host thread, so the
+device's busy time is 0 and the host ms is the whole step. With a tiny model (``--tiny``: 2 layers, hidden 64,
+the shape of ``engine_gpu.py --smoke``) the forward's arithmetic is a small part of that, so the CPU figure is
+nearly all engine and framework overhead, comparable before and after such a change without a GPU.
 """
 
 from __future__ import annotations
@@ -161,8 +169,11 @@ def layer_kinds(model: torch.nn.Module, timer: Timer) -> Iterator[None]:
             backend._step_timed = False
 
 
-def decode_steps(llm: Any, prompt: list[int], batch: int, steps: int, timer: Timer | None, hooks: Any) -> float:
-    """Prefill ``batch`` requests, then time ``steps`` pure decode steps; returns seconds per step."""
+def decode_steps(
+    llm: Any, prompt: list[int], batch: int, steps: int, timer: Timer | None, hooks: Any, mark: str | None = None
+) -> float:
+    """Prefill ``batch`` requests, then time ``steps`` pure decode steps; returns seconds per step. With
+    ``mark``, each timed step runs inside a profiler mark ``mark + index``."""
     from gpu_workers.engine import SamplingParams
     from gpu_workers.engine.core.request import EngineRequest
 
@@ -179,8 +190,12 @@ def decode_steps(llm: Any, prompt: list[int], batch: int, steps: int, timer: Tim
         raise RuntimeError(f"expected {batch} decoding requests, found {len(engine.scheduler.running)}")
     with hooks(engine, timer) if timer is not None else _nothing():
         start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        for i in range(steps):
+            if mark is None:
+                engine.step()
+            else:
+                with torch.profiler.record_function(f"{mark}{i}"):
+                    engine.step()
         elapsed = time.perf_counter() - start
     while engine.scheduler.has_unfinished():
         engine.step()
@@ -201,14 +216,50 @@ def profile_table(llm: Any, prompt: list[int], batch: int, steps: int, path: Pat
     path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
 
 
+def device_busy_ms(llm: Any, prompt: list[int], batch: int, steps: int) -> float:
+    """Mean device busy time of a decode step: the union of its kernels' intervals (CUDA, torch profiler).
+    0.0 off CUDA, where the trace holds no device activity: the forward's kernels run on the host thread, so
+    they are host time. (The pass runs there too, so that the CPU exercises the path the GPU takes.)"""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu_profile import STEP_MARK, analyze_trace
+
+    activities = [ProfilerActivity.CPU]
+    if llm.engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        decode_steps(llm, prompt, batch, steps, None, None, mark=STEP_MARK)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        rows = analyze_trace(json.loads(trace.read_text()).get("traceEvents", []))["steps"]
+    return sum(r["gpu_busy_ms"] for r in rows) / len(rows) if rows else 0.0
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="engine-step-") as tmp:
+        return _run(args, Path(tmp))
+
+
+def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from gpu_workers.engine import LLM
     from sluicegate.models.smollm2 import fetch_smollm2
 
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(args.threads)
     torch.manual_seed(0)
-    path = args.model if args.model else str(fetch_smollm2(REPO / ".sluicegate" / "models"))
+    if args.model:
+        path = args.model
+    elif args.tiny:  # engine_gpu.py --smoke's shape
+        from gpu_workers.engine.models.random_checkpoint import make_tiny_model
+
+        path = str(make_tiny_model(tmp / "model", num_layers=2, hidden_size=64, vocab_size=512))
+    else:
+        path = str(fetch_smollm2(REPO / ".sluicegate" / "models"))
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 512, "num_kv_blocks": 32 * max(args.batch) + 64}
     if args.quantization:
         kwargs["quantization"] = args.quantization
@@ -228,6 +279,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_step": weights,
         "floor_ms": floor_ms,
+        "device": str(llm.engine.device),
+        "host_ms_method": (
+            "step - GPU busy (union of the step's kernel intervals, torch profiler)"
+            if llm.engine.device.type == "cuda"
+            else "the whole step: on the CPU the forward's kernels run on the host thread"
+        ),
         "batches": {},
     }
     decode_steps(llm, prompt, 1, 4, None, None)  # warm-up
@@ -247,8 +304,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         by_kind["activation (rest of mlp block)"] = by_kind.pop("mlp block", 0.0) - sum(
             by_kind.get(k, 0.0) for k in ("gate_up_proj", "down_proj")
         )
+        busy_ms = device_busy_ms(llm, prompt, batch, min(args.steps, 16))
         result["batches"][batch] = {
             "step_ms": 1e3 * step_s,
+            "host_ms": max(0.0, 1e3 * step_s - busy_ms),
+            "device_busy_ms": busy_ms,
             "tok_s": batch / step_s,
             "over_floor": 1e3 * step_s / floor_ms,
             "phases_ms": phases,
@@ -257,7 +317,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.profile_dir:
             name = f"engine_step_{args.dtype}{'_' + args.quantization if args.quantization else ''}_b{batch}.txt"
             profile_table(llm, prompt, batch, min(args.steps, 16), Path(args.profile_dir) / name)
-        print(f"batch {batch}: {1e3 * step_s:.1f} ms/step, {batch / step_s:.1f} tok/s", flush=True)
+        print(
+            f"batch {batch}: {1e3 * step_s:.1f} ms/step (host {result['batches'][batch]['host_ms']:.2f} ms), "
+            f"{batch / step_s:.1f} tok/s",
+            flush=True,
+        )
     return result
 
 
@@ -266,13 +330,17 @@ def report(result: dict[str, Any]) -> str:
         f"dtype {result['dtype']}, quantization {result['quantization']}, {result['threads']} threads, "
         f"{result['prompt_tokens']}-token prompt; read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s; "
         f"weights read per step {result['weight_bytes_per_step'] / 1e6:.0f} MB -> floor {result['floor_ms']:.1f} ms",
+        f"host ms ({result['device']}): {result['host_ms_method']}",
     ]
     phases = list(next(iter(result["batches"].values()))["phases_ms"])
-    lines += ["", "| batch | step ms | tok/s | x floor | " + " | ".join(phases) + " |"]
-    lines.append("|" + "---|" * (4 + len(phases)))
+    lines += ["", "| batch | step ms | host ms | tok/s | x floor | " + " | ".join(phases) + " |"]
+    lines.append("|" + "---|" * (5 + len(phases)))
     for batch, row in result["batches"].items():
         cells = " | ".join(f"{v:.2f}" for v in row["phases_ms"].values())
-        lines.append(f"| {batch} | {row['step_ms']:.1f} | {row['tok_s']:.1f} | {row['over_floor']:.2f}x | {cells} |")
+        lines.append(
+            f"| {batch} | {row['step_ms']:.2f} | {row['host_ms']:.2f} | {row['tok_s']:.1f} | {row['over_floor']:.2f}x "
+            f"| {cells} |"
+        )
     lines += ["", "Forward by layer kind (ms per step, with hooks; shares, not timings):", ""]
     kinds = list(next(iter(result["batches"].values()))["forward_by_kind_ms_hooked"])
     lines.append("| batch | " + " | ".join(kinds) + " |")
@@ -293,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-dir", default=str(REPO / "docs" / "profiles"))
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--model", default=None, help="a checkpoint directory instead of the default model")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model (2 layers, hidden 64) instead")
     args = parser.parse_args(argv)
     result = run(args)
     print(report(result))

@@ -17,9 +17,12 @@ def test_engine_step_breaks_a_decode_step_down(tmp_path: Path) -> None:
     assert engine_step.main([*argv, "--profile-dir", str(tmp_path / "profiles"), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["floor_ms"] > 0 and result["weight_bytes_per_step"] > 0
+    assert result["device"] == "cpu" and "host thread" in result["host_ms_method"]
     for batch in ("1", "3"):
         row = result["batches"][batch]
         assert row["step_ms"] > 0 and abs(row["tok_s"] - int(batch) * 1e3 / row["step_ms"]) < 1e-6
+        # On the CPU the device is the host: the whole step is host time.
+        assert row["device_busy_ms"] == 0.0 and row["host_ms"] == row["step_ms"]
         assert {"scheduling", "model forward", "sampling", "bookkeeping (rest of step)"} <= set(row["phases_ms"])
         kinds = row["forward_by_kind_ms_hooked"]
         assert kinds["qkv_proj"] > 0 and kinds["attention + KV write"] > 0 and kinds["norm"] > 0
