@@ -24,7 +24,7 @@ from sluicegate.batches.store import BatchStore, LineOutcome, Resolved
 from sluicegate.cancellation import Canceller
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import Settings
+from sluicegate.settings import BatchServiceSettings
 from sluicegate.usage.quota import Quotas
 
 from .metrics import BatchMetrics
@@ -35,7 +35,7 @@ T = TypeVar("T")
 class BatchRuntime:
     """The clients one batch-worker process shares across tasks."""
 
-    def __init__(self, settings: Settings, metrics: BatchMetrics | None = None) -> None:
+    def __init__(self, settings: BatchServiceSettings, metrics: BatchMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or BatchMetrics()
         self.names = Names(settings.topic_prefix)
@@ -107,7 +107,7 @@ class BatchRuntime:
 class Runner:
     """One event loop per process and the runtime living on it; ``run`` executes a task's coroutine."""
 
-    def __init__(self, settings: Settings, metrics: BatchMetrics | None = None) -> None:
+    def __init__(self, settings: BatchServiceSettings, metrics: BatchMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or BatchMetrics()
         self.loop = asyncio.new_event_loop()

@@ -13,7 +13,7 @@ from celery import Celery
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from sluicegate.batches.celery_app import ADVANCE_TASK, TICK_TASK, make_app
-from sluicegate.settings import Settings, get_settings
+from sluicegate.settings import BatchServiceSettings
 from sluicegate.telemetry import configure_tracing, instrument_celery
 
 from .collector import Collector
@@ -52,7 +52,7 @@ async def advance_one(runtime: BatchRuntime, batch_id: str) -> str | None:
     return await advance(runtime, batch_id)
 
 
-def register(app: Celery, settings: Settings, metrics: BatchMetrics | None = None) -> Runner:
+def register(app: Celery, settings: BatchServiceSettings, metrics: BatchMetrics | None = None) -> Runner:
     """Register the tasks on ``app``; they run on one :class:`Runner` per process."""
     runner = Runner(settings, metrics)
 
@@ -75,15 +75,16 @@ def register(app: Celery, settings: Settings, metrics: BatchMetrics | None = Non
     return runner
 
 
-def build_worker_app(settings: Settings | None = None, metrics: BatchMetrics | None = None) -> Celery:
-    """The Celery app with its tasks, for ``sluicegate batch-worker``."""
-    settings = settings or get_settings()
+def build_worker_app(settings: BatchServiceSettings | None = None, metrics: BatchMetrics | None = None) -> Celery:
+    """The Celery app with its tasks, for ``sluicegate batch-worker`` (settings read from the environment unless
+    given: a batch worker's own, :class:`BatchServiceSettings`)."""
+    settings = settings or BatchServiceSettings()
     app = make_app(settings)
     register(app, settings, metrics)
     return app
 
 
-def run_worker(settings: Settings, *, beat: bool = True, loglevel: str = "INFO") -> None:
+def run_worker(settings: BatchServiceSettings, *, beat: bool = True, loglevel: str = "INFO") -> None:
     """Run a batch worker in this process (solo pool: one process, one event loop, nothing to orphan on kill -9),
     with the beat embedded unless ``beat`` is False."""
     if settings.batch_worker_cpu_nice:

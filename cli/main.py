@@ -1,6 +1,8 @@
 """The ``sluicegate`` command: local stack, services, schemas and model tools.
 
-Each subcommand imports what it needs lazily, so ``sluicegate schemas export`` does not load torch.
+Each subcommand imports what it needs lazily, so ``sluicegate schemas export`` does not load torch. A command that
+runs one service reads that service's own settings class, so another service's variables never stop it; the
+commands that wire or tend several (``up``, ``dev``) read the whole :class:`~sluicegate.settings.Settings`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from sluicegate.logs import configure_logging
-from sluicegate.settings import Settings, get_settings
+from sluicegate.settings import BackboneSettings, BatchServiceSettings, TelemetrySettings, WorkerSettings, get_settings
 
 T = TypeVar("T")
 
@@ -85,35 +87,35 @@ def _fetch_wheel(args: argparse.Namespace) -> int:
 def _ingress(args: argparse.Namespace) -> int:
     from ingress.server import serve
 
-    serve(get_settings())
+    serve()
     return 0
 
 
 def _router(args: argparse.Namespace) -> int:
     from router.stream import serve_router
 
-    serve_router(get_settings())
+    serve_router()
     return 0
 
 
 def _result_service(args: argparse.Namespace) -> int:
     from result_service.server import serve
 
-    serve(get_settings())
+    serve()
     return 0
 
 
 def _batch_worker(args: argparse.Namespace) -> int:
     from batch_service.tasks import run_worker
 
-    settings = get_settings()
+    settings = BatchServiceSettings()
     run_worker(settings, beat=not args.no_beat, loglevel=settings.log_level)
     return 0
 
 
-def _worker_settings(args: argparse.Namespace) -> Settings:
+def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
     overrides: dict[str, Any] = {k: v for k, v in {"model": args.model, "device": args.device}.items() if v}
-    settings = get_settings()
+    settings = WorkerSettings()
     if args.lora:
         overrides["worker_loras"] = settings.worker_loras | _lora_pairs(args.lora)
     settings = settings.model_copy(update=overrides)
@@ -156,7 +158,7 @@ def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:
 def _dlq_list(args: argparse.Namespace) -> int:
     from sluicegate.dead_letter_admin import format_entry, list_entries
 
-    entries = _dlq_run(list_entries(get_settings(), limit=args.limit))
+    entries = _dlq_run(list_entries(BackboneSettings(), limit=args.limit))
     for entry in entries:
         print(format_entry(entry))
     if not entries:
@@ -167,7 +169,9 @@ def _dlq_list(args: argparse.Namespace) -> int:
 def _dlq_replay(args: argparse.Namespace) -> int:
     from sluicegate.dead_letter_admin import replay, summary
 
-    outcomes = _dlq_run(replay(get_settings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run))
+    outcomes = _dlq_run(
+        replay(BackboneSettings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run)
+    )
     for outcome in outcomes:
         print(outcome.line())
     print(summary(outcomes))
@@ -341,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = get_settings()
-    configure_logging(settings.log_level, settings.log_format)
+    telemetry = TelemetrySettings()
+    configure_logging(telemetry.log_level, telemetry.log_format)
     handler: Handler = args.handler
     try:
         return handler(args)

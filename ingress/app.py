@@ -17,7 +17,7 @@ from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore
 from sluicegate.browser_origins import browser_origins
 from sluicegate.gc_freeze import freeze_startup_heap
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, instrument_app, instrument_celery, tracer
 
@@ -49,7 +49,7 @@ EXPOSED_HEADERS = (
 )
 
 
-def create_app(settings: Settings, *, freeze_heap: bool = False) -> FastAPI:
+def create_app(settings: IngressSettings, *, freeze_heap: bool = False) -> FastAPI:
     """The ingress app for ``settings``; connects to Kafka and Redis lazily, on first use. ``freeze_heap``
     (for a process that serves only this app) takes the startup heap out of the garbage collector's passes.
 

@@ -29,7 +29,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from schemas import TIERS, Names, Tier, WorkerHeartbeat, tier_rank
 from sluicegate.api.errors import ApiError
 from sluicegate.kafka import create_admin, create_consumer
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 from sluicegate.task_stop import cancel_and_wait
 
 from .telemetry import IngressMetrics
@@ -73,7 +73,7 @@ class _Estimate:
 class BacklogMonitor:
     """Per-model backlog estimates from Kafka, and the 429 when a request would exceed the bound."""
 
-    def __init__(self, settings: Settings, names: Names, metrics: IngressMetrics) -> None:
+    def __init__(self, settings: IngressSettings, names: Names, metrics: IngressMetrics) -> None:
         self._settings = settings
         self._names = names
         self._metrics = metrics

@@ -28,7 +28,7 @@ from router.routes import RoutesFile, RouteSpec
 from router.versions import VersionChoice
 from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
 from sluicegate.api.bodies import AnyBody, ChatCompletionBody, NativeRequestBody
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 from sluicegate.task_stop import cancel_and_wait
 
 from .telemetry import IngressMetrics
@@ -51,7 +51,7 @@ class ModelRoutes:
     """The routes in force for one ingress process."""
 
     def __init__(
-        self, settings: Settings, metrics: IngressMetrics, *, follow: Follow, redis: Redis, names: Names
+        self, settings: IngressSettings, metrics: IngressMetrics, *, follow: Follow, redis: Redis, names: Names
     ) -> None:
         self._settings = settings
         self._metrics = metrics

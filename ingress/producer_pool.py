@@ -12,7 +12,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
 from sluicegate.kafka import create_producer
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 
 
 @dataclass(eq=False)
@@ -30,7 +30,7 @@ class ProducerPool:
     out the producer with the fewest publishes in flight, so concurrent publishes rarely queue.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: IngressSettings) -> None:
         self._settings = settings
         self._slots: list[_Slot] = []
         self._lock = asyncio.Lock()

@@ -43,7 +43,7 @@ from schemas import (
     stream_entry_id,
     stream_event_adapter,
 )
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 from sluicegate.task_stop import cancel_and_wait
 
 from .telemetry import IngressMetrics
@@ -94,7 +94,7 @@ class ResponseCache:
     """Lookups, replays and background fills for one ingress process."""
 
     def __init__(
-        self, redis: Redis, names: Names, settings: Settings, metrics: IngressMetrics, *, follow: Follow
+        self, redis: Redis, names: Names, settings: IngressSettings, metrics: IngressMetrics, *, follow: Follow
     ) -> None:
         self._redis = redis
         self._names = names

@@ -32,7 +32,7 @@ from sluicegate.cancellation import Canceller
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 from sluicegate.stream_entries import StreamEntry, parse_entry
 from sluicegate.stream_follower import FollowerConfig, StreamFollower
 from sluicegate.stream_subscription import START_SEQ, SlowConsumer
@@ -60,7 +60,7 @@ _SENDER_TURNS = 2
 class IngressService:
     """The state one ingress process shares across requests."""
 
-    def __init__(self, settings: Settings, metrics: IngressMetrics) -> None:
+    def __init__(self, settings: IngressSettings, metrics: IngressMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.names = Names(settings.topic_prefix)

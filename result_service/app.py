@@ -22,7 +22,7 @@ from sluicegate.cancellation import Canceller
 from sluicegate.gc_freeze import freeze_startup_heap
 from sluicegate.kafka import create_producer
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import Settings
+from sluicegate.settings import ResultServiceSettings
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import configure_tracing, instrument_app
 
@@ -34,7 +34,7 @@ from .telemetry import RelayMetrics
 
 
 def create_app(
-    settings: Settings,
+    settings: ResultServiceSettings,
     *,
     config: RelayConfig | None = None,
     redis: Redis | None = None,

@@ -8,7 +8,7 @@ from starlette.requests import HTTPConnection
 
 from schemas import Names
 from sluicegate.cancellation import Canceller
-from sluicegate.settings import Settings
+from sluicegate.settings import ResultServiceSettings
 
 from .hub import StreamHub
 from .telemetry import RelayMetrics
@@ -16,7 +16,7 @@ from .telemetry import RelayMetrics
 
 @dataclass(frozen=True)
 class RelayContext:
-    settings: Settings
+    settings: ResultServiceSettings
     names: Names
     hub: StreamHub
     canceller: Canceller

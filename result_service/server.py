@@ -1,10 +1,11 @@
-"""Running the result service under uvicorn (``sluicegate result-service`` / ``python -m result_service``)."""
+"""Running the result service under uvicorn (``sluicegate result-service`` / ``python -m result_service``), with
+its own settings (:class:`ResultServiceSettings`) read from the environment unless given."""
 
 from __future__ import annotations
 
 import uvicorn
 
-from sluicegate.settings import Settings
+from sluicegate.settings import ResultServiceSettings
 
 from .app import create_app
 from .hub import RelayConfig
@@ -13,7 +14,9 @@ from .hub import RelayConfig
 WS_PING_INTERVAL_S = 20.0
 
 
-def uvicorn_config(settings: Settings, *, config: RelayConfig | None = None, host: str = "0.0.0.0") -> uvicorn.Config:
+def uvicorn_config(
+    settings: ResultServiceSettings, *, config: RelayConfig | None = None, host: str = "0.0.0.0"
+) -> uvicorn.Config:
     """The uvicorn configuration the service runs with (also used by the relay benchmark)."""
     return uvicorn.Config(
         create_app(settings, config=config, freeze_heap=True),
@@ -29,6 +32,9 @@ def uvicorn_config(settings: Settings, *, config: RelayConfig | None = None, hos
     )
 
 
-def serve(settings: Settings, *, config: RelayConfig | None = None, host: str = "0.0.0.0") -> None:
+def serve(
+    settings: ResultServiceSettings | None = None, *, config: RelayConfig | None = None, host: str = "0.0.0.0"
+) -> None:
     """Serve until interrupted on ``settings.result_port``."""
+    settings = settings or ResultServiceSettings()
     uvicorn.Server(uvicorn_config(settings, config=config, host=host)).run()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from schemas import InferenceRequest, Names, Tier, WorkerHeartbeat
 from sluicegate.api.limits import request_token_cost
-from sluicegate.settings import Settings
+from sluicegate.settings import RoutingSettings
 
 from .policy import (
     KeyPolicy,
@@ -98,7 +98,7 @@ class Router:
     _heartbeats: dict[str, list[WorkerHeartbeat]] = field(default_factory=dict)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Router:
+    def from_settings(cls, settings: RoutingSettings) -> Router:
         """The router every Sluicegate process builds: prefix, partitions and policies from settings."""
         return cls(
             Names(settings.topic_prefix),

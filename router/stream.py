@@ -36,7 +36,7 @@ from sluicegate.lora.resolve import AdapterResolver
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.record_check import Rejection, dead_letter, header, reason_kind, request_id_of, validate_record
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import Settings
+from sluicegate.settings import RouterSettings
 from sluicegate.task_stop import cancel_and_wait
 from sluicegate.telemetry import (
     configure_tracing,
@@ -89,7 +89,7 @@ class RouterProcessor:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: RouterSettings,
         consumer: AIOKafkaConsumer,
         producer: AIOKafkaProducer,
         redis: Redis | None,
@@ -320,7 +320,7 @@ class RouterProcessor:
                     pass
 
 
-async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -> None:
+async def run_router(settings: RouterSettings, *, stop: asyncio.Event | None = None) -> None:
     """Run the router stream processor until ``stop`` is set (forever when None).
 
     Creates ``llm.inbound`` and ``llm.dlq`` if missing and joins consumer group
@@ -365,7 +365,7 @@ async def run_router(settings: Settings, *, stop: asyncio.Event | None = None) -
         log.info("router.stopped routed=%d dead_lettered=%d", processor.routed, processor.dead_lettered)
 
 
-async def _start_metrics(settings: Settings, processor: RouterProcessor) -> MetricsServer | None:
+async def _start_metrics(settings: RouterSettings, processor: RouterProcessor) -> MetricsServer | None:
     if not settings.router_metrics_port:
         return None
     server = MetricsServer(processor.metrics.registry, settings.router_metrics_port)
@@ -377,15 +377,17 @@ async def _start_metrics(settings: Settings, processor: RouterProcessor) -> Metr
     return server
 
 
-def serve_router(settings: Settings) -> None:
-    """Run the router stream processor until SIGINT or SIGTERM (blocking); for the CLI."""
+def serve_router(settings: RouterSettings | None = None) -> None:
+    """Run the router stream processor until SIGINT or SIGTERM (blocking); for the CLI. Without ``settings``, the
+    router's own (:class:`RouterSettings`) are read from the environment."""
+    own = settings or RouterSettings()
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_router(settings, stop=stop)
+        await run_router(own, stop=stop)
 
     asyncio.run(main())
     shutdown_tracing()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from sluicegate.settings import Settings, comma_separated
+from sluicegate.settings import PublicApiSettings, comma_separated
 
 
-def browser_origins(settings: Settings) -> list[str]:
+def browser_origins(settings: PublicApiSettings) -> list[str]:
     """The result service (which serves the chat page) on the local hosts and at its public address, plus
     ``cors_origins``."""
     origins = [f"http://{host}:{settings.result_port}" for host in ("127.0.0.1", "localhost")]

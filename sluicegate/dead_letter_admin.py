@@ -40,7 +40,7 @@ from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, 
 from sluicegate.kafka import create_admin, create_consumer, create_producer
 from sluicegate.record_check import record_json
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import Settings
+from sluicegate.settings import BackboneSettings
 
 
 @dataclass
@@ -104,7 +104,7 @@ def _entry(record: ConsumerRecord) -> DlqEntry:
     return DlqEntry(record.partition, record.offset, stamp, header or letter.reason, letter)
 
 
-async def list_entries(settings: Settings, limit: int | None = None) -> list[DlqEntry]:
+async def list_entries(settings: BackboneSettings, limit: int | None = None) -> list[DlqEntry]:
     """DLQ entries, oldest first; with ``limit``, only the most recent ``limit``."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
@@ -245,7 +245,7 @@ async def _prepare_stream(redis: Redis, names: Names, request: InferenceRequest,
 
 
 async def replay(
-    settings: Settings,
+    settings: BackboneSettings,
     *,
     reason: str | None = None,
     request_id: str | None = None,

@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
-from sluicegate.settings import Settings, get_settings
+from sluicegate.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +28,12 @@ DEFAULT_MAX_REQUEST_SIZE = 4 * 1024 * 1024
 Compression = Literal["gzip", "snappy", "lz4", "zstd"]
 
 
-def _bootstrap(settings: Settings | None, bootstrap: str | None) -> str:
-    return bootstrap if bootstrap is not None else (settings or get_settings()).kafka_bootstrap
+def _bootstrap(settings: KafkaSettings | None, bootstrap: str | None) -> str:
+    return bootstrap if bootstrap is not None else (settings or KafkaSettings()).kafka_bootstrap
 
 
 def create_producer(
-    settings: Settings | None = None,
+    settings: KafkaSettings | None = None,
     *,
     bootstrap: str | None = None,
     client_id: str = "sluicegate-producer",
@@ -67,7 +67,7 @@ def create_producer(
 def create_consumer(
     *topics: str,
     group_id: str | None,
-    settings: Settings | None = None,
+    settings: KafkaSettings | None = None,
     bootstrap: str | None = None,
     client_id: str = "sluicegate-consumer",
     auto_offset_reset: Literal["earliest", "latest", "none"] = "earliest",
@@ -104,7 +104,7 @@ def rewind_batch(consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[Co
 
 
 def create_admin(
-    settings: Settings | None = None,
+    settings: KafkaSettings | None = None,
     *,
     bootstrap: str | None = None,
     client_id: str = "sluicegate-admin",
@@ -130,7 +130,7 @@ async def ensure_topics(
 
     Returns ``{name: partition count}`` as the broker reports it; an existing topic with fewer
     partitions than asked for is logged, not altered (growing a topic reshuffles keyed records).
-    ``replication`` defaults to ``Settings.topic_replication``. With ``Settings.topic_replication_auto`` (the
+    ``replication`` defaults to ``KafkaSettings.topic_replication``. With ``topic_replication_auto`` (the
     default) it is raised to what the cluster allows, min(3, brokers), and topics with 3 or more replicas get
     ``min.insync.replicas`` 2: with ``acks=all`` a write is then on two brokers before it is acknowledged,
     and one broker may die without a write being lost or refused.
@@ -140,7 +140,7 @@ async def ensure_topics(
             raise ValueError(f"topic {name!r}: need a non-empty name and partitions >= 1, got {partitions}")
     if not topics:
         return {}
-    settings = get_settings()
+    settings = KafkaSettings()
     replication = replication if replication is not None else settings.topic_replication
     auto = settings.topic_replication_auto
 
@@ -260,7 +260,7 @@ async def wait_for_kafka(
     ``check`` runs between attempts and may raise to give up early (the dev stack uses it to stop
     waiting for a broker process that has exited). Raises ``TimeoutError`` with the last error.
     """
-    bootstrap = bootstrap or get_settings().kafka_bootstrap
+    bootstrap = bootstrap or KafkaSettings().kafka_bootstrap
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from sluicegate.settings import Settings, get_settings
+from sluicegate.settings import RedisSettings
 
 SENTINEL_SCHEME = "redis+sentinel"
 
@@ -68,7 +68,7 @@ def _client(url: str, **options: Any) -> Redis:
 
 
 def create_redis(
-    settings: Settings | None = None,
+    settings: RedisSettings | None = None,
     *,
     url: str | None = None,
     socket_timeout: float | None = None,
@@ -79,7 +79,7 @@ def create_redis(
     retries: int = 3,
     retry_timeouts: bool = True,
 ) -> Redis:
-    """An async Redis client for ``url`` (default ``Settings.redis_url``).
+    """An async Redis client for ``url`` (default ``RedisSettings.redis_url``).
 
     ``socket_timeout`` bounds every read on the socket, so it must exceed the longest ``BLOCK`` of an
     ``XREAD``/``XREADGROUP`` issued on this client; ``None`` (the default) means no read timeout, which
@@ -92,7 +92,7 @@ def create_redis(
     if socket_timeout is not None and socket_timeout <= 0:
         raise ValueError(f"socket_timeout must be positive or None, got {socket_timeout}")
     return _client(
-        url or (settings or get_settings()).redis_url,
+        url or (settings or RedisSettings()).redis_url,
         decode_responses=False,
         socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
@@ -121,7 +121,7 @@ async def wait_for_redis(
     ``check`` runs between attempts and may raise to give up early (e.g. the server process exited).
     Raises ``TimeoutError`` with the last error when it does not answer within ``timeout_s``.
     """
-    url = url or get_settings().redis_url
+    url = url or RedisSettings().redis_url
     deadline = time.monotonic() + timeout_s
     while True:
         # No retries inside a probe: the loop here is the retry, with its own deadline.

@@ -29,7 +29,7 @@ from sluicegate.lora.registry import LoRARegistry
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.models.naming import default_public_name
 from sluicegate.redis_client import create_redis, is_sentinel_url
-from sluicegate.settings import Settings
+from sluicegate.settings import WorkerSettings
 from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 
 from .adapters import Adapters
@@ -50,17 +50,17 @@ LOOKAHEAD_SEATS = 4
 HOLD_LOOKAHEADS = 8
 
 
-def model_name_for(settings: Settings) -> str:
+def model_name_for(settings: WorkerSettings) -> str:
     """The public model name: configured, else the model folder's name (a GGUF file's stem, lower-cased)."""
     return settings.model_name or default_public_name(settings.model)
 
 
-def lora_enabled(settings: Settings) -> bool:
+def lora_enabled(settings: WorkerSettings) -> bool:
     """Whether the worker serves LoRA adapters: asked for, or implied by adapters named at start."""
     return settings.enable_lora or bool(settings.worker_loras)
 
 
-def engine_arguments(settings: Settings) -> dict[str, object]:
+def engine_arguments(settings: WorkerSettings) -> dict[str, object]:
     """``EngineConfig`` fields from the worker's settings."""
     lora: dict[str, object] = {}
     if lora_enabled(settings):  # left out otherwise: the engine's defaults (LoRA off)
@@ -119,7 +119,7 @@ def set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def engine_in_process(settings: Settings) -> bool:
+def engine_in_process(settings: WorkerSettings) -> bool:
     """Whether the worker's engine runs in a child process (``SLUICEGATE_ENGINE_MODE``; ``auto`` is a process).
 
     In a process the step loop's Python (scheduling, input preparation, kernel launches) never holds the GIL
@@ -130,7 +130,7 @@ def engine_in_process(settings: Settings) -> bool:
     return settings.engine_mode != "thread"
 
 
-def build_engine(settings: Settings) -> EngineFront:
+def build_engine(settings: WorkerSettings) -> EngineFront:
     """The worker's engine, not started: a child process or a thread of this process (see ``engine_in_process``)."""
     if engine_in_process(settings):
         # A CPU engine shares the cores with the worker's I/O, Redis and the relay, which carry tokens already
@@ -146,7 +146,7 @@ def build_engine(settings: Settings) -> EngineFront:
 
 
 async def run_worker(
-    settings: Settings,
+    settings: WorkerSettings,
     stop: asyncio.Event,
     engine: EngineFront | None = None,
     *,
@@ -205,7 +205,7 @@ class _Probes:
 
 
 async def _start_metrics(
-    settings: Settings, telemetry: WorkerTelemetry | None, probes: _Probes
+    settings: WorkerSettings, telemetry: WorkerTelemetry | None, probes: _Probes
 ) -> MetricsServer | None:
     if not settings.worker_metrics_port:
         return None
@@ -221,7 +221,7 @@ async def _start_metrics(
 
 
 async def _run_started(
-    settings: Settings,
+    settings: WorkerSettings,
     stop: asyncio.Event,
     engine: EngineFront,
     names: Names,
@@ -346,7 +346,9 @@ async def _run_started(
     return worker
 
 
-def build_adapters(settings: Settings, engine: EngineFront, redis: Redis, names: Names, model_name: str) -> Adapters:
+def build_adapters(
+    settings: WorkerSettings, engine: EngineFront, redis: Redis, names: Names, model_name: str
+) -> Adapters:
     """The worker's LoRA adapters: registry in Redis, fetched copies under ``lora_cache_dir``."""
     cache_dir = Path(settings.lora_cache_dir) if settings.lora_cache_dir else settings.state_dir / "lora-cache"
     return Adapters(
@@ -368,15 +370,17 @@ def model_config(model: str) -> Any:
     return AutoConfig.from_pretrained(str(resolve_model_path(model)))
 
 
-def serve_worker(settings: Settings) -> NoReturn:
-    """Blocking entry point for the CLI; after a clean stop it ends the process (status 0) itself."""
+def serve_worker(settings: WorkerSettings | None = None) -> NoReturn:
+    """Blocking entry point for the CLI; after a clean stop it ends the process (status 0) itself. Without
+    ``settings``, the worker's own (:class:`WorkerSettings`) are read from the environment."""
+    own = settings or WorkerSettings()
 
     async def _main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(settings, stop, freeze_heap=True)
+        await run_worker(own, stop, freeze_heap=True)
 
     # uvloop: the worker's loop is all I/O hops (fetch, engine hand-off, Redis); paired pipeline runs at 50 req/s
     # measured overhead p50 5.9, 5.8 -> 5.6, 5.4 ms and worker CPU 4.4 -> 4.0-4.1 ms per request.

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from schemas import Names
 from sluicegate.api.errors import ApiError
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 
 from .objects import ResponseRecord
 
@@ -53,7 +53,7 @@ def _member(tenant: str, response_id: str) -> str:
 class ResponseStore:
     """Reads and writes stored responses."""
 
-    def __init__(self, settings: Settings, redis: Redis, names: Names) -> None:
+    def __init__(self, settings: IngressSettings, redis: Redis, names: Names) -> None:
         self._settings = settings
         self._redis = redis
         self._names = names

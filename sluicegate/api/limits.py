@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import InferenceRequest, WorkerHeartbeat
-from sluicegate.settings import Settings
+from sluicegate.settings import IngressSettings
 
 from .bodies import AnyBody, ChatCompletionBody, CompletionBody, EmbeddingInput
 from .deadlines import MAX_DEADLINE_S
@@ -46,7 +46,7 @@ class KeyLimits(BaseModel):
     tokens_per_day: int | None = Field(None, ge=0, description="Token quota per UTC day (prompt + output).")
     tokens_per_month: int | None = Field(None, ge=0, description="Token quota per UTC month (prompt + output).")
 
-    def resolve(self, settings: Settings) -> Limits:
+    def resolve(self, settings: IngressSettings) -> Limits:
         """The limits in force for this key."""
 
         def pick(own: float | None, default: float) -> float:

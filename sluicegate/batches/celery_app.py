@@ -15,13 +15,13 @@ from celery import Celery
 
 from schemas import Names
 from sluicegate.redis_client import is_sentinel_url, parse_sentinel_url
-from sluicegate.settings import Settings, get_settings
+from sluicegate.settings import BatchApiSettings, BatchServiceSettings
 
 TICK_TASK = "sluicegate.batch.tick"
 ADVANCE_TASK = "sluicegate.batch.advance"
 
 
-def broker_url(settings: Settings) -> str:
+def broker_url(settings: BatchApiSettings) -> str:
     """The broker: ``batch_broker_url``, else the Redis everything else uses."""
     return settings.batch_broker_url or settings.redis_url
 
@@ -37,28 +37,12 @@ def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
     return ";".join(f"sentinel://{auth}{host}:{port}/{db}" for host, port in sentinels), {"master_name": service}
 
 
-def make_app(settings: Settings) -> Celery:
-    """A Celery app configured from ``settings`` (tasks are registered by :mod:`batch_service.tasks`)."""
+def make_app(settings: BatchServiceSettings) -> Celery:
+    """The batch workers' Celery app configured from ``settings``, with the beat's schedule (tasks are registered
+    by :mod:`batch_service.tasks`)."""
     names = Names(settings.topic_prefix)
-    broker, sentinel_options = kombu_broker(broker_url(settings))
-    app = Celery("sluicegate-batch", broker=broker)
+    app = _app(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
     app.conf.update(
-        task_default_queue=names.batch_queue,
-        # A task is acked when it ends, not when it starts, and a worker lost mid-task (kill -9) gives it back:
-        # the broker re-delivers it after the visibility timeout, kept short so a batch stalls seconds, not an hour.
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        broker_transport_options={
-            "visibility_timeout": settings.batch_visibility_timeout_s,
-            "global_keyprefix": names.prefix,
-            **sentinel_options,
-        },
-        broker_connection_retry_on_startup=True,
-        task_ignore_result=True,
-        result_backend=None,
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
         beat_schedule={
             "batch-tick": {
                 "task": TICK_TASK,
@@ -72,15 +56,39 @@ def make_app(settings: Settings) -> Celery:
     return app
 
 
-@lru_cache(maxsize=4)
-def _sender(broker: str, prefix: str, visibility: int) -> Celery:
-    settings = get_settings().model_copy(
-        update={"batch_broker_url": broker, "topic_prefix": prefix, "batch_visibility_timeout_s": visibility}
+def _app(url: str, prefix: str, visibility_timeout_s: int) -> Celery:
+    """A Celery app on the broker at ``url``, its queue and keys under ``prefix``: what the batch workers'
+    app and a sender's (:func:`kick`) share."""
+    names = Names(prefix)
+    broker, sentinel_options = kombu_broker(url)
+    app = Celery("sluicegate-batch", broker=broker)
+    app.conf.update(
+        task_default_queue=names.batch_queue,
+        # A task is acked when it ends, not when it starts, and a worker lost mid-task (kill -9) gives it back:
+        # the broker re-delivers it after the visibility timeout, kept short so a batch stalls seconds, not an hour.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            "global_keyprefix": names.prefix,
+            **sentinel_options,
+        },
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+        result_backend=None,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
     )
-    return make_app(settings)
+    return app
 
 
-def kick(settings: Settings, batch_id: str) -> None:
+# A sender only sends: it needs no beat, and it reads nothing but what the caller's settings carry (ingress has no
+# batch-worker settings to build a whole worker app from).
+_sender = lru_cache(maxsize=4)(_app)
+
+
+def kick(settings: BatchApiSettings, batch_id: str) -> None:
     """Ask a batch worker to advance ``batch_id`` now (blocking: run it off the event loop)."""
     app = _sender(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
     app.send_task(ADVANCE_TASK, args=[batch_id], queue=Names(settings.topic_prefix).batch_queue, expires=60)

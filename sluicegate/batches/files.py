@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from redis.asyncio import Redis
 
 from schemas import FileObject, Names
-from sluicegate.settings import Settings
+from sluicegate.settings import BatchApiSettings
 
 _COPY_BUFFER = 1024 * 1024
 
@@ -40,7 +40,7 @@ def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 
 
-def files_url(settings: Settings) -> str:
+def files_url(settings: BatchApiSettings) -> str:
     """The configured storage URL, or the ``files`` folder under the state folder."""
     return settings.files_url or str((settings.state_dir / "files").resolve())
 
@@ -48,7 +48,7 @@ def files_url(settings: Settings) -> str:
 class FileStore:
     """Files of every tenant: bytes in storage, metadata in Redis under :meth:`Names.file_key`."""
 
-    def __init__(self, settings: Settings, redis: Redis, names: Names) -> None:
+    def __init__(self, settings: BatchApiSettings, redis: Redis, names: Names) -> None:
         self.redis = redis
         self.names = names
         self.fs, self.root = fsspec.core.url_to_fs(files_url(settings))

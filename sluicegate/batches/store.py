@@ -28,7 +28,7 @@ from schemas import (
     TraceContext,
 )
 from schemas.batches import InputTokensDetails
-from sluicegate.settings import Settings
+from sluicegate.settings import BatchApiSettings
 
 from ..api.limits import Limits
 
@@ -140,7 +140,7 @@ def _decode(raw: dict[bytes, bytes]) -> dict[str, str]:
 class BatchStore:
     """Every batch's state; the API and the batch workers share it."""
 
-    def __init__(self, settings: Settings, redis: Redis, names: Names) -> None:
+    def __init__(self, settings: BatchApiSettings, redis: Redis, names: Names) -> None:
         self.settings = settings
         self.redis = redis
         self.names = names

