@@ -50,14 +50,28 @@ async def lose_tail_and_drop_connection(replica_ack: bool, redis_url: str, redis
         for seq in range(2):
             await redis.xadd(key, {STREAM_FIELD: token(request_id, seq).model_dump_json()}, id=stream_entry_id(seq))
         assert await stream_seqs(redis, names, request_id) == [0, 1]
-        killed = 0
-        for entry in await redis.client_list():
-            if entry.get("name") == name:
-                await redis.execute_command("CLIENT", "KILL", "ID", entry["id"])
-                killed += 1
-        assert killed == 1
-        publisher.add(token(request_id, 5))
-        await publisher.flush()
+        # The connection drops while the flush waits on it: writes are paused, so the flush's pipeline sits on the
+        # server unexecuted when its connection is killed. (A connection killed while idle is replaced by the pool
+        # before the next command, unseen: only a drop under a command is a failed flush.)
+        await redis.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
+        try:
+            publisher.add(token(request_id, 5))
+            flush = asyncio.create_task(publisher.flush())
+            killed: list[str] = []
+            deadline = time.monotonic() + 5
+            while not killed and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                # The flush's pipeline is on the server once its client waits in a paused write.
+                killed = [
+                    entry["id"]
+                    for entry in await redis.client_list()
+                    if entry.get("name") == name and "b" in entry.get("flags", "")
+                ]
+            assert len(killed) == 1, "the flush never reached the paused server"
+            await redis.execute_command("CLIENT", "KILL", "ID", killed[0])
+        finally:
+            await redis.execute_command("CLIENT", "UNPAUSE")
+        await asyncio.wait_for(flush, 10)
         assert publisher.retries >= 1
         return await stream_seqs(redis, names, request_id)
     finally:
