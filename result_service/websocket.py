@@ -126,7 +126,7 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
     error = sender.exception()
     if error is None:
         # A resume point past the end closes the same way, but says so: the client got no done, and its last_id
-        # was not one of this stream's entries (helper-29 could not tell).
+        # was not one of this stream's entries (a client could not tell the two apart).
         why = "stream finished" if sender.result() else "stream finished at or before last_id: nothing after it"
         await close_socket(websocket, CLOSE_NORMAL, why)
     elif isinstance(error, SlowConsumer):

@@ -56,7 +56,7 @@ def test_only_hashes_are_kept_in_memory(tmp_path: Path) -> None:
         ('{"key": "k-000000001", "tenant": "bad tenant"}', "'tenant'"),
         ("{broken", "line 2"),
         ("short", "at least 8"),
-        # helper-30: each of these loaded, leaving a key nobody could use or a limit nobody set.
+        # Each of these used to load, leaving a key nobody could use or a limit nobody set.
         ("sk-plain-1234  # ops", "may not contain spaces"),
         ('{"key": " sk-padded-1 "}', "may not contain spaces"),
         ('{"key": "k-000000001", "admin": "yes"}', "'admin'"),

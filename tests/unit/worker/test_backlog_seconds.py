@@ -25,8 +25,8 @@ def test_no_backlog_is_zero_and_a_backlog_without_a_rate_is_infinite() -> None:
 
 def test_requests_that_fit_the_engines_free_seats_wait_behind_nothing() -> None:
     """They start at once beside the running ones, taken from the highest tier first: 16 arrivals on an engine
-    with 48 free seats are no wait at all (helper-30 saw admission refuse deadlines for about 1 s of such a
-    burst, read as 6.8 s of queued generation)."""
+    with 48 free seats are no wait at all (admission once refused deadlines for about 1 s of such a burst,
+    read as 6.8 s of queued generation)."""
     expected = {"interactive": 32, "standard": 32, "batch": 32}
     assert backlog_seconds({"standard": 16}, expected, 75.0, free_seats=48) == dict.fromkeys(
         ("interactive", "standard", "batch"), 0.0
