@@ -224,7 +224,7 @@ def device_busy_ms(llm: Any, prompt: list[int], batch: int, steps: int) -> float
 
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.gpu_profile import STEP_MARK, analyze_trace
+    from benchmarks.gpu_trace import STEP_MARK, analyze_trace
 
     activities = [ProfilerActivity.CPU]
     if llm.engine.device.type == "cuda":

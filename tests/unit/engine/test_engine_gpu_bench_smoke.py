@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_profile import STEP_MARK, analyze_trace, trimmed_trace
+from benchmarks.gpu_trace import STEP_MARK, analyze_trace, trimmed_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -73,22 +73,27 @@ def test_engine_gpu_benchmark_smoke(tmp_path: Path) -> None:
     assert measured["GPTQ INT4 c=1 ITL p50 / its own floor"]["measured"] > 0
 
 
-@pytest.mark.slow
-def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
-    """The prepared GPU run (benchmarks/gpu_run.sh) in its CPU rehearsal: every phase leaves its files and its
-    exit status in summary.json, and greedy parity with transformers holds on the CPU's attention paths."""
-    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
+def _rehearse(out: Path, phases: str, *, timeout_s: float) -> None:
+    """``gpu_run.sh --smoke --only PHASES`` into ``out``, on this test's interpreter; it must exit 0."""
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # gpu_parity --smoke sets it itself, before triton's import
     result = subprocess.run(
-        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_run.sh"), "--smoke", "--only", "env,parity"],
+        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_run.sh"), "--smoke", "--only", phases],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=timeout_s,
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
+    """The prepared GPU run (benchmarks/gpu_run.sh) in its CPU rehearsal: every phase leaves its files and its
+    exit status in summary.json, and greedy parity with transformers holds on the CPU's attention paths."""
+    _rehearse(tmp_path, "env,parity", timeout_s=400)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary) == {"env", "parity"} and all(phase["rc"] == 0 for phase in summary.values()), summary
     parity = json.loads((tmp_path / "gpu_parity.json").read_text())
@@ -118,19 +123,8 @@ STEP_FIELDS = {
 @pytest.mark.slow
 def test_gpu_run_profile_and_targets_rehearse_on_cpu(tmp_path: Path) -> None:
     """The model, profile and c1 phases in their CPU rehearsal: per-step profile rows, the target list with its
-    device and date copied where the lead keeps it, and no more files in $OUT than a lent machine hands back."""
-    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run(
-        ["bash", str(REPO_ROOT / "benchmarks" / "gpu_run.sh"), "--smoke", "--only", "model,profile,c1"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    device and date copied where the repository keeps it, and no more files in $OUT than a lent machine hands back."""
+    _rehearse(tmp_path, "model,profile,c1", timeout_s=300)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert all(summary[p]["rc"] == 0 for p in ("model", "profile", "c1")), summary
     assert summary["targets"]["file"] == "gpu_targets.json" and summary["targets"]["keep_as"] == "docs/gpu_targets.json"
