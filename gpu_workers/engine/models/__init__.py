@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
@@ -19,4 +20,11 @@ def resolve_architecture(architectures: list[str] | None) -> type[LlamaForCausal
     raise ValueError(f"unsupported architecture {architectures!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "resolve_architecture"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "resolve_architecture",
+]

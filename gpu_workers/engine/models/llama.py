@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over flat, unpadded token batches.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over flat, unpadded token batches.
 
 Inputs are ``[num_tokens]`` ids and positions for every sequence of the step laid end to end;
 attention goes through a pluggable backend over the paged KV cache. Q/K/V and gate/up projections
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -50,6 +50,9 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        # Qwen3's per-head RMSNorm of queries and keys, before rotary (one weight of head_dim shared by all heads).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         # Bound by the model runner once the KV cache and backend exist.
         self.backend: AttentionBackend | None = None
         self.k_cache: torch.Tensor | None = None
@@ -63,7 +66,11 @@ class LlamaAttention(nn.Module):
         # Queries and keys rotate together, as one [tokens, heads + kv_heads, head_dim] block: half
         # the small ops of rotating each (a decode step is dominated by such dispatch on a CPU).
         qk_size = self.q_size + self.kv_size
-        qk = apply_rotary(qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = apply_rotary(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.backend is None or self.k_cache is None or self.v_cache is None:
@@ -90,9 +97,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias=qkv_bias, o_bias=o_bias)
+        self.self_attn = LlamaAttention(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
         self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -103,12 +110,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_len: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_len: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,7 +137,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         bias = bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, max_len, qkv_bias=self.qkv_bias(config), o_bias=bias)
+        self.model = LlamaModel(
+            config, max_len, qkv_bias=self.qkv_bias(config), o_bias=bias, qk_norm=self.qk_norm(config)
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -135,6 +147,10 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def qkv_bias(cls, config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def qk_norm(cls, config: PretrainedConfig) -> bool:
+        return False
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -160,4 +176,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def qkv_bias(cls, config: PretrainedConfig) -> bool:
+        return True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 normalizes each query and key head (RMSNorm over head_dim) before rotary; no Q/K/V biases
+    unless its config asks for them (``attention_bias``)."""
+
+    @classmethod
+    def qk_norm(cls, config: PretrainedConfig) -> bool:
         return True

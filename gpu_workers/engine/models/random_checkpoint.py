@@ -1,4 +1,4 @@
-"""Writes a small random-weight Llama/Mistral/Qwen2 checkpoint plus a trained byte-level BPE
+"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3 checkpoint plus a trained byte-level BPE
 tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
 
 from __future__ import annotations
@@ -15,9 +15,21 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
-ARCH_CONFIGS: dict[str, type] = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+ARCH_CONFIGS: dict[str, type] = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+ARCH_NAMES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -99,6 +111,7 @@ def make_tiny_model(
     init_std: float = 0.1,
     seed: int = 0,
     max_shard_size: str | int | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``generation_config.json`` and tokenizer files
     for a random model into ``out_dir`` (created if needed) and return its path.
@@ -106,12 +119,13 @@ def make_tiny_model(
     ``init_std`` is larger than the usual 0.02 so greedy decoding produces varied tokens rather
     than one token forever. ``intermediate_size`` defaults to ~8/3 x hidden, rounded up to 32.
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into an indexed, sharded checkpoint.
+    ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 and Gemma set it apart from the hidden size).
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    if hidden_size % num_heads:
+    if head_dim is None and hidden_size % num_heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
@@ -126,7 +140,7 @@ def make_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
+        head_dim=head_dim or hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=init_std,
@@ -142,9 +156,7 @@ def make_tiny_model(
     if arch == "mistral":
         kwargs["sliding_window"] = None
     config = ARCH_CONFIGS[arch](**kwargs)
-    config.architectures = [
-        {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]
-    ]
+    config.architectures = [ARCH_NAMES[arch]]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -154,6 +166,12 @@ def make_tiny_model(
                 for layer in model.model.layers:
                     for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                         proj.bias.normal_(0.0, init_std)
+        if arch == "qwen3":
+            # Qwen3 initialises its per-head query/key norms to ones; random ones make the test cover them.
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                        norm.weight.uniform_(0.5, 1.5)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if max_shard_size is None:
         model.save_pretrained(out, safe_serialization=True)

@@ -30,6 +30,8 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     "llama": dict(arch="llama"),
     "mistral": dict(arch="mistral", seed=1),
     "qwen2": dict(arch="qwen2", seed=2),
+    # Qwen3: per-head query/key norms, and a head_dim that is not hidden_size / num_heads.
+    "qwen3": dict(arch="qwen3", seed=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32),
     # Llama 3 style: tied embeddings, llama3 RoPE scaling, large theta, 4:1 GQA.
     "llama3_tied": dict(
         arch="llama", seed=3, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,

@@ -50,7 +50,7 @@ def tp_llms() -> Iterator[Callable[..., LLM]]:
             assert not process.is_alive(), "a tensor-parallel rank outlived its engine"
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "llama3_tied"])
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "llama3_tied"])
 def test_two_ranks_decode_the_same_greedy_tokens(
     variant: str,
     model_dir: Callable[[str], Path],

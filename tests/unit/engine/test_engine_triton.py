@@ -65,10 +65,11 @@ def _count_cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
 def test_matches_transformers_with_prefix_hits_and_decode_batches(
-    model_dir: Callable[[str], Path], hf_reference: HFReference, make_llm: Callable[..., LLM]
+    variant: str, model_dir: Callable[[str], Path], hf_reference: HFReference, make_llm: Callable[..., LLM]
 ) -> None:
-    path = model_dir("llama")
+    path = model_dir(variant)
     llm = _triton_llm(make_llm, path, enforce_eager=True)
     # A fresh mixed batch: two prompts share 40 tokens (2.5 blocks), one is a single token.
     first = [*_prompts(1, 40, [3, 9]), [7]]
