@@ -79,7 +79,9 @@ class LLMEngine:
             draft.allocate_kv_cache(num_blocks)
         # Cascade attention and decode CUDA graphs (captured here: they bind the cache's addresses).
         self.runner.setup_decode(config, self.max_model_len)
-        self.block_manager = KVBlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.block_manager = KVBlockManager(
+            num_blocks, block_size, config.enable_prefix_caching, sliding_window=self.loaded.release_window
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,

@@ -20,6 +20,9 @@ class AttentionBackend(Protocol):
     comes with the layer's ``k_scale``/``v_scale`` (fp32 ``[num_kv_heads]``, see ``kv_quant.py``):
     rows are stored as ``x / scale`` and read back times the scale; with
     ``meta.calibrate_kv_scales`` the backend first sets the scales from this step's K/V.
+    ``sliding_window=W`` (a sliding layer) limits query position ``p`` to keys ``p - W < k <= p``;
+    block-table entries wholly before the first query's window may be released (``-1``) and are
+    never read.
 
     Optional class attributes the model runner reads (absent means False): ``supports_cascade``,
     the backend honours ``meta.common_prefix_len`` (shared-prefix attention); ``cuda_graph_safe``,
@@ -39,4 +42,5 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...

@@ -7,7 +7,8 @@ no host sync, so it can be captured in a CUDA graph). Upstream flash-attn 2 acce
 only when the block size is a multiple of 256 and the dtype is fp16/bf16; ``get_attention_backend``
 checks both before picking this backend. Causal masking in flash-attn aligns the query block to
 the end of the key range, which is exactly the "new tokens are the last q_len of the context"
-layout of ``metadata.py``. New K/V rows are written first with the Triton store kernel, which
+layout of ``metadata.py``; a sliding-window layer passes ``window_size=(W - 1, 0)``, the same
+``p - W < k <= p`` as the other backends. New K/V rows are written first with the Triton store kernel, which
 skips slot -1 without a host sync (the torch fallback needs one). An FP8 KV cache is refused
 (``FP8_KV_REFUSAL``): flash-attn 2 has no fp8 K/V input.
 """
@@ -75,11 +76,14 @@ class FlashAttnBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if k_scale is not None or v_scale is not None or k_cache.dtype.itemsize == 1:
             # get_attention_backend refuses this pairing; a direct caller gets the same answer.
             raise ValueError(FP8_KV_REFUSAL)
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # flash-attn's window is (left, right) keys around the query, the query excluded from left.
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         if meta.is_decode_only:
             # One query row per sequence: the decode kernel, with split-KV chosen by flash-attn.
             out = self._with_kvcache(
@@ -90,6 +94,7 @@ class FlashAttnBackend:
                 block_table=meta.block_tables,
                 softmax_scale=scale,
                 causal=True,
+                window_size=window,
             )
             return out.squeeze(1)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, dim=0, dtype=torch.int32), (1, 0))
@@ -103,5 +108,6 @@ class FlashAttnBackend:
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            window_size=window,
             block_table=meta.block_tables,
         )

@@ -19,6 +19,11 @@ context is widened as it is read (to fp32 on a CPU, with integer ops that vector
 float8 cast does not); the per-head scales are folded into the query (K's) and the output (V's)
 rather than multiplied into every cached element. A prompt attended whole
 in one step uses its fresh K/V, as with any cache dtype.
+
+A sliding-window layer (``sliding_window=W``: query position ``p`` sees keys ``p - W < k <= p``, as
+transformers' mask) reads only the slots from its first query's window start on, so blocks released
+behind the window are never touched; prefill rows add the window's lower bound to their mask. Runs and
+decode batches are planned once per step and window (a model mixing full and sliding layers has two).
 """
 
 from __future__ import annotations
@@ -66,22 +71,42 @@ def write_kv(
     flat_v.index_copy_(0, slot_mapping, v)
 
 
-def context_runs(block_table: list[int], seq_len: int, block_size: int) -> SlotRuns:
-    """Split a sequence's first ``seq_len`` slots into runs of consecutive cache slots."""
+def context_runs(block_table: list[int], seq_len: int, block_size: int, first_pos: int = 0) -> SlotRuns:
+    """Split the slots of positions ``[first_pos, seq_len)`` of a sequence into runs of consecutive
+    cache slots (table entries before ``first_pos``'s block are not looked at: they may be released)."""
+    first_block = first_pos // block_size
     num_blocks = -(-seq_len // block_size)
     runs: SlotRuns = []
-    start = prev = block_table[0]
-    for block in block_table[1:num_blocks]:
+    start = prev = block_table[first_block]
+    for block in block_table[first_block + 1 : num_blocks]:
         if block != prev + 1:
             runs.append((start * block_size, (prev + 1) * block_size))
             start = block
         prev = block
     runs.append((start * block_size, (prev + 1) * block_size))
-    # The last block is only partly filled: trim the final run to the context length.
+    # The last block is only partly filled: trim the final run to the context length; the first
+    # may start inside its block.
     excess = num_blocks * block_size - seq_len
     last_start, last_end = runs[-1]
     runs[-1] = (last_start, last_end - excess)
+    first_start, first_end = runs[0]
+    runs[0] = (first_start + first_pos % block_size, first_end)
     return runs
+
+
+def window_starts(seq_lens: list[int], query_start: list[int], window: int | None) -> list[int]:
+    """Per sequence, the first position its earliest query of the step can see (0 without a window)."""
+    if window is None:
+        return [0] * len(seq_lens)
+    return [max(0, n - (query_start[i + 1] - query_start[i]) - window + 1) for i, n in enumerate(seq_lens)]
+
+
+def attend_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[q, k]`` bool: causal, and inside the sliding window when there is one."""
+    mask = k_positions[None, :] <= q_positions[:, None]
+    if window is not None:
+        mask &= k_positions[None, :] > q_positions[:, None] - window
+    return mask
 
 
 def _read(flat_cache: torch.Tensor, runs: SlotRuns) -> torch.Tensor:
@@ -98,24 +123,35 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        # Per-step plan, rebuilt when a new metadata object arrives (the model runner makes one
-        # per step and every layer receives the same one).
+        # Per-step plans, rebuilt when a new metadata object arrives (the model runner makes one
+        # per step and every layer receives the same one), one per sliding window in use.
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: list[SlotRuns] = []
-        self._decode: DecodeBatch | None = None
+        self._plans: dict[int | None, StepPlan] = {}
+        self._tables: list[list[int]] = []
         self._skips_slots = False
 
-    def _runs_for(
-        self, meta: AttentionMetadata, block_size: int, seq_lens: list[int], query_start: list[int]
-    ) -> list[SlotRuns]:
+    def _plan_for(
+        self,
+        meta: AttentionMetadata,
+        block_size: int,
+        seq_lens: list[int],
+        query_start: list[int],
+        window: int | None,
+    ) -> StepPlan:
         if self._plan_meta is not meta:
-            tables = meta.block_tables.tolist()
-            self._plan = [context_runs(tables[i], n, block_size) for i, n in enumerate(seq_lens)]
-            self._decode = DecodeBatch.plan(self._plan, seq_lens, query_start, meta.slot_mapping.device)
+            self._tables = meta.block_tables.tolist()
+            self._plans = {}
             # One host sync per step instead of one per layer in write_kv.
             self._skips_slots = bool((meta.slot_mapping < 0).any())
             self._plan_meta = meta
-        return self._plan
+        plan = self._plans.get(window)
+        if plan is None:
+            starts = window_starts(seq_lens, query_start, window)
+            runs = [context_runs(self._tables[i], n, block_size, starts[i]) for i, n in enumerate(seq_lens)]
+            ctx_lens = [n - lo for n, lo in zip(seq_lens, starts, strict=True)]
+            decode = DecodeBatch.plan(runs, ctx_lens, query_start, meta.slot_mapping.device)
+            plan = self._plans[window] = StepPlan(runs, starts, decode)
+        return plan
 
     def forward(
         self,
@@ -128,6 +164,7 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         fp8 = is_fp8_cache(k_cache)
         if fp8 and meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
@@ -137,7 +174,8 @@ class TorchAttentionBackend:
         block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
-        runs = self._runs_for(meta, block_size, seq_lens, query_start)
+        plan = self._plan_for(meta, block_size, seq_lens, query_start, sliding_window)
+        runs = plan.runs
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, skips_slots=self._skips_slots)
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
@@ -153,7 +191,7 @@ class TorchAttentionBackend:
             k_heads = k_rows.repeat_interleave(group, dim=0)
             v_heads = v_rows.repeat_interleave(group, dim=0)
         out = torch.empty_like(q)
-        batched = self._decode
+        batched = plan.decode
         if batched is not None:
             self._attend_decode_batch(batched, q, flat_k, flat_v, out, scale, group, work, k_rows, v_rows)
         for i, ctx_len in enumerate(seq_lens):
@@ -174,13 +212,16 @@ class TorchAttentionBackend:
                 continue
             query = q[start:end].transpose(0, 1)  # [heads, q_len, d]
             from_cache = ctx_len != q_len
+            positions = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             if not from_cache:
-                # Whole sequence in this step: attend over the fresh K/V, plain causal mask.
+                # Whole sequence in this step: attend over the fresh K/V, plain causal mask (unless a
+                # window shorter than the prompt cuts it).
                 keys, values, mask = k[start:end], v[start:end], None
+                if sliding_window is not None and q_len > sliding_window:
+                    mask = attend_mask(positions, positions, sliding_window)
             else:
                 keys, values = _read(flat_k, runs[i]), _read(flat_v, runs[i])
-                positions = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-                mask = torch.arange(ctx_len, device=q.device)[None, :] <= positions[:, None]
+                mask = attend_mask(positions, torch.arange(plan.starts[i], ctx_len, device=q.device), sliding_window)
                 if fp8:
                     query, keys, values = query.to(work) * k_heads, fp8_codes_as(keys, work), fp8_codes_as(values, work)
             attn = F.scaled_dot_product_attention(
@@ -231,6 +272,16 @@ class TorchAttentionBackend:
             out.index_copy_(0, batch.rows, attn)
 
 
+@dataclass
+class StepPlan:
+    """How one step reads the cache for one window: each sequence's slot runs from ``starts[i]`` on,
+    and the batched decode rows (or None)."""
+
+    runs: list[SlotRuns]
+    starts: list[int]
+    decode: DecodeBatch | None
+
+
 # The batched decode path pads every context to the longest; above this much padding per real
 # context token the per-sequence loop (views, no copies) reads less memory.
 _MAX_PADDING_RATIO = 2.0
@@ -251,6 +302,7 @@ class DecodeBatch:
     def plan(
         cls, runs: list[SlotRuns], seq_lens: list[int], query_start: list[int], device: torch.device
     ) -> DecodeBatch | None:
+        """``seq_lens``: how many context slots each sequence's ``runs`` hold (its window's, if any)."""
         decode = [i for i in range(len(seq_lens)) if query_start[i + 1] - query_start[i] == 1]
         if len(decode) < 2:
             return None

@@ -40,16 +40,21 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         # An FP8 cache: the kernels quantize on store and dequantize on read with these scales.
         if meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
             calibrate_scales(k, v, k_scale, v_scale)
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        if meta.common_prefix_len > 0:
+        # The cascade's shared-prefix pass has no window; a sliding layer attends the plain way (the model
+        # runner turns cascade off for models with sliding layers, so this is only a guard).
+        if meta.common_prefix_len > 0 and sliding_window is None:
             device_len = meta.common_prefix_len_device
             shared = device_len if device_len is not None else meta.common_prefix_len
             return cascade_paged_attention(
                 q, k_cache, v_cache, meta, scale, shared, num_splits=None, prefix_splits=None,
                 k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
-        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+        return paged_attention(
+            q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window
+        )

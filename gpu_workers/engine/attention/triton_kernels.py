@@ -258,7 +258,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 # The ints here change from step to step; specialising on their values (== 1, multiple of 16)
 # would only multiply the compiled variants (each a JIT compile in the serving path).
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "kv_start", "prefix_len"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "kv_start", "prefix_len", "window"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -274,6 +274,7 @@ def _paged_attention_kernel(
     kv_start,
     prefix_len,
     prefix_len_ptr,
+    window,
     k_scale_ptr,
     v_scale_ptr,
     block_size,
@@ -309,7 +310,10 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DYNAMIC_PREFIX: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
+    # SLIDING (MODES 0 and 1): query position p sees keys p - window < k <= p; the KV range starts at
+    # the tile's first query's window, so blocks released behind every window are never read.
     # KV_FP8: the cache holds float8_e4m3fn with one scale per KV head (kv_quant.py). Tiles are only
     # cast to DOT_DTYPE; K's scale multiplies the scores and V's the output, once per program.
     # MODE 0: mixed batch (binary search for the sequence), causal.
@@ -371,6 +375,8 @@ def _paged_attention_kernel(
         kv_end = prefix_len
     else:
         kv_end = seq_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+        if SLIDING:
+            kv_start = tl.maximum(kv_start, seq_len - q_len + q_block * BLOCK_Q - window + 1)
     num_tiles = tl.cdiv(tl.maximum(kv_end - kv_start, 0), TILE_N)
     tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
     tile_lo = split * tiles_per_split
@@ -397,6 +403,8 @@ def _paged_attention_kernel(
             keep = pos_valid[None, :]
         else:
             keep = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                keep = keep & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
 
         # Online softmax in base 2; a row that has seen only masked keys keeps m = -inf, and the
@@ -573,8 +581,10 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every query token of ``meta``'s batch over its sequence's paged KV.
+    """Causal attention of every query token of ``meta``'s batch over its sequence's paged KV
+    (only its last ``sliding_window`` positions, the query's own included, when given).
 
     ``q`` is ``[num_tokens, num_heads, head_dim]`` (any strides); ``num_heads`` must be a multiple
     of the cache's ``num_kv_heads``. Returns ``out`` (``[num_tokens, num_heads, head_dim]`` in
@@ -591,11 +601,13 @@ def paged_attention(
     splits = num_splits if num_splits is not None else _auto_splits(q, meta, grid_q * cfg.num_kv_heads, cfg)
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {splits}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None; got {sliding_window}")
     if splits == 1:
-        _launch(q, k_cache, v_cache, meta, scale, cfg, out, None, grid_q, 1, kv_start=0)
+        _launch(q, k_cache, v_cache, meta, scale, cfg, out, None, grid_q, 1, kv_start=0, window=sliding_window)
         return out
     parts, parts_lse = _scratch(q, splits)
-    _launch(q, k_cache, v_cache, meta, scale, cfg, parts, parts_lse, grid_q, splits, kv_start=0)
+    _launch(q, k_cache, v_cache, meta, scale, cfg, parts, parts_lse, grid_q, splits, kv_start=0, window=sliding_window)
     return merge_attn_states(parts, parts_lse, out, num_valid_tokens=meta.query_start_loc[-1:])
 
 
@@ -898,6 +910,7 @@ def _launch(
     prefix_len: int = 0,
     prefix_pass: bool = False,
     prefix_len_device: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """One attention launch; ``out``/``lse`` are ``[splits, tokens, heads, (dim)]`` when ``lse`` is
     given (partial results for a merge), else ``out`` is the final ``[tokens, heads, dim]``.
@@ -933,6 +946,7 @@ def _launch(
         kv_start,
         prefix_len,
         prefix_len_device if prefix_len_device is not None else meta.seq_lens,  # placeholder when unused
+        window or 0,
         *(cfg.kv_scales or (meta.seq_lens, meta.seq_lens)),  # placeholders without an FP8 cache
         k_cache.shape[1],
         *q.stride(),
@@ -954,5 +968,6 @@ def _launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         DYNAMIC_PREFIX=prefix_len_device is not None,
         KV_FP8=cfg.kv_scales is not None,
+        SLIDING=window is not None,
         num_warps=cfg.num_warps,
     )

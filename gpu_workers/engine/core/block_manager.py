@@ -1,5 +1,15 @@
 """Paged KV-cache block accounting: ref-counted blocks, prefix caching by chained block hashes,
-least-recently-used eviction of free cached blocks, and prefix hit counters."""
+least-recently-used eviction of free cached blocks, prefix hit counters, and the release of blocks that fell
+out of a sliding attention window.
+
+Sliding window: when every attention layer of the model sees only the last ``sliding_window`` positions, a
+block whose positions all lie before ``next_position - sliding_window + 1`` is never read again, so
+``release_out_of_window`` drops the sequence's reference and leaves ``NULL_BLOCK`` in its place in
+``seq.block_ids`` (the list stays indexed by position; backends never read entries outside the window). A
+released block keeps its hash and stays findable in the prefix cache until evicted: prefix lookups walk the
+hash chain from the first block and stop at the first one no longer cached, so a hit is always a whole prefix
+whose K/V is all present, never one with early blocks missing. Models that mix sliding and full-attention
+layers (Gemma 3) need every block for their full layers; they run with ``sliding_window=None`` here."""
 
 from __future__ import annotations
 
@@ -8,6 +18,9 @@ from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
+
+# Stands in ``seq.block_ids`` for a block released because it fell out of the sliding window.
+NULL_BLOCK = -1
 
 # How far the placement cursor looks for a fresh block before falling back to the LRU queue.
 _PLACEMENT_PROBES = 64
@@ -34,9 +47,15 @@ class KVBlockManager:
     out of order to keep each sequence's blocks consecutive (see ``_next_block``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, sliding_window: int | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        # Set only when every layer slides with this window: blocks behind it are released.
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -108,7 +127,7 @@ class KVBlockManager:
         self._extend_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
             block_id = seq.block_ids[i]
-            if self._block_hash[block_id] is not None:
+            if block_id == NULL_BLOCK or self._block_hash[block_id] is not None:
                 continue
             h = seq.block_hashes[i]
             # A block with the same content may already be cached (two requests prefilled the same
@@ -190,7 +209,34 @@ class KVBlockManager:
         if self.enable_prefix_caching and seq.pooling is None:  # embeddings never look: no misses either
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += num_hit_tokens
+        # A long prefix hit may reach back past the window: those blocks go back at once.
+        self.release_out_of_window(seq)
         return True
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Release the blocks of ``seq`` that no future query can attend to (all-sliding models only):
+        block ``b`` when ``(b + 1) * block_size <= num_computed_tokens - sliding_window + 1``, the first
+        position the next query still sees. Returns how many blocks were released."""
+        if self.sliding_window is None:
+            return 0
+        first_needed = seq.num_computed_tokens - self.sliding_window + 1
+        num_dead = min(max(first_needed, 0) // self.block_size, len(seq.block_ids))
+        released = 0
+        for i in range(num_dead - 1, -1, -1):
+            block_id = seq.block_ids[i]
+            if block_id == NULL_BLOCK:
+                break  # everything before it went back on an earlier step
+            self._unref(block_id)
+            seq.block_ids[i] = NULL_BLOCK
+            released += 1
+        return released
+
+    def _unref(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None
+        elif self._ref_counts[block_id] < 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow a running sequence's blocks to hold ``num_new_tokens`` more tokens; False if no room."""
@@ -217,7 +263,8 @@ class KVBlockManager:
             raise RuntimeError("no free block for the forked partial block")
         num_full = parent.num_computed_tokens // self.block_size
         for block_id in parent.block_ids[:num_full]:
-            self._ref_counts[block_id] += 1
+            if block_id != NULL_BLOCK:
+                self._ref_counts[block_id] += 1
         child.block_ids = list(parent.block_ids[:num_full])
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes[:num_full])
@@ -231,10 +278,7 @@ class KVBlockManager:
         """Drop the sequence's references. Tail blocks are queued first so that they are evicted
         before the prefix blocks other requests are more likely to share."""
         for block_id in reversed(seq.block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
-            elif self._ref_counts[block_id] < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block_id != NULL_BLOCK:
+                self._unref(block_id)
         seq.block_ids = []
         seq.num_registered_blocks = 0

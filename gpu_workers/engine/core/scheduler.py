@@ -4,10 +4,11 @@ A tier is one integer priority, lower numbers first; the tiers are those of the 
 Every step has a token budget (``max_num_batched_tokens``). Running sequences in decode go first,
 then prefill work tier by tier: a tier's running sequences with prefill left (chunked), then its
 waiting requests. Lower-tier chunked prefills therefore never take the budget a waiting higher-tier
-request needs. When the KV pool runs dry the least important running sequence (lowest tier; in it, one
-without a deadline before the latest deadline, then latest arrival) is preempted: its blocks are freed and it
-returns to the waiting queue to be recomputed later from prompt + generated tokens. A waiting request may
-preempt running ones of a lower tier.
+request needs. With an all-sliding-window model a running sequence first gives back the blocks its window left
+behind (``KVBlockManager.release_out_of_window``). When the KV pool runs dry the least important running sequence
+(lowest tier; in it, one without a deadline before the latest deadline, then latest arrival) is preempted: its
+blocks are freed and it returns to the waiting queue to be recomputed later from prompt + generated tokens. A
+waiting request may preempt running ones of a lower tier.
 
 Inside a tier, waiting requests are admitted by tenant fair queuing: each tenant with unfinished
 requests has a virtual time, advanced by the tokens scheduled for it divided by its weight, and the
@@ -203,6 +204,8 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1  # a lower tier whose share of this step is spent: it waits, keeping its blocks
                 continue
+            # Blocks behind a sliding window go back before this one asks for more.
+            self.block_manager.release_out_of_window(seq)
             while not self.block_manager.append_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, step)

@@ -109,7 +109,12 @@ class ModelRunner:
         graphs (CUDA only, unless ``enforce_eager``). Call after ``allocate_kv_cache``."""
         if self.kv_cache is None:
             raise RuntimeError("allocate the KV cache before setting up decode (graphs bind its addresses)")
-        self.use_cascade = config.enable_cascade_attention and bool(getattr(self.backend, "supports_cascade", False))
+        # The shared-prefix pass attends the whole prefix: no use to a sliding layer, and released blocks
+        # (-1 in every table) would look shared.
+        sliding = any(w is not None for w in self.loaded.sliding_windows)
+        self.use_cascade = (
+            config.enable_cascade_attention and bool(getattr(self.backend, "supports_cascade", False)) and not sliding
+        )
         if self.use_cascade:
             from ..attention.triton_kernels import common_prefix_len
 

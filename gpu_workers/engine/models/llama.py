@@ -8,6 +8,8 @@ are merged into single ``nn.Linear`` layers (fewer, larger matmuls); quantizatio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,16 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_types_windows(config: PretrainedConfig) -> list[int | None]:
+    """Per layer, the sliding window of a config that names its layers' kinds (``layer_types``, as
+    transformers writes for Qwen2/Qwen3 with ``use_sliding_window`` and for Gemma 3), else None each."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or []
+    if not window or len(kinds) != config.num_hidden_layers:
+        return [None] * config.num_hidden_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in kinds]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 like the reference implementation."""
 
@@ -39,9 +51,22 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's attention is built: projection biases, Qwen3's per-head q/k norms, and the
+    layer's sliding window (keys seen per query, its own included; None: the whole context)."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, spec: AttentionSpec) -> None:
         super().__init__()
+        qkv_bias, o_bias, qk_norm = spec.qkv_bias, spec.o_bias, spec.qk_norm
+        self.sliding_window = spec.sliding_window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = head_dim_of(config)
@@ -76,8 +101,9 @@ class LlamaAttention(nn.Module):
         if self.backend is None or self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer used before the model runner bound its KV cache")
         out = self.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale
-        )
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
+            sliding_window=self.sliding_window,
+        )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -97,9 +123,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, spec: AttentionSpec) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+        self.self_attn = LlamaAttention(config, spec)
         self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -110,16 +136,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, max_len: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, max_len: int, specs: list[AttentionSpec]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_len)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec) for spec in specs)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -137,9 +158,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         bias = bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(
-            config, max_len, qkv_bias=self.qkv_bias(config), o_bias=bias, qk_norm=self.qk_norm(config)
-        )
+        specs = [
+            AttentionSpec(self.qkv_bias(config), bias, self.qk_norm(config), window)
+            for window in self.sliding_windows(config)
+        ]
+        self.model = LlamaModel(config, max_len, specs)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -151,6 +174,11 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def qk_norm(cls, config: PretrainedConfig) -> bool:
         return False
+
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> list[int | None]:
+        """Per layer, how many positions its attention sees (None: the whole context)."""
+        return layer_types_windows(config)
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -168,7 +196,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral shares Llama's layout; its sliding window is enforced by the loader's length limit."""
+    """Mistral shares Llama's layout; with ``sliding_window`` set every layer attends only that many
+    positions back (so the KV blocks behind the window are released: ``core/block_manager.py``)."""
+
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> list[int | None]:
+        window = getattr(config, "sliding_window", None)
+        return [int(window) if window else None] * config.num_hidden_layers
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -32,7 +32,7 @@ from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import resolve_architecture
 from .gguf_checkpoint import converted_folder, find_gguf
-from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
+from .llama import LlamaForCausalLM, head_dim_of
 from .rotary import rope_type_of
 
 if TYPE_CHECKING:
@@ -81,6 +81,20 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Per attention layer, its sliding window (None: full attention)."""
+        return [layer.sliding_window for layer in self.model.attention_layers]
+
+    @property
+    def release_window(self) -> int | None:
+        """The window behind which KV blocks can be released: set only when every layer slides by the same
+        window (a full-attention layer needs every block; per-group block tables would be needed then)."""
+        windows = set(self.sliding_windows)
+        if len(windows) != 1:
+            return None
+        return next(iter(windows))
+
 
 def resolve_model_path(model: str) -> Path:
     """A local folder as is; a GGUF file (or a folder holding only one) as the folder converted from it
@@ -124,20 +138,15 @@ def resolve_dtype(
     return dtype
 
 
-def resolve_max_model_len(hf_config: PretrainedConfig, model_cls: type[LlamaForCausalLM], requested: int | None) -> int:
-    """Context limit: ``max_position_embeddings`` (capped by Mistral's sliding window, which this
-    engine does not implement, so no request ever needs it); ``requested`` may lower it."""
+def resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    """Context limit: ``max_position_embeddings`` (a sliding window does not cap it: those layers
+    attend their window at any length); ``requested`` may lower it."""
     limit = int(hf_config.max_position_embeddings)
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = issubclass(model_cls, MistralForCausalLM) or bool(getattr(hf_config, "use_sliding_window", False))
-    if window and uses_window and window < limit:
-        limit = int(window)
     if requested is None:
         return limit
     if requested > limit and rope_type_of(hf_config) != "dynamic":
         raise ValueError(
-            f"max_model_len={requested} exceeds the model's limit of {limit} tokens "
-            "(max_position_embeddings, or the sliding window)"
+            f"max_model_len={requested} exceeds the model's limit of {limit} tokens (max_position_embeddings)"
         )
     return requested
 
@@ -316,7 +325,7 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     gguf_weights = _gguf_quantized(config, path, hf_config, int4)
     dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
-    max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)
+    max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
     shard = None
     with torch.device("meta"):
         model = model_cls(hf_config, max_len=max_model_len)

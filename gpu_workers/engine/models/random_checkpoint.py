@@ -112,6 +112,7 @@ def make_tiny_model(
     seed: int = 0,
     max_shard_size: str | int | None = None,
     head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``generation_config.json`` and tokenizer files
     for a random model into ``out_dir`` (created if needed) and return its path.
@@ -120,6 +121,7 @@ def make_tiny_model(
     than one token forever. ``intermediate_size`` defaults to ~8/3 x hidden, rounded up to 32.
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into an indexed, sharded checkpoint.
     ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 and Gemma set it apart from the hidden size).
+    ``sliding_window``: Mistral's window (every layer), None for full attention.
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
@@ -154,7 +156,9 @@ def make_tiny_model(
         rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
     kwargs["rope_parameters"] = rope_parameters
     if arch == "mistral":
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = sliding_window
+    elif sliding_window is not None:
+        raise ValueError(f"sliding_window is not supported for arch {arch!r}")
     config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [ARCH_NAMES[arch]]
     with torch.random.fork_rng(devices=[]):

@@ -32,6 +32,8 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(arch="qwen2", seed=2),
     # Qwen3: per-head query/key norms, and a head_dim that is not hidden_size / num_heads.
     "qwen3": dict(arch="qwen3", seed=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32),
+    # Mistral with a window far shorter than most prompts: every layer slides, blocks behind it are released.
+    "mistral_sliding": dict(arch="mistral", seed=5, sliding_window=48),
     # Llama 3 style: tied embeddings, llama3 RoPE scaling, large theta, 4:1 GQA.
     "llama3_tied": dict(
         arch="llama", seed=3, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,

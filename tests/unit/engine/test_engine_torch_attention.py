@@ -1,5 +1,6 @@
 """The torch attention backend against a dense per-sequence reference: mixed decode and prefill
-rows, cached context, fragmented and consecutive block tables, GQA, and skipped slots."""
+rows, cached context, fragmented and consecutive block tables, GQA, skipped slots, and a sliding window
+whose released blocks (``-1`` in the table, NaN in the cache) are never read."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ from gpu_workers.engine.attention.torch_backend import context_runs
 BS = 4
 
 
-def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
-    """Dense causal attention of ``q`` (the last rows of a context) over ``keys``/``values``."""
+def _reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Dense causal attention of ``q`` (the last rows of a context) over ``keys``/``values``; with a
+    window, position ``p`` sees keys ``p - window < k <= p`` only."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
     q_pos = torch.arange(offset, offset + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(keys.shape[0])[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(keys.shape[0])[None, :]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
@@ -37,10 +45,13 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("fragmented", [False, True])
 @pytest.mark.parametrize("shape_set", sorted(SHAPES))
-def test_matches_dense_reference(num_heads: int, num_kv_heads: int, fragmented: bool, shape_set: str) -> None:
+def test_matches_dense_reference(
+    num_heads: int, num_kv_heads: int, fragmented: bool, shape_set: str, window: int | None
+) -> None:
     rng = random.Random(num_heads * 10 + fragmented)
     torch.manual_seed(0)
     head_dim, num_blocks, scale = 16, 64, 0.25
@@ -63,6 +74,10 @@ def test_matches_dense_reference(num_heads: int, num_kv_heads: int, fragmented: 
         for pos in range(cached):  # earlier steps already wrote these
             k_cache[blocks[pos // BS], pos % BS] = kk[pos]
             v_cache[blocks[pos // BS], pos % BS] = vv[pos]
+        if window is not None:  # blocks behind the first query's window went back (NaN: never read)
+            for b in range(max(cached - window + 1, 0) // BS):
+                k_cache[blocks[b]] = v_cache[blocks[b]] = float("nan")
+                blocks[b] = -1
         slots.extend(blocks[p // BS] * BS + p % BS for p in range(cached, ctx))
         qs.append(torch.randn(new, num_heads, head_dim))
         ks.append(kk[cached:])
@@ -82,10 +97,12 @@ def test_matches_dense_reference(num_heads: int, num_kv_heads: int, fragmented: 
         seq_lens_cpu=[c for c, _ in shapes],
     )
     backend = TorchAttentionBackend()
-    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale)
-    assert (backend._decode is None) == (shape_set == "decode_uneven")  # the path under test was taken
+    q = torch.cat(qs)
+    out = backend.forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale, sliding_window=window)
+    if window is None:  # the path under test was taken (a window evens the contexts out)
+        assert (backend._plans[None].decode is None) == (shape_set == "decode_uneven")
     for i, (ctx, new) in enumerate(shapes):
-        expected = _reference(qs[i], dense_k[i], dense_v[i], ctx - new, scale)
+        expected = _reference(qs[i], dense_k[i], dense_v[i], ctx - new, scale, window)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
     # The new K/V landed in the cache at their slots.
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
@@ -114,3 +131,5 @@ def test_context_runs_split_only_at_gaps() -> None:
     assert context_runs([5, 6, 7], 10, BS) == [(20, 30)]
     assert context_runs([5, 6, 9, 10, 2], 17, BS) == [(20, 28), (36, 44), (8, 9)]
     assert context_runs([3, 0, 0], 2, BS) == [(12, 14)]  # padding past the last block is ignored
+    # From a position on (a sliding window): released entries before its block are not looked at.
+    assert context_runs([-1, -1, 9, 10, 2], 17, BS, first_pos=9) == [(37, 44), (8, 9)]

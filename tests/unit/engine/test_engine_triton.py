@@ -135,3 +135,28 @@ def test_padded_static_decode_path_matches_transformers(
     assert [o.token_ids for o in outputs] == [hf_reference.greedy(path, p, 4) for p in prompts]
     assert calls, "the padded decode batches should have taken the cascade path"
     assert graphs.num_replays == 0  # nothing was captured on this path
+
+
+@pytest.mark.parametrize("variant", ["mistral_sliding"])
+def test_sliding_window_with_released_blocks_matches_transformers(
+    variant: str, model_dir: Callable[[str], Path], hf_reference: HFReference, make_llm: Callable[..., LLM]
+) -> None:
+    # Prompts well past the 48-token window, prefilled in 32-token chunks, then a prefix hit on the
+    # first one: the kernels must skip the blocks released behind each query's window.
+    path = model_dir(variant)
+    llm = _triton_llm(make_llm, path, enforce_eager=True, max_num_batched_tokens=32)
+    prompts = _prompts(4, 96, [1, 30])
+    released: list[int] = []
+    real_release = llm.engine.block_manager.release_out_of_window
+
+    def counting(seq: Any) -> int:
+        released.append(real_release(seq))
+        return released[-1]
+
+    llm.engine.block_manager.release_out_of_window = counting  # type: ignore[method-assign]
+    for batch in ([prompts[0]], prompts):
+        outputs = llm.generate(batch, _greedy(4))
+        for out, prompt in zip(outputs, batch, strict=True):
+            assert out.token_ids == hf_reference.greedy(path, prompt, 4), f"{len(prompt)}-token prompt diverged"
+    assert sum(released) > 0
+    assert outputs[1].num_cached_tokens == 96

@@ -162,8 +162,9 @@ def make_batch(
     )
 
 
-def dense_attention(batch: Batch, scale: float) -> torch.Tensor:
-    """Causal softmax attention per sequence in float64 from the dense ground truth."""
+def dense_attention(batch: Batch, scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal softmax attention per sequence in float64 from the dense ground truth (query position
+    ``p`` sees keys ``p - window < k <= p`` with a window, as transformers masks sliding layers)."""
     outputs = []
     q_all = batch.q.detach().cpu().double()
     start = 0
@@ -175,14 +176,20 @@ def dense_attention(batch: Batch, scale: float) -> torch.Tensor:
         v64 = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k64) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        k_pos = torch.arange(seq_len)[None, :]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v64))
         start += q_len
     return torch.cat(outputs)
 
 
-def assert_close_to_reference(out: torch.Tensor, batch: Batch, scale: float, dtype: torch.dtype) -> None:
-    expected = dense_attention(batch, scale)
+def assert_close_to_reference(
+    out: torch.Tensor, batch: Batch, scale: float, dtype: torch.dtype, window: int | None = None
+) -> None:
+    expected = dense_attention(batch, scale, window)
     got = out[: batch.num_real_tokens].detach().cpu().double()
     assert torch.isfinite(got).all()
     err = (got - expected).abs().max().item()
@@ -530,6 +537,48 @@ def test_common_prefix_len_matches_brute_force_on_random_tables() -> None:
             tables.append(row)
             contexts.append(int(torch.randint(0, len(row) * 4 + 1, (1,), generator=gen)))
         assert tk.common_prefix_len(tables, contexts, 4) == brute(tables, contexts, 4)
+
+
+def release_behind_window(batch: Batch, window: int, block_size: int) -> int:
+    """Do what the block manager does for an all-sliding model: every table entry wholly before the
+    first query's window becomes -1 and its block is NaN-filled, so a kernel that reads one fails."""
+    released = 0
+    for i, (k, q_len) in enumerate(zip(batch.keys, batch.q_lens, strict=True)):
+        first_needed = k.shape[0] - q_len - window + 1
+        for b in range(max(first_needed, 0) // block_size):
+            block = int(batch.meta.block_tables[i, b])
+            batch.k_cache[block] = float("nan")
+            batch.v_cache[block] = float("nan")
+            batch.meta.block_tables[i, b] = -1
+            released += 1
+    return released
+
+
+# A fresh prompt longer than the window, decodes far past it and inside it, and prefill chunks
+# after a prefix hit whose early blocks are released.
+WINDOW_SEQS = [(70, 70), (300, 1), (20, 1), (150, 70), (97, 33)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("window", "block_size", "num_splits", "dtype"),
+    [(48, 16, 1, torch.float32), (17, 16, 3, torch.float32), (100, 32, 1, torch.float16)],
+)
+def test_sliding_window_matches_dense_reference_with_released_blocks(
+    device: str, window: int, block_size: int, num_splits: int, dtype: torch.dtype
+) -> None:
+    batch = make_batch(
+        WINDOW_SEQS, num_heads=8, num_kv_heads=2, head_dim=64, block_size=block_size, dtype=dtype,
+        device=device, seed=window,
+    )  # fmt: skip
+    assert release_behind_window(batch, window, block_size) > 0
+    tk.store_kvcache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out = tk.paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, num_splits=num_splits, sliding_window=window
+    )
+    assert_close_to_reference(out, batch, 0.125, dtype, window)
+    # The window is what the kernel honoured: full causal attention gives another answer.
+    assert (dense_attention(batch, 0.125) - dense_attention(batch, 0.125, window)).abs().max() > 0.1
 
 
 @pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="this process already runs the CPU checks itself")
