@@ -50,7 +50,10 @@ class LLMEngine:
         eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = self.loaded.vocab_size
-        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora)
+        self.validator = RequestValidator(
+            self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora,
+            refused_tokens=self.loaded.model.refused_prompt_tokens(),
+        )  # fmt: skip
         # LoRA layers wrap the projections before the cache is sized, so their slot stacks count as used memory.
         self.lora = LoRAManager.for_engine(self.loaded, config) if config.enable_lora else None
         block_size = config.block_size

@@ -25,11 +25,20 @@ def max_output_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_
 class RequestValidator:
     """Validates and tokenizes requests against one model's tokenizer, vocabulary and context length."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, enable_lora: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        enable_lora: bool = False,
+        refused_tokens: dict[int, str] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.enable_lora = enable_lora
+        # Prompt tokens the model cannot serve (an image placeholder without a vision tower), with the reason.
+        self.refused_tokens = dict(refused_tokens or {})
 
     def admit(self, request: EngineRequest) -> EngineRequest:
         """The request with its prompt's token ids; ``ValueError`` naming the problem for one that can never run."""
@@ -50,6 +59,9 @@ class RequestValidator:
             raise ValueError("a prompt must be a string or a list of token ids")
         if not token_ids:
             raise ValueError("prompt is empty")
+        refused = next((t for t in token_ids if t in self.refused_tokens), None) if self.refused_tokens else None
+        if refused is not None:
+            raise ValueError(f"prompt token {refused}: {self.refused_tokens[refused]}")
         n = len(token_ids)
         if request.pooling is not None:
             # Prefill only: the prompt may fill the context, and no output tokens are checked.

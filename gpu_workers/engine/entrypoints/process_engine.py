@@ -157,8 +157,9 @@ class ProcessEngine(EngineFront):
                 await tokenizer_task
             raise
         self._validator = RequestValidator(
-            self._tokenizer, spec.vocab_size, spec.max_model_len, enable_lora=self.config.enable_lora
-        )
+            self._tokenizer, spec.vocab_size, spec.max_model_len, enable_lora=self.config.enable_lora,
+            refused_tokens=spec.refused_tokens,
+        )  # fmt: skip
 
     async def shutdown(self) -> None:
         """Stop the engine process; requests still in flight finish with ``finish_reason="abort"``."""

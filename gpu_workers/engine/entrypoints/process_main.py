@@ -139,6 +139,7 @@ def serve(sock: socket.socket) -> int:
         attention_backend=engine.attention_backend_name,
         pid=os.getpid(),
         stats=engine.stats(),
+        refused_tokens=engine.validator.refused_tokens,
     )
     channel.send(("ready", spec))
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..outputs import EngineStats
@@ -34,6 +34,8 @@ class EngineSpec:
     attention_backend: str
     pid: int
     stats: EngineStats
+    # Prompt tokens the model refuses, with the reason (``RequestValidator.refused_tokens``).
+    refused_tokens: dict[int, str] = field(default_factory=dict)
 
 
 def frame(message: tuple[Any, ...]) -> bytes:

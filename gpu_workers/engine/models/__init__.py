@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -9,6 +10,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
@@ -22,6 +25,8 @@ def resolve_architecture(architectures: list[str] | None) -> type[LlamaForCausal
 
 __all__ = [
     "MODEL_REGISTRY",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",

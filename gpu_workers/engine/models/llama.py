@@ -180,6 +180,20 @@ class LlamaForCausalLM(nn.Module):
         """Per layer, how many positions its attention sees (None: the whole context)."""
         return layer_types_windows(config)
 
+    @classmethod
+    def text_config(cls, config: PretrainedConfig) -> PretrainedConfig:
+        """The config of the language model (a multimodal checkpoint nests it)."""
+        return config
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str | None:
+        """This model's parameter name for a checkpoint tensor's, or None for a tensor it does not use."""
+        return name
+
+    def refused_prompt_tokens(self) -> dict[int, str]:
+        """Prompt token ids this model cannot serve, each with the reason a request holding one is refused."""
+        return {}
+
     @property
     def tie_word_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))

@@ -33,7 +33,7 @@ from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int
 from . import resolve_architecture
 from .gguf_checkpoint import converted_folder, find_gguf
 from .llama import LlamaForCausalLM, head_dim_of
-from .rotary import rope_type_of
+from .rotary import RotaryEmbedding, rope_type_of
 
 if TYPE_CHECKING:
     from ..distributed.group import TPGroup
@@ -248,14 +248,16 @@ def load_weights(
     with torch.no_grad():
         for file in _weight_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for ckpt_name in f.keys():
-                    if "rotary_emb.inv_freq" in ckpt_name:
+                for stored_name in f.keys():
+                    # A multimodal checkpoint's language model sits under a prefix; its vision tower is skipped.
+                    ckpt_name = model.checkpoint_name(stored_name)
+                    if ckpt_name is None or "rotary_emb.inv_freq" in ckpt_name:
                         continue
                     if ckpt_name.startswith("lm_head.") and model.tie_word_embeddings:
                         continue
-                    if kv_scales.take(ckpt_name, lambda name=ckpt_name: f.get_tensor(name)):
+                    if kv_scales.take(ckpt_name, lambda name=stored_name: f.get_tensor(name)):
                         continue
-                    if any(r.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)) for r in readers):
+                    if any(r.take(ckpt_name, lambda n=stored_name: f.get_tensor(n)) for r in readers):
                         continue
                     target, shard = ckpt_name, None
                     for src, dst, idx in _STACKED_PARAMS:
@@ -265,7 +267,7 @@ def load_weights(
                     if target not in params:
                         unexpected.append(ckpt_name)
                         continue
-                    tensor = f.get_tensor(ckpt_name)
+                    tensor = f.get_tensor(stored_name)
                     if cut is not None:
                         tensor = cut(ckpt_name, tensor)
                     param = params[target]
@@ -322,6 +324,7 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    hf_config = model_cls.text_config(hf_config)
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     gguf_weights = _gguf_quantized(config, path, hf_config, int4)
     dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
@@ -343,7 +346,9 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         # to_empty() replaces parameters one module at a time, which unties shared weights. (A kept-quantized
         # LM head holds no float weight: it was filled from the embedding's blocks, the embedding stays float.)
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_cache(dtype)
+    for module in model.modules():  # one table, or one per layer kind (Gemma 3's local and global RoPE)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_cache(dtype)
     cut = shard.shard_tensor if shard is not None else None
     kv_scales = load_weights(model, path, int4, cut, readers=[gguf_weights] if gguf_weights is not None else [])
     model.eval()

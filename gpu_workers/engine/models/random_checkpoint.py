@@ -1,4 +1,4 @@
-"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3 checkpoint plus a trained byte-level BPE
+"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3/Gemma 3 checkpoint plus a trained byte-level BPE
 tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -23,12 +25,17 @@ ARCH_CONFIGS: dict[str, type] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "gemma3": Gemma3TextConfig,
+    # Gemma 3's vision-language layout (a tiny vision tower beside the language model), served text-only.
+    "gemma3_mm": Gemma3Config,
 }
 ARCH_NAMES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_mm": "Gemma3ForConditionalGeneration",
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -52,6 +59,32 @@ They counted one, two, three, four, five, six, seven, eight, nine, ten and start
 Numbers like 2026, 3.14 and 42 appear in text, as do symbols such as #, %, & and @.
 Good software is tested, measured and explained; bad input gets a clear error message.
 """
+
+
+# A vision tower as small as SigLIP allows: a Gemma 3 vision-language checkpoint needs one to exist.
+_TINY_VISION: dict[str, Any] = dict(
+    model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=2, image_size=32, patch_size=8,
+)  # fmt: skip
+
+
+def _gemma3_text_kwargs(
+    num_layers: int, sliding_window: int | None, rope_theta: float, rope_scaling: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Gemma 3 specifics: every other layer slides (the last is global), local and global RoPE bases with
+    scaling on the global one, an attention scale apart from head_dim, and a final logit soft-cap."""
+    global_rope: dict[str, Any] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta * 100}
+    return dict(
+        sliding_window=sliding_window or 4096,
+        layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": rope_theta},
+            "full_attention": global_rope,
+        },
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+    )
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -157,9 +190,14 @@ def make_tiny_model(
     kwargs["rope_parameters"] = rope_parameters
     if arch == "mistral":
         kwargs["sliding_window"] = sliding_window
+    elif arch.startswith("gemma3"):
+        kwargs.update(_gemma3_text_kwargs(num_layers, sliding_window, rope_theta, rope_scaling))
     elif sliding_window is not None:
         raise ValueError(f"sliding_window is not supported for arch {arch!r}")
-    config = ARCH_CONFIGS[arch](**kwargs)
+    if arch == "gemma3_mm":
+        config = Gemma3Config(text_config=Gemma3TextConfig(**kwargs), vision_config=_TINY_VISION, mm_tokens_per_image=4)
+    else:
+        config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [ARCH_NAMES[arch]]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -176,6 +214,12 @@ def make_tiny_model(
                 for layer in model.model.layers:
                     for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                         norm.weight.uniform_(0.5, 1.5)
+        if arch.startswith("gemma3"):
+            # Gemma initialises its (1 + w) norms to zeros; random ones make the test cover all six kinds.
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight") and "vision" not in name:
+                        param.uniform_(-0.5, 0.5)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if max_shard_size is None:
         model.save_pretrained(out, safe_serialization=True)

@@ -34,6 +34,13 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(arch="qwen3", seed=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32),
     # Mistral with a window far shorter than most prompts: every layer slides, blocks behind it are released.
     "mistral_sliding": dict(arch="mistral", seed=5, sliding_window=48),
+    # Gemma 3: sliding and global layers interleaved (window 48), (1 + w) norms before and after attention and
+    # MLP, q/k norms, GeGLU, local/global RoPE bases (linear scaling on the global one), a final soft-cap
+    # (untied: tied random embeddings repeat one token; the vision-language variant covers the tied head).
+    "gemma3": dict(
+        arch="gemma3", seed=6, num_layers=3, head_dim=32, sliding_window=48,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
     # Llama 3 style: tied embeddings, llama3 RoPE scaling, large theta, 4:1 GQA.
     "llama3_tied": dict(
         arch="llama", seed=3, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
