@@ -1,6 +1,7 @@
 """Reads a GGUF with the ``gguf`` library and writes the Hugging Face folder ``gguf_checkpoint`` caches: config from
 the metadata, every tensor dequantized by the library's own dequantizer (llama.cpp's Q/K row permutation undone
-for llama/mistral), the tokenizer with its chat template, and the generation config."""
+for llama/mistral, and the ``1 +`` llama.cpp folds into Gemma 3's norm weights), the tokenizer with its chat
+template, and the generation config (an end-of-turn token, as Gemma's ``<end_of_turn>``, ends generation too)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import Gemma3TextConfig, GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
 from .gguf_errors import GGUFLoadError
 
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", True),
     "mistral": (MistralConfig, "MistralForCausalLM", True),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", False),
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -47,6 +49,22 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms its attention and MLP outputs too, and its queries and keys per head: ``ffn_norm`` is the norm
+# before the MLP there, not after attention.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_LAYER_TENSORS}
+# llama.cpp sets Gemma 3's local RoPE base and layer pattern in code, not in the metadata (newer files may say).
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_SLIDING_PATTERN = 6
+# The 27B model (62 layers) scales queries by hidden / heads, the others by head_dim, as llama.cpp decides.
+GEMMA3_27B_LAYERS = 62
 SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
 # Where each tensor's bytes lie in the GGUF (``tensor_index``), written beside the weights.
 TENSOR_INDEX = "gguf_tensors.json"
@@ -118,11 +136,39 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
     )
     if arch == "mistral":
         kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None)
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(reader, kwargs))
     config = config_cls(**kwargs)
     config.architectures = [hf_arch]
     types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
     config.dtype = "float16" if types == {T.F16} else "float32" if types == {T.F32} else "bfloat16"
     return config
+
+
+def _gemma3_kwargs(reader: GGUFReader, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's settings beyond the Llama ones: its layer pattern and window, RoPE per layer kind (the scaling
+    read into ``rope_parameters`` belongs to the global layers), query scale and final soft-cap."""
+    layers = kwargs["num_hidden_layers"]
+    # A period (every n-th layer global), or one flag per layer (True: sliding), as gguf-py writes either.
+    pattern = _field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    scalar = kwargs["head_dim"]
+    if layers == GEMMA3_27B_LAYERS:
+        scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    return dict(
+        sliding_window=int(_field(reader, "gemma3.attention.sliding_window")),
+        layer_types=["sliding_attention" if slides else "full_attention" for slides in sliding],
+        rope_parameters={
+            "full_attention": kwargs["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+        },
+        query_pre_attn_scalar=scalar,
+        final_logit_softcapping=_field(reader, "gemma3.final_logit_softcapping", None),
+        hidden_activation="gelu_pytorch_tanh",
+    )
 
 
 def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int, ...]]:
@@ -144,17 +190,21 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+        if arch == "gemma3":
+            shapes |= {p + f"{n}.weight": (h,) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    layer_tensors = _LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
     return None
 
 
@@ -172,7 +222,7 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
     expected = expected_shapes(config, arch)
     mapped: dict[str, Any] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None or name not in expected:
             raise GGUFLoadError(path, f"tensor {t.name!r} has no place in a {arch} model")
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -199,6 +249,8 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = unpermute_rows(tensor, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w) norm scales; the model adds the 1 itself
         yield name, tensor.contiguous()
 
 
@@ -244,10 +296,11 @@ def tensor_index(reader: GGUFReader) -> dict[str, Any]:
     """The architecture and, per tensor, its Hugging Face name, GGML type, ``[rows, cols]`` shape and byte range
     in the file: what the kept-quantized loader (``gguf_quantized.py``) needs to read a tensor's own blocks
     without parsing the file's metadata again (the tokenizer's arrays make that take seconds)."""
+    arch = _field(reader, "general.architecture")
     tensors = [
         {
             "gguf_name": t.name,
-            "name": hf_name(t.name),
+            "name": hf_name(t.name, arch),
             "type": t.tensor_type.name,
             "shape": [int(d) for d in reversed(t.shape.tolist())],
             "offset": int(t.data_offset),
@@ -255,7 +308,7 @@ def tensor_index(reader: GGUFReader) -> dict[str, Any]:
         }
         for t in reader.tensors
     ]
-    return {"architecture": _field(reader, "general.architecture"), "tensors": tensors}
+    return {"architecture": arch, "tensors": tensors}
 
 
 def convert(path: Path, out: Path) -> None:
@@ -269,4 +322,7 @@ def convert(path: Path, out: Path) -> None:
     _write_weights(reader, path, config, out)
     config.save_pretrained(str(out))
     ids = {k: getattr(config, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+    eot = _field(reader, "tokenizer.ggml.eot_token_id", None)
+    if eot is not None and ids["eos"] is not None and eot != ids["eos"]:
+        ids["eos"] = [ids["eos"], eot]  # a chat turn ends there (Gemma's <end_of_turn>) as well as at EOS
     GenerationConfig(**{f"{k}_token_id": v for k, v in ids.items() if v is not None}).save_pretrained(str(out))

@@ -31,6 +31,7 @@ from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import resolve_architecture
+from .capabilities import check_features
 from .gguf_checkpoint import converted_folder, find_gguf
 from .llama import LlamaForCausalLM, head_dim_of
 from .rotary import RotaryEmbedding, rope_type_of
@@ -324,6 +325,7 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    check_features(model_cls, config)
     hf_config = model_cls.text_config(hf_config)
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     gguf_weights = _gguf_quantized(config, path, hf_config, int4)

@@ -195,7 +195,10 @@ def make_tiny_model(
     elif sliding_window is not None:
         raise ValueError(f"sliding_window is not supported for arch {arch!r}")
     if arch == "gemma3_mm":
-        config = Gemma3Config(text_config=Gemma3TextConfig(**kwargs), vision_config=_TINY_VISION, mm_tokens_per_image=4)
+        config = Gemma3Config(
+            text_config=Gemma3TextConfig(**kwargs), vision_config=_TINY_VISION, mm_tokens_per_image=4,
+            image_token_index=vocab_size - 1,  # inside the tiny vocabulary, so refusing it is what a test sees
+        )  # fmt: skip
     else:
         config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [ARCH_NAMES[arch]]

@@ -31,15 +31,40 @@ _LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Gemma 3's end-of-turn token, as llama.cpp writes it for the chat template (the tiny tokenizer's "<pad>").
+GEMMA3_EOT_TOKEN = "<pad>"
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     base, _, kind = hf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    return f"blk.{layer}.{names[rest]}.{kind}"
+
+
+def _write_gemma3_metadata(writer: gguf.GGUFWriter, config: AutoConfig, hf_dir: Path) -> None:
+    """What llama.cpp's Gemma 3 converter adds: window, per-layer pattern, global RoPE scaling, soft-cap, EOT."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    scaling = config.rope_parameters["full_attention"]
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    writer.add_eot_token_id(vocab[GEMMA3_EOT_TOKEN])
 
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -107,7 +132,7 @@ def write_gguf(
     written tensor, back in Hugging Face names and row order. ``types``: another type for the tensors whose
     Hugging Face name contains a key (``{"v_proj": T.Q8_0}``), first match wins."""
     config = AutoConfig.from_pretrained(str(hf_dir))
-    arch = arch or config.model_type
+    arch = arch or {"gemma3_text": "gemma3"}.get(config.model_type, config.model_type)
     permuted = config.model_type in ("llama", "mistral")
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -119,15 +144,20 @@ def write_gguf(
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if arch == "gemma3":
+        _write_gemma3_metadata(writer, config, hf_dir)
     if tokenizer:
         _write_tokenizer(writer, hf_dir, chat_template)
     rng = np.random.default_rng(seed)
     expected: dict[str, np.ndarray] = {}
     for name, weight in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
         weight = weight.astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight + 1  # llama.cpp stores Gemma's norm scales as 1 + w
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         if permuted and heads and name.endswith("weight"):
             weight = permute(weight, heads)
@@ -138,8 +168,10 @@ def write_gguf(
             data = _random_k_blocks(kind, weight.shape, rng)
         else:
             data = gguf.quants.quantize(weight, kind)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=kind)
+        writer.add_tensor(gguf_name(name, arch), data, raw_dtype=kind)
         loaded = gguf.quants.dequantize(data, kind).reshape(weight.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            loaded = loaded - 1
         expected[name] = reverse_permute(loaded, heads) if permuted and heads and name.endswith("weight") else loaded
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

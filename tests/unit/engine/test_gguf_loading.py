@@ -4,6 +4,7 @@ a folder holding one GGUF loads; the converted folder is cached and rebuilt when
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,8 @@ from gpu_workers.engine.models.gguf_checkpoint import SOURCE_FILE, converted_fol
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.engine.tokenizer import has_chat_template, load_tokenizer
 
-from .conftest import HFReference, random_prompts
-from .gguf_files import DEQUANTIZE_ONLY, write_gguf
+from .conftest import MODEL_VARIANTS, HFReference, random_prompts
+from .gguf_files import DEQUANTIZE_ONLY, GEMMA3_EOT_TOKEN, write_gguf
 
 ARCHS = {
     "llama": dict(arch="llama"),
@@ -139,3 +140,33 @@ def test_a_gguf_without_chat_template_loads_completions_only(tmp_path: Path, mak
     torch.testing.assert_close(
         llm.engine.loaded.model.model.embed_tokens.weight, make_llm(hf).engine.loaded.model.model.embed_tokens.weight
     )
+
+
+def test_gemma3_gguf_matches_transformers_on_the_original(
+    tmp_path: Path, hf_reference: HFReference, make_llm: Callable[..., LLM]
+) -> None:
+    hf = make_tiny_model(tmp_path / "hf", **MODEL_VARIANTS["gemma3"])
+    # llama.cpp scales Gemma 3's queries by head_dim (hidden / heads for the 27B): the original must agree.
+    config = json.loads((hf / "config.json").read_text())
+    config["query_pre_attn_scalar"] = config["head_dim"]
+    (hf / "config.json").write_text(json.dumps(config))
+    write_gguf(hf, tmp_path / "model.gguf", T.F32)
+    llm = make_llm(tmp_path / "model.gguf", dtype="float32")
+    loaded = llm.engine.loaded
+    assert type(loaded.model).__name__ == "Gemma3ForCausalLM"
+    assert loaded.sliding_windows == [48, None, 48]
+    assert loaded.hf_config.rope_parameters["full_attention"]["factor"] == 8.0
+    prompts = random_prompts(seed=11)[:6]  # up to 300 tokens: far past the window
+    outputs = llm.generate([p for p, _ in prompts], [_greedy(n) for _, n in prompts])
+    for out, (prompt, max_tokens) in zip(outputs, prompts, strict=True):
+        assert out.token_ids == hf_reference.greedy(hf, prompt, max_tokens)
+    # A chat turn's end (llama.cpp's EOT id) stops generation as EOS does.
+    eot = llm.tokenizer.convert_tokens_to_ids(GEMMA3_EOT_TOKEN)
+    assert llm.engine.eos_token_ids == frozenset({llm.tokenizer.eos_token_id, eot})
+
+
+def test_gemma3_gguf_refuses_kept_quantized_weights(tmp_path: Path) -> None:
+    hf = make_tiny_model(tmp_path / "hf", **MODEL_VARIANTS["gemma3"])
+    write_gguf(hf, tmp_path / "model.gguf", T.Q8_0)
+    with pytest.raises(ValueError, match="GGUF kept-quantized weights is not supported for Gemma3ForCausalLM"):
+        LLM(str(tmp_path / "model.gguf"), quantization="cpu-int8", max_model_len=256, num_kv_blocks=32)
