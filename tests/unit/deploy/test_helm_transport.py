@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import posixpath
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,19 @@ def test_otel_variables_are_accepted_in_config_and_component_env(
         == "parentbased_traceidratio"
     )
     assert env_of(pod_specs(manifests)["sg-sluicegate-router"]["containers"][0])["OTEL_BSP_SCHEDULE_DELAY"] == "500"
+
+
+def test_the_managed_kafka_examples_of_the_deploy_guide_render(
+    render: Callable[..., Manifests], tmp_path: Path
+) -> None:
+    """docs/deploy.md's MSK, Confluent Cloud and Strimzi values (before any `---`) are values the chart takes."""
+    guide = (CHART.parents[2] / "docs" / "deploy.md").read_text()
+    section = guide[guide.index("## Managed Kafka with TLS and SASL in the chart") :]
+    section = section[: section.index("\n## ", 1)]
+    examples = [block.split("\n---\n")[0] for block in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    assert len(examples) == 3
+    for example in examples:
+        values = yaml.safe_load(example)
+        manifests = render(write_values(tmp_path, values))
+        router = env_of(pod_specs(manifests)["sg-sluicegate-router"]["containers"][0])
+        assert router["SLUICEGATE_KAFKA_SECURITY_PROTOCOL"] == values["kafka"]["security"]["protocol"]
