@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from router.heartbeats import HeartbeatCache
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
-from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
+from schemas import InferenceRequest, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
 from sluicegate.api.errors import ApiError
 from sluicegate.api.prompt_tokens import ModelTokenizers
 from sluicegate.cancellation import Canceller
@@ -63,7 +63,7 @@ class IngressService:
     def __init__(self, settings: IngressSettings, metrics: IngressMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.names = Names(settings.topic_prefix)
+        self.names = settings.names
         # Every command bounded, once: a Redis that hangs is a 503 within ingress_redis_timeout_s, not a request that
         # waits as long as it hangs. The stream follower's blocked XREADs bound their own reads (block_ms + grace).
         self.redis: Redis = create_redis(

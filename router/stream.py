@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from schemas import InferenceRequest, Names, WorkerHeartbeat
+from schemas import InferenceRequest, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.errors import ApiError
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
@@ -97,7 +97,7 @@ class RouterProcessor:
         retry_backoff_s: float = 1.0,
     ) -> None:
         self.settings = settings
-        self.names = Names(settings.topic_prefix)
+        self.names = settings.names
         self.consumer = consumer
         self.producer = producer
         self.router = Router.from_settings(settings)
@@ -328,7 +328,7 @@ async def run_router(settings: RouterSettings, *, stop: asyncio.Event | None = N
     """
     stop = stop or asyncio.Event()
     configure_tracing("sluicegate-router", settings.otlp_endpoint)
-    names = Names(settings.topic_prefix)
+    names = settings.names
     producer = create_producer(settings, client_id="sluicegate-router")
     group = f"{names.prefix}{settings.router_group}"
     consumer = create_consumer(

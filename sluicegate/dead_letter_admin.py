@@ -108,7 +108,7 @@ async def list_entries(settings: BackboneSettings, limit: int | None = None) -> 
     """DLQ entries, oldest first; with ``limit``, only the most recent ``limit``."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
-    topic = Names(settings.topic_prefix).dlq_topic
+    topic = settings.names.dlq_topic
     entries = sorted((_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic)), key=_order)
     return entries[-limit:] if limit is not None else entries
 
@@ -252,7 +252,7 @@ async def replay(
     dry_run: bool = False,
 ) -> list[ReplayOutcome]:
     """Republish matching dead letters to ``llm.inbound`` (see the module docstring); one outcome each."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     entries = [e for e in await list_entries(settings) if _matches(e, reason, request_id)]
     outcomes: list[ReplayOutcome] = []
     redis = create_redis(settings, client_name="sluicegate-dlq")

@@ -156,7 +156,7 @@ async def run_worker(
     """Run one worker until ``stop`` is set; returns it (for its counters) after draining. ``freeze_heap``
     (for a process that is only this worker) takes the model and libraries out of the garbage collector's
     passes once they are loaded; ``observer`` is told when records are taken and events sent."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     model_name = model_name_for(settings)
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     configure_tracing("sluicegate-worker", settings.otlp_endpoint)
