@@ -27,6 +27,7 @@ from schemas import (
     RequestRecord,
     StreamEvent,
     Usage,
+    parse_batch_request_id,
     utcnow,
 )
 from schemas.events import FinishReason
@@ -231,9 +232,12 @@ class Outputs:
         """A request's result and usage records in one produce request (one acknowledgement to wait for, not two
         in a row)."""
         rid = result.request_id
+        # A batch line's result is the batch service's to collect (its tenant reads it through the Batches API), so
+        # it stays on the shared topic the one collector reads; any other goes to its tenant's with tenants apart.
+        topic = self.names.results_topic if parse_batch_request_id(rid) else self.names.results_topic_of(result.tenant)
         await self.send_all(
             [
-                (self.names.results_topic_of(result.tenant), result.model_dump_json().encode(), rid),
+                (topic, result.model_dump_json().encode(), rid),
                 (self.names.usage_topic, usage, rid),
             ]
         )
