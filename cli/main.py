@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_usage_command(sub)
 
+    from cli.tools.kafka_acls import add_kafka_command
+
+    add_kafka_command(sub)
+
     from cli.bench.command import add_bench_command
 
     add_bench_command(sub)

@@ -92,7 +92,7 @@ class KafkaTarget:
         await self.producer.send_and_wait(
             self.names.inbound_topic, request.model_dump_json().encode(), key=request_id.encode()
         )
-        key, last_id = self.names.stream_key(request_id), "0-0"
+        key, last_id = self.names.stream_key(request_id, request.tenant), "0-0"
         deadline = sample.sent + args.timeout
         while time.monotonic() < deadline:
             replies = await self.redis.xread({key: last_id}, block=1000, count=256)

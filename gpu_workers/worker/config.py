@@ -43,5 +43,7 @@ class WorkerConfig:
     replica_ack_max_events: int = 50_000
     # The ingress instances' reader lease TTL (``readers``): a lapsed lease is looked for every third of it; 0: never.
     reader_lease_s: float = 15.0
+    # With tenants apart, the tenants whose control topics (``llm.control.<tenant>``) the worker reads.
+    tenants: tuple[str, ...] = ()
     # False (SLUICEGATE_METRICS_ENABLED): a Worker built without a WorkerTelemetry keeps none.
     metrics: bool = True

@@ -34,6 +34,7 @@ from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_en
 
 from .adapters import Adapters
 from .config import WorkerConfig
+from .control import control_topics
 from .observer import WorkerObserver
 from .telemetry import WorkerTelemetry
 from .worker import Worker
@@ -156,7 +157,7 @@ async def run_worker(
     """Run one worker until ``stop`` is set; returns it (for its counters) after draining. ``freeze_heap``
     (for a process that is only this worker) takes the model and libraries out of the garbage collector's
     passes once they are loaded; ``observer`` is told when records are taken and events sent."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     model_name = model_name_for(settings)
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     configure_tracing("sluicegate-worker", settings.otlp_endpoint)
@@ -258,15 +259,19 @@ async def _run_started(
         else settings.worker_replica_ack,
         replica_ack_max_events=settings.worker_replica_ack_max_events,
         reader_lease_s=settings.reader_lease_s,
+        tenants=settings.tenant_names,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
+    controls = control_topics(names, config.tenants)
     topics |= {
         names.results_topic: settings.topic_partitions,
         names.usage_topic: settings.topic_partitions,
         names.dlq_topic: 1,
-        names.control_topic: 1,
         names.heartbeats_topic: 1,
+        **dict.fromkeys(controls, 1),
     }
+    for tenant in config.tenants if names.tenants_apart else ():  # each tenant's results and dead letters
+        topics |= {names.results_topic_of(tenant): settings.topic_partitions, names.dlq_topic_of(tenant): 1}
     await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication)
 
     # A read timeout (the worker never blocks on Redis) turns a hung server into an error that is retried.
@@ -301,7 +306,7 @@ async def _run_started(
     )
     # Cancels go to every worker: no group, start at the end (older cancels are in Redis keys).
     control = create_consumer(
-        names.control_topic,
+        *controls,
         group_id=None,
         settings=settings,
         auto_offset_reset="latest",

@@ -40,7 +40,7 @@ def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
 def make_app(settings: BatchServiceSettings) -> Celery:
     """The batch workers' Celery app configured from ``settings``, with the beat's schedule (tasks are registered
     by :mod:`batch_service.tasks`)."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     app = _app(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
     app.conf.update(
         beat_schedule={
@@ -91,4 +91,4 @@ _sender = lru_cache(maxsize=4)(_app)
 def kick(settings: BatchApiSettings, batch_id: str) -> None:
     """Ask a batch worker to advance ``batch_id`` now (blocking: run it off the event loop)."""
     app = _sender(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
-    app.send_task(ADVANCE_TASK, args=[batch_id], queue=Names(settings.topic_prefix).batch_queue, expires=60)
+    app.send_task(ADVANCE_TASK, args=[batch_id], queue=settings.names.batch_queue, expires=60)
