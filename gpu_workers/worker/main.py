@@ -267,7 +267,7 @@ async def _run_started(
         names.control_topic: 1,
         names.heartbeats_topic: 1,
     }
-    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication)
+    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication, settings=settings)
 
     # A read timeout (the worker never blocks on Redis) turns a hung server into an error that is retried.
     redis = create_redis(
