@@ -174,7 +174,7 @@ async def ensure_topics(
 
     if isinstance(admin_or_bootstrap, str):
         admin = create_admin(settings, bootstrap=admin_or_bootstrap)
-        await start_client(admin, admin_or_bootstrap, settings)
+        await start_client(admin, settings, admin_or_bootstrap)
         try:
             return await _ensure_topics(admin, topics, replication, timeout_s, auto)
         finally:
