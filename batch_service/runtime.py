@@ -50,7 +50,7 @@ class BatchRuntime:
             settings.routes_file, check_every_s=settings.routes_reload_s, redis=self.redis, names=self.names
         )
         self.topics = TopicRegistry(
-            settings.kafka_bootstrap,
+            settings,
             self.names,
             self.router,
             partitions=settings.topic_partitions,

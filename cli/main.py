@@ -38,6 +38,8 @@ def _dev(args: argparse.Namespace) -> int:
     settings = get_settings()
     if args.brokers is not None:
         settings = settings.model_copy(update={"kafka_brokers": args.brokers})
+    if args.kafka_security is not None:
+        settings = settings.model_copy(update={"kafka_local_security": args.kafka_security})
     try:
         if args.action == "up":
             print("\n".join(devstack.up(settings).lines()))
@@ -245,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("action", choices=["up", "status", "down"])
     dev.add_argument(
         "--brokers", type=int, default=None, help="Kafka brokers (KRaft nodes) of the local stack, 1..5 (default 1)"
+    )
+    dev.add_argument(
+        "--kafka-security",
+        choices=["plaintext", "sasl_ssl"],
+        default=None,
+        help="the broker's client listener: sasl_ssl makes a CA and SCRAM users (default plaintext)",
     )
     dev.set_defaults(handler=_dev)
 

@@ -75,7 +75,7 @@ class IngressService:
         )
         self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
-            settings.kafka_bootstrap,
+            settings,
             self.names,
             self.router,
             partitions=settings.topic_partitions,

@@ -65,7 +65,7 @@ def create_app(
             control = ControlProducer(
                 lambda: create_producer(settings, client_id="sluicegate-result-service"),
                 names,
-                kafka_bootstrap=settings.kafka_bootstrap,
+                kafka=settings,
                 topic_replication=settings.topic_replication,
             )
             cancel = Canceller(

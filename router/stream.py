@@ -106,7 +106,7 @@ class RouterProcessor:
         self.producer = producer
         self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
-            settings.kafka_bootstrap,
+            settings,
             self.names,
             self.router,
             partitions=settings.topic_partitions,

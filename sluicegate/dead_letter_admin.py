@@ -37,10 +37,10 @@ from schemas import (
     utcnow,
 )
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
-from sluicegate.kafka import create_admin, create_consumer, create_producer
+from sluicegate.kafka import create_admin, create_consumer, create_producer, start_client
 from sluicegate.record_check import record_json
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import BackboneSettings
+from sluicegate.settings import BackboneSettings, KafkaSettings
 
 
 @dataclass
@@ -59,10 +59,13 @@ class DlqEntry:
         return self.letter.request_id if self.letter is not None else None
 
 
-async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[ConsumerRecord]:
-    """Every record of ``topic`` from the beginning to its end offsets as of now (empty if it does not exist)."""
-    admin = create_admin(bootstrap=bootstrap)
-    await admin.start()
+async def read_topic(
+    bootstrap: str, topic: str, timeout_s: float = 30.0, *, settings: KafkaSettings | None = None
+) -> list[ConsumerRecord]:
+    """Every record of ``topic`` from the beginning to its end offsets as of now (empty if it does not exist),
+    read with the security of ``settings`` (the environment's when None)."""
+    admin = create_admin(settings, bootstrap=bootstrap)
+    await start_client(admin, settings, bootstrap)
     try:
         described = await admin.describe_topics([topic])
     finally:
@@ -71,7 +74,7 @@ async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> lis
     if info is None or info["error_code"] != 0:
         return []
     parts = [TopicPartition(topic, p["partition"]) for p in info["partitions"]]
-    consumer = create_consumer(group_id=None, bootstrap=bootstrap, client_id="sluicegate-dlq")
+    consumer = create_consumer(group_id=None, settings=settings, bootstrap=bootstrap, client_id="sluicegate-dlq")
     await consumer.start()
     try:
         consumer.assign(parts)
@@ -109,7 +112,9 @@ async def list_entries(settings: BackboneSettings, limit: int | None = None) -> 
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
     topic = settings.names.dlq_topic
-    entries = sorted((_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic)), key=_order)
+    entries = sorted(
+        (_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic, settings=settings)), key=_order
+    )
     return entries[-limit:] if limit is not None else entries
 
 

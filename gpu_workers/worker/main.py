@@ -272,7 +272,7 @@ async def _run_started(
     }
     for tenant in config.tenants if names.tenants_apart else ():  # each tenant's results and dead letters
         topics |= {names.results_topic_of(tenant): settings.topic_partitions, names.dlq_topic_of(tenant): 1}
-    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication)
+    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication, settings=settings)
 
     # A read timeout (the worker never blocks on Redis) turns a hung server into an error that is retried.
     redis = create_redis(

@@ -3,6 +3,8 @@ client tools (``sluicegate batch``, ``sluicegate bench``), which talk to ingress
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from .base import SettingsBase
@@ -20,6 +22,12 @@ class LocalStackSettings(StateDirSettings):
         le=5,
         description="Brokers of the local Kafka (`sluicegate dev up --brokers N`): node i listens on kafka_port + 2i "
         "(controller + 1); from 3 brokers topics get 3 replicas and min.insync.replicas 2.",
+    )
+    kafka_local_security: Literal["plaintext", "sasl_ssl"] = Field(
+        "plaintext",
+        description="Client listener of the local Kafka (`sluicegate dev up --kafka-security`): plaintext, or "
+        "sasl_ssl with SCRAM-SHA-512 users and a CA made at start (paths and variables in "
+        "<state_dir>/kafka-<port>/security/kafka.env).",
     )
     kafka_full_jit: bool = Field(
         False,

@@ -200,7 +200,10 @@ async def run_usage_rollup(settings: UsageRollupSettings, redis: Redis, stop: as
     written before the first rollup started is missed) and roll up until ``stop`` is set."""
     names = settings.names
     await ensure_topics(
-        settings.kafka_bootstrap, {names.usage_topic: settings.topic_partitions}, settings.topic_replication
+        settings.kafka_bootstrap,
+        {names.usage_topic: settings.topic_partitions},
+        settings.topic_replication,
+        settings=settings,
     )
     group = f"{names.prefix}{settings.usage_group}"
     consumer = create_consumer(
