@@ -13,6 +13,8 @@ class WorkerConfig:
     worker_id: str
     # Said of the model in its heartbeats, so that ingress's /v1/models can tell (e.g. "random weights").
     model_description: str = ""
+    # How the model's chat output splits into reasoning and answer: auto (from the chat template), none, or a parser.
+    reasoning_parser: str = "auto"
     # Requests taken from Kafka at one time, counted per tier and above (an interactive request is never
     # kept out by batch work): more than the engine's seats, so its fair queuing sees past a flood.
     max_in_flight: int = 64

@@ -180,7 +180,11 @@ async def run_worker(
         await engine.start()
         log.info(
             "worker.engine_ready",
-            extra={"engine": type(engine).__name__, "engine_pid": getattr(engine, "pid", None) or os.getpid()},
+            extra={
+                "engine": type(engine).__name__,
+                "engine_pid": getattr(engine, "pid", None) or os.getpid(),
+                "architecture": engine.architecture,
+            },
         )
         try:
             return await _run_started(
@@ -239,6 +243,7 @@ async def _run_started(
     config = WorkerConfig(
         model_name=model_name,
         model_description=settings.model_description,
+        reasoning_parser=settings.reasoning_parser,
         worker_id=worker_id,
         max_in_flight=lookahead,
         intake_hold=settings.worker_intake_hold or HOLD_LOOKAHEADS * lookahead,

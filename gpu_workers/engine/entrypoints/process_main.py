@@ -139,6 +139,7 @@ def serve(sock: socket.socket) -> int:
         attention_backend=engine.attention_backend_name,
         pid=os.getpid(),
         stats=engine.stats(),
+        architecture=engine.architecture,
     )
     channel.send(("ready", spec))
     try:

@@ -34,6 +34,7 @@ class EngineSpec:
     attention_backend: str
     pid: int
     stats: EngineStats
+    architecture: str = ""
 
 
 def frame(message: tuple[Any, ...]) -> bytes:

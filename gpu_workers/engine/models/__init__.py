@@ -1,7 +1,9 @@
-"""Registry of supported architectures, keyed by the ``architectures`` entry of a HF config.json."""
+"""Registry of supported architectures, keyed by the ``architectures`` entry of a HF config.json: the model class
+of each (``MODEL_REGISTRY``) and what is known of it (``ARCHITECTURE_INFO``, in ``architectures.py``)."""
 
 from __future__ import annotations
 
+from .architectures import ARCHITECTURE_INFO, FEATURES, ArchitectureInfo, check_features
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -12,19 +14,29 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def resolve_architecture(architectures: list[str] | None) -> type[LlamaForCausalLM]:
-    """Pick the model class for a config's ``architectures`` list; a clear error if none is supported."""
+def resolve_architecture_name(architectures: list[str] | None) -> str:
+    """The first name of a config's ``architectures`` list the engine supports; a clear error if none is."""
     for name in architectures or []:
         if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
+            return name
     raise ValueError(f"unsupported architecture {architectures!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}")
 
 
+def resolve_architecture(architectures: list[str] | None) -> type[LlamaForCausalLM]:
+    """Pick the model class for a config's ``architectures`` list; a clear error if none is supported."""
+    return MODEL_REGISTRY[resolve_architecture_name(architectures)]
+
+
 __all__ = [
+    "ARCHITECTURE_INFO",
+    "FEATURES",
     "MODEL_REGISTRY",
+    "ArchitectureInfo",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "check_features",
     "resolve_architecture",
+    "resolve_architecture_name",
 ]

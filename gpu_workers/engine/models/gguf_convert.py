@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from .gguf_errors import GGUFLoadError
 
@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", True),
     "mistral": (MistralConfig, "MistralForCausalLM", True),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -46,6 +47,8 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head query/key norms
+    "attn_k_norm": "self_attn.k_norm",
 }
 SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
 # Where each tensor's bytes lie in the GGUF (``tensor_index``), written beside the weights.
@@ -144,6 +147,8 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
 
 

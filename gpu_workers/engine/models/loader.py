@@ -30,7 +30,7 @@ from ..config import EngineConfig
 from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
-from . import resolve_architecture
+from . import ARCHITECTURE_INFO, MODEL_REGISTRY, check_features, resolve_architecture_name
 from .gguf_checkpoint import converted_folder, find_gguf
 from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
 from .rotary import rope_type_of
@@ -62,6 +62,8 @@ class LoadedModel:
     kv_scales: torch.Tensor | None = None
     # Under tensor parallelism, the KV heads this rank keeps (its KV cache holds only those).
     local_kv_heads: int | None = None
+    # The registry's name of the architecture (``MODEL_REGISTRY``), e.g. "Qwen3ForCausalLM".
+    architecture: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -312,8 +314,12 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         check_quantization_supported(config.quantization, device)
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
-    model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    architecture = resolve_architecture_name(getattr(hf_config, "architectures", None))
+    model_cls = MODEL_REGISTRY[architecture]
+    check_features(ARCHITECTURE_INFO[architecture], config)  # a feature it cannot run with, refused by name
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
+    if int4 is not None:
+        ARCHITECTURE_INFO[architecture].refuse("quantization")
     gguf_weights = _gguf_quantized(config, path, hf_config, int4)
     dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
     max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)
@@ -352,4 +358,5 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         max_model_len=max_model_len,
         kv_scales=kv_scales,
         local_kv_heads=shard.num_kv_heads if shard is not None else None,
+        architecture=architecture,
     )

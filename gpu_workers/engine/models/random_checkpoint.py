@@ -35,6 +35,14 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
+# Qwen3's way of switching thinking (``chat_template_kwargs: {"enable_thinking": false}`` closes an empty
+# <think> span in the prompt), in ChatML; ``open_think`` mimics the thinking-only releases that open it themselves.
+THINKING_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
+)
 
 _CORPUS = """\
 The river ran quietly past the old mill, where the wheel had not turned for many years.
@@ -112,6 +120,7 @@ def make_tiny_model(
     seed: int = 0,
     max_shard_size: str | int | None = None,
     head_dim: int | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``generation_config.json`` and tokenizer files
     for a random model into ``out_dir`` (created if needed) and return its path.
@@ -120,6 +129,7 @@ def make_tiny_model(
     than one token forever. ``intermediate_size`` defaults to ~8/3 x hidden, rounded up to 32.
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into an indexed, sharded checkpoint.
     ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 and Gemma set it apart from the hidden size).
+    ``chat_template`` replaces the tokenizer's (e.g. ``THINKING_CHAT_TEMPLATE``).
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
@@ -132,6 +142,8 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     bos, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,

@@ -26,6 +26,7 @@ ARCHS = {
     "llama": dict(arch="llama"),
     "mistral": dict(arch="mistral", seed=1),
     "qwen2": dict(arch="qwen2", seed=2),
+    "qwen3": dict(arch="qwen3", seed=4, head_dim=32),
     "llama_tied": dict(arch="llama", seed=3, tie_word_embeddings=True, num_heads=8, num_kv_heads=2),
 }
 # Types the gguf library quantizes (written from the model's weights) and, last, those it only dequantizes.
