@@ -104,6 +104,9 @@ def build_tokenizer(
         pad_token="<pad>",
         chat_template=chat_template,
     )
+    if extra_special:
+        # Marked special, so decoding with skip_special_tokens drops them (an end-of-turn token is no text).
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special)})
     if len(fast) != vocab_size:
         raise RuntimeError(f"tokenizer has {len(fast)} tokens, expected {vocab_size}")
     return fast
@@ -175,6 +178,12 @@ def make_tiny_model(
     kwargs["rope_parameters"] = rope_parameters
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "phi3":
+        # Phi3Config's own original_max_position_embeddings (4096) overrides the one given with the RoPE parameters.
+        default_original = ARCH_CONFIGS[arch]().original_max_position_embeddings
+        kwargs["original_max_position_embeddings"] = rope_parameters.get(
+            "original_max_position_embeddings", default_original
+        )
     config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [ARCH_NAMES[arch]]
     with torch.random.fork_rng(devices=[]):
