@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")
     tiny.add_argument("out")
-    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3", "phi3"], default="llama")
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--hidden", type=int, default=64)
     tiny.add_argument("--heads", type=int, default=4)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from .architectures import ARCHITECTURE_INFO, FEATURES, ArchitectureInfo, check_features
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
@@ -34,6 +36,7 @@ __all__ = [
     "ArchitectureInfo",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "check_features",

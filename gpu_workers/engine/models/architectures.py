@@ -25,6 +25,7 @@ FEATURES: Mapping[str, str] = MappingProxyType(
         "speculative_decoding": "Speculative decoding",
         "lora": "LoRA",
         "quantization": "Quantized weights",
+        "int4_checkpoints": "AWQ / GPTQ quantization",
         "tensor_parallel": "Tensor parallelism",
     }
 )
@@ -60,6 +61,15 @@ ARCHITECTURE_INFO: dict[str, ArchitectureInfo] = {
     "MistralForCausalLM": ArchitectureInfo("MistralForCausalLM", "llama", ("mistral",)),
     "Qwen2ForCausalLM": ArchitectureInfo("Qwen2ForCausalLM", "qwen", ("qwen2",)),
     "Qwen3ForCausalLM": ArchitectureInfo("Qwen3ForCausalLM", "qwen", ("qwen3",)),
+    "Phi3ForCausalLM": ArchitectureInfo(
+        "Phi3ForCausalLM",
+        "phi",
+        ("phi3",),
+        unsupported={
+            "lora": "adapters target the fused qkv_proj / gate_up_proj, which the LoRA layers do not split",
+            "int4_checkpoints": "AWQ / GPTQ pack the fused projections, which the int4 loader does not split",
+        },
+    ),
 }
 
 
@@ -72,6 +82,7 @@ def features_in_use(config: EngineConfig) -> list[str]:
         "speculative_decoding": config.speculative_config is not None,
         "lora": config.enable_lora,
         "quantization": config.quantization is not None,
+        "int4_checkpoints": False,  # known only once the checkpoint's config is read: the loader asks
         "tensor_parallel": config.tensor_parallel_size > 1,
     }
     return [name for name, on in used.items() if on]

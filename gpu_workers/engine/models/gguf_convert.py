@@ -1,6 +1,10 @@
 """Reads a GGUF with the ``gguf`` library and writes the Hugging Face folder ``gguf_checkpoint`` caches: config from
 the metadata, every tensor dequantized by the library's own dequantizer (llama.cpp's Q/K row permutation undone
-for llama/mistral), the tokenizer with its chat template, and the generation config."""
+for llama/mistral), the tokenizer with its chat template, and the generation config.
+
+``phi3`` keeps its projections fused (``attn_qkv``; ``ffn_up`` holds gate and up) and so does the folder, under
+transformers' Phi-3 names; its LongRoPE factors are the tensors ``rope_factors_long`` / ``rope_factors_short``,
+which become the config's ``long_factor`` / ``short_factor``."""
 
 from __future__ import annotations
 
@@ -15,7 +19,15 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from .gguf_errors import GGUFLoadError
 
@@ -31,6 +43,7 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "mistral": (MistralConfig, "MistralForCausalLM", True),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
+    "phi3": (Phi3Config, "Phi3ForCausalLM", False),
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -49,7 +62,12 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head query/key norms
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# Where an architecture's tensor means something else: phi3's ffn_up is gate and up, fused.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# LongRoPE factors (phi3): config values, not weights.
+ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
 # Where each tensor's bytes lie in the GGUF (``tensor_index``), written beside the weights.
 TENSOR_INDEX = "gguf_tensors.json"
@@ -87,7 +105,7 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise GGUFLoadError(path, f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
@@ -103,6 +121,10 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
             )
     elif scaling != "none":
         raise GGUFLoadError(path, f"RoPE scaling {scaling!r} is not supported (none, linear, yarn)")
+    if rope_dim != head_dim:
+        rope["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "phi3":
+        rope.update(_longrope(reader, path, arch, names))
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -119,13 +141,40 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
     )
-    if arch == "mistral":
-        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None)
+    if arch in ("mistral", "phi3"):
+        # llama.cpp writes phi3's window as 0 where there is none (Phi-4).
+        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None) or None
+    if "original_max_position_embeddings" in rope:
+        kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     config = config_cls(**kwargs)
     config.architectures = [hf_arch]
     types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
     config.dtype = "float16" if types == {T.F16} else "float32" if types == {T.F32} else "bfloat16"
     return config
+
+
+def _longrope(reader: GGUFReader, path: Path, arch: str, names: set[str]) -> dict[str, Any]:
+    """A phi3 GGUF's LongRoPE parameters (none without its factor tensors): llama.cpp writes no scaling type for
+    them, the original context length and the attention factor as metadata, the factors as two F32 tensors."""
+    present = [n for n in ROPE_FACTOR_TENSORS if n in names]
+    if not present:
+        return {}
+    if len(present) == 1:
+        raise GGUFLoadError(path, f"LongRoPE needs both rope_factors_long and rope_factors_short; only {present[0]}")
+    rope: dict[str, Any] = {"rope_type": "longrope"}
+    for t in reader.tensors:
+        if t.name in ROPE_FACTOR_TENSORS:
+            rope[ROPE_FACTOR_TENSORS[t.name]] = [float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1)]
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length", None)
+    if original is None:
+        raise GGUFLoadError(
+            path, f"LongRoPE factors without metadata key '{arch}.rope.scaling.original_context_length'"
+        )
+    rope["original_max_position_embeddings"] = int(original)
+    attention_factor = _field(reader, f"{arch}.rope.scaling.attn_factor", None)
+    if attention_factor is not None:
+        rope["attention_factor"] = float(attention_factor)
+    return rope
 
 
 def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int, ...]]:
@@ -141,10 +190,13 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
-        shapes |= {p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        shapes |= {p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter)}
+        if arch == "phi3":
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
+            shapes |= {p + "self_attn.v_proj.weight": (kv, h)}
+            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
         if arch == "qwen3":
@@ -152,14 +204,15 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
     return shapes
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{kind}"
+    layer_tensors = _LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
     return None
 
 
@@ -177,7 +230,9 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
     expected = expected_shapes(config, arch)
     mapped: dict[str, Any] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in ROPE_FACTOR_TENSORS and arch == "phi3":
+            continue  # read into the config's rope parameters
+        name = hf_name(t.name, arch)
         if name is None or name not in expected:
             raise GGUFLoadError(path, f"tensor {t.name!r} has no place in a {arch} model")
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -249,10 +304,11 @@ def tensor_index(reader: GGUFReader) -> dict[str, Any]:
     """The architecture and, per tensor, its Hugging Face name, GGML type, ``[rows, cols]`` shape and byte range
     in the file: what the kept-quantized loader (``gguf_quantized.py``) needs to read a tensor's own blocks
     without parsing the file's metadata again (the tokenizer's arrays make that take seconds)."""
+    arch = _field(reader, "general.architecture")
     tensors = [
         {
             "gguf_name": t.name,
-            "name": hf_name(t.name),
+            "name": hf_name(t.name, arch),
             "type": t.tensor_type.name,
             "shape": [int(d) for d in reversed(t.shape.tolist())],
             "offset": int(t.data_offset),
@@ -260,7 +316,7 @@ def tensor_index(reader: GGUFReader) -> dict[str, Any]:
         }
         for t in reader.tensors
     ]
-    return {"architecture": _field(reader, "general.architecture"), "tensors": tensors}
+    return {"architecture": arch, "tensors": tensors}
 
 
 def convert(path: Path, out: Path) -> None:
@@ -273,5 +329,21 @@ def convert(path: Path, out: Path) -> None:
         log.warning("GGUF %s has no chat template: the model serves completions only", path)
     _write_weights(reader, path, config, out)
     config.save_pretrained(str(out))
-    ids = {k: getattr(config, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+    ids: dict[str, Any] = {k: getattr(config, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+    ids["eos"] = end_token_ids(reader, ids["eos"])
     GenerationConfig(**{f"{k}_token_id": v for k, v in ids.items() if v is not None}).save_pretrained(str(out))
+
+
+def end_token_ids(reader: GGUFReader, eos: int | None) -> int | list[int] | None:
+    """The tokens that end generation: the file's EOS, its end-of-turn token (``eot_token_id``) and, for phi3,
+    ``<|end|>`` found by its text, as llama.cpp finds it (Phi-3 ends each turn with it, not with its EOS)."""
+    ends = [eos] if eos is not None else []
+    eot = _field(reader, "tokenizer.ggml.eot_token_id", None)
+    if eot is not None:
+        ends.append(int(eot))
+    if _field(reader, "general.architecture") == "phi3" and "tokenizer.ggml.tokens" in reader.fields:
+        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        if "<|end|>" in tokens:
+            ends.append(tokens.index("<|end|>"))
+    ends = list(dict.fromkeys(ends))
+    return ends if len(ends) > 1 else (ends[0] if ends else None)

@@ -8,6 +8,8 @@ are merged into single ``nn.Linear`` layers (fewer, larger matmuls); quantizatio
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,6 +135,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over ``LlamaModel``; ``compute_logits`` runs only on the rows that sample."""
 
+    # The engine has no sliding-window attention: an architecture whose config's ``sliding_window`` applies
+    # gets its context capped at the window (``loader.resolve_max_model_len``), so no request ever needs it.
+    caps_to_sliding_window: ClassVar[bool] = False
+
     def __init__(self, config: PretrainedConfig, max_len: int) -> None:
         super().__init__()
         self.config = config
@@ -169,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral shares Llama's layout; its sliding window is enforced by the loader's length limit."""
+
+    caps_to_sliding_window: ClassVar[bool] = True
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -32,7 +32,7 @@ from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import ARCHITECTURE_INFO, MODEL_REGISTRY, check_features, resolve_architecture_name
 from .gguf_checkpoint import converted_folder, find_gguf
-from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
+from .llama import LlamaForCausalLM, head_dim_of
 from .rotary import rope_type_of
 
 if TYPE_CHECKING:
@@ -127,11 +127,11 @@ def resolve_dtype(
 
 
 def resolve_max_model_len(hf_config: PretrainedConfig, model_cls: type[LlamaForCausalLM], requested: int | None) -> int:
-    """Context limit: ``max_position_embeddings`` (capped by Mistral's sliding window, which this
-    engine does not implement, so no request ever needs it); ``requested`` may lower it."""
+    """Context limit: ``max_position_embeddings`` (capped by a sliding window, which this engine does not
+    implement, so no request ever needs it: Mistral's, Phi-3-mini-4k's); ``requested`` may lower it."""
     limit = int(hf_config.max_position_embeddings)
     window = getattr(hf_config, "sliding_window", None)
-    uses_window = issubclass(model_cls, MistralForCausalLM) or bool(getattr(hf_config, "use_sliding_window", False))
+    uses_window = model_cls.caps_to_sliding_window or bool(getattr(hf_config, "use_sliding_window", False))
     if window and uses_window and window < limit:
         limit = int(window)
     if requested is None:
@@ -164,6 +164,56 @@ def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
         "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
         "gate_up_proj": [(0, inter), (inter, 2 * inter)],
     }
+
+
+def _fused_sizes(config: PretrainedConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The parts of a checkpoint's fused projections (Phi-3's ``qkv_proj`` / ``gate_up_proj``) in row order,
+    at the full model's sizes (a tensor-parallel rank cuts each part afterwards)."""
+    heads = int(config.num_attention_heads)
+    q, kv = heads * head_dim_of(config), int(config.num_key_value_heads or heads) * head_dim_of(config)
+    inter = int(config.intermediate_size)
+    return {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "gate_up_proj": (("gate_proj", inter), ("up_proj", inter)),
+    }
+
+
+def _split_fused(
+    name: str, tensor: torch.Tensor, fused: dict[str, tuple[tuple[str, int], ...]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of a checkpoint tensor, or of each part of a fused one under its part's name: the
+    loader then stacks the parts back into the merged layer like a Llama checkpoint's separate projections."""
+    fused_name = next((f for f in fused if f".{f}." in name), None)
+    if fused_name is None:
+        return [(name, tensor)]
+    parts = fused[fused_name]
+    rows = sum(size for _, size in parts)
+    if tensor.shape[0] != rows:
+        raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows; the config implies {rows}")
+    split = tensor.split([size for _, size in parts])
+    return [(name.replace(f".{fused_name}.", f".{part}."), t) for (part, _), t in zip(parts, split, strict=True)]
+
+
+def _copy_into(
+    params: dict[str, nn.Parameter], slices: dict[str, list[tuple[int, int]]], name: str, tensor: torch.Tensor
+) -> tuple[str, int] | None:
+    """Copy checkpoint tensor ``name`` into its parameter (a row slice of a merged one); the ``(parameter, shard)``
+    filled, or None when the model has no place for it."""
+    target, shard = name, None
+    for src, dst, idx in _STACKED_PARAMS:
+        if f".{src}." in name:
+            target, shard = name.replace(f".{src}.", f".{dst}."), idx
+            break
+    if target not in params:
+        return None
+    dest = params[target].data
+    if shard is not None:
+        start, end = slices[target.split(".")[-2]][shard]
+        dest = dest[start:end]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return target, shard or 0
 
 
 class WeightReader(Protocol):
@@ -229,6 +279,7 @@ def load_weights(
     kv_scales = _KVScaleReader(len(model.attention_layers), attn.num_kv_heads)
     params = dict(model.named_parameters(remove_duplicate=False))
     slices = _shard_slices(model)
+    fused_sizes = _fused_sizes(model.config)
     expected: set[tuple[str, int]] = set()
     for name in params:
         if model.tie_word_embeddings and name == "lm_head.weight":
@@ -250,30 +301,12 @@ def load_weights(
                         continue
                     if any(r.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)) for r in readers):
                         continue
-                    target, shard = ckpt_name, None
-                    for src, dst, idx in _STACKED_PARAMS:
-                        if f".{src}." in ckpt_name:
-                            target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), idx
-                            break
-                    if target not in params:
-                        unexpected.append(ckpt_name)
-                        continue
-                    tensor = f.get_tensor(ckpt_name)
-                    if cut is not None:
-                        tensor = cut(ckpt_name, tensor)
-                    param = params[target]
-                    if shard is None:
-                        dest = param.data
-                    else:
-                        start, end = slices[target.split(".")[-2]][shard]
-                        dest = param.data[start:end]
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor)
-                    loaded.add((target, shard or 0))
+                    for name, tensor in _split_fused(ckpt_name, f.get_tensor(ckpt_name), fused_sizes):
+                        filled = _copy_into(params, slices, name, tensor if cut is None else cut(name, tensor))
+                        if filled is None:
+                            unexpected.append(name)
+                        else:
+                            loaded.add(filled)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {unexpected[:5]}")
     missing = sorted(expected - loaded)
@@ -319,7 +352,7 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     check_features(ARCHITECTURE_INFO[architecture], config)  # a feature it cannot run with, refused by name
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     if int4 is not None:
-        ARCHITECTURE_INFO[architecture].refuse("quantization")
+        ARCHITECTURE_INFO[architecture].refuse("int4_checkpoints")
     gguf_weights = _gguf_quantized(config, path, hf_config, int4)
     dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
     max_model_len = resolve_max_model_len(hf_config, model_cls, config.max_model_len)

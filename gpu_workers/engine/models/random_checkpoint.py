@@ -1,8 +1,9 @@
-"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3 checkpoint plus a trained byte-level BPE
+"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint plus a trained byte-level BPE
 tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -23,12 +25,14 @@ ARCH_CONFIGS: dict[str, type] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "phi3": Phi3Config,
 }
 ARCH_NAMES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -42,6 +46,13 @@ THINKING_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
+)
+# Phi-3 / Phi-4-mini's turn markers and template (Phi-4-mini's: no newlines): a turn ends with <|end|>, which the
+# generation config lists as an EOS beside <|endoftext|>, as the real checkpoints do.
+PHI3_SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PHI3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
 _CORPUS = """\
@@ -66,8 +77,11 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int, extra_special: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE, eos_token: str = "</s>"
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the built-in corpus, padded to exactly ``vocab_size``.
+    ``extra_special``: more special tokens (an architecture's turn markers), ``eos_token`` among them or ``</s>``.
 
     A small corpus cannot supply tens of thousands of merges, so the remainder of the vocabulary
     is filled with plain added tokens ``<|extra_N|>``; every model id then decodes to something.
@@ -79,7 +93,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -94,10 +108,13 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
-        eos_token="</s>",
+        eos_token=eos_token,
         pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
+    if extra_special:
+        # Marked special, so decoding with skip_special_tokens drops them (an end-of-turn token is no text).
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special)})
     if len(fast) != vocab_size:
         raise RuntimeError(f"tokenizer has {len(fast)} tokens, expected {vocab_size}")
     return fast
@@ -141,10 +158,16 @@ def make_tiny_model(
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    if arch == "phi3":
+        tokenizer = build_tokenizer(vocab_size, PHI3_SPECIAL_TOKENS, PHI3_CHAT_TEMPLATE, eos_token="<|endoftext|>")
+    else:
+        tokenizer = build_tokenizer(vocab_size)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    bos, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS)
+    bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
+    # Generation stops at any of these: Phi-3 ends a turn with <|end|>, a document with <|endoftext|>.
+    eos_ids: int | list[int] = [tokenizer.convert_tokens_to_ids("<|end|>"), eos] if arch == "phi3" else eos
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -167,6 +190,12 @@ def make_tiny_model(
     kwargs["rope_parameters"] = rope_parameters
     if arch == "mistral":
         kwargs["sliding_window"] = None
+    if arch == "phi3":
+        # Phi3Config's own original_max_position_embeddings (4096) overrides the one given with the RoPE parameters.
+        default_original = ARCH_CONFIGS[arch]().original_max_position_embeddings
+        kwargs["original_max_position_embeddings"] = rope_parameters.get(
+            "original_max_position_embeddings", default_original
+        )
     config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [ARCH_NAMES[arch]]
     with torch.random.fork_rng(devices=[]):
@@ -184,7 +213,7 @@ def make_tiny_model(
                 for layer in model.model.layers:
                     for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                         norm.weight.uniform_(0.5, 1.5)
-    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos_ids, pad_token_id=pad)
     if max_shard_size is None:
         model.save_pretrained(out, safe_serialization=True)
     else:

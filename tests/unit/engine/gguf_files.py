@@ -9,7 +9,9 @@ the library's dequantization of those bytes, not against the original weights.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -32,6 +34,9 @@ _LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    # Phi-3 checkpoints hold these fused, and so does llama.cpp's phi3 (ffn_up: gate and up).
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -93,6 +98,21 @@ def _write_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, chat_template: bool)
         writer.add_chat_template(template.read_text())
 
 
+def _write_phi3_rope(writer: gguf.GGUFWriter, config: Any) -> None:
+    """As llama.cpp's converter writes a Phi-3: the window (0 for none), and for LongRoPE no scaling type but the
+    original context, the attention factor it computes, and the factors as two F32 tensors."""
+    writer.add_sliding_window(config.sliding_window or 0)
+    rope = config.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return
+    original = int(rope["original_max_position_embeddings"])
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def write_gguf(
     hf_dir: Path,
     out: Path,
@@ -120,8 +140,11 @@ def write_gguf(
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    writer.add_rope_dimension_count(int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if config.model_type == "phi3":
+        _write_phi3_rope(writer, config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     if tokenizer:
