@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-#: What every client sends on connecting (redis-py: HELLO, CLIENT SETNAME/SETINFO, SELECT for a db other than 0)
+#: What every client sends on connecting (redis-py: HELLO, CLIENT SETNAME, SELECT for a db other than 0)
 #: plus the start-up check's PING and EXISTS (:mod:`sluicegate.redis_access`).
-_CONNECTION = ("hello", "auth", "client|setname", "client|setinfo", "select", "ping", "exists")
+_CONNECTION = ("hello", "auth", "client|setname", "select", "ping", "exists")
 _SCRIPTS = ("evalsha", "script|load", "script|exists")
 
 
