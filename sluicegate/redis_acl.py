@@ -116,8 +116,26 @@ FEATURES: dict[str, Feature] = {
         keys=("llm:batch:*", "llm:batches:*", "llm:batch-collector:*"),
     ),
     # sluicegate/batches/celery_app.py's kick: kombu declares the queue (its binding set) and LPUSHes a task.
+    # sluicegate/batches/celery_app.py's kick: kombu declares the queue (its binding set, refreshed by a script:
+    # SADD, TIME, ZADD; swept by another: ZRANGEBYSCORE, EXISTS, DEL, ZREM), checks its length and LPUSHes a task.
     "celery_send": Feature(
-        commands=("lpush", "sadd", "smembers", "multi", "exec"), keys=("*sluicegate-batch*", "_kombu.*")
+        commands=(
+            "lpush",
+            "llen",
+            "sadd",
+            "srem",
+            "smembers",
+            "exists",
+            "del",
+            "time",
+            "zadd",
+            "zrangebyscore",
+            "zrem",
+            "multi",
+            "exec",
+            *_SCRIPTS,
+        ),
+        keys=("*sluicegate-batch*", "_kombu.*"),
     ),
     # A Celery worker on kombu's Redis transport: BRPOP the queue, the unacked hash/index/mutex of late acks, the
     # pidbox and event channels (the prefix is kombu's global_keyprefix).
@@ -151,6 +169,7 @@ FEATURES: dict[str, Feature] = {
             "psubscribe",
             "unsubscribe",
             "punsubscribe",
+            "scan",
         ),
         keys=("*sluicegate-batch*", "_kombu.*", "unacked*", "*.celery.pidbox*", "*.reply.celery.pidbox*"),
         channels=("*",),
@@ -237,7 +256,8 @@ def service_acl(service: str, prefix: str = "") -> ServiceAcl:
     features = [FEATURES[name] for name in SERVICES[service]]
     commands = sorted({command for f in features for command in (*_CONNECTION, *f.commands)})
     keys = sorted({prefix + key for f in features for key in f.keys})
-    channels = sorted({prefix + channel for f in features for channel in f.channels})
+    # Channels stay unprefixed: kombu's pidbox subscribes to fanout channels without its global key prefix.
+    channels = sorted({channel for f in features for channel in f.channels})
     return ServiceAcl(
         service=service,
         user=f"sluicegate-{service}",
