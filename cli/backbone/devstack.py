@@ -56,6 +56,7 @@ from cli.stack.processes import (
 from sluicegate.kafka import probe_kafka, wait_for_kafka
 from sluicegate.kafka_security import KafkaAccessError
 from sluicegate.redis_client import wait_for_redis
+from sluicegate.redis_urls import mask_url
 from sluicegate.settings import Settings, get_settings
 
 SERVICES: tuple[str, ...] = ("kafka", "redis")
@@ -103,7 +104,7 @@ class StackInfo:
             pids = ", ".join(str(p) for p in self.kafka_pids) or str(self.kafka_pid)
             services.append(f"kafka  {self.kafka_bootstrap}  pid {pids} ({state('kafka')})")
         if self.redis_pid is not None:
-            services.append(f"redis  {self.redis_url}  pid {self.redis_pid} ({state('redis')})")
+            services.append(f"redis  {mask_url(self.redis_url)}  pid {self.redis_pid} ({state('redis')})")
         return [
             *services,
             f"state  {self.state_dir}  (ready in {self.elapsed_s:.1f}s)",
@@ -215,7 +216,7 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
 
         try:
             if start_redis_now:  # Redis first: it is ready long before the JVM, so nothing waits on it
-                redis_pid = start_redis(layout, redis_server)
+                redis_pid = start_redis(layout, redis_server, settings.topic_prefix)
                 started.append("redis")
             if start_kafka_now:
                 for i, pid in start_nodes(nodes, settings, java, libs, missing).items():
@@ -250,7 +251,7 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
     log.info(
         "devstack.up bootstrap=%s redis_url=%s kafka_pid=%s redis_pid=%s started=%s elapsed_s=%.2f",
         info.kafka_bootstrap,
-        info.redis_url,
+        mask_url(info.redis_url),
         kafka_pid,
         redis_pid,
         ",".join(started) or "none",

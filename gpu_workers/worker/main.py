@@ -28,7 +28,8 @@ from sluicegate.logs import configure_logging
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.models.naming import default_public_name
-from sluicegate.redis_client import create_redis, is_sentinel_url
+from sluicegate.redis_client import create_redis
+from sluicegate.redis_urls import is_sentinel_url
 from sluicegate.settings import WorkerSettings
 from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 

@@ -16,6 +16,12 @@ class LocalStackSettings(StateDirSettings):
 
     kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
     redis_port: int = Field(6379, description="Port of the local Redis server.")
+    redis_tls: bool = Field(
+        False,
+        description="Start the local Redis with TLS only (redis_port is its tls-port; certificates made under the "
+        "state folder) and with each service's ACL user (`sluicegate redis acls`; passwords in acl-passwords.json "
+        "beside it); its URL is then rediss:// with the CA.",
+    )
     kafka_brokers: int = Field(
         1,
         ge=1,
