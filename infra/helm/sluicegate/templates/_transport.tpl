@@ -82,10 +82,10 @@ Nothing is set for a plaintext peer, so the default install's pods carry no tran
 {{- if has "redis" $peers -}}
 {{- $t := $ctx.Values.redis.tls | default dict -}}
 {{- with $t.caSecret -}}
-{{- $files = append $files (dict "volume" "redis-ca" "secret" .name "items" (list (dict "key" .key "path" "ca.crt" "env" "SLUICEGATE_REDIS_SSL_CA_FILE"))) -}}
+{{- $files = append $files (dict "volume" "redis-ca" "secret" .name "items" (list (dict "key" .key "path" "ca.crt" "env" "SLUICEGATE_REDIS_TLS_CA_FILE"))) -}}
 {{- end -}}
 {{- with $t.clientCertSecret -}}
-{{- $files = append $files (dict "volume" "redis-client-cert" "secret" .name "items" (list (dict "key" .certKey "path" "tls.crt" "env" "SLUICEGATE_REDIS_SSL_CERTFILE") (dict "key" .keyKey "path" "tls.key" "env" "SLUICEGATE_REDIS_SSL_KEYFILE"))) -}}
+{{- $files = append $files (dict "volume" "redis-client-cert" "secret" .name "items" (list (dict "key" .certKey "path" "tls.crt" "env" "SLUICEGATE_REDIS_TLS_CERT_FILE") (dict "key" .keyKey "path" "tls.key" "env" "SLUICEGATE_REDIS_TLS_KEY_FILE"))) -}}
 {{- end -}}
 {{- end -}}
 {{- if has "otlp" $peers -}}
