@@ -31,8 +31,10 @@ from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import resolve_architecture
+from .capabilities import check_features
 from .gguf_checkpoint import converted_folder, find_gguf
-from .llama import LlamaForCausalLM, MistralForCausalLM, head_dim_of
+from .llama import LlamaForCausalLM, LlamaMLP, MistralForCausalLM, head_dim_of
+from .moe_checkpoint import expert_shards, expert_slot, router_name
 from .rotary import rope_type_of
 
 if TYPE_CHECKING:
@@ -156,7 +158,8 @@ def _weight_files(path: Path) -> list[Path]:
 def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
     """Row ranges of each shard inside the merged weights, per merged module kind."""
     attn = model.attention_layers[0]
-    inter = model.model.layers[0].mlp.intermediate_size
+    # The first dense MLP's size (a mixture-of-experts layer's experts are stacked apart: moe_checkpoint.py).
+    inter = next((layer.mlp.intermediate_size for layer in model.model.layers if isinstance(layer.mlp, LlamaMLP)), 0)
     q, kv = attn.q_size, attn.kv_size
     return {
         "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
@@ -228,12 +231,13 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     slices = _shard_slices(model)
     expected: set[tuple[str, int]] = set()
-    for name in params:
+    shards_of: dict[str, Sequence[int]] = {}  # of a parameter a checkpoint may fill in parts
+    for name, param in params.items():
         if model.tie_word_embeddings and name == "lm_head.weight":
             continue
         merged = next((m for m in slices if f".{m}." in name), None)
-        shards = range(len(slices[merged])) if merged else [0]
-        expected.update((name, s) for s in shards)
+        shards_of[name] = expert_shards(name, param) or (range(len(slices[merged])) if merged else [0])
+        expected.update((name, s) for s in shards_of[name])
     loaded: set[tuple[str, int]] = set()
     unexpected: list[str] = []
     with torch.no_grad():
@@ -248,8 +252,11 @@ def load_weights(
                         continue
                     if any(r.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)) for r in readers):
                         continue
-                    target, shard = ckpt_name, None
-                    for src, dst, idx in _STACKED_PARAMS:
+                    target, shard = router_name(ckpt_name) or ckpt_name, None
+                    slot = expert_slot(ckpt_name, params)
+                    if slot is not None:
+                        target = slot.param
+                    for src, dst, idx in () if slot is not None else _STACKED_PARAMS:
                         if f".{src}." in ckpt_name:
                             target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), idx
                             break
@@ -260,7 +267,9 @@ def load_weights(
                     if cut is not None:
                         tensor = cut(ckpt_name, tensor)
                     param = params[target]
-                    if shard is None:
+                    if slot is not None:
+                        dest = param.data[slot.index]
+                    elif shard is None:
                         dest = param.data
                     else:
                         start, end = slices[target.split(".")[-2]][shard]
@@ -271,7 +280,8 @@ def load_weights(
                             f"expected {tuple(dest.shape)}"
                         )
                     dest.copy_(tensor)
-                    loaded.add((target, shard or 0))
+                    covered = slot.shards if slot is not None else shards_of[target] if shard is None else [shard]
+                    loaded.update((target, s) for s in covered)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {unexpected[:5]}")
     missing = sorted(expected - loaded)
@@ -313,6 +323,7 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
     model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    check_features(model_cls, config)
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     gguf_weights = _gguf_quantized(config, path, hf_config, int4)
     dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
