@@ -15,9 +15,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
 from .gguf_errors import GGUFLoadError
+from .gguf_moe import MOE_LAYER_TENSORS, is_moe, moe_config, moe_expected_shapes, per_expert_hf_name, stacked_of
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", True),
     "mistral": (MistralConfig, "MistralForCausalLM", True),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", False),  # a llama file with experts is Mixtral: gguf_moe.py
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -46,6 +48,9 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    **MOE_LAYER_TENSORS,
 }
 SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
 # Where each tensor's bytes lie in the GGUF (``tensor_index``), written beside the weights.
@@ -118,6 +123,8 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
     )
     if arch == "mistral":
         kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None)
+    if is_moe(arch, lambda key, default: _field(reader, key, default)):
+        config_cls, hf_arch, kwargs = moe_config(arch, lambda key, default: _field(reader, key, default), kwargs)
     config = config_cls(**kwargs)
     config.architectures = [hf_arch]
     types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
@@ -140,8 +147,13 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
         shapes |= {p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+            shapes |= moe_expected_shapes(config, p)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if arch == "qwen3moe":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
     return shapes
@@ -155,7 +167,7 @@ def hf_name(gguf_name: str) -> str | None:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{kind}"
-    return None
+    return per_expert_hf_name(parts, kind)
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -173,6 +185,13 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
     mapped: dict[str, Any] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
+        stacked = stacked_of(name) if name is not None else None
+        if name is not None and stacked is not None and stacked[0] in expected:
+            # One expert of an older per-expert file: its shape is one of the stack's, and it stands for its part.
+            stack, expert = stacked
+            if expert < expected[stack][0]:
+                expected[name] = expected[stack][1:]
+                mapped.setdefault(stack, set()).add(expert)
         if name is None or name not in expected:
             raise GGUFLoadError(path, f"tensor {t.name!r} has no place in a {arch} model")
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -182,10 +201,14 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
         if shape != expected[name]:
             raise GGUFLoadError(path, f"tensor {t.name!r} has shape {shape}, expected {expected[name]}")
         mapped[name] = t
-    missing = sorted(set(expected) - set(mapped))
+    # A stack read expert by expert is there when all its experts are.
+    stacks = {n: experts for n, experts in mapped.items() if isinstance(experts, set)}
+    missing = sorted(set(expected) - set(mapped) | {n for n, e in stacks.items() if len(e) < expected[n][0]})
     if missing:
         raise GGUFLoadError(path, f"tensors missing: {missing[:4]}")
     for name, t in mapped.items():
+        if name in stacks:
+            continue
         try:
             values = dequantize(t.data, t.tensor_type)
         except Exception as exc:  # tensor bytes past the end of a truncated file, and similar
