@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .architectures import ARCHITECTURE_INFO, FEATURES, ArchitectureInfo, check_features
 from .llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from .moe_models import MixtralForCausalLM, Qwen3MoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -13,6 +14,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -36,9 +39,11 @@ __all__ = [
     "ArchitectureInfo",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "check_features",
     "resolve_architecture",
     "resolve_architecture_name",

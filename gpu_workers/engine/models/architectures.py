@@ -24,7 +24,7 @@ FEATURES: Mapping[str, str] = MappingProxyType(
         "fp8_kv_cache": "FP8 KV cache",
         "speculative_decoding": "Speculative decoding",
         "lora": "LoRA",
-        "quantization": "Quantized weights",
+        "quantization": "Weight quantization",
         "int4_checkpoints": "AWQ / GPTQ quantization",
         "tensor_parallel": "Tensor parallelism",
     }
@@ -56,6 +56,15 @@ class ArchitectureInfo:
             raise ValueError(f"{FEATURES[feature]} is not supported for {self.hf_name}: {self.unsupported[feature]}")
 
 
+# Why the features a mixture-of-experts model cannot run are refused.
+_MOE_UNSUPPORTED: Mapping[str, str] = MappingProxyType(
+    {
+        "lora": "its expert MLPs have no LoRA layers",
+        "quantization": "its expert weights have no quantized kernel (they would stay float); load it unquantized",
+        "tensor_parallel": "its stacked experts are not sharded across ranks (no expert or tensor parallelism)",
+    }
+)
+
 ARCHITECTURE_INFO: dict[str, ArchitectureInfo] = {
     "LlamaForCausalLM": ArchitectureInfo("LlamaForCausalLM", "llama", ("llama",)),
     "MistralForCausalLM": ArchitectureInfo("MistralForCausalLM", "llama", ("mistral",)),
@@ -70,6 +79,8 @@ ARCHITECTURE_INFO: dict[str, ArchitectureInfo] = {
             "int4_checkpoints": "AWQ / GPTQ pack the fused projections, which the int4 loader does not split",
         },
     ),
+    "MixtralForCausalLM": ArchitectureInfo("MixtralForCausalLM", "mixtral", ("llama",), _MOE_UNSUPPORTED),
+    "Qwen3MoeForCausalLM": ArchitectureInfo("Qwen3MoeForCausalLM", "qwen", ("qwen3moe",), _MOE_UNSUPPORTED),
 }
 
 

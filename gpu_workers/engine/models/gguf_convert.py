@@ -27,9 +27,11 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from .gguf_errors import GGUFLoadError
+from .gguf_moe import MOE_LAYER_TENSORS, is_moe, moe_config, moe_expected_shapes, per_expert_hf_name, stacked_of
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
     "phi3": (Phi3Config, "Phi3ForCausalLM", False),
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", False),  # a llama file with experts is Mixtral: gguf_moe.py
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -63,6 +66,7 @@ _LAYER_TENSORS = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head query/key norms
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",
+    **MOE_LAYER_TENSORS,
 }
 # Where an architecture's tensor means something else: phi3's ffn_up is gate and up, fused.
 _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
@@ -146,6 +150,8 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None) or None
     if "original_max_position_embeddings" in rope:
         kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if is_moe(arch, lambda key, default: _field(reader, key, default)):
+        config_cls, hf_arch, kwargs = moe_config(arch, lambda key, default: _field(reader, key, default), kwargs)
     config = config_cls(**kwargs)
     config.architectures = [hf_arch]
     types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
@@ -190,16 +196,21 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        shapes |= {p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter)}
+        shapes |= {p + "self_attn.o_proj.weight": (h, q)}
         if arch == "phi3":
             shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
         else:
             shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
             shapes |= {p + "self_attn.v_proj.weight": (kv, h)}
-            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+            if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+                shapes |= moe_expected_shapes(config, p)
+            else:
+                shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+                shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
 
@@ -213,7 +224,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
-    return None
+    return per_expert_hf_name(parts, kind)
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -233,6 +244,13 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
         if t.name in ROPE_FACTOR_TENSORS and arch == "phi3":
             continue  # read into the config's rope parameters
         name = hf_name(t.name, arch)
+        stacked = stacked_of(name) if name is not None else None
+        if name is not None and stacked is not None and stacked[0] in expected:
+            # One expert of an older per-expert file: its shape is one of the stack's, and it stands for its part.
+            stack, expert = stacked
+            if expert < expected[stack][0]:
+                expected[name] = expected[stack][1:]
+                mapped.setdefault(stack, set()).add(expert)
         if name is None or name not in expected:
             raise GGUFLoadError(path, f"tensor {t.name!r} has no place in a {arch} model")
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -242,10 +260,14 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
         if shape != expected[name]:
             raise GGUFLoadError(path, f"tensor {t.name!r} has shape {shape}, expected {expected[name]}")
         mapped[name] = t
-    missing = sorted(set(expected) - set(mapped))
+    # A stack read expert by expert is there when all its experts are.
+    stacks = {n: experts for n, experts in mapped.items() if isinstance(experts, set)}
+    missing = sorted(set(expected) - set(mapped) | {n for n, e in stacks.items() if len(e) < expected[n][0]})
     if missing:
         raise GGUFLoadError(path, f"tensors missing: {missing[:4]}")
     for name, t in mapped.items():
+        if name in stacks:
+            continue
         try:
             values = dequantize(t.data, t.tensor_type)
         except Exception as exc:  # tensor bytes past the end of a truncated file, and similar

@@ -8,6 +8,7 @@ are merged into single ``nn.Linear`` layers (fewer, larger matmuls); quantizatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -99,10 +100,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool = False) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-        self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
+        # ``mlp``: a model's own feed-forward block for this layer (a mixture of experts), else the dense one.
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -113,14 +122,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, max_len: int, qkv_bias: bool, o_bias: bool, qk_norm: bool = False
+        self,
+        config: PretrainedConfig,
+        max_len: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool = False,
+        mlp_of: Callable[[int], nn.Module | None] = lambda layer: None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, mlp=mlp_of(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -144,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         bias = bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(
-            config, max_len, qkv_bias=self.qkv_bias(config), o_bias=bias, qk_norm=self.qk_norm(config)
-        )
+            config, max_len, qkv_bias=self.qkv_bias(config), o_bias=bias, qk_norm=self.qk_norm(config),
+            mlp_of=lambda layer: self.mlp_of_layer(config, layer),
+        )  # fmt: skip
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -157,6 +173,11 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def qk_norm(cls, config: PretrainedConfig) -> bool:
         return False
+
+    @classmethod
+    def mlp_of_layer(cls, config: PretrainedConfig, layer: int) -> nn.Module | None:
+        """The feed-forward block of decoder layer ``layer``; None for the dense SiLU-gated MLP."""
+        return None
 
     @property
     def tie_word_embeddings(self) -> bool:

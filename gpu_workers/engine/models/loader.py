@@ -32,7 +32,8 @@ from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import ARCHITECTURE_INFO, MODEL_REGISTRY, check_features, resolve_architecture_name
 from .gguf_checkpoint import converted_folder, find_gguf
-from .llama import LlamaForCausalLM, head_dim_of
+from .llama import LlamaForCausalLM, LlamaMLP, head_dim_of
+from .moe_checkpoint import expert_shards, expert_slot, router_name
 from .rotary import rope_type_of
 
 if TYPE_CHECKING:
@@ -158,7 +159,8 @@ def _weight_files(path: Path) -> list[Path]:
 def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
     """Row ranges of each shard inside the merged weights, per merged module kind."""
     attn = model.attention_layers[0]
-    inter = model.model.layers[0].mlp.intermediate_size
+    # The first dense MLP's size (a mixture-of-experts layer's experts are stacked apart: moe_checkpoint.py).
+    inter = next((layer.mlp.intermediate_size for layer in model.model.layers if isinstance(layer.mlp, LlamaMLP)), 0)
     q, kv = attn.q_size, attn.kv_size
     return {
         "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
@@ -195,25 +197,35 @@ def _split_fused(
 
 
 def _copy_into(
-    params: dict[str, nn.Parameter], slices: dict[str, list[tuple[int, int]]], name: str, tensor: torch.Tensor
-) -> tuple[str, int] | None:
-    """Copy checkpoint tensor ``name`` into its parameter (a row slice of a merged one); the ``(parameter, shard)``
-    filled, or None when the model has no place for it."""
-    target, shard = name, None
-    for src, dst, idx in _STACKED_PARAMS:
-        if f".{src}." in name:
-            target, shard = name.replace(f".{src}.", f".{dst}."), idx
-            break
-    if target not in params:
-        return None
-    dest = params[target].data
-    if shard is not None:
-        start, end = slices[target.split(".")[-2]][shard]
-        dest = dest[start:end]
+    params: dict[str, nn.Parameter],
+    slices: dict[str, list[tuple[int, int]]],
+    shards_of: dict[str, Sequence[int]],
+    name: str,
+    tensor: torch.Tensor,
+) -> list[tuple[str, int]] | None:
+    """Copy checkpoint tensor ``name`` into its parameter (a row slice of a merged one, or an expert's slot of a
+    stacked expert one); the ``(parameter, shard)`` pairs filled, or None when the model has no place for it."""
+    slot = expert_slot(name, params)
+    if slot is not None:
+        target, dest, covered = slot.param, params[slot.param].data[slot.index], list(slot.shards)
+    else:
+        target, shard = router_name(name) or name, None
+        for src, dst, idx in _STACKED_PARAMS:
+            if f".{src}." in name:
+                target, shard = name.replace(f".{src}.", f".{dst}."), idx
+                break
+        if target not in params:
+            return None
+        dest = params[target].data
+        if shard is not None:
+            start, end = slices[target.split(".")[-2]][shard]
+            dest = dest[start:end]
+        # A whole merged (or stacked) tensor fills every shard of its parameter.
+        covered = [shard] if shard is not None else list(shards_of[target])
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     dest.copy_(tensor)
-    return target, shard or 0
+    return [(target, s) for s in covered]
 
 
 class WeightReader(Protocol):
@@ -281,12 +293,13 @@ def load_weights(
     slices = _shard_slices(model)
     fused_sizes = _fused_sizes(model.config)
     expected: set[tuple[str, int]] = set()
-    for name in params:
+    shards_of: dict[str, Sequence[int]] = {}  # of a parameter a checkpoint may fill in parts
+    for name, param in params.items():
         if model.tie_word_embeddings and name == "lm_head.weight":
             continue
         merged = next((m for m in slices if f".{m}." in name), None)
-        shards = range(len(slices[merged])) if merged else [0]
-        expected.update((name, s) for s in shards)
+        shards_of[name] = expert_shards(name, param) or (range(len(slices[merged])) if merged else [0])
+        expected.update((name, s) for s in shards_of[name])
     loaded: set[tuple[str, int]] = set()
     unexpected: list[str] = []
     with torch.no_grad():
@@ -302,11 +315,13 @@ def load_weights(
                     if any(r.take(ckpt_name, lambda n=ckpt_name: f.get_tensor(n)) for r in readers):
                         continue
                     for name, tensor in _split_fused(ckpt_name, f.get_tensor(ckpt_name), fused_sizes):
-                        filled = _copy_into(params, slices, name, tensor if cut is None else cut(name, tensor))
+                        filled = _copy_into(
+                            params, slices, shards_of, name, tensor if cut is None else cut(name, tensor)
+                        )
                         if filled is None:
                             unexpected.append(name)
                         else:
-                            loaded.add(filled)
+                            loaded.update(filled)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {unexpected[:5]}")
     missing = sorted(expected - loaded)

@@ -1,5 +1,5 @@
-"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint plus a trained byte-level BPE
-tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
+"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3/Phi-3/Mixtral/Qwen3-MoE checkpoint plus a trained byte-level
+BPE tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 ARCH_CONFIGS: dict[str, type] = {
@@ -26,6 +28,8 @@ ARCH_CONFIGS: dict[str, type] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
+    "mixtral": MixtralConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 ARCH_NAMES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -33,6 +37,14 @@ ARCH_NAMES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# Config fields an architecture gets unless ``config_overrides`` sets them: small expert counts for the MoE models
+# (their library defaults are Mixtral-8x7B's and Qwen3-30B-A3B's).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -138,6 +150,7 @@ def make_tiny_model(
     max_shard_size: str | int | None = None,
     head_dim: int | None = None,
     chat_template: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``generation_config.json`` and tokenizer files
     for a random model into ``out_dir`` (created if needed) and return its path.
@@ -147,6 +160,7 @@ def make_tiny_model(
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into an indexed, sharded checkpoint.
     ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 and Gemma set it apart from the hidden size).
     ``chat_template`` replaces the tokenizer's (e.g. ``THINKING_CHAT_TEMPLATE``).
+    ``config_overrides``: more fields of the architecture's config (e.g. ``num_experts``), over ``ARCH_DEFAULTS``.
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
@@ -196,6 +210,7 @@ def make_tiny_model(
         kwargs["original_max_position_embeddings"] = rope_parameters.get(
             "original_max_position_embeddings", default_original
         )
+    kwargs |= ARCH_DEFAULTS.get(arch, {}) | (config_overrides or {})
     config = ARCH_CONFIGS[arch](**kwargs)
     config.architectures = [ARCH_NAMES[arch]]
     with torch.random.fork_rng(devices=[]):
@@ -207,7 +222,7 @@ def make_tiny_model(
                 for layer in model.model.layers:
                     for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                         proj.bias.normal_(0.0, init_std)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             # Qwen3 initialises its per-head query/key norms to ones; random ones make the test cover them.
             with torch.no_grad():
                 for layer in model.model.layers:

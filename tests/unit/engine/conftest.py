@@ -59,6 +59,14 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
         arch="phi3", seed=6, max_position_embeddings=512, tie_word_embeddings=True, num_heads=4, num_kv_heads=1,
         rope_scaling={**longrope(12), "partial_rotary_factor": 0.75},
     ),
+    # Mixture of experts: Mixtral's top-2 of 8 experts, renormalized; Qwen3-MoE's top-4 of 8 not renormalized
+    # (norm_topk_prob off), qk norms, and layer 1 dense (mlp_only_layers). test_engine_moe.py checks that these
+    # suites' prompts route tokens to every expert of every sparse layer.
+    "mixtral": dict(arch="mixtral", seed=5),
+    "qwen3_moe": dict(
+        arch="qwen3_moe", seed=6, num_layers=3, head_dim=32,
+        config_overrides=dict(num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[1]),
+    ),
 }  # fmt: skip
 
 # Prompt lengths straddle block boundaries (block size 16) and reach 300 tokens.

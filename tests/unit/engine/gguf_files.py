@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,13 @@ _LAYER_NAMES = {
     # Phi-3 checkpoints hold these fused, and so does llama.cpp's phi3 (ffn_up: gate and up).
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
+# The GGUF architecture of a transformers model type, where the names differ (a Mixtral GGUF is a llama one).
+_GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -46,7 +53,29 @@ def gguf_name(hf_name: str) -> str:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{kind}"
     _, _, layer, rest = base.split(".", 3)
+    expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(\w+)", rest)
+    if expert is not None:  # an older Mixtral GGUF's one tensor per expert: blk.N.ffn_gate.E
+        return f"blk.{layer}.{_LAYER_NAMES['mlp.' + expert[2]]}.{expert[1]}.{kind}"
     return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+
+
+def moe_tensors(tensors: dict[str, np.ndarray], num_experts: int, per_expert: bool) -> dict[str, np.ndarray]:
+    """A MoE checkpoint's tensors as llama.cpp's converter writes them: the router as ``mlp.gate``, the experts
+    stacked per projection (``mlp.experts.gate_proj.weight`` ``[E, I, H]``), or one per expert under Qwen3-MoE's
+    names (``per_expert``: older Mixtral GGUFs)."""
+    out: dict[str, np.ndarray] = {}
+    for name, weight in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, new in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            name = re.sub(rf"(\.experts\.\d+)\.{old}\.", rf"\1.{new}.", name)
+        out[name] = weight
+    if per_expert:
+        return out
+    for name in [n for n in out if ".mlp.experts.0." in n]:
+        head, _, proj = name.partition(".mlp.experts.0.")
+        stack = [out.pop(f"{head}.mlp.experts.{e}.{proj}") for e in range(num_experts)]
+        out[f"{head}.mlp.experts.{proj}"] = np.stack(stack)
+    return out
 
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -123,15 +152,25 @@ def write_gguf(
     chat_template: bool = True,
     seed: int = 0,
     types: dict[str, T] | None = None,
+    per_expert: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write ``out`` from the checkpoint in ``hf_dir``, every 2-D tensor whose rows fit ``qtype``'s blocks in
     ``qtype`` (the rest F32), and return what a loader must produce: the library's dequantization of every
     written tensor, back in Hugging Face names and row order. ``types``: another type for the tensors whose
-    Hugging Face name contains a key (``{"v_proj": T.Q8_0}``), first match wins."""
+    Hugging Face name contains a key (``{"v_proj": T.Q8_0}``), first match wins. A mixture-of-experts model's
+    experts are written stacked (``ffn_gate_exps``), or one per expert with ``per_expert``."""
     config = AutoConfig.from_pretrained(str(hf_dir))
-    arch = arch or config.model_type
-    permuted = config.model_type in ("llama", "mistral")
+    arch = arch or _GGUF_ARCH.get(config.model_type, config.model_type)
+    permuted = config.model_type in ("llama", "mistral", "mixtral")
     writer = gguf.GGUFWriter(str(out), arch)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if hasattr(config, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+            # Absent, llama.cpp renormalizes qwen3moe's chosen weights; written, the checkpoint's own choice holds.
+            writer.add_expert_weights_norm(bool(config.norm_topk_prob))
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -151,7 +190,10 @@ def write_gguf(
         _write_tokenizer(writer, hf_dir, chat_template)
     rng = np.random.default_rng(seed)
     expected: dict[str, np.ndarray] = {}
-    for name, weight in sorted(load_file(str(hf_dir / "model.safetensors")).items()):
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    if num_experts:
+        tensors = moe_tensors(tensors, num_experts, per_expert)
+    for name, weight in sorted(tensors.items()):
         weight = weight.astype(np.float32)
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}.get(name.split(".")[-2])
         if permuted and heads and name.endswith("weight"):

@@ -23,10 +23,12 @@ def test_every_registered_architecture_has_its_facts() -> None:
 
 
 def test_gguf_names_agree_with_the_converter() -> None:
-    """Each GGUF architecture the converter reads is listed by the architecture it converts to, and no other."""
+    """Each GGUF architecture the converter reads is listed by the architecture it converts to, and every listed one
+    is the converter's (a Mixtral GGUF is a ``llama`` file with experts, so two architectures list ``llama``)."""
     listed = {(gguf, info.hf_name) for info in ARCHITECTURE_INFO.values() for gguf in info.gguf_names}
     converted = {(gguf, hf_name) for gguf, (_, hf_name, _) in GGUF_ARCHITECTURES.items()}
-    assert listed == converted
+    assert converted <= listed
+    assert {gguf for gguf, _ in listed} == set(GGUF_ARCHITECTURES)
 
 
 def test_docs_table_is_the_registrys() -> None:
