@@ -64,7 +64,7 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     # suites' prompts route tokens to every expert of every sparse layer.
     "mixtral": dict(arch="mixtral", seed=5),
     "qwen3_moe": dict(
-        arch="qwen3_moe", seed=6, num_layers=3, head_dim=32,
+        arch="qwen3_moe", seed=7, num_layers=3, head_dim=32,
         config_overrides=dict(num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[1]),
     ),
 }  # fmt: skip
