@@ -50,7 +50,10 @@ class Collector:
             topic = self.runtime.names.results_topic
             settings = self.runtime.settings
             counts = await ensure_topics(
-                settings.kafka_bootstrap, {topic: settings.topic_partitions}, settings.topic_replication
+                settings.kafka_bootstrap,
+                {topic: settings.topic_partitions},
+                settings.topic_replication,
+                settings=settings,
             )
             consumer = create_consumer(group_id=None, settings=settings, client_id="sluicegate-batch-collector")
             await consumer.start()

@@ -299,7 +299,8 @@ async def _sweep_if_stalled(runtime: BatchRuntime, batch_id: str, state: dict[st
     await runtime.batches.set_fields(batch_id, last_sweep_at=int(now_ms))
     found: list[tuple[str, int, LineOutcome]] = []
     for line in await _unresolved(runtime, batch_id, enqueued_only=True):
-        outcome = await outcome_from_records(runtime.redis, runtime.names, batch_request_id(batch_id, line))
+        rid = batch_request_id(batch_id, line)
+        outcome = await outcome_from_records(runtime.redis, runtime.names, rid, state["tenant"])
         if outcome is not None:
             found.append((batch_id, line, outcome))
     if found:

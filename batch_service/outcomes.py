@@ -27,9 +27,9 @@ def worker_error(code: str, message: str) -> LineOutcome:
     return LineOutcome(status_code=ERROR_STATUS.get(code, 500), code=code, message=message)
 
 
-async def outcome_from_records(redis: Redis, names: Names, request_id: str) -> LineOutcome | None:
-    """A line's outcome from its status record (and stream), when the record says it ended; else None."""
-    raw = await redis.get(names.request_key(request_id))
+async def outcome_from_records(redis: Redis, names: Names, request_id: str, tenant: str) -> LineOutcome | None:
+    """A line's outcome (of ``tenant``'s batch) from its status record and stream, when the record says it ended."""
+    raw = await redis.get(names.request_key(request_id, tenant))
     if raw is None:
         return None
     record = RequestRecord.model_validate_json(raw)
@@ -37,7 +37,7 @@ async def outcome_from_records(redis: Redis, names: Names, request_id: str) -> L
         return outcome_of_result(record.result)
     if record.status != "failed":
         return None
-    last = await redis.xrevrange(names.stream_key(request_id), count=1)
+    last = await redis.xrevrange(names.stream_key(request_id, tenant), count=1)
     if last:
         event = parse_stream_event(last[0][1][STREAM_FIELD.encode()])
         if isinstance(event, ErrorEvent):

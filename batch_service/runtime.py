@@ -17,7 +17,6 @@ from redis.asyncio import Redis
 from router.publish import TopicRegistry
 from router.route_table import RouteTable
 from router.router import Router
-from schemas import Names
 from sluicegate.api.prompt_tokens import ModelTokenizers
 from sluicegate.batches.files import FileStore
 from sluicegate.batches.store import BatchStore, LineOutcome, Resolved
@@ -38,7 +37,7 @@ class BatchRuntime:
     def __init__(self, settings: BatchServiceSettings, metrics: BatchMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or BatchMetrics()
-        self.names = Names(settings.topic_prefix)
+        self.names = settings.names
         self.redis: Redis = create_redis(settings, socket_timeout=10.0, client_name="batch-worker")
         self.files = FileStore(settings, self.redis, self.names)
         self.batches = BatchStore(settings, self.redis, self.names)
@@ -51,7 +50,7 @@ class BatchRuntime:
             settings.routes_file, check_every_s=settings.routes_reload_s, redis=self.redis, names=self.names
         )
         self.topics = TopicRegistry(
-            settings.kafka_bootstrap,
+            settings,
             self.names,
             self.router,
             partitions=settings.topic_partitions,

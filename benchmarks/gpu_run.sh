@@ -17,6 +17,10 @@
 #                 unit tests, which take CUDA when present), then benchmarks/lora_kernels.py timing them
 #   rest     480  engine_gpu.py --groups rest: the other voice-bot levels, cascade and prefix caching off, GPTQ,
 #                 bitsandbytes, speculation, tensor parallelism, LoRA, transformers peers, FP8 KV cache
+#   moe      150  low priority, last, skipped when the deadline leaves it no time (run it alone with --only moe):
+#                 benchmarks/moe_gpu.py on 8 Mixtral-shaped layers (23.7 GB bf16, its own checkpoint): c=1 decode
+#                 ITL and c=64 tok/s against the floor of bytes a step reads (attention + routed experts)
+#                 -> moe_gpu.json in gpu_run_files.tar
 # The engine_gpu.py groups merge into one engine_gpu.json; after each, its target list (name, measured, goal,
 # met, device, date) is copied to gpu_targets.json, which is kept in the repository as docs/gpu_targets.json.
 #
@@ -31,7 +35,7 @@
 #
 # usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]
 #   --smoke     rehearse every phase on the CPU with tiny models (tests then only collect and skip)
-#   --only      comma-separated subset of env,model,profile,tests,parity,c1,voicebot,lora,rest (a later phase
+#   --only      comma-separated subset of env,model,profile,tests,parity,c1,voicebot,lora,rest,moe (a later phase
 #               finds the checkpoints of an earlier run's model phase in the same place, or writes them)
 #   --total-s   the run's deadline in seconds from its start (default 540; smoke 3600)
 #   --limit     one phase's time limit, e.g. --limit rest=450 (still cut at the deadline)
@@ -40,9 +44,9 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-phases=env,model,profile,tests,parity,c1,voicebot,lora,rest
+phases=env,model,profile,tests,parity,c1,voicebot,lora,rest,moe
 usage="usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]"
-declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480)
+declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480 [moe]=150)
 declare -A chosen=()  # --limit's, applied over the defaults below
 smoke=0 only=$phases total="" skip=""
 while (($#)); do
@@ -217,7 +221,12 @@ lora_phase() {  # the LoRA kernels' tests (CUDA when present, else the interpret
     fi
     return $rc
 }
-export -f environment smoke_flag inner_budget model_phase profile_phase tests_phase parity_phase bench_group lora_phase
+moe_phase() {  # its own Mixtral-shaped checkpoint, beside the dense one
+    "$PY" -m benchmarks.moe_gpu $(smoke_flag) --model-dir "$(dirname "$MODEL_DIR")/sluicegate-moe-model" \
+        --out "$FILES/moe_gpu.json"
+}
+export -f environment smoke_flag inner_budget model_phase profile_phase tests_phase parity_phase bench_group lora_phase \
+    moe_phase
 
 phase env bash -c environment
 phase model bash -c model_phase
@@ -228,6 +237,7 @@ phase c1 bash -c 'bench_group c1'
 phase voicebot bash -c 'bench_group voicebot'
 phase lora bash -c lora_phase
 phase rest bash -c 'bench_group rest'
+phase moe bash -c moe_phase
 echo "=== summary: $(tr -d '\n ' <"$summary")"
 if [[ -f $OUT/gpu_targets.json ]]; then
     echo "=== targets: $OUT/gpu_targets.json -> keep in the repository as docs/gpu_targets.json"

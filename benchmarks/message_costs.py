@@ -149,18 +149,16 @@ async def measure_redis(url: str, count: int, rate: float) -> dict[str, float]:
 
 
 async def measure_kafka(bootstrap: str, count: int, rate: float) -> dict[str, float]:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-    from sluicegate.kafka import ensure_topics
+    from sluicegate.kafka import create_bare_consumer, create_bare_producer, ensure_topics
 
     topic = f"costs.{uuid.uuid4().hex[:8]}"
     await ensure_topics(bootstrap, {topic: 1}, 1)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    producer = create_bare_producer(bootstrap=bootstrap, acks="all", enable_idempotence=True)
     await producer.start()
     out: dict[str, float] = {}
     try:
         out["kafka-produce"] = await paced(lambda: producer.send_and_wait(topic, RECORD), count, rate)
-        consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="latest")
+        consumer = create_bare_consumer(topic, bootstrap=bootstrap, auto_offset_reset="latest")
         await consumer.start()
         try:
             await consumer.getmany(timeout_ms=500)  # assigned, positioned at the end

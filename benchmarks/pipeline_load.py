@@ -397,17 +397,17 @@ async def measure_transport_floor(settings: Settings, *, messages: int, rate: fl
     XADD until a blocked XREAD has it; ``messages`` of each at ``rate`` per second.
 
     The clients are this benchmark's own, with fixed settings (:data:`FLOOR_PRODUCER`, :data:`FLOOR_CONSUMER`, the
-    aiokafka and redis-py defaults otherwise), not the project's factories: tuning the pipeline's clients must move
-    the pipeline's figures, never the floor they are compared with."""
+    aiokafka and redis-py defaults otherwise, made by the bare factories, which add only the Kafka security), not the
+    tuned factories: tuning the pipeline's clients must move the pipeline's figures, never the floor they are
+    compared with."""
     import redis.asyncio as aioredis
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-    from sluicegate.kafka import ensure_topics
+    from sluicegate.kafka import create_bare_consumer, create_bare_producer, ensure_topics
 
     topic = f"{settings.topic_prefix}floor.{uuid.uuid4().hex[:8]}"
-    await ensure_topics(settings.kafka_bootstrap, {topic: 1}, settings.topic_replication)
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, **FLOOR_PRODUCER)
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.kafka_bootstrap, **FLOOR_CONSUMER)
+    await ensure_topics(settings.kafka_bootstrap, {topic: 1}, settings.topic_replication, settings=settings)
+    producer = create_bare_producer(settings, **FLOOR_PRODUCER)
+    consumer = create_bare_consumer(topic, settings=settings, **FLOOR_CONSUMER)
     redis_w, redis_r = aioredis.Redis.from_url(settings.redis_url), aioredis.Redis.from_url(settings.redis_url)
     await producer.start()
     await consumer.start()

@@ -92,12 +92,13 @@ async def front_app(scope: dict[str, Any], receive: Receive, send: Send) -> None
 
         async def start() -> None:
             import redis.asyncio as aioredis
-            from aiokafka import AIOKafkaProducer
+
+            from sluicegate.kafka import create_bare_producer
 
             global _producer, _front_redis
             _front_redis = aioredis.Redis.from_url(os.environ[ENV_REDIS])
-            _producer = AIOKafkaProducer(
-                bootstrap_servers=os.environ[ENV_KAFKA], acks="all", enable_idempotence=True, linger_ms=0
+            _producer = create_bare_producer(
+                bootstrap=os.environ[ENV_KAFKA], acks="all", enable_idempotence=True, linger_ms=0
             )
             await _producer.start()
 
@@ -163,11 +164,13 @@ async def relay_app(scope: dict[str, Any], receive: Receive, send: Send) -> None
 async def worker_main() -> None:
     """The worker's part: fetch, append the request's first token and ``done``, commit the offsets."""
     import redis.asyncio as aioredis
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(
+    from sluicegate.kafka import create_bare_consumer, create_bare_producer
+
+    consumer = create_bare_consumer(
         os.environ[ENV_TOPIC],
-        bootstrap_servers=os.environ[ENV_KAFKA],
+        bootstrap=os.environ[ENV_KAFKA],
         group_id="skeleton-worker",
         enable_auto_commit=False,
         # The topic is this run's own: read from its start, so a request sent before the group's first join (a
@@ -175,7 +178,7 @@ async def worker_main() -> None:
         auto_offset_reset="earliest",
     )
     redis = aioredis.Redis.from_url(os.environ[ENV_REDIS])
-    producer = AIOKafkaProducer(bootstrap_servers=os.environ[ENV_KAFKA], acks="all", enable_idempotence=True)
+    producer = create_bare_producer(bootstrap=os.environ[ENV_KAFKA], acks="all", enable_idempotence=True)
     results_topic = os.environ[ENV_TOPIC] + ".results"
     await asyncio.gather(consumer.start(), producer.start())
     # Each record is served by a task of its own, as the worker serves requests side by side; a partition's

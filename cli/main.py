@@ -38,6 +38,8 @@ def _dev(args: argparse.Namespace) -> int:
     settings = get_settings()
     if args.brokers is not None:
         settings = settings.model_copy(update={"kafka_brokers": args.brokers})
+    if args.kafka_security is not None:
+        settings = settings.model_copy(update={"kafka_local_security": args.kafka_security})
     try:
         if args.action == "up":
             print("\n".join(devstack.up(settings).lines()))
@@ -84,9 +86,40 @@ def _fetch_wheel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_redis(service: str) -> None:
+    """Refuse to start, in one line, when the service's Redis turns it away (wrong password, unknown CA, a
+    plaintext client on a TLS port, a key its ACL user may not touch)."""
+    import asyncio
+
+    from sluicegate.redis_access import check_redis_access
+    from sluicegate.redis_acl import service_acl
+
+    settings = BackboneSettings()
+    keys = service_acl(service, settings.topic_prefix).probe_keys()
+    asyncio.run(check_redis_access(settings, keys=keys))
+
+
+def _redis_acls(args: argparse.Namespace) -> int:
+    import secrets
+
+    from sluicegate.redis_acl import SERVICES, service_acl
+
+    given = _pairs(args.password or [], "--password", "SERVICE=SECRET")
+    unknown = sorted(set(given) - set(SERVICES))
+    if unknown:
+        raise CliError(f"--password for unknown service(s) {', '.join(unknown)}; expected {', '.join(SERVICES)}")
+    prefix = BackboneSettings().topic_prefix if args.prefix is None else args.prefix
+    for service in args.service or SERVICES:
+        acl = service_acl(service, prefix)
+        password = given.get(service) or secrets.token_urlsafe(24)
+        print(acl.acl_file_line(password) if args.acl_file else acl.setuser(password))
+    return 0
+
+
 def _ingress(args: argparse.Namespace) -> int:
     from ingress.server import serve
 
+    _check_redis("ingress")
     serve()
     return 0
 
@@ -94,6 +127,7 @@ def _ingress(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     from router.stream import serve_router
 
+    _check_redis("router")
     serve_router()
     return 0
 
@@ -101,6 +135,7 @@ def _router(args: argparse.Namespace) -> int:
 def _result_service(args: argparse.Namespace) -> int:
     from result_service.server import serve
 
+    _check_redis("result-service")
     serve()
     return 0
 
@@ -109,6 +144,7 @@ def _batch_worker(args: argparse.Namespace) -> int:
     from batch_service.tasks import run_worker
 
     settings = BatchServiceSettings()
+    _check_redis("batch-worker")
     run_worker(settings, beat=not args.no_beat, loglevel=settings.log_level)
     return 0
 
@@ -117,29 +153,33 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
     overrides: dict[str, Any] = {k: v for k, v in {"model": args.model, "device": args.device}.items() if v}
     settings = WorkerSettings()
     if args.lora:
-        overrides["worker_loras"] = settings.worker_loras | _lora_pairs(args.lora)
+        overrides["worker_loras"] = settings.worker_loras | _pairs(
+            args.lora, "--lora", "NAME=PATH", " (a local folder or an fsspec URL)"
+        )
     settings = settings.model_copy(update=overrides)
     if not settings.model:
         raise CliError("no model: pass --model PATH or set SLUICEGATE_MODEL")
     return settings
 
 
-def _lora_pairs(values: Sequence[str]) -> dict[str, str]:
-    """``--lora NAME=PATH`` values as a mapping; a value without a name or a path is an error naming it."""
+def _pairs(values: Sequence[str], flag: str, form: str, hint: str = "") -> dict[str, str]:
+    """``flag NAME=VALUE`` values as a mapping; a value without a name or a value, or a name given twice, is an
+    error naming it."""
     pairs: dict[str, str] = {}
     for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise CliError(f"--lora {value!r}: expected NAME=PATH (a local folder or an fsspec URL)")
+        name, sep, rest = value.partition("=")
+        if not sep or not name.strip() or not rest.strip():
+            raise CliError(f"{flag} {value!r}: expected {form}{hint}")
         if name.strip() in pairs:
-            raise CliError(f"--lora {name.strip()!r} is given twice")
-        pairs[name.strip()] = path.strip()
+            raise CliError(f"{flag} {name.strip()!r} is given twice")
+        pairs[name.strip()] = rest.strip()
     return pairs
 
 
 def _worker(args: argparse.Namespace) -> int:
     from gpu_workers.worker.main import serve_worker
 
+    _check_redis("worker")
     serve_worker(_worker_settings(args))  # ends the process itself after a clean stop
 
 
@@ -246,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument(
         "--brokers", type=int, default=None, help="Kafka brokers (KRaft nodes) of the local stack, 1..5 (default 1)"
     )
+    dev.add_argument(
+        "--kafka-security",
+        choices=["plaintext", "sasl_ssl"],
+        default=None,
+        help="the broker's client listener: sasl_ssl makes a CA and SCRAM users (default plaintext)",
+    )
     dev.set_defaults(handler=_dev)
 
     up = sub.add_parser("up", help="the whole local stack: Kafka, Redis, router, ingress, results, a worker per model")
@@ -309,9 +355,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_usage_command(sub)
 
+    from cli.tools.kafka_acls import add_kafka_command
+
+    add_kafka_command(sub)
+
     from cli.bench.command import add_bench_command
 
     add_bench_command(sub)
+
+    from sluicegate.redis_acl import SERVICES as REDIS_SERVICES
+
+    redis = sub.add_parser("redis", help="Redis tools").add_subparsers(dest="action", required=True)
+    acls = redis.add_parser(
+        "acls",
+        help="print the ACL SETUSER line of each service's Redis user (only the commands and keys it needs; "
+        "docs/deploy.md): pipe into redis-cli, or --acl-file for a redis-server aclfile",
+    )
+    acls.add_argument("--service", action="append", choices=REDIS_SERVICES, help="only this service (repeatable)")
+    acls.add_argument("--prefix", help="the deployment's topic prefix (default: SLUICEGATE_TOPIC_PREFIX)")
+    acls.add_argument(
+        "--password",
+        action="append",
+        metavar="SERVICE=SECRET",
+        help="a service user's password (repeatable); a service without one gets a fresh random password",
+    )
+    acls.add_argument("--acl-file", action="store_true", help="print aclfile lines (user ...) instead of commands")
+    acls.set_defaults(handler=_redis_acls)
 
     routes = sub.add_parser("routes", help="model routes (SLUICEGATE_ROUTES_FILE)").add_subparsers(
         dest="action", required=True
@@ -323,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="model tools").add_subparsers(dest="action", required=True)
     tiny = model.add_parser("make-tiny", help="write a random-weight HF model folder")
     tiny.add_argument("out")
-    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"], default="llama")
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--hidden", type=int, default=64)
     tiny.add_argument("--heads", type=int, default=4)

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from router.policy import deadline_unmeetable, resolve_tier
-from schemas import InferenceRequest, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
+from schemas import InferenceRequest, ReasoningParser, Tier, ToolCallFormat, TraceContext, WorkerHeartbeat, utcnow
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.bodies import AnyBody
 from sluicegate.api.build import advertised_tool_call_format, build_request
@@ -49,6 +49,7 @@ from sluicegate.api.limits import (
 )
 from sluicegate.api.openai_format import worker_failure
 from sluicegate.api.prompt_tokens import ModelTokenizers, check_prompt_fits
+from sluicegate.api.reasoning import advertised_reasoning_parser
 from sluicegate.telemetry import child_traceparent, genai_operation, genai_request_attributes, tracing_enabled
 from sluicegate.usage.quota import QuotaClaim, claim_for
 
@@ -77,6 +78,8 @@ class Accepted:
     # The prompt's exact tokens, counted with the model's tokenizer (None: not counted), for the running usage of
     # a ``continuous_usage_stats`` stream.
     counted_prompt_tokens: int | None
+    # How the model's output splits into reasoning and answer, from its workers' heartbeats (None: all answer).
+    reasoning_parser: ReasoningParser | None = None
 
     @property
     def request_id(self) -> str:
@@ -130,6 +133,7 @@ async def admit(
     heartbeats = await service.model_heartbeats(body.model)
     max_tokens = check_context(body, max_tokens, model_context(heartbeats))
     tool_call_format = advertised_tool_call_format(heartbeats)
+    reasoning_parser = advertised_reasoning_parser(heartbeats)
     with _request_span(request, endpoint) as (span, carrier):
         trace = None
         if HEADER_TRACEPARENT in carrier:
@@ -174,7 +178,7 @@ async def admit(
                     service.usage.send_later(record)
                 if span is not None:
                     span.set_attribute("sluicegate.route_reason", "response_cache")
-                return Accepted(inference, tool_call_format, rate, counted)
+                return Accepted(inference, tool_call_format, rate, counted, reasoning_parser)
             # Redis did not take the replay: a worker answers it, already charged.
         # 4. The queue.
         route = await service.route(inference, max_tier=caller.max_tier, heartbeats=heartbeats)
@@ -192,7 +196,7 @@ async def admit(
             service.routes.observe(version, inference.request_id, accepted_at)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
-    return Accepted(inference, tool_call_format, rate, counted)
+    return Accepted(inference, tool_call_format, rate, counted, reasoning_parser)
 
 
 def rate_headers(*accepted: Accepted) -> dict[str, str]:

@@ -28,7 +28,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import TIERS, Names, Tier, WorkerHeartbeat, tier_rank
 from sluicegate.api.errors import ApiError
-from sluicegate.kafka import create_admin, create_consumer
+from sluicegate.kafka import create_admin, create_consumer, start_client
 from sluicegate.settings import IngressSettings
 from sluicegate.task_stop import cancel_and_wait
 
@@ -207,7 +207,7 @@ class BacklogMonitor:
                     self._settings, client_id="sluicegate-ingress-backlog", request_timeout_ms=timeout_ms
                 )
                 try:
-                    await admin.start()
+                    await start_client(admin, self._settings)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         await admin.close()

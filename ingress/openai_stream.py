@@ -94,7 +94,7 @@ async def follow_or_cancel(
     (returns False) or the request timeout passes (504)."""
 
     async def collect() -> bool:
-        async for event in service.events(request_id, timeout_s=service.settings.request_timeout_s):
+        async for event in service.events(request_id, tenant, timeout_s=service.settings.request_timeout_s):
             feed(event)
         return True
 
@@ -166,7 +166,7 @@ async def sse_events(
         for choice in chunks.opening():
             yield chunk(choice)
         try:
-            async for batch in service.event_batches(request_id, timeout_s=service.settings.request_timeout_s):
+            async for batch in service.event_batches(request_id, tenant, timeout_s=service.settings.request_timeout_s):
                 for event in batch:
                     deltas = assembler.feed_choices(event)
                     if assembler.diverged:

@@ -74,6 +74,11 @@ class AssistantMessage(_Doc):
     content: str | None = Field(description="Null when the answer is tool calls.")
     refusal: None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = Field(
+        None,
+        description="A reasoning model's thinking (its <think> span), apart from the answer; only for a model whose "
+        "workers advertise a reasoning parser (streamed as delta.reasoning_content).",
+    )
 
 
 class TopLogprobOut(_Doc):
@@ -165,6 +170,7 @@ class ModelCard(_Doc):
     owned_by: str
     workers: int = Field(ge=0)
     description: str | None = Field(None, description="What the model's workers say of it, e.g. random weights.")
+    architecture: str | None = Field(None, description="The model's architecture, e.g. Qwen3ForCausalLM.")
     root: str | None = Field(None, description="An adapter's files (as vLLM shows them, credentials left out).")
     parent: str | None = Field(None, description="An adapter's base model (as vLLM shows it); null for a model.")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
-from sluicegate.kafka import create_producer
+from sluicegate.kafka import create_producer, start_client
 from sluicegate.settings import IngressSettings
 
 
@@ -57,7 +57,7 @@ class ProducerPool:
                 for n in range(self._settings.ingress_producers)
             ]
             try:
-                await asyncio.wait_for(asyncio.gather(*(p.start() for p in producers)), timeout)
+                await asyncio.wait_for(asyncio.gather(*(start_client(p, self._settings) for p in producers)), timeout)
             except BaseException:
                 for producer in producers:
                     with contextlib.suppress(Exception):

@@ -148,13 +148,13 @@ class ResponseCache:
             worker_id=_CACHE_WORKER_ID,
             trace=request.trace,
         )
-        stream = self._names.stream_key(request.request_id)
+        stream = self._names.stream_key(request.request_id, request.tenant)
         pipe = self._redis.pipeline(transaction=False)
         for event in events:
             pipe.xadd(stream, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
         pipe.expire(stream, self._settings.stream_ttl_s)
         pipe.set(
-            self._names.request_key(request.request_id),
+            self._names.request_key(request.request_id, request.tenant),
             record.model_dump_json(),
             ex=self._settings.request_record_ttl_s,
         )

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from router.heartbeats import HeartbeatCache
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
-from schemas import InferenceRequest, Names, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
+from schemas import InferenceRequest, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
 from sluicegate.api.errors import ApiError
 from sluicegate.api.prompt_tokens import ModelTokenizers
 from sluicegate.cancellation import Canceller
@@ -63,7 +63,7 @@ class IngressService:
     def __init__(self, settings: IngressSettings, metrics: IngressMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.names = Names(settings.topic_prefix)
+        self.names = settings.names
         # Every command bounded, once: a Redis that hangs is a 503 within ingress_redis_timeout_s, not a request that
         # waits as long as it hangs. The stream follower's blocked XREADs bound their own reads (block_ms + grace).
         self.redis: Redis = create_redis(
@@ -75,7 +75,7 @@ class IngressService:
         )
         self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
-            settings.kafka_bootstrap,
+            settings,
             self.names,
             self.router,
             partitions=settings.topic_partitions,
@@ -245,7 +245,7 @@ class IngressService:
         # No span: a plain write the trace learns nothing from, and a tenth of tracing's CPU in ingress.
         with untraced():
             await self.redis.set(
-                self.names.request_key(record.request_id),
+                self.names.request_key(record.request_id, record.tenant),
                 record.model_dump_json(),
                 ex=self.settings.request_record_ttl_s,
                 nx=True,
@@ -258,14 +258,14 @@ class IngressService:
         with contextlib.suppress(RedisError, OSError):
             await self.quotas.release(request.request_id)
         with contextlib.suppress(RedisError, OSError):
-            drop = [self.names.request_key(request.request_id)]
+            drop = [self.names.request_key(request.request_id, request.tenant)]
             await self.canceller.mark(request.request_id, request.tenant, "publish_failed", drop=drop)
 
     # --- status and cancellation ----------------------------------------------------------------
-    async def record(self, request_id: str) -> RequestRecord | None:
-        """The request's status record, or None when unknown or expired."""
+    async def record(self, request_id: str, tenant: str) -> RequestRecord | None:
+        """The status record of ``tenant``'s request, or None when unknown or expired."""
         try:
-            raw = await self.redis.get(self.names.request_key(request_id))
+            raw = await self.redis.get(self.names.request_key(request_id, tenant))
         except (RedisError, OSError) as exc:
             raise unavailable("Redis", exc) from exc
         if raw is None:
@@ -306,14 +306,16 @@ class IngressService:
             yield producer
 
     # --- results --------------------------------------------------------------------------------
-    async def events(self, request_id: str, *, timeout_s: float) -> AsyncIterator[StreamEvent]:
+    async def events(self, request_id: str, tenant: str, *, timeout_s: float) -> AsyncIterator[StreamEvent]:
         """The request's stream events from the first, following the live tail until a terminal event (as
         :meth:`event_batches`, one by one)."""
-        async for batch in self.event_batches(request_id, timeout_s=timeout_s):
+        async for batch in self.event_batches(request_id, tenant, timeout_s=timeout_s):
             for event in batch:
                 yield event
 
-    async def event_batches(self, request_id: str, *, timeout_s: float) -> AsyncIterator[list[StreamEvent]]:
+    async def event_batches(
+        self, request_id: str, tenant: str, *, timeout_s: float
+    ) -> AsyncIterator[list[StreamEvent]]:
         """The request's stream events from the first, following the live tail until a terminal event, as the
         reads deliver them (never an empty batch).
 
@@ -326,7 +328,7 @@ class IngressService:
         after = START_SEQ
         while True:
             try:
-                async with self.follower.subscribe(request_id, after, fail_fast=True) as sub:
+                async with self.follower.subscribe(request_id, after, tenant=tenant, fail_fast=True) as sub:
                     while not sub.finished:
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:

@@ -93,11 +93,11 @@ async def probe(
 
     ``waking``: the client's subscription, opened with ``wake=False`` before the probe; the probe's round trip
     then also wakes the hub's reader for it (:meth:`StreamFollower.execute_waking`)."""
-    key = names.stream_key(grant.request_id)
+    key = names.stream_key(grant.request_id, grant.tenant)
     async with hub.bounded() as redis:
         pipe = redis.pipeline(transaction=False)
         pipe.xrevrange(key, "+", "-", count=1)
-        pipe.get(names.request_key(grant.request_id))
+        pipe.get(names.request_key(grant.request_id, grant.tenant))
         if waking is None:
             last_entries, raw_record = await pipe.execute()
         else:

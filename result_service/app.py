@@ -16,7 +16,6 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
-from schemas import Names
 from sluicegate.browser_origins import browser_origins
 from sluicegate.cancellation import Canceller
 from sluicegate.gc_freeze import freeze_startup_heap
@@ -52,7 +51,7 @@ def create_app(
             "the result service needs SLUICEGATE_STREAM_TOKEN_SECRET (the secret ingress signs stream tokens with)"
         )
     config = config or RelayConfig()
-    names = Names(settings.topic_prefix)
+    names = settings.names
     configure_tracing("sluicegate-result-service", settings.otlp_endpoint)
     metrics = RelayMetrics()
 
@@ -66,7 +65,7 @@ def create_app(
             control = ControlProducer(
                 lambda: create_producer(settings, client_id="sluicegate-result-service"),
                 names,
-                kafka_bootstrap=settings.kafka_bootstrap,
+                kafka=settings,
                 topic_replication=settings.topic_replication,
             )
             cancel = Canceller(

@@ -16,7 +16,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from schemas import Names
-from sluicegate.kafka import ensure_topics
+from sluicegate.kafka import ensure_topics, start_client
+from sluicegate.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class ControlProducer:
         factory: Callable[[], AIOKafkaProducer],
         names: Names,
         *,
-        kafka_bootstrap: str | None = None,
+        kafka: KafkaSettings | None = None,
         topic_replication: int = 1,
         timeout_s: float = 10.0,
     ) -> None:
@@ -37,7 +38,7 @@ class ControlProducer:
         self._names = names
         # Where to create the control topic (one partition: cancellations go to every worker) before
         # the first publish; None when something else creates it.
-        self._kafka_bootstrap = kafka_bootstrap
+        self._kafka = kafka
         self._topic_replication = topic_replication
         self._timeout_s = timeout_s
         self._producer: AIOKafkaProducer | None = None
@@ -46,16 +47,17 @@ class ControlProducer:
     async def _started(self) -> AIOKafkaProducer:
         async with self._lock:
             if self._producer is None:
-                if self._kafka_bootstrap is not None:
+                if self._kafka is not None:
                     await ensure_topics(
-                        self._kafka_bootstrap,
+                        self._kafka.kafka_bootstrap,
                         {self._names.control_topic: 1},
                         self._topic_replication,
                         timeout_s=self._timeout_s,
+                        settings=self._kafka,
                     )
                 producer = self._factory()
                 try:
-                    await asyncio.wait_for(producer.start(), self._timeout_s)
+                    await asyncio.wait_for(start_client(producer, self._kafka), self._timeout_s)
                 except BaseException:
                     await producer.stop()
                     raise

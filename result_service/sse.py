@@ -37,7 +37,7 @@ async def _events(ctx: RelayContext, grant: StreamGrant, trace: TraceContext | N
     keepalive = ctx.hub.config.sse_keepalive_s
     try:
         with ctx.metrics.relaying("sse", grant, trace):
-            async with ctx.hub.subscribe(grant.request_id, grant.after_seq) as sub:
+            async with ctx.hub.subscribe(grant.request_id, grant.after_seq, tenant=grant.tenant) as sub:
                 while not sub.finished:
                     batch = await sub.next_batch(max_wait_s=keepalive)
                     if not batch:

@@ -97,7 +97,7 @@ async def stream_websocket(websocket: WebSocket, request_id: str) -> None:
         await close_socket(websocket, CLOSE_POLICY_VIOLATION, str(exc))
         return
     # Subscribed before the probe, so that the probe's round trip also wakes the hub's reader for this stream.
-    async with ctx.hub.subscribe(grant.request_id, grant.after_seq, wake=False) as sub:
+    async with ctx.hub.subscribe(grant.request_id, grant.after_seq, tenant=grant.tenant, wake=False) as sub:
         try:
             status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled(), waking=sub)
         except RedisError as exc:

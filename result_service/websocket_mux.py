@@ -142,7 +142,7 @@ class _Session:
         ctx, rid = self.ctx, grant.request_id
         try:
             # Subscribed before the probe, so that the probe's round trip also wakes the hub's reader.
-            async with ctx.hub.subscribe(rid, grant.after_seq, wake=False) as sub:
+            async with ctx.hub.subscribe(rid, grant.after_seq, tenant=grant.tenant, wake=False) as sub:
                 status, why, trace = await probe(ctx.hub, ctx.names, grant, want_trace=tracing_enabled(), waking=sub)
                 if status is not StreamStatus.OPEN:
                     await self.notice(StreamClosed(request_id=rid, code=ENDED_CLOSE_CODES[status], reason=why))

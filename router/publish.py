@@ -16,6 +16,7 @@ from aiokafka.structs import RecordMetadata
 from schemas import InferenceRequest, Names
 from schemas.names import HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.kafka import ensure_topics
+from sluicegate.settings import KafkaSettings
 from sluicegate.telemetry import kafka_injects_trace
 
 from .router import Route, Router
@@ -48,9 +49,16 @@ class TopicRegistry:
     how many partitions each really has. Concurrent first requests for one model share one creation."""
 
     def __init__(
-        self, bootstrap: str, names: Names, router: Router, *, partitions: int, replication: int, timeout_s: float
+        self,
+        kafka: KafkaSettings,
+        names: Names,
+        router: Router,
+        *,
+        partitions: int,
+        replication: int,
+        timeout_s: float,
     ) -> None:
-        self._bootstrap = bootstrap
+        self._kafka = kafka  # where the topics are created, and with which security
         self._names = names
         self._router = router
         self._partitions = partitions
@@ -82,7 +90,10 @@ class TopicRegistry:
     async def ensure(self, topics: Mapping[str, int]) -> dict[str, int]:
         """Create arbitrary topics (DLQ, control...) with a bounded wait."""
         return await asyncio.wait_for(
-            ensure_topics(self._bootstrap, topics, self._replication, timeout_s=self._timeout_s), self._timeout_s
+            ensure_topics(
+                self._kafka.kafka_bootstrap, topics, self._replication, timeout_s=self._timeout_s, settings=self._kafka
+            ),
+            self._timeout_s,
         )
 
     async def _create(self, model: str) -> None:

@@ -4,7 +4,8 @@ A producer learns of a refused record from ``llm.dlq``, but a client that only f
 stream (as docs/api.md tells Kafka-native producers to) would wait there forever: the router, unlike a worker,
 writes nothing to it. So when the refused record's request id can be read, the router also appends one
 ``error`` event to ``llm:stream:<id>`` (the dead letter's reason as its code, the detail as its message), kept
-``stream_ttl_s`` as a finished stream is.
+``stream_ttl_s`` as a finished stream is; with tenants apart, to ``llm:stream:<tenant>:<id>``, the tenant being
+its inbound topic's.
 
 Only into a stream that does not exist yet: a record refused under the id of a request that already runs or
 ran (a duplicate id, which docs/api.md asks producers not to send) must not end that request's stream. The
@@ -66,12 +67,12 @@ class RefusalEvents:
     async def tell(self, rejections: list[Rejection]) -> int:
         """Append each refusal's event, all in one round trip; how many were appended (not: no id, a stream
         already there, or no Redis)."""
-        events = [event for event in map(refusal_event, rejections) if event is not None]
+        events = [(event, r.tenant) for r in rejections if (event := refusal_event(r)) is not None]
         if not events:
             return 0
         pipe = self._redis.pipeline(transaction=False)
-        for event in events:
-            key = self._names.stream_key(event.request_id)
+        for event, tenant in events:
+            key = self._names.stream_key(event.request_id, tenant)
             args = [stream_entry_id(event.seq), STREAM_FIELD, event.model_dump_json(), self._ttl_s]
             await self._script(keys=[key], args=args, client=pipe)
         try:

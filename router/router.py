@@ -101,7 +101,7 @@ class Router:
     def from_settings(cls, settings: RoutingSettings) -> Router:
         """The router every Sluicegate process builds: prefix, partitions and policies from settings."""
         return cls(
-            Names(settings.topic_prefix),
+            settings.names,
             default_partitions=settings.topic_partitions,
             key_policy=KeyPolicy(settings.router_prefix_chars, settings.router_prefix_tokens),
             load_policy=LoadPolicy(settings.router_max_waiting, settings.router_min_free_kv),

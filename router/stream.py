@@ -6,7 +6,8 @@ with ``adapter`` set (:mod:`sluicegate.lora.resolve`, as ingress resolves it); a
 is dead-lettered as ``insufficient_quota`` (its tokens are reserved here otherwise, :mod:`sluicegate.usage.quota`);
 one whose deadline the backlog its model's workers report cannot meet, as ``deadline_unmeetable``
 (:func:`router.policy.deadline_unmeetable`, as ingress's 429). The process also runs the usage rollup
-(:mod:`sluicegate.usage.rollup`) beside the routing loop.
+(:mod:`sluicegate.usage.rollup`) beside the routing loop. With tenants apart it reads each tenant's own inbound
+topic instead, and a record's tenant is its topic's (:mod:`router.tenant_inbound`).
 
 Offsets are committed only after every record of a batch has been acknowledged where it went, so a
 crash re-routes (at least once) rather than loses. A bad message never stops the loop.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -27,7 +29,7 @@ from opentelemetry.trace import SpanKind
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from schemas import InferenceRequest, Names, WorkerHeartbeat
+from schemas import InferenceRequest, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.errors import ApiError
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
@@ -56,6 +58,7 @@ from .publish import TopicRegistry, request_headers, send_routed
 from .refusal_events import RefusalEvents
 from .route_table import RouteTable
 from .router import Router
+from .tenant_inbound import TenantInbound
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +100,13 @@ class RouterProcessor:
         retry_backoff_s: float = 1.0,
     ) -> None:
         self.settings = settings
-        self.names = Names(settings.topic_prefix)
+        self.names = settings.names
+        self.inbound = TenantInbound.from_settings(settings)
         self.consumer = consumer
         self.producer = producer
         self.router = Router.from_settings(settings)
         self.topics = TopicRegistry(
-            settings.kafka_bootstrap,
+            settings,
             self.names,
             self.router,
             partitions=settings.topic_partitions,
@@ -143,6 +147,8 @@ class RouterProcessor:
 
     async def _check(self, record: ConsumerRecord) -> tuple[InferenceRequest, list[WorkerHeartbeat]] | Rejection:
         outcome = validate_record(record.value, record.headers)
+        if not isinstance(outcome, Rejection):
+            outcome = self.inbound.claim(outcome, record.topic)
         if isinstance(outcome, Rejection):
             return outcome
         if self.adapters is not None:
@@ -223,6 +229,7 @@ class RouterProcessor:
                 await self.quotas.release(request_id)
 
     async def _dead_letter(self, outcome: Rejection, record: ConsumerRecord) -> asyncio.Future[RecordMetadata]:
+        outcome = dataclasses.replace(outcome, tenant=self.inbound.tenant_of(record.topic))
         value, headers = dead_letter(outcome, record)
         log.info(
             "router.dead_letter reason=%s request_id=%s offset=%s partition=%s detail=%s",
@@ -235,7 +242,9 @@ class RouterProcessor:
         self.dead_lettered += 1
         self.metrics.dead_letters.labels("router", reason_kind(outcome.reason)).inc()
         self._refused.append(outcome)  # its stream hears of it once the batch is committed (refusal_events.py)
-        return await self.producer.send(self.names.dlq_topic, value=value, key=record.key, headers=headers)
+        return await self.producer.send(
+            self.inbound.dlq_topic(record.topic), value=value, key=record.key, headers=headers
+        )
 
     async def _route(
         self, record: ConsumerRecord, request: InferenceRequest, beats: list[WorkerHeartbeat]
@@ -323,32 +332,26 @@ class RouterProcessor:
 async def run_router(settings: RouterSettings, *, stop: asyncio.Event | None = None) -> None:
     """Run the router stream processor until ``stop`` is set (forever when None).
 
-    Creates ``llm.inbound`` and ``llm.dlq`` if missing and joins consumer group
-    ``<prefix><router_group>``, so several routers share the inbound partitions.
+    Creates the inbound topics and their DLQs if missing (``llm.inbound`` and ``llm.dlq``, or each tenant's) and
+    joins consumer group ``<prefix><router_group>``, so several routers share the inbound partitions.
     """
     stop = stop or asyncio.Event()
     configure_tracing("sluicegate-router", settings.otlp_endpoint)
-    names = Names(settings.topic_prefix)
+    names = settings.names
+    inbound = TenantInbound.from_settings(settings)  # before any client: a missing tenant list stops it here
     producer = create_producer(settings, client_id="sluicegate-router")
     group = f"{names.prefix}{settings.router_group}"
-    consumer = create_consumer(
-        names.inbound_topic,
-        group_id=group,
-        settings=settings,
-        client_id="sluicegate-router",
-    )
+    consumer = create_consumer(*inbound.topics, group_id=group, settings=settings, client_id="sluicegate-router")
     redis = create_redis(settings, socket_timeout=5.0, client_name="sluicegate-router")
     processor = RouterProcessor(settings, consumer, producer, redis)
     rollup = asyncio.create_task(keep_rolling_up(settings, redis, stop)) if settings.usage_rollup else None
     server = await _start_metrics(settings, processor)
-    await processor.topics.ensure(
-        {names.inbound_topic: settings.topic_partitions, names.dlq_topic: settings.topic_partitions}
-    )
+    await processor.topics.ensure(dict.fromkeys(inbound.topics_to_create, settings.topic_partitions))
     await producer.start()
     try:
         await consumer.start()
         try:
-            log.info("router.started inbound=%s group=%s", names.inbound_topic, group)
+            log.info("router.started inbound=%s group=%s", ",".join(inbound.topics), group)
             await processor.run(stop)
         finally:
             await consumer.stop()

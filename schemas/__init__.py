@@ -54,6 +54,7 @@ from .generation import (
     FunctionCall,
     FunctionSpec,
     GuidedSpec,
+    ReasoningParser,
     TokenLogprob,
     ToolCall,
     ToolCallFormat,
@@ -62,7 +63,17 @@ from .generation import (
     check_regex,
 )
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
-from .requests import ChatMessage, EndUser, InferenceRequest, Pooling, SamplingOptions, Task, TextPart, TraceContext
+from .requests import (
+    ChatMessage,
+    ChatTemplateKwargs,
+    EndUser,
+    InferenceRequest,
+    Pooling,
+    SamplingOptions,
+    Task,
+    TextPart,
+    TraceContext,
+)
 from .usage import UsageOutcome, UsageRecord
 
 __all__ = [
@@ -87,6 +98,7 @@ __all__ = [
     "BatchUsage",
     "CancelRequest",
     "ChatMessage",
+    "ChatTemplateKwargs",
     "ChoiceResult",
     "DeadLetter",
     "DoneEvent",
@@ -104,6 +116,7 @@ __all__ = [
     "Names",
     "PartitionRef",
     "Pooling",
+    "ReasoningParser",
     "RequestRecord",
     "RequestStatus",
     "RestartEvent",

@@ -8,7 +8,7 @@ from pydantic import AwareDatetime, Field
 
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
 from .events import FinishReason, Usage
-from .generation import TokenLogprob, ToolCallFormat
+from .generation import ReasoningParser, TokenLogprob, ToolCallFormat
 from .names import Tier
 from .requests import TraceContext
 
@@ -47,6 +47,12 @@ class WorkerHeartbeat(Message):
     sent_at: AwareDatetime = Field(default_factory=utcnow)
     max_model_len: int | None = Field(None, ge=1, description="The engine's context length (prompt + output).")
     tool_call_format: ToolCallFormat | None = Field(None, description="How the model writes tool calls.")
+    reasoning_parser: ReasoningParser | None = Field(
+        None, description="How the model's output splits into reasoning and answer (None: it is all answer)."
+    )
+    architecture: str | None = Field(
+        None, max_length=128, description="The engine's architecture of the model (e.g. Qwen3ForCausalLM)."
+    )
     description: str | None = Field(None, description="What the worker says of its model (e.g. random weights).")
     backlog_seconds: dict[Tier, Annotated[float, Field(ge=0)]] | None = Field(
         None,

@@ -107,6 +107,11 @@ class ToolCall(Message):
 #: ``{"name": ..., "parameters": ...}``, possibly after ``<|python_tag|>``.
 ToolCallFormat = Literal["hermes", "llama3_json"]
 
+#: How a reasoning model's output splits into thinking and answer (advertised in heartbeats; vLLM's parser names):
+#: both read a ``<think>...</think>`` span at the start; ``qwen3`` expects the model to open it, ``deepseek_r1``
+#: expects the prompt to have opened it when that cannot be seen (``sluicegate.api.reasoning``).
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
+
 
 #: A token's raw bytes (part of a multi-byte character, when the token holds one), which its ``token`` text cannot
 #: carry; None from a producer that does not send them (then the text's UTF-8 stands in).

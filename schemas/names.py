@@ -48,17 +48,45 @@ def model_token(model: str) -> str:
     return safe
 
 
+#: What a request's ``tenant`` may be (``InferenceRequest.tenant``); a tenant's token is drawn from it.
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+def tenant_token(tenant: str) -> str:
+    """The tenant as it appears inside topic names and keys (as :func:`model_token` does a model).
+
+    The token never holds ``:`` (the key separator) nor a glob character, so the Redis ACL pattern
+    ``llm:stream:<token>:*`` of one tenant matches no key of another; a tenant with ``:`` or ``@`` gets ``_`` and
+    a short hash of its name instead. ``ValueError`` for a name no request may carry.
+    """
+    if not TENANT_PATTERN.match(tenant):
+        raise ValueError(f"tenant {tenant!r} is not a tenant name ([A-Za-z0-9._:@-], 1 to 128 characters)")
+    return model_token(tenant)
+
+
 @dataclass(frozen=True)
 class Names:
-    """Topic and key names under an optional prefix (``SLUICEGATE_TOPIC_PREFIX``)."""
+    """Topic and key names under an optional prefix (``SLUICEGATE_TOPIC_PREFIX``).
+
+    ``tenants_apart`` (``SLUICEGATE_TENANT_TOPICS``) gives each tenant its own results, DLQ and control topic and
+    puts the tenant into the keys its readers may see (stream, request record, cancel marker), so broker and Redis
+    ACLs can keep tenants apart; the ``*_of`` methods and the keys then need the tenant, else they name the shared
+    topic and key.
+    """
 
     prefix: str = ""
+    tenants_apart: bool = False
 
     # --- Kafka topics -----------------------------------------------------------------------
     @property
     def inbound_topic(self) -> str:
         """Where Kafka-native producers put requests for the router to validate and route."""
         return f"{self.prefix}llm.inbound"
+
+    def tenant_inbound_topic(self, tenant: str) -> str:
+        """A tenant's own inbound topic, ``llm.inbound.<tenant>`` (with tenants apart): the router takes the tenant
+        of a record from the topic it came on, so only the tenant's principal may write there."""
+        return f"{self.inbound_topic}.{tenant_token(tenant)}"
 
     def request_topic(self, model: str, tier: Tier) -> str:
         """The topic workers serving ``model`` consume for ``tier``: ``llm.<model>.<tier>``."""
@@ -75,15 +103,31 @@ class Names:
         """Durable final results, for batch collectors and audit."""
         return f"{self.prefix}llm.results"
 
+    def results_topic_of(self, tenant: str) -> str:
+        """Where ``tenant``'s final results go: ``llm.results.<tenant>`` with tenants apart, else ``llm.results``."""
+        return f"{self.results_topic}.{tenant_token(tenant)}" if self.tenants_apart else self.results_topic
+
     @property
     def dlq_topic(self) -> str:
         """Messages that could not be routed or served, with a ``reason`` header."""
         return f"{self.prefix}llm.dlq"
 
+    def dlq_topic_of(self, tenant: str | None) -> str:
+        """Where ``tenant``'s dead letters go: ``llm.dlq.<tenant>`` with tenants apart (its prompts are its own),
+        else ``llm.dlq``; a record whose tenant cannot be told (unreadable) goes to the shared one."""
+        if self.tenants_apart and tenant is not None:
+            return f"{self.dlq_topic}.{tenant_token(tenant)}"
+        return self.dlq_topic
+
     @property
     def control_topic(self) -> str:
         """Cancellations fanned out to every worker."""
         return f"{self.prefix}llm.control"
+
+    def control_topic_of(self, tenant: str) -> str:
+        """Where cancels of ``tenant``'s requests go: ``llm.control.<tenant>`` with tenants apart (a worker takes
+        the tenant from the topic and cancels only that tenant's requests), else ``llm.control``."""
+        return f"{self.control_topic}.{tenant_token(tenant)}" if self.tenants_apart else self.control_topic
 
     @property
     def heartbeats_topic(self) -> str:
@@ -100,21 +144,38 @@ class Names:
         return f"{self.prefix}sluicegate-workers.{model_token(model)}"
 
     # --- Redis keys -----------------------------------------------------------------------------
-    def stream_key(self, request_id: str) -> str:
-        """The Redis stream of one request's events."""
-        return f"{self.prefix}llm:stream:{request_id}"
+    def _of_tenant(self, kind: str, request_id: str, tenant: str | None) -> str:
+        """``llm:<kind>:<tenant>:<request id>`` with tenants apart, else ``llm:<kind>:<request id>``."""
+        if not self.tenants_apart:
+            return f"{self.prefix}llm:{kind}:{request_id}"
+        if tenant is None:
+            raise ValueError(f"with tenants apart a {kind} key needs the request's tenant")
+        return f"{self.prefix}llm:{kind}:{tenant_token(tenant)}:{request_id}"
+
+    def stream_key(self, request_id: str, tenant: str | None = None) -> str:
+        """The Redis stream of one request's events (``llm:stream:<tenant>:<id>`` with tenants apart)."""
+        return self._of_tenant("stream", request_id, tenant)
 
     def tokenizer_key(self, model: str) -> str:
         """String with the ``ModelTokenizer`` JSON the model's workers publish (ingress counts prompts with it)."""
         return f"{self.prefix}llm:tokenizer:{model_token(model)}"
 
-    def request_key(self, request_id: str) -> str:
-        """Hash with a request's status, owner and final result."""
-        return f"{self.prefix}llm:request:{request_id}"
+    def request_key(self, request_id: str, tenant: str | None = None) -> str:
+        """Hash with a request's status, owner and final result (the tenant in it with tenants apart)."""
+        return self._of_tenant("request", request_id, tenant)
 
-    def cancel_key(self, request_id: str) -> str:
-        """Marker that a request was cancelled (honoured even if it is still queued in Kafka)."""
-        return f"{self.prefix}llm:cancel:{request_id}"
+    def cancel_key(self, request_id: str, tenant: str | None = None) -> str:
+        """Marker that a request was cancelled, honoured even if it is still queued in Kafka (the tenant in it
+        with tenants apart)."""
+        return self._of_tenant("cancel", request_id, tenant)
+
+    def tenant_key_patterns(self, tenant: str) -> list[str]:
+        """The Redis ACL key patterns (``~pattern``) of the keys a reader of ``tenant``'s own output may read: its
+        streams, request records and cancel markers. Only with tenants apart do these keys carry the tenant."""
+        if not self.tenants_apart:
+            raise ValueError("tenant key patterns need tenants apart (SLUICEGATE_TENANT_TOPICS=true)")
+        token = tenant_token(tenant)
+        return [f"{self.prefix}llm:{kind}:{token}:*" for kind in ("stream", "request", "cancel")]
 
     def reader_key(self, reader: str) -> str:
         """Lease (a key with a TTL) of an ingress instance relaying output to clients that cannot resume it."""

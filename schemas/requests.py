@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, Field, field_validator, model_validator
+from pydantic import AfterValidator, AwareDatetime, Field, JsonValue, field_validator, model_validator
 
 from .adapters import AdapterName
 from .common import SCHEMA_VERSION, Message, RequestId, utcnow
@@ -103,6 +103,27 @@ class TraceContext(Message):
     tracestate: str | None = None
 
 
+# Names the chat template gets from the pipeline itself: a client's chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "tokenize", "continue_final_message"}
+)
+
+
+def _template_kwargs_free(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(set(value or {}) & RESERVED_TEMPLATE_NAMES)
+    if taken:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)} (the pipeline sets them)")
+    return value
+
+
+#: Extra variables for the chat template (vLLM's ``chat_template_kwargs``), e.g. Qwen3's ``enable_thinking``.
+ChatTemplateKwargs = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], JsonValue],
+    Field(max_length=32),
+    AfterValidator(_template_kwargs_free),
+]
+
+
 class InferenceRequest(Message):
     """One generation (or embedding) request as it travels on ``llm.inbound`` and ``llm.<model>.<tier>``."""
 
@@ -116,6 +137,10 @@ class InferenceRequest(Message):
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     guided: GuidedSpec | None = Field(None, description="Constrain the output (JSON Schema, regex...).")
     tools: list[ToolSpec] | None = Field(None, max_length=128, description="Tools the chat template renders.")
+    # Optional, so producers that predate it are unaffected.
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking); messages only."
+    )
     priority: Tier = "standard"
     tenant: str = Field("default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:@-]+$")
     # Optional, like ``user``: the API key's short id when ingress or a batch accepted the request (usage ledger).
@@ -155,6 +180,8 @@ class InferenceRequest(Message):
             raise ValueError("exactly one of 'prompt' and 'messages' must be given")
         if self.tools and self.messages is None:
             raise ValueError("'tools' need 'messages' (they are rendered by the chat template)")
+        if self.chat_template_kwargs and self.messages is None:
+            raise ValueError("'chat_template_kwargs' need 'messages' (they are passed to the chat template)")
         if self.task == "embed":
             if self.prompt is None or self.guided is not None or self.sampling.n != 1:
                 raise ValueError("an 'embed' request takes a 'prompt' (no messages, guided or n > 1)")

@@ -61,7 +61,7 @@ class Canceller:
         # The marker holds the same CancelRequest the control topic carries (who, why, when); a worker at
         # pick-up only needs the key to exist.
         marker = CancelRequest(request_id=request_id, tenant=tenant, reason=reason).model_dump_json().encode()
-        key = self._names.cancel_key(request_id)
+        key = self._names.cancel_key(request_id, tenant)
         if not drop:
             await self._redis.set(key, marker, ex=self._ttl_s)
             return

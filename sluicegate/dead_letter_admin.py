@@ -37,10 +37,10 @@ from schemas import (
     utcnow,
 )
 from schemas.names import HEADER_REASON, HEADER_REQUEST_ID, HEADER_TRACEPARENT, HEADER_TRACESTATE
-from sluicegate.kafka import create_admin, create_consumer, create_producer
+from sluicegate.kafka import create_admin, create_consumer, create_producer, start_client
 from sluicegate.record_check import record_json
 from sluicegate.redis_client import create_redis
-from sluicegate.settings import BackboneSettings
+from sluicegate.settings import BackboneSettings, KafkaSettings
 
 
 @dataclass
@@ -59,10 +59,13 @@ class DlqEntry:
         return self.letter.request_id if self.letter is not None else None
 
 
-async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> list[ConsumerRecord]:
-    """Every record of ``topic`` from the beginning to its end offsets as of now (empty if it does not exist)."""
-    admin = create_admin(bootstrap=bootstrap)
-    await admin.start()
+async def read_topic(
+    bootstrap: str, topic: str, timeout_s: float = 30.0, *, settings: KafkaSettings | None = None
+) -> list[ConsumerRecord]:
+    """Every record of ``topic`` from the beginning to its end offsets as of now (empty if it does not exist),
+    read with the security of ``settings`` (the environment's when None)."""
+    admin = create_admin(settings, bootstrap=bootstrap)
+    await start_client(admin, settings, bootstrap)
     try:
         described = await admin.describe_topics([topic])
     finally:
@@ -71,7 +74,7 @@ async def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0) -> lis
     if info is None or info["error_code"] != 0:
         return []
     parts = [TopicPartition(topic, p["partition"]) for p in info["partitions"]]
-    consumer = create_consumer(group_id=None, bootstrap=bootstrap, client_id="sluicegate-dlq")
+    consumer = create_consumer(group_id=None, settings=settings, bootstrap=bootstrap, client_id="sluicegate-dlq")
     await consumer.start()
     try:
         consumer.assign(parts)
@@ -108,8 +111,10 @@ async def list_entries(settings: BackboneSettings, limit: int | None = None) -> 
     """DLQ entries, oldest first; with ``limit``, only the most recent ``limit``."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
-    topic = Names(settings.topic_prefix).dlq_topic
-    entries = sorted((_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic)), key=_order)
+    topic = settings.names.dlq_topic
+    entries = sorted(
+        (_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic, settings=settings)), key=_order
+    )
     return entries[-limit:] if limit is not None else entries
 
 
@@ -225,7 +230,7 @@ async def _batch_ended(redis: Redis, names: Names, request_id: str) -> str | Non
 
 async def _prepare_stream(redis: Redis, names: Names, request: InferenceRequest, dry_run: bool) -> str | None:
     """None when the request may run again (after clearing a failed stream); else why to skip it."""
-    key = names.stream_key(request.request_id)
+    key = names.stream_key(request.request_id, request.tenant)
     last = await redis.xrevrange(key, "+", "-", count=1)
     if not last:
         return None
@@ -233,13 +238,13 @@ async def _prepare_stream(redis: Redis, names: Names, request: InferenceRequest,
     if event.type == "done":
         return "already finished: its stream ends with done"
     if event.type == "error" and not dry_run:
-        raw = await redis.get(names.request_key(request.request_id))
+        raw = await redis.get(names.request_key(request.request_id, request.tenant))
         pipe = redis.pipeline(transaction=True)
         pipe.delete(key)
         if raw is not None:
             record = RequestRecord.model_validate_json(raw)
             queued = record.model_copy(update={"status": "queued", "updated_at": utcnow(), "result": None})
-            pipe.set(names.request_key(request.request_id), queued.model_dump_json(), keepttl=True)
+            pipe.set(names.request_key(request.request_id, request.tenant), queued.model_dump_json(), keepttl=True)
         await pipe.execute()
     return None
 
@@ -252,7 +257,7 @@ async def replay(
     dry_run: bool = False,
 ) -> list[ReplayOutcome]:
     """Republish matching dead letters to ``llm.inbound`` (see the module docstring); one outcome each."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     entries = [e for e in await list_entries(settings) if _matches(e, reason, request_id)]
     outcomes: list[ReplayOutcome] = []
     redis = create_redis(settings, client_name="sluicegate-dlq")
@@ -280,16 +285,18 @@ async def replay(
                 outcomes.append(ReplayOutcome(entry, "skipped", why_not))
                 continue
             replayed.add(checked.request_id)
+            # With tenants apart the router reads each tenant's own topic, and takes the tenant from it.
+            inbound = names.tenant_inbound_topic(checked.tenant) if names.tenants_apart else names.inbound_topic
             if producer is None:
-                outcomes.append(ReplayOutcome(entry, "would replay", f"to {names.inbound_topic}"))
+                outcomes.append(ReplayOutcome(entry, "would replay", f"to {inbound}"))
                 continue
             await producer.send_and_wait(
-                names.inbound_topic,
+                inbound,
                 replay_payload(entry.letter, checked),
                 key=checked.request_id.encode(),
                 headers=_headers(checked),
             )
-            outcomes.append(ReplayOutcome(entry, "replayed", f"to {names.inbound_topic}"))
+            outcomes.append(ReplayOutcome(entry, "replayed", f"to {inbound}"))
     finally:
         if producer is not None:
             await producer.stop()

@@ -1,5 +1,9 @@
 """Kafka client setup shared by every service: producer, consumer and admin factories with the
-delivery guarantees the pipeline relies on, idempotent topic creation, and a readiness wait.
+delivery guarantees the pipeline relies on and the security (TLS, SASL) the settings ask for, idempotent
+topic creation, and a readiness wait that names why a broker refused us.
+
+Every aiokafka client of the project is built here (a unit test checks it), so each one gets the security
+options of :class:`KafkaSecuritySettings` (``sluicegate/kafka_security.py``).
 
 Factories build aiokafka clients but do not start them; aiokafka binds a client to the running
 event loop, so call them from inside a coroutine and ``await client.start()`` yourself.
@@ -17,7 +21,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
-from sluicegate.settings import KafkaSettings
+from sluicegate.kafka_security import KafkaAccessError, check_access, client_security
+from sluicegate.settings import KafkaSecuritySettings, KafkaSettings
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +33,14 @@ DEFAULT_MAX_REQUEST_SIZE = 4 * 1024 * 1024
 Compression = Literal["gzip", "snappy", "lz4", "zstd"]
 
 
-def _bootstrap(settings: KafkaSettings | None, bootstrap: str | None) -> str:
-    return bootstrap if bootstrap is not None else (settings or KafkaSettings()).kafka_bootstrap
+def _connection(settings: KafkaSettings | None, bootstrap: str | None) -> dict[str, Any]:
+    """Where and how a client connects: ``bootstrap`` (else the settings') and the settings' security options;
+    no settings means the environment's."""
+    settings = settings or KafkaSettings()
+    return {
+        "bootstrap_servers": bootstrap if bootstrap is not None else settings.kafka_bootstrap,
+        **client_security(settings),
+    }
 
 
 def create_producer(
@@ -51,7 +62,7 @@ def create_producer(
     ``overrides`` go straight to aiokafka.
     """
     options: dict[str, Any] = {
-        "bootstrap_servers": _bootstrap(settings, bootstrap),
+        **_connection(settings, bootstrap),
         "client_id": client_id,
         "acks": "all",
         "enable_idempotence": True,
@@ -82,7 +93,7 @@ def create_consumer(
     to ``assign()`` partitions or ``subscribe()`` later; ``group_id=None`` means no group (no commits).
     """
     options: dict[str, Any] = {
-        "bootstrap_servers": _bootstrap(settings, bootstrap),
+        **_connection(settings, bootstrap),
         "client_id": client_id,
         "group_id": group_id,
         "enable_auto_commit": False,
@@ -91,6 +102,22 @@ def create_consumer(
     }
     options.update(overrides)
     return AIOKafkaConsumer(*topics, **options)
+
+
+def create_bare_producer(
+    settings: KafkaSettings | None = None, *, bootstrap: str | None = None, **options: Any
+) -> AIOKafkaProducer:
+    """A producer with aiokafka's own defaults, ``options`` and the settings' security, nothing of
+    :func:`create_producer`'s tuning: for benchmarks whose floor must not move when the pipeline's clients do."""
+    return AIOKafkaProducer(**_connection(settings, bootstrap), **options)
+
+
+def create_bare_consumer(
+    *topics: str, settings: KafkaSettings | None = None, bootstrap: str | None = None, **options: Any
+) -> AIOKafkaConsumer:
+    """A consumer with aiokafka's own defaults, ``options`` and the settings' security (see
+    :func:`create_bare_producer`)."""
+    return AIOKafkaConsumer(*topics, **_connection(settings, bootstrap), **options)
 
 
 def rewind_batch(consumer: AIOKafkaConsumer, batch: dict[TopicPartition, list[ConsumerRecord]]) -> None:
@@ -112,9 +139,7 @@ def create_admin(
 ) -> AIOKafkaAdminClient:
     """An admin client (topic creation, metadata, group offsets); start it before use."""
     return AIOKafkaAdminClient(
-        bootstrap_servers=_bootstrap(settings, bootstrap),
-        client_id=client_id,
-        request_timeout_ms=request_timeout_ms,
+        **_connection(settings, bootstrap), client_id=client_id, request_timeout_ms=request_timeout_ms
     )
 
 
@@ -124,6 +149,7 @@ async def ensure_topics(
     replication: int | None = None,
     *,
     timeout_s: float = 15.0,
+    settings: KafkaSettings | None = None,
 ) -> dict[str, int]:
     """Create each topic in ``{name: partitions}`` that does not exist yet, then wait until every one
     has a leader for each partition. Existing topics are left as they are (creating is idempotent).
@@ -133,20 +159,22 @@ async def ensure_topics(
     ``replication`` defaults to ``KafkaSettings.topic_replication``. With ``topic_replication_auto`` (the
     default) it is raised to what the cluster allows, min(3, brokers), and topics with 3 or more replicas get
     ``min.insync.replicas`` 2: with ``acks=all`` a write is then on two brokers before it is acknowledged,
-    and one broker may die without a write being lost or refused.
+    and one broker may die without a write being lost or refused. A bootstrap string is reached with the
+    security of ``settings`` (the environment's when None); a broker that refuses it raises
+    :class:`KafkaAccessError` with the reason.
     """
     for name, partitions in topics.items():
         if not name or partitions < 1:
             raise ValueError(f"topic {name!r}: need a non-empty name and partitions >= 1, got {partitions}")
     if not topics:
         return {}
-    settings = KafkaSettings()
+    settings = settings or KafkaSettings()
     replication = replication if replication is not None else settings.topic_replication
     auto = settings.topic_replication_auto
 
     if isinstance(admin_or_bootstrap, str):
-        admin = create_admin(bootstrap=admin_or_bootstrap)
-        await admin.start()
+        admin = create_admin(settings, bootstrap=admin_or_bootstrap)
+        await start_client(admin, settings, admin_or_bootstrap)
         try:
             return await _ensure_topics(admin, topics, replication, timeout_s, auto)
         finally:
@@ -225,16 +253,48 @@ def _first_address(bootstrap: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def probe_kafka(bootstrap: str, timeout_s: float = 5.0) -> dict[str, Any]:
-    """One metadata round trip; returns the cluster description (``brokers``, ``controller_id``,
-    ``cluster_id``). Raises ``ConnectionError`` when no broker answers or none is registered yet."""
+async def start_client(
+    client: AIOKafkaProducer | AIOKafkaConsumer | AIOKafkaAdminClient,
+    settings: KafkaSettings | None = None,
+    bootstrap: str | None = None,
+) -> None:
+    """``await client.start()``, and when it cannot reach the cluster, one connection of our own to learn why:
+    a broker that refuses this client (SASL credentials, an untrusted certificate, TLS expected) raises
+    :class:`KafkaAccessError` naming the reason instead of aiokafka's "Unable to bootstrap"."""
+    try:
+        await client.start()
+    except KafkaError as exc:
+        settings = settings or KafkaSettings()
+        host, port = _first_address(bootstrap or settings.kafka_bootstrap)
+        try:
+            await check_access(host, port, settings, timeout_s=5.0)
+        except KafkaAccessError as refusal:
+            raise refusal from exc
+        except ConnectionError:
+            pass
+        raise
+
+
+async def probe_kafka(
+    bootstrap: str, timeout_s: float = 5.0, settings: KafkaSecuritySettings | None = None
+) -> dict[str, Any]:
+    """One metadata round trip with the security of ``settings`` (the environment's when None); returns the
+    cluster description (``brokers``, ``controller_id``, ``cluster_id``). Raises ``ConnectionError`` when no
+    broker answers or none is registered yet, and :class:`KafkaAccessError` when a broker refuses this client."""
     host, port = _first_address(bootstrap)
     # A plain TCP connect first: it fails fast and quietly while a broker is still starting, where an
     # admin client would log a connection error per attempt.
     if not await _port_answers(host, port, min(timeout_s, 1.0)):
         raise ConnectionError(f"nothing listens on {host}:{port}")
+    security = settings or KafkaSecuritySettings()
+    # The handshake (TLS, SASL) on its own first: aiokafka's admin client would log its failure and raise only
+    # "Unable to bootstrap".
+    await check_access(host, port, security, timeout_s)
     admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap, client_id="sluicegate-probe", request_timeout_ms=int(timeout_s * 1000)
+        bootstrap_servers=bootstrap,
+        client_id="sluicegate-probe",
+        request_timeout_ms=int(timeout_s * 1000),
+        **client_security(security),
     )
     try:
         await asyncio.wait_for(admin.start(), timeout_s)
@@ -254,17 +314,22 @@ async def wait_for_kafka(
     *,
     interval_s: float = 0.2,
     check: Callable[[], None] | None = None,
+    settings: KafkaSecuritySettings | None = None,
 ) -> dict[str, Any]:
     """Wait until a broker at ``bootstrap`` answers a metadata request; returns the cluster description.
 
     ``check`` runs between attempts and may raise to give up early (the dev stack uses it to stop
-    waiting for a broker process that has exited). Raises ``TimeoutError`` with the last error.
+    waiting for a broker process that has exited). Raises ``TimeoutError`` with the last error, and at once
+    :class:`KafkaAccessError` (one line) when a broker refuses the credentials or certificates of ``settings``
+    (the environment's when None): waiting would not change that.
     """
     bootstrap = bootstrap or KafkaSettings().kafka_bootstrap
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return await probe_kafka(bootstrap, timeout_s=max(0.5, min(5.0, deadline - time.monotonic())))
+            return await probe_kafka(
+                bootstrap, timeout_s=max(0.5, min(5.0, deadline - time.monotonic())), settings=settings
+            )
         except ConnectionError as exc:
             last = exc
         if check is not None:

@@ -58,6 +58,9 @@ class Rejection:
     reason: str
     detail: str
     request_id: str | None = None
+    # Whose record it is, where that is known apart from the record (the router's per-tenant inbound topics):
+    # its dead letter and stream then are the tenant's.
+    tenant: str | None = None
 
 
 def reason_kind(reason: str) -> str:

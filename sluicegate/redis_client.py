@@ -1,8 +1,9 @@
 """Redis client setup shared by every service: one async client factory with timeouts that suit
 blocking stream reads, and a readiness wait.
 
-Besides ``redis://`` and ``rediss://``, ``redis+sentinel://host:port[,host:port...]/service_name[/db]`` asks
-those Sentinels for the primary of ``service_name`` (redis-py's ``Sentinel``): the client re-asks them after
+Besides ``redis://`` and ``rediss://``, ``redis+sentinel://host:port[,host:port...]/service_name[/db]`` (and
+``rediss+sentinel://`` over TLS, with ACL users for the primary and the Sentinels: :mod:`sluicegate.redis_urls`)
+asks those Sentinels for the primary of ``service_name`` (redis-py's ``Sentinel``): the client re-asks them after
 a connection error, so a failover to a promoted replica is a short stall, not an outage.
 
 Values stay bytes (``decode_responses=False``): stream entries carry JSON and token ids that the
@@ -15,7 +16,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -25,46 +25,34 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from sluicegate.redis_urls import is_sentinel_url, mask_url, parse_sentinel_url, tls_options
 from sluicegate.settings import RedisSettings
 
-SENTINEL_SCHEME = "redis+sentinel"
 
-
-def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
-    """``redis+sentinel://[:password@]h:p,h:p/service[/db]`` -> (sentinels, service name, db, password).
-
-    The password (if any) is the data nodes'; the Sentinels themselves are asked without one."""
-    parts = urlsplit(url)
-    if parts.scheme != SENTINEL_SCHEME:
-        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL: {url!r}")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    password = unquote(userinfo.partition(":")[2]) or None if userinfo else None
-    sentinels = []
-    for entry in hosts.split(","):
-        host, sep, port = entry.strip().rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"{url!r}: each Sentinel must be host:port, got {entry!r}")
-        sentinels.append((host.strip("[]"), int(port)))
-    path = [segment for segment in parts.path.split("/") if segment]
-    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
-        raise ValueError(f"{url!r}: expected /service_name or /service_name/db after the Sentinels")
-    return sentinels, path[0], int(path[1]) if len(path) == 2 else 0, password
-
-
-def is_sentinel_url(url: str) -> bool:
-    return url.startswith(SENTINEL_SCHEME + "://")
-
-
-def _client(url: str, **options: Any) -> Redis:
-    """``Redis.from_url``, or the Sentinel-discovered primary for a ``redis+sentinel://`` URL."""
+def client_for_url(url: str, settings: RedisSettings | None = None, **options: Any) -> Redis:
+    """``Redis.from_url``, or the Sentinel-discovered primary for a ``redis+sentinel://`` (``rediss+sentinel://``)
+    URL; a TLS URL checks the server's certificate unless it says ``ssl_cert_reqs=none`` (:mod:`sluicegate.redis_urls`
+    has the forms)."""
     if not is_sentinel_url(url):
-        return Redis.from_url(url, **options)
-    sentinels, service, db, password = parse_sentinel_url(url)
+        tls = tls_options(url, settings)
+        # from_url lets the URL's own query parameters win over these defaults.
+        return Redis.from_url(url, **(tls.redis_py() if tls else {}), **options)
+    target = parse_sentinel_url(url, settings)
+    tls = {"ssl": True, **target.tls.redis_py()} if target.tls else {}
     probe = {k: options[k] for k in ("socket_timeout", "socket_connect_timeout") if k in options}
     # Sentinels answer quickly or not at all: bound their calls even when data reads may block for long.
     probe["socket_timeout"] = probe.get("socket_timeout") or 2.0
-    sentinel = Sentinel(sentinels, sentinel_kwargs=probe)
-    return sentinel.master_for(service, redis_class=Redis, db=db, password=password, **options)
+    auth = {"username": target.sentinel_username, "password": target.sentinel_password}
+    sentinel = Sentinel(target.sentinels, sentinel_kwargs={**probe, **auth, **tls})
+    return sentinel.master_for(
+        target.service,
+        redis_class=Redis,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        **tls,
+        **options,
+    )
 
 
 def create_redis(
@@ -91,8 +79,10 @@ def create_redis(
     """
     if socket_timeout is not None and socket_timeout <= 0:
         raise ValueError(f"socket_timeout must be positive or None, got {socket_timeout}")
-    return _client(
-        url or (settings or RedisSettings()).redis_url,
+    settings = settings or RedisSettings()
+    return client_for_url(
+        url or settings.redis_url,
+        settings,
         decode_responses=False,
         socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
@@ -125,7 +115,9 @@ async def wait_for_redis(
     deadline = time.monotonic() + timeout_s
     while True:
         # No retries inside a probe: the loop here is the retry, with its own deadline.
-        client = _client(url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), retries=0))
+        client = client_for_url(
+            url, socket_timeout=2.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), retries=0)
+        )
         try:
             await client.ping()
             info = await client.info("server")
@@ -137,5 +129,5 @@ async def wait_for_redis(
         if check is not None:
             check()
         if time.monotonic() + interval_s > deadline:
-            raise TimeoutError(f"Redis at {url} not ready after {timeout_s:.0f}s: {last}")
+            raise TimeoutError(f"Redis at {mask_url(url)} not ready after {timeout_s:.0f}s: {last}")
         await asyncio.sleep(interval_s)

@@ -257,16 +257,23 @@ class StreamFollower(Generic[T]):
 
     @contextlib.asynccontextmanager
     async def subscribe(
-        self, request_id: str, after_seq: int = START_SEQ, *, fail_fast: bool = False, wake: bool = True
+        self,
+        request_id: str,
+        after_seq: int = START_SEQ,
+        *,
+        tenant: str | None = None,
+        fail_fast: bool = False,
+        wake: bool = True,
     ) -> AsyncIterator[Subscription[T]]:
-        """Subscribe to ``request_id``'s stream from the event after ``after_seq``; with ``fail_fast``
+        """Subscribe to ``request_id``'s stream (of ``tenant``'s request: its key carries it with tenants apart)
+        from the event after ``after_seq``; with ``fail_fast``
         the subscription raises the reader's Redis errors instead of waiting for it to reconnect.
 
         ``wake=False``: the caller's next commands go through :meth:`execute_waking`, which carries the blocked
         reader's wake-up, rather than the wake-up taking a round trip of its own."""
         if not self._started:
             raise RuntimeError("StreamFollower.subscribe() before start()")
-        key = self.names.stream_key(request_id)
+        key = self.names.stream_key(request_id, tenant)
         reader = self._reader_for(key)
         stream = reader.streams.get(key)
         if stream is None:

@@ -6,7 +6,9 @@ This module is THE place that starts and stops Kafka + Redis: ``sluicegate up``,
 benchmarks call :func:`up` / :func:`down` / :func:`status`. The jobs behind them live beside it: pid files
 and processes (``processes.py``), Java and the broker jars (``jars.py``), the broker (``kafka_broker.py``)
 and Redis (``redis_server.py``). ``python -m cli.backbone.devstack fetch|up|status|down`` is its script
-entry (CI and ``infra/local/run.sh``).
+entry (CI and ``infra/local/run.sh``). ``--kafka-security sasl_ssl`` (``kafka_local_security``) gives the
+broker a SASL_SSL client listener instead of a plaintext one (``broker_security.py``); ``up`` then prints the
+SLUICEGATE_KAFKA_* variables a service needs to reach it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cli.backbone.broker_security import check_security, local_client_security, security_env
 from cli.backbone.jars import ensure_jars, find_java
 from cli.backbone.kafka_broker import KAFKA_START_TIMEOUT_S, KAFKA_STOP_TIMEOUT_S, kafka_owner
 from cli.backbone.kafka_cluster import (
@@ -51,7 +54,9 @@ from cli.stack.processes import (
     stop,
 )
 from sluicegate.kafka import probe_kafka, wait_for_kafka
+from sluicegate.kafka_security import KafkaAccessError
 from sluicegate.redis_client import wait_for_redis
+from sluicegate.redis_urls import mask_url
 from sluicegate.settings import Settings, get_settings
 
 SERVICES: tuple[str, ...] = ("kafka", "redis")
@@ -76,12 +81,14 @@ class StackInfo:
     started: tuple[str, ...] = ()  # services this call started; the others were already running
     elapsed_s: float = 0.0
     kafka_pids: tuple[int, ...] = ()  # every node of a multi-broker stack (node 0 first)
+    kafka_env: dict[str, str] = field(default_factory=dict)  # a SASL_SSL broker's SLUICEGATE_KAFKA_* variables
 
     def env(self) -> dict[str, str]:
         """Environment that points Sluicegate services at this stack."""
         env = {}
         if self.kafka_pid is not None:
             env["SLUICEGATE_KAFKA_BOOTSTRAP"] = self.kafka_bootstrap
+            env |= self.kafka_env
         if self.redis_pid is not None:
             env["SLUICEGATE_REDIS_URL"] = self.redis_url
         return env
@@ -97,7 +104,7 @@ class StackInfo:
             pids = ", ".join(str(p) for p in self.kafka_pids) or str(self.kafka_pid)
             services.append(f"kafka  {self.kafka_bootstrap}  pid {pids} ({state('kafka')})")
         if self.redis_pid is not None:
-            services.append(f"redis  {self.redis_url}  pid {self.redis_pid} ({state('redis')})")
+            services.append(f"redis  {mask_url(self.redis_url)}  pid {self.redis_pid} ({state('redis')})")
         return [
             *services,
             f"state  {self.state_dir}  (ready in {self.elapsed_s:.1f}s)",
@@ -191,6 +198,8 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
         start_kafka_now, start_redis_now = bool(missing), want_redis and redis_pid is None
         started: list[str] = []
 
+        if want_kafka:  # a running broker of the other kind is not what was asked for either
+            check_security(layout, settings.kafka_local_security)
         if start_kafka_now:
             check_size(layout, settings.kafka_brokers)
             for i in missing:
@@ -207,7 +216,7 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
 
         try:
             if start_redis_now:  # Redis first: it is ready long before the JVM, so nothing waits on it
-                redis_pid = start_redis(layout, redis_server)
+                redis_pid = start_redis(layout, redis_server, settings.topic_prefix)
                 started.append("redis")
             if start_kafka_now:
                 for i, pid in start_nodes(nodes, settings, java, libs, missing).items():
@@ -237,11 +246,12 @@ def up(settings: Settings | None = None, services: tuple[str, ...] = SERVICES) -
         started=tuple(started),
         elapsed_s=time.monotonic() - started_at,
         kafka_pids=tuple(p for p in node_pids if p is not None) if len(nodes) > 1 else (),
+        kafka_env=security_env(layout, cluster_bootstrap(nodes)) if want_kafka else {},
     )
     log.info(
         "devstack.up bootstrap=%s redis_url=%s kafka_pid=%s redis_pid=%s started=%s elapsed_s=%.2f",
         info.kafka_bootstrap,
-        info.redis_url,
+        mask_url(info.redis_url),
         kafka_pid,
         redis_pid,
         ",".join(started) or "none",
@@ -270,10 +280,12 @@ async def _wait_ready(
             raise DevStackError(f"redis exited during startup: {last_problem(layout.redis_log)}")
 
     waits: list[Awaitable[object]] = []
+    security = local_client_security(layout)
     if kafka_pid is not None and len(nodes) > 1:
-        waits.append(wait_for_brokers(cluster_bootstrap(nodes), len(nodes), KAFKA_START_TIMEOUT_S, kafka_check))
+        bootstrap = cluster_bootstrap(nodes)
+        waits.append(wait_for_brokers(bootstrap, len(nodes), KAFKA_START_TIMEOUT_S, kafka_check, security))
     elif kafka_pid is not None:
-        waits.append(wait_for_kafka(layout.bootstrap, KAFKA_START_TIMEOUT_S, check=kafka_check))
+        waits.append(wait_for_kafka(layout.bootstrap, KAFKA_START_TIMEOUT_S, check=kafka_check, settings=security))
     if redis_pid is not None:
         waits.append(wait_for_redis(layout.redis_url, REDIS_START_TIMEOUT_S, check=redis_check))
     try:
@@ -291,8 +303,8 @@ def status(settings: Settings | None = None) -> StackStatus:
     async def probe() -> tuple[str | None, str | None]:
         async def kafka() -> str | None:
             try:
-                cluster = await probe_kafka(layout.bootstrap, timeout_s=3.0)
-            except ConnectionError:
+                cluster = await probe_kafka(layout.bootstrap, timeout_s=3.0, settings=local_client_security(layout))
+            except (ConnectionError, KafkaAccessError):
                 return None
             return f"cluster {cluster.get('cluster_id')}"
 
@@ -352,9 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m cli.backbone.devstack fetch|up|status|down`` (CI and scripts; users have the CLI)."""
     parser = argparse.ArgumentParser(prog="python -m cli.backbone.devstack", description=main.__doc__)
     parser.add_argument("command", choices=["fetch", "up", "status", "down"])
+    parser.add_argument(
+        "--kafka-security",
+        choices=["plaintext", "sasl_ssl"],
+        default=None,
+        help="the broker's client listener (default: SLUICEGATE_KAFKA_LOCAL_SECURITY, else plaintext)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")
     settings = get_settings()
+    if args.kafka_security is not None:
+        settings = settings.model_copy(update={"kafka_local_security": args.kafka_security})
     try:
         if args.command == "fetch":
             print(fetch_jars(settings))

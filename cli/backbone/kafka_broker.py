@@ -1,7 +1,8 @@
 """The local Kafka broker: one JVM in KRaft mode (broker and controller together) on ``kafka_port`` and
 ``kafka_port + 1``. Writes its ``server.properties`` from ``infra/local/server.properties.template``,
 formats its storage once and starts it in the background. A local cluster (``kafka_cluster.py``) runs one
-of these per node, each given its :class:`Quorum` (node id, voters, replication).
+of these per node, each given its :class:`Quorum` (node id, voters, replication), and, for a SASL_SSL
+listener, the stack's :class:`BrokerSecurity` (certificates and SCRAM users, ``broker_security.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from cli.backbone.broker_security import BrokerSecurity, check_security, mark_formatted
 from cli.backbone.jars import INFRA_DIR, infra_file, kafka_version
 from cli.stack.layout import DevStackError, StackLayout
 from cli.stack.processes import Owner, log, spawn
@@ -68,7 +70,9 @@ def kafka_owner(layout: StackLayout) -> Owner:
     return lambda tokens: "kafka.Kafka" in tokens and props in tokens
 
 
-def _write_config(layout: StackLayout, settings: Settings, quorum: Quorum) -> Path:
+def _write_config(
+    layout: StackLayout, settings: Settings, quorum: Quorum, security: BrokerSecurity | None = None
+) -> Path:
     template = string.Template(infra_file(SERVER_TEMPLATE).read_text())
     try:
         text = template.substitute(
@@ -80,6 +84,8 @@ def _write_config(layout: StackLayout, settings: Settings, quorum: Quorum) -> Pa
             quorum_voters=quorum.voters,
             replication=quorum.replication,
             min_isr=quorum.min_isr,
+            listener="SASL_SSL" if security is not None else "PLAINTEXT",
+            security=security.server_properties() if security is not None else "",
         )
     except (KeyError, ValueError) as exc:
         raise DevStackError(f"{SERVER_TEMPLATE} has an unknown or malformed placeholder: {exc}") from exc
@@ -103,8 +109,11 @@ def new_cluster_id() -> str:
             return cluster_id
 
 
-def _format_storage(layout: StackLayout, java: str, libs: Path, cluster_id: str = "") -> None:
-    """Format the KRaft metadata log once (``meta.properties`` marks a formatted folder)."""
+def _format_storage(
+    layout: StackLayout, java: str, libs: Path, cluster_id: str = "", security: BrokerSecurity | None = None
+) -> None:
+    """Format the KRaft metadata log once (``meta.properties`` marks a formatted folder), with the SCRAM users
+    of ``security``."""
     if (layout.kafka_dir / "data" / "meta.properties").exists():
         return
     id_file = layout.kafka_dir / "cluster.id"
@@ -128,20 +137,31 @@ def _format_storage(layout: StackLayout, java: str, libs: Path, cluster_id: str 
         "-c",
         str(layout.kafka_props),
         "--ignore-formatted",
+        *(security.scram_format_args() if security is not None else []),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     if result.returncode != 0:
         reason = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise DevStackError(f"formatting KRaft storage in {layout.kafka_dir / 'data'} failed: {reason}")
+    mark_formatted(layout, security)
     log.info("devstack.kafka_formatted cluster_id=%s dir=%s", cluster_id, layout.kafka_dir / "data")
 
 
-def start_kafka(layout: StackLayout, settings: Settings, java: str, libs: Path, quorum: Quorum | None = None) -> int:
+def start_kafka(
+    layout: StackLayout,
+    settings: Settings,
+    java: str,
+    libs: Path,
+    quorum: Quorum | None = None,
+    security: BrokerSecurity | None = None,
+) -> int:
     """Write the config, format storage when new, and start the broker; returns its pid (not yet ready).
-    ``quorum`` places it in a cluster; ``None`` is a one-node cluster of its own."""
+    ``quorum`` places it in a cluster; ``None`` is a one-node cluster of its own. ``security`` makes its client
+    listener SASL_SSL."""
     quorum = quorum or Quorum.single(layout)
-    _write_config(layout, settings, quorum)
-    _format_storage(layout, java, libs, quorum.cluster_id)
+    check_security(layout, "sasl_ssl" if security is not None else "plaintext")
+    _write_config(layout, settings, quorum, security)
+    _format_storage(layout, java, libs, quorum.cluster_id, security)
     cmd = [
         java,
         *kafka_jvm_opts(settings),

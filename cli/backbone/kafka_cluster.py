@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cli.backbone.broker_security import BrokerSecurity, LocalSecurity
 from cli.backbone.kafka_broker import Quorum, kafka_owner, new_cluster_id, start_kafka
 from cli.stack.layout import DevStackError, StackLayout
 from cli.stack.processes import running_pid
 from sluicegate.kafka import probe_kafka
-from sluicegate.settings import Settings
+from sluicegate.settings import KafkaSecuritySettings, Settings
 
 MAX_BROKERS = 5
 
@@ -74,6 +75,13 @@ def running_pids(nodes: list[StackLayout]) -> list[int | None]:
     return [running_pid(node.kafka_pid, kafka_owner(node)) for node in nodes]
 
 
+def stack_security(nodes: list[StackLayout], mode: LocalSecurity) -> BrokerSecurity | None:
+    """The SASL_SSL material of a stack (made when missing, in node 0's folder), or None for plaintext."""
+    if mode == "plaintext":
+        return None
+    return BrokerSecurity.of(nodes[0]).ensure(cluster_bootstrap(nodes))
+
+
 def start_nodes(
     nodes: list[StackLayout], settings: Settings, java: str, libs: Path, which: list[int]
 ) -> dict[int, int]:
@@ -87,15 +95,20 @@ def start_nodes(
         cluster_id = new_cluster_id()
     nodes[0].kafka_dir.mkdir(parents=True, exist_ok=True)
     _size_file(nodes[0]).write_text(f"{brokers}\n")
+    security = stack_security(nodes, settings.kafka_local_security)
     pids = {}
     for index in which:
         quorum = Quorum(index + 1, voters, replication, min_isr, cluster_id)
-        pids[index] = start_kafka(nodes[index], settings, java, libs, quorum)
+        pids[index] = start_kafka(nodes[index], settings, java, libs, quorum, security)
     return pids
 
 
 async def wait_for_brokers(
-    bootstrap: str, brokers: int, timeout_s: float, check: Callable[[], None] | None = None
+    bootstrap: str,
+    brokers: int,
+    timeout_s: float,
+    check: Callable[[], None] | None = None,
+    security: KafkaSecuritySettings | None = None,
 ) -> dict[str, object]:
     """Until the cluster's metadata lists ``brokers`` brokers (a quorum alone is not enough: topics with
     3 replicas cannot be created before 3 brokers registered)."""
@@ -103,7 +116,9 @@ async def wait_for_brokers(
     last: object = "no answer"
     while True:
         try:
-            cluster = await probe_kafka(bootstrap, timeout_s=max(0.5, min(5.0, deadline - time.monotonic())))
+            cluster = await probe_kafka(
+                bootstrap, timeout_s=max(0.5, min(5.0, deadline - time.monotonic())), settings=security
+            )
             if len(cluster.get("brokers", [])) >= brokers:
                 return cluster
             last = f"{len(cluster.get('brokers', []))} of {brokers} brokers registered"

@@ -1,15 +1,23 @@
 """The local Redis: find (or, as root on Debian, install) ``redis-server`` and start it in the background on
-``redis_port``, bound to 127.0.0.1, with its data and log under the state folder.
+``redis_port``, bound to 127.0.0.1, with its data and log under the state folder. With ``redis_tls`` it speaks TLS
+only (``port 0``, ``tls-port`` = ``redis_port``, certificates from :mod:`cli.backbone.redis_tls`) and loads each
+service's ACL user (:mod:`sluicegate.redis_acl`) from an aclfile.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import subprocess
+from pathlib import Path
 
+from cli.backbone.redis_tls import TlsFiles, make_tls_files
 from cli.stack.layout import DevStackError, StackLayout
 from cli.stack.processes import Owner, log, spawn
+from sluicegate.redis_acl import all_acls
+from sluicegate.redis_urls import mask_url
 
 REDIS_START_TIMEOUT_S = 15.0
 REDIS_STOP_TIMEOUT_S = 10.0
@@ -47,14 +55,56 @@ def redis_owner(layout: StackLayout) -> Owner:
     )
 
 
-def start_redis(layout: StackLayout, server: str) -> int:
-    """Start ``server`` for this instance; returns its pid (not yet ready)."""
+def tls_server_args(files: TlsFiles, tls_port: int) -> list[str]:
+    """redis-server arguments for TLS only on ``tls_port`` (plaintext off), client certificates optional."""
+    return [
+        "--port", "0", "--tls-port", str(tls_port),
+        "--tls-cert-file", str(files.server_cert), "--tls-key-file", str(files.server_key),
+        "--tls-ca-cert-file", str(files.ca), "--tls-auth-clients", "optional",
+    ]  # fmt: skip
+
+
+def write_acl_file(path: Path, prefix: str, passwords: dict[str, str], admin_password: str | None = None) -> Path:
+    """An aclfile at ``path`` with each service's user (``passwords``: service -> password) and the ``default``
+    user as the administrator (``admin_password``, or none: a local stack's own)."""
+    admin = f">{admin_password}" if admin_password else "nopass"
+    lines = [f"user default on {admin} ~* &* +@all"]
+    lines += [acl.acl_file_line(passwords[acl.service]) for acl in all_acls(prefix)]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def acl_passwords(layout: StackLayout) -> dict[str, str]:
+    """The local stack's service passwords (service -> password), made once and kept beside its data."""
+    path = layout.redis_acl_passwords
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    passwords = {acl.service: secrets.token_urlsafe(24) for acl in all_acls()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(passwords, indent=2))
+    path.chmod(0o600)
+    return passwords
+
+
+def _tls_and_users(layout: StackLayout, prefix: str) -> list[str]:
+    try:
+        files = make_tls_files(layout.redis_tls_dir)
+    except RuntimeError as exc:
+        raise DevStackError(str(exc)) from exc
+    acl_file = write_acl_file(layout.redis_dir / "users.acl", prefix, acl_passwords(layout))
+    return [*tls_server_args(files, layout.redis_port), "--aclfile", str(acl_file)]
+
+
+def start_redis(layout: StackLayout, server: str, prefix: str = "") -> int:
+    """Start ``server`` for this instance (with TLS and the ACL users of a deployment under ``prefix`` when the
+    layout says so); returns its pid (not yet ready)."""
     data = layout.redis_dir / "data"
     data.mkdir(parents=True, exist_ok=True)
+    listen = _tls_and_users(layout, prefix) if layout.redis_tls else ["--port", str(layout.redis_port)]
     cmd = [
         server,
-        "--port",
-        str(layout.redis_port),
+        *listen,
         "--bind",
         "127.0.0.1",
         "--dir",
@@ -67,5 +117,5 @@ def start_redis(layout: StackLayout, server: str) -> int:
         "900 1",
     ]
     pid = spawn(cmd, layout.redis_log, layout.redis_dir, layout.redis_pid)
-    log.info("devstack.redis_spawned pid=%d url=%s", pid, layout.redis_url)
+    log.info("devstack.redis_spawned pid=%d url=%s", pid, mask_url(layout.redis_url))
     return pid

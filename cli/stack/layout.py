@@ -5,7 +5,8 @@ Layout of the state folder (``.sluicegate/`` by default, git-ignored)::
 
     kafka/libs/<version>/*.jar   broker jars, fetched once with Maven and shared by every instance
     kafka-<port>/                one broker: server.properties, cluster.id, data/, logs/, kafka.pid
-    redis-<port>/                one Redis: data/, redis.log, redis.pid
+    redis-<port>/                one Redis: data/, redis.log, redis.pid (with TLS: tls/, users.acl,
+                                 acl-passwords.json)
 
 Instances are keyed by port, so a test session on other ports shares the jar cache but never touches a
 developer's running stack.
@@ -31,6 +32,7 @@ class StackLayout:
     state: Path
     kafka_port: int
     redis_port: int
+    redis_tls: bool = False
 
     @classmethod
     def of(cls, settings: Settings) -> StackLayout:
@@ -44,7 +46,9 @@ class StackLayout:
                 raise DevStackError(f"{name} {port} is not a valid TCP port")
         if len(set(ports.values())) != len(ports):
             raise DevStackError(f"ports must differ: {ports}")
-        return cls(settings.state_dir.expanduser().resolve(), settings.kafka_port, settings.redis_port)
+        return cls(
+            settings.state_dir.expanduser().resolve(), settings.kafka_port, settings.redis_port, settings.redis_tls
+        )
 
     @property
     def libs_root(self) -> Path:
@@ -79,6 +83,14 @@ class StackLayout:
         return self.redis_dir / "redis.pid"
 
     @property
+    def redis_tls_dir(self) -> Path:
+        return self.redis_dir / "tls"
+
+    @property
+    def redis_acl_passwords(self) -> Path:
+        return self.redis_dir / "acl-passwords.json"
+
+    @property
     def redis_log(self) -> Path:
         return self.redis_dir / "redis.log"
 
@@ -88,4 +100,7 @@ class StackLayout:
 
     @property
     def redis_url(self) -> str:
+        """The admin (``default`` user) URL; with TLS, checked against the stack's own CA."""
+        if self.redis_tls:
+            return f"rediss://127.0.0.1:{self.redis_port}/0?ssl_ca_certs={self.redis_tls_dir / 'ca.crt'}"
         return f"redis://127.0.0.1:{self.redis_port}/0"

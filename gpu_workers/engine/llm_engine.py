@@ -49,6 +49,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or self.loaded.path)
         eos_token_ids = resolve_eos_token_ids(self.loaded.path, self.loaded.hf_config, self.tokenizer)
         self.max_model_len = self.loaded.max_model_len
+        self.architecture = self.loaded.architecture
         self.vocab_size = self.loaded.vocab_size
         self.validator = RequestValidator(
             self.tokenizer, self.vocab_size, self.max_model_len, config.enable_lora,

@@ -13,6 +13,8 @@ class WorkerConfig:
     worker_id: str
     # Said of the model in its heartbeats, so that ingress's /v1/models can tell (e.g. "random weights").
     model_description: str = ""
+    # How the model's chat output splits into reasoning and answer: auto (from the chat template), none, or a parser.
+    reasoning_parser: str = "auto"
     # Requests taken from Kafka at one time, counted per tier and above (an interactive request is never
     # kept out by batch work): more than the engine's seats, so its fair queuing sees past a flood.
     max_in_flight: int = 64
@@ -43,5 +45,7 @@ class WorkerConfig:
     replica_ack_max_events: int = 50_000
     # The ingress instances' reader lease TTL (``readers``): a lapsed lease is looked for every third of it; 0: never.
     reader_lease_s: float = 15.0
+    # With tenants apart, the tenants whose control topics (``llm.control.<tenant>``) the worker reads.
+    tenants: tuple[str, ...] = ()
     # False (SLUICEGATE_METRICS_ENABLED): a Worker built without a WorkerTelemetry keeps none.
     metrics: bool = True

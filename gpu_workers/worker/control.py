@@ -3,6 +3,11 @@
 A cancel on ``llm.control`` for a request this worker holds aborts its engine sequence at once; one for a
 request not (yet) here is remembered, so the request is never run if it arrives later. The Redis cancel
 marker, read with the pickup state, covers cancels sent before this worker was listening.
+
+With tenants apart each tenant has its own control topic, which only its principal and the services may write:
+a cancel read there stops only that tenant's request (the tenant is the topic's, as the router takes an inbound
+record's), so one tenant cannot cancel another's by naming its request id. A cancel field naming the tenant would
+not do: whoever writes the message writes the field. ``llm.control`` itself stays the services' and may cancel any.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
 
 from gpu_workers.engine import EngineFront
-from schemas import CancelRequest
+from schemas import CancelRequest, Names
 
 from .in_flight import Active, InFlight
 
@@ -30,15 +35,32 @@ GONE_READERS_KEPT = 1_000
 GONE_READERS_KEPT_S = 3600.0
 
 
-class Cancels:
-    """Reads ``llm.control`` and answers whether a request was cancelled."""
+def control_topics(names: Names, tenants: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """The control topics a worker reads, each with the tenant whose requests it may cancel (None: any)."""
+    topics: dict[str, str | None] = {names.control_topic: None}
+    if names.tenants_apart:
+        topics |= {names.control_topic_of(tenant): tenant for tenant in tenants}
+    return topics
 
-    def __init__(self, consumer: AIOKafkaConsumer, engine: EngineFront, in_flight: InFlight) -> None:
+
+class Cancels:
+    """Reads the control topics and answers whether a request was cancelled."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        engine: EngineFront,
+        in_flight: InFlight,
+        topics: dict[str, str | None] | None = None,
+    ) -> None:
         self.consumer = consumer
         self.engine = engine
         self.in_flight = in_flight
-        # Cancels that arrived before their request was picked up (bounded, oldest dropped).
-        self._early: OrderedDict[str, None] = OrderedDict()
+        # Each control topic's tenant (see :func:`control_topics`); a topic not named here may cancel any request.
+        self._tenant_of = topics or {}
+        # Cancels that arrived before their request was picked up, with the tenants of the topics they came on
+        # (bounded, oldest dropped): a set, so another tenant's cancel of the same id cannot replace a rightful one.
+        self._early: OrderedDict[str, set[str | None]] = OrderedDict()
         # Readers whose lease lapsed (``reader_leases.ReaderWatch``), with when: nobody reads what their requests make.
         self._gone_readers: OrderedDict[str, float] = OrderedDict()
 
@@ -49,8 +71,7 @@ class Cancels:
     def requested(self, entry: Active, cancel_marked: bool) -> bool:
         """A cancel seen on the control topic (before or after pick-up) or marked in Redis, or its reader gone."""
         rid = entry.request_id
-        if rid in self._early:
-            del self._early[rid]
+        if rid in self._early and any(self._may_cancel(tenant, entry) for tenant in self._early.pop(rid)):
             entry.cancelled = True
         if self.reader_is_gone(entry.reader):
             entry.cancelled = True
@@ -87,13 +108,23 @@ class Cancels:
             except ValidationError:
                 log.warning("worker.bad_control_message", extra={"offset": message.offset})
                 continue
+            tenant = self._tenant_of.get(message.topic)
             entry = self.in_flight.get(cancel.request_id)
             if entry is None:
-                self._early[cancel.request_id] = None
+                self._early.setdefault(cancel.request_id, set()).add(tenant)
                 while len(self._early) > EARLY_CANCELS_KEPT:
                     self._early.popitem(last=False)
                 continue
-            await self.stop(entry, cancel.reason)
+            if self._may_cancel(tenant, entry):
+                await self.stop(entry, cancel.reason)
+
+    @staticmethod
+    def _may_cancel(tenant: str | None, entry: Active) -> bool:
+        """Whether a cancel from ``tenant``'s control topic (None: the services') may stop ``entry``'s request."""
+        if tenant is None or entry.tenant == tenant:
+            return True
+        log.warning("worker.cancel_refused", extra={"request_id": entry.request_id, "cancel_tenant": tenant})
+        return False
 
     async def stop(self, entry: Active, reason: str) -> None:
         """Cancel a request this worker holds: never started if it has not been, aborted in the engine if it runs."""

@@ -22,7 +22,7 @@ from schemas import ModelTokenizer, Names, PartitionRef, WorkerHeartbeat
 
 from .adapters import Adapters
 from .config import WorkerConfig
-from .prompts import tool_call_format
+from .prompts import reasoning_parser, tool_call_format
 from .streams import REDIS_UNAVAILABLE
 from .telemetry import WorkerTelemetry
 
@@ -55,6 +55,7 @@ class Heartbeats:
         self.last_written: float | None = None
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
         self._tool_call_format = tool_call_format(engine.tokenizer)
+        self._reasoning_parser = reasoning_parser(engine.tokenizer, config.reasoning_parser)
         self._tokenizer_json: str | None = None  # "published" once the tokenizer is in Redis
 
     def beat(self) -> WorkerHeartbeat:
@@ -72,6 +73,8 @@ class Heartbeats:
             draining=self.stopping.is_set(),
             max_model_len=self.engine.max_model_len,
             tool_call_format=self._tool_call_format,
+            reasoning_parser=self._reasoning_parser,
+            architecture=self.engine.architecture or None,
             description=self.config.model_description or None,
             backlog_seconds=self.telemetry.backlog_seconds if self.telemetry is not None else None,
             adapters=self.adapters.names() if self.adapters is not None else [],

@@ -35,6 +35,8 @@ class Active:
     cancelled: bool = False
     # The ingress instance relaying its output to a client that cannot resume it (``InferenceRequest.reader``).
     reader: str | None = None
+    # Its tenant, once the record parsed: with tenants apart its stream and record keys carry it.
+    tenant: str | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
     # The engine request started before the pickup reads answered (see ``Serving.start_early``).
     early: RequestStream | None = field(default=None, repr=False)

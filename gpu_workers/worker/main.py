@@ -28,12 +28,14 @@ from sluicegate.logs import configure_logging
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.metrics_http import MetricsServer
 from sluicegate.models.naming import default_public_name
-from sluicegate.redis_client import create_redis, is_sentinel_url
+from sluicegate.redis_client import create_redis
+from sluicegate.redis_urls import is_sentinel_url
 from sluicegate.settings import WorkerSettings
 from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 
 from .adapters import Adapters
 from .config import WorkerConfig
+from .control import control_topics
 from .observer import WorkerObserver
 from .telemetry import WorkerTelemetry
 from .worker import Worker
@@ -156,7 +158,7 @@ async def run_worker(
     """Run one worker until ``stop`` is set; returns it (for its counters) after draining. ``freeze_heap``
     (for a process that is only this worker) takes the model and libraries out of the garbage collector's
     passes once they are loaded; ``observer`` is told when records are taken and events sent."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     model_name = model_name_for(settings)
     worker_id = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     configure_tracing("sluicegate-worker", settings.otlp_endpoint)
@@ -179,7 +181,11 @@ async def run_worker(
         await engine.start()
         log.info(
             "worker.engine_ready",
-            extra={"engine": type(engine).__name__, "engine_pid": getattr(engine, "pid", None) or os.getpid()},
+            extra={
+                "engine": type(engine).__name__,
+                "engine_pid": getattr(engine, "pid", None) or os.getpid(),
+                "architecture": engine.architecture,
+            },
         )
         try:
             return await _run_started(
@@ -238,6 +244,7 @@ async def _run_started(
     config = WorkerConfig(
         model_name=model_name,
         model_description=settings.model_description,
+        reasoning_parser=settings.reasoning_parser,
         worker_id=worker_id,
         max_in_flight=lookahead,
         intake_hold=settings.worker_intake_hold or HOLD_LOOKAHEADS * lookahead,
@@ -258,16 +265,20 @@ async def _run_started(
         else settings.worker_replica_ack,
         replica_ack_max_events=settings.worker_replica_ack_max_events,
         reader_lease_s=settings.reader_lease_s,
+        tenants=settings.tenant_names,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
+    controls = control_topics(names, config.tenants)
     topics |= {
         names.results_topic: settings.topic_partitions,
         names.usage_topic: settings.topic_partitions,
         names.dlq_topic: 1,
-        names.control_topic: 1,
         names.heartbeats_topic: 1,
+        **dict.fromkeys(controls, 1),
     }
-    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication)
+    for tenant in config.tenants if names.tenants_apart else ():  # each tenant's results and dead letters
+        topics |= {names.results_topic_of(tenant): settings.topic_partitions, names.dlq_topic_of(tenant): 1}
+    await ensure_topics(settings.kafka_bootstrap, topics, settings.topic_replication, settings=settings)
 
     # A read timeout (the worker never blocks on Redis) turns a hung server into an error that is retried.
     redis = create_redis(
@@ -301,7 +312,7 @@ async def _run_started(
     )
     # Cancels go to every worker: no group, start at the end (older cancels are in Redis keys).
     control = create_consumer(
-        names.control_topic,
+        *controls,
         group_id=None,
         settings=settings,
         auto_offset_reset="latest",

@@ -27,6 +27,7 @@ from schemas import (
     RequestRecord,
     StreamEvent,
     Usage,
+    parse_batch_request_id,
     utcnow,
 )
 from schemas.events import FinishReason
@@ -95,7 +96,7 @@ class Outputs:
         """
         if entry.handed_off:
             return False
-        self.publisher.add(event)
+        self.publisher.add(event, entry.tenant)
         if wake:
             self._events.set()
         return True
@@ -148,7 +149,7 @@ class Outputs:
             result=result,
             trace=request.trace,
         )
-        key = self.names.request_key(request.request_id)
+        key = self.names.request_key(request.request_id, request.tenant)
         return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s)
 
     async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
@@ -161,10 +162,10 @@ class Outputs:
         """
         await self.publisher.ride(self.record_write(request, status, result), _RECORD_RIDE_S)
 
-    async def mark_failed(self, request_id: str, result: FinalResult | None = None) -> None:
+    async def mark_failed(self, request_id: str, tenant: str | None, result: FinalResult | None = None) -> None:
         """Set an existing status record to ``failed`` (a request with none keeps none), with the failed ``result``
         when known: its ``error_code`` and ``error_message`` tell a client that missed the stream why."""
-        key = self.names.request_key(request_id)
+        key = self.names.request_key(request_id, tenant)
         raw = await self.redis_call(lambda: self.redis.get(key))
         if raw is not None:
             record = RequestRecord.model_validate_json(raw)
@@ -231,8 +232,14 @@ class Outputs:
         """A request's result and usage records in one produce request (one acknowledgement to wait for, not two
         in a row)."""
         rid = result.request_id
+        # A batch line's result is the batch service's to collect (its tenant reads it through the Batches API), so
+        # it stays on the shared topic the one collector reads; any other goes to its tenant's with tenants apart.
+        topic = self.names.results_topic if parse_batch_request_id(rid) else self.names.results_topic_of(result.tenant)
         await self.send_all(
-            [(self.names.results_topic, result.model_dump_json().encode(), rid), (self.names.usage_topic, usage, rid)]
+            [
+                (topic, result.model_dump_json().encode(), rid),
+                (self.names.usage_topic, usage, rid),
+            ]
         )
 
     def _usage_value(
@@ -255,9 +262,10 @@ class Outputs:
         return record.model_dump_json().encode()
 
     async def dead_letter(self, record: Any, rejection: Rejection) -> None:
-        """Put the record on ``llm.dlq`` with its reason; retried until Kafka takes it (the offset waits)."""
+        """Put the record on ``llm.dlq`` (its tenant's, with tenants apart) with its reason; retried until Kafka takes
+        it (the offset waits)."""
         value, headers = dead_letter(rejection, record)
-        await self.send(self.names.dlq_topic, value, rejection.request_id, headers)
+        await self.send(self.names.dlq_topic_of(rejection.tenant), value, rejection.request_id, headers)
         self.dead_lettered += 1
         if self.telemetry is not None:
             self.telemetry.dead_lettered(rejection.reason)

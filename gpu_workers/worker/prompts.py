@@ -9,7 +9,7 @@ from typing import Any
 from gpu_workers.engine import GuidedDecoding, SamplingParams
 from gpu_workers.engine import TokenLogprob as EngineLogprob
 from gpu_workers.engine.token_bytes import TokenBytes
-from schemas import InferenceRequest, TokenLogprob, ToolCallFormat, TopLogprob
+from schemas import InferenceRequest, ReasoningParser, TokenLogprob, ToolCallFormat, TopLogprob
 from sluicegate.chat_template import template_message
 
 
@@ -18,15 +18,21 @@ class PromptError(ValueError):
 
 
 def prompt_token_ids(request: InferenceRequest, tokenizer: Any) -> list[int]:
-    """Token ids of the request's prompt; chat messages (tool calls and results included) and the offered
-    tools go through the model's chat template."""
+    """Token ids of the request's prompt; chat messages (tool calls and results included), the offered tools and
+    the request's ``chat_template_kwargs`` go through the model's chat template."""
     if request.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise PromptError(f"model {request.model!r} has no chat template; send 'prompt' instead")
         conversation = [template_message(m) for m in request.messages]
         tools = [t.model_dump(mode="json", exclude_none=True) for t in request.tools] if request.tools else None
         try:
-            ids = tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                conversation,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                **(request.chat_template_kwargs or {}),
+            )
         except Exception as exc:  # a template's own raise_exception, or a message shape it cannot render
             raise PromptError(f"the model's chat template cannot render these messages: {exc}") from exc
         # transformers 5 returns a BatchEncoding-like mapping for some tokenizers.
@@ -60,6 +66,19 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat | None:
     if "<|python_tag|>" in template or '"parameters": ' in template:
         return "llama3_json"
     return None
+
+
+def reasoning_parser(tokenizer: Any, setting: str = "auto") -> ReasoningParser | None:
+    """How the model's chat output splits into reasoning and answer (advertised in heartbeats): the setting's
+    parser, or for ``auto`` qwen3's when the chat template knows the ``</think>`` that ends a reasoning span."""
+    if setting == "none":
+        return None
+    if setting in ("qwen3", "deepseek_r1"):
+        return setting  # type: ignore[return-value]
+    if setting != "auto":
+        raise ValueError(f"reasoning parser {setting!r} is not one of auto, none, qwen3, deepseek_r1")
+    template = getattr(tokenizer, "chat_template", None)
+    return "qwen3" if isinstance(template, str) and "</think>" in template else None
 
 
 def sampling_params(

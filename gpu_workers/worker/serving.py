@@ -91,7 +91,7 @@ class Serving:
                 return True
             if entry.request_id != parsed.request_id and not await self.in_flight.claim(entry, parsed.request_id):
                 return True  # a duplicate of a request this worker is running
-            entry.reader = parsed.reader
+            entry.reader, entry.tenant = parsed.reader, parsed.tenant
             if self.telemetry is None:
                 return await self._serve_request(parsed, entry, record)
             entry.watch = self.telemetry.watch(parsed, record)
@@ -113,7 +113,8 @@ class Serving:
                 message = f"the worker failed to serve the request: {exc!r}"
                 failed = parsed if isinstance(parsed, InferenceRequest) else None
                 await self._fail(entry, "internal_error", message, None, failed)
-            rejection = Rejection("processing_failed", repr(exc), request_id_of(record.value, record.headers))
+            rid = request_id_of(record.value, record.headers)
+            rejection = Rejection("processing_failed", repr(exc), rid, entry.tenant)
             await self.outputs.dead_letter(record, rejection)
             return True
         finally:
@@ -179,7 +180,7 @@ class Serving:
         reader = request.reader
         gone = self.cancels.reader_is_gone(reader)
         lease_key = self.names.reader_key(reader) if gone and reader is not None else None
-        pickup = await read_pickup_state(self.outputs.publisher, self.names, rid, lease_key)
+        pickup = await read_pickup_state(self.outputs.publisher, self.names, rid, lease_key, tenant=request.tenant)
         if pickup.lease_exists and reader is not None:
             self.cancels.reader_back(reader)
         state, ended_before = pickup.stream, pickup.ended_before
@@ -214,20 +215,20 @@ class Serving:
                 entry, "deadline_exceeded", "the request's deadline passed before it started", seq, request
             ):
                 return False
-            await self.outputs.dead_letter(record, Rejection("deadline_exceeded", detail, rid))
+            await self.outputs.dead_letter(record, Rejection("deadline_exceeded", detail, rid, request.tenant))
             return True
         try:
             prompt = entry.prompt if entry.prompt is not None else prompt_token_ids(request, self.engine.tokenizer)
         except PromptError as exc:
             if not await self._fail(entry, "invalid_request", str(exc), seq, request):
                 return False
-            await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid))
+            await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid, request.tenant))
             return True
         unservable = await self._use_adapter(request, entry) if request.adapter is not None else None
         if unservable is not None:  # unknown here, or its files would not load: this request fails, nothing else
             if not await self._fail(entry, unservable.code, str(unservable), seq, request):
                 return False
-            await self.outputs.dead_letter(record, Rejection(unservable.code, str(unservable), rid))
+            await self.outputs.dead_letter(record, Rejection(unservable.code, str(unservable), rid, request.tenant))
             return True
 
         resumed: Continuation | ChoiceResume | None = None
@@ -381,7 +382,7 @@ class Serving:
             code = "context_length_exceeded" if "max_model_len" in str(exc) else "invalid_request"
             if not await self._fail(entry, code, str(exc), seq, request):
                 return False
-            await self.outputs.dead_letter(record, Rejection("rejected_by_engine", str(exc), rid))
+            await self.outputs.dead_letter(record, Rejection("rejected_by_engine", str(exc), rid, request.tenant))
             return True
         if entry.handed_off:
             return False
@@ -446,7 +447,9 @@ class Serving:
         record); False when it was handed off meanwhile."""
         request_id = entry.request_id
         if seq is None:
-            state = await self.outputs.redis_call(lambda: read_stream_state(self.redis, self.names, request_id))
+            state = await self.outputs.redis_call(
+                lambda: read_stream_state(self.redis, self.names, request_id, entry.tenant)
+            )
             seq = state.next_seq
         if not self.outputs.emit(entry, ErrorEvent(request_id=request_id, seq=seq, code=code, message=message[:2000])):
             return False
@@ -457,7 +460,7 @@ class Serving:
         result = None
         if request is not None:
             result = await self.outputs.publish_failure(request, entry, code, message[:2000])
-        await self.outputs.mark_failed(request_id, result)
+        await self.outputs.mark_failed(request_id, entry.tenant, result)
         return True
 
     def _redelivered(self, request: InferenceRequest, outcome: str) -> None:

@@ -85,9 +85,11 @@ class StreamState:
         return len(self.token_ids)
 
 
-async def read_stream_state(redis: aioredis.Redis, names: Names, request_id: str) -> StreamState:
+async def read_stream_state(
+    redis: aioredis.Redis, names: Names, request_id: str, tenant: str | None = None
+) -> StreamState:
     """Replay the stream's events (honouring ``restart``) into the tokens a client has received."""
-    return stream_state_from_entries(await redis.xrange(names.stream_key(request_id)))
+    return stream_state_from_entries(await redis.xrange(names.stream_key(request_id, tenant)))
 
 
 @dataclass
@@ -113,7 +115,7 @@ class PickupState:
 
 
 async def read_pickup_state(
-    publisher: StreamPublisher, names: Names, request_id: str, lease_key: str | None = None
+    publisher: StreamPublisher, names: Names, request_id: str, lease_key: str | None = None, tenant: str | None = None
 ) -> PickupState:
     """The stream, the status record and the cancel marker (and ``lease_key``'s existence, when given), read in one
     round trip that also carries everything the publisher holds (other requests' appends and status records: a
@@ -123,9 +125,9 @@ async def read_pickup_state(
     """
 
     def reads(pipe: Pipeline) -> None:
-        pipe.xrange(names.stream_key(request_id))
-        pipe.get(names.request_key(request_id))
-        pipe.exists(names.cancel_key(request_id))
+        pipe.xrange(names.stream_key(request_id, tenant))
+        pipe.get(names.request_key(request_id, tenant))
+        pipe.exists(names.cancel_key(request_id, tenant))
         if lease_key is not None:
             pipe.exists(lease_key)
 
@@ -171,13 +173,21 @@ class RecordWrite:
     ttl_s: int
 
 
+@dataclass(frozen=True)
+class _Append:
+    """A stream event and the stream it goes to, named when it was added (the key may carry its tenant)."""
+
+    key: str
+    event: StreamEvent
+
+
 @dataclass
 class _Unconfirmed:
     """Stream events of one flush that no replica had acknowledged yet, and the primary's replication offset
     right after that flush's appends (a replica whose acknowledged offset reaches it holds them)."""
 
     offset: int
-    events: list[StreamEvent]
+    events: list[_Append]
 
 
 class StreamPublisher:
@@ -215,7 +225,7 @@ class StreamPublisher:
         self._names = names
         self._ttl_s = ttl_s
         self._max_retry_delay_s = max_retry_delay_s
-        self._pending: list[StreamEvent | RecordWrite] = []
+        self._pending: list[_Append | RecordWrite] = []
         self._riders: list[asyncio.Future[None]] = []  # of :meth:`ride`, resolved by the flush carrying them
         # Items added so far, and how many of the first of them Redis holds: a flush that finds what it was
         # called for already sent by another leaves the items added since to the next flush.
@@ -232,8 +242,10 @@ class StreamPublisher:
         self.reappended = 0  # unconfirmed events sent again after a failed flush
         self.unconfirmed_dropped = 0
 
-    def add(self, item: StreamEvent | RecordWrite) -> None:
-        """Queue a stream event or a status-record write for the next flush (no round trip of its own)."""
+    def add(self, item: StreamEvent | RecordWrite, tenant: str | None = None) -> None:
+        """Queue a stream event (of ``tenant``'s request) or a status-record write for the next flush."""
+        if not isinstance(item, RecordWrite):
+            item = _Append(self._names.stream_key(item.request_id, tenant), item)
         self._pending.append(item)
         self._added += 1
 
@@ -319,21 +331,20 @@ class StreamPublisher:
                 raise
 
     async def _append(
-        self, batch: list[StreamEvent | RecordWrite], reads: Callable[[Pipeline], None] | None = None
+        self, batch: list[_Append | RecordWrite], reads: Callable[[Pipeline], None] | None = None
     ) -> list[Any]:
         """One pipeline: the batch's writes, ``ROLE`` with ``replica_ack``, then ``reads``; returns the replies of
         ``reads``. Raises when Redis is unavailable for any of them (the caller retries everything)."""
         if self._on_send is not None and batch:
-            self._on_send(batch)
+            self._on_send([item if isinstance(item, RecordWrite) else item.event for item in batch])
         pipe = self._redis.pipeline(transaction=False)
-        for event in batch:
-            if isinstance(event, RecordWrite):
-                pipe.set(event.key, event.value, ex=event.ttl_s)
+        for item in batch:
+            if isinstance(item, RecordWrite):
+                pipe.set(item.key, item.value, ex=item.ttl_s)
                 continue
-            key = self._names.stream_key(event.request_id)
-            pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=stream_entry_id(event.seq))
-            if isinstance(event, DoneEvent | ErrorEvent):
-                pipe.expire(key, self._ttl_s)
+            pipe.xadd(item.key, {STREAM_FIELD: item.event.model_dump_json()}, id=stream_entry_id(item.event.seq))
+            if isinstance(item.event, DoneEvent | ErrorEvent):
+                pipe.expire(item.key, self._ttl_s)
         if self._replica_ack:
             pipe.execute_command("ROLE")
         writes = len(pipe)
@@ -358,13 +369,13 @@ class StreamPublisher:
                 raise result
             if isinstance(result, REDIS_UNAVAILABLE):
                 raise result
-        events = [event for event in batch if not isinstance(event, RecordWrite)]
+        events = [item for item in batch if not isinstance(item, RecordWrite)]
         self.appended += len(events)
         if role is not None:
             self._track_replicas(role, events)
         return replies
 
-    def _track_replicas(self, role: Any, events: list[StreamEvent]) -> None:
+    def _track_replicas(self, role: Any, events: list[_Append]) -> None:
         """Keep this flush's events until a replica acknowledges them; forget those it now has."""
         if isinstance(role, REDIS_UNAVAILABLE):
             raise role

@@ -47,7 +47,7 @@ from sluicegate.task_stop import cancel_and_wait
 
 from .adapters import Adapters
 from .config import WorkerConfig
-from .control import Cancels
+from .control import Cancels, control_topics
 from .heartbeat import Heartbeats
 from .in_flight import InFlight
 from .intake import Intake
@@ -88,7 +88,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self.in_flight = InFlight()
         self.outputs = Outputs(config, names, redis, producer, observer, stream_redis)
-        self.cancels = Cancels(control_consumer, engine, self.in_flight)
+        self.cancels = Cancels(control_consumer, engine, self.in_flight, control_topics(names, config.tenants))
         self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels, adapters)
         self.intake = Intake(
             consumer, engine, config, names, self.in_flight, self.serving, self.outputs, self._stopping, observer

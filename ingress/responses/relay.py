@@ -44,9 +44,9 @@ def error_event(sequence: int, code: str, message: str) -> dict[str, Any]:
     return {"type": "error", "sequence_number": sequence, "code": code, "message": message, "param": None}
 
 
-async def read_stream(service: IngressService, request_id: str) -> list[StreamEvent] | None:
+async def read_stream(service: IngressService, request_id: str, tenant: str) -> list[StreamEvent] | None:
     """The request's stream events as Redis holds them now, in pages; None when there is no stream."""
-    key = service.names.stream_key(request_id)
+    key = service.names.stream_key(request_id, tenant)
     events: list[StreamEvent] = []
     start = "-"
     try:
@@ -75,9 +75,9 @@ async def current(service: IngressService, store: ResponseStore, stored: Stored)
         return stored.final, True
     record = stored.record
     builder = ResponseEvents(record)
-    events = await read_stream(service, record.request_id)
+    events = await read_stream(service, record.request_id, record.tenant)
     if events is None:
-        status = await service.record(record.request_id)
+        status = await service.record(record.request_id, record.tenant)
         if status is None or status.status in _ENDED:
             builder.status = "failed"
             builder.error = {"code": "server_error", "message": "The response's result is no longer kept."}
@@ -103,10 +103,10 @@ def cancelled(response: dict[str, Any]) -> None:
             item["status"] = "incomplete"
 
 
-async def stream_exists(service: IngressService, request_id: str) -> bool:
+async def stream_exists(service: IngressService, request_id: str, tenant: str) -> bool:
     """Whether the request's stream is (still) in Redis."""
     try:
-        return bool(await service.redis.exists(service.names.stream_key(request_id)))
+        return bool(await service.redis.exists(service.names.stream_key(request_id, tenant)))
     except (RedisError, OSError) as exc:
         raise unavailable("Redis", exc) from exc
 
@@ -131,7 +131,9 @@ async def sse_events(
         try:
             # One write per read of the stream, as in openai_stream: a token's delta and a stream's closing events
             # (text done, part done, item done, completed) each go out together.
-            async for batch in service.event_batches(record.request_id, timeout_s=service.settings.request_timeout_s):
+            async for batch in service.event_batches(
+                record.request_id, record.tenant, timeout_s=service.settings.request_timeout_s
+            ):
                 frames = [
                     sse_frame(event)
                     for stream_event in batch

@@ -66,7 +66,7 @@ class ResponseSweeper:
                 await self._store.drop_pending(tenant, response_id)
                 done += 1
                 continue
-            if not await self._ended(stored.record.request_id):
+            if not await self._ended(stored.record.request_id, stored.record.tenant):
                 continue  # still queued or running: nothing to save yet
             response, final = await current(self._service, self._store, stored)
             if final:
@@ -74,13 +74,13 @@ class ResponseSweeper:
                 log.info("ingress.response_saved response_id=%s status=%s", response_id, response["status"])
         return done
 
-    async def _ended(self, request_id: str) -> bool:
+    async def _ended(self, request_id: str, tenant: str) -> bool:
         """Whether the request's stream holds its last event; without a stream, whether its status record says it
         ended or is gone (then its result is gone too, and ``current`` says so)."""
-        key = self._service.names.stream_key(request_id)
+        key = self._service.names.stream_key(request_id, tenant)
         last = await self._service.redis.xrevrange(key, count=1)
         if last:
             entry = parse_entry(key, *last[0])
             return entry is not None and entry.terminal
-        record = await self._service.record(request_id)
+        record = await self._service.record(request_id, tenant)
         return record is None or record.status in _ENDED

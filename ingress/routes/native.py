@@ -82,7 +82,7 @@ async def cancel_request(request: Request, caller: Caller, request_id: RequestId
 async def _owned_record(request: Request, caller: ApiKey, request_id: str) -> RequestRecord:
     """The caller's request's record; 404 for an id that is malformed, unknown or another tenant's."""
     valid = _REQUEST_ID.fullmatch(request_id) is not None
-    record = await service_of(request).record(request_id) if valid else None
+    record = await service_of(request).record(request_id, caller.tenant) if valid else None
     # Another tenant's request is indistinguishable from a missing one.
     if record is None or record.tenant != caller.tenant:
         raise ApiError(404, f"No request '{request_id}'.", code="request_not_found", param="request_id")

@@ -18,6 +18,7 @@ from sluicegate.api.bodies import SEVERAL_PROMPTS, ChatCompletionBody, Completio
 from sluicegate.api.errors import ApiError
 from sluicegate.api.openai_choices import ChoicePlan, whole_choices
 from sluicegate.api.openai_format import Kind, ResponseIds
+from sluicegate.api.reasoning import reasoning_plan
 from sluicegate.api.tool_calls import ToolPlan, plan_for
 
 from ..accept import SUBMIT_ERRORS, accept, answered_model, rate_headers
@@ -43,16 +44,16 @@ async def _answer(request: Request, caller: ApiKey, body: ChatCompletionBody | C
     inference = accepted.inference
     with answered_under(inference.request_id):  # a worker's failure, a timeout: answered under the request's id
         ids = ResponseIds(kind, inference.request_id, answered_model(inference), int(time.time()))
+        service = service_of(request)
+        chat = isinstance(body, ChatCompletionBody)
         plan = ChoicePlan(
             kind,
             n=inference.sampling.n,
             logprobs=inference.sampling.logprobs is not None,
-            tools=plan_for(body.tools, body.tool_choice, accepted.tool_call_format)
-            if isinstance(body, ChatCompletionBody)
-            else ToolPlan(),
+            tools=plan_for(body.tools, body.tool_choice, accepted.tool_call_format) if chat else ToolPlan(),
+            reasoning=await reasoning_plan(service.tokenizers, inference, accepted.reasoning_parser) if chat else None,
         )
         headers = {"x-request-id": inference.request_id} | rate_headers(accepted)
-        service = service_of(request)
         if body.stream:
             stream = body_events(request, ids, body, accepted, plan=plan, accepted_at=accepted_at)
             headers |= {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -136,13 +137,17 @@ async def get_model(request: Request, caller: Caller, model: ModelPath) -> dict[
 
 
 def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
-    """The OpenAI model object, plus ``workers`` and (when a worker says one) ``description``, such as that its
-    weights are random: extra fields that OpenAI's SDKs keep as they are."""
+    """The OpenAI model object, plus ``workers`` and (when a worker says them) ``description``, such as that its
+    weights are random, and ``architecture`` (e.g. Qwen3ForCausalLM): extra fields that OpenAI's SDKs keep as
+    they are."""
     created = min((int(b.sent_at.timestamp()) for b in beats), default=int(time.time()))
     card = {"id": name, "object": "model", "created": created, "owned_by": "sluicegate", "workers": len(beats)}
     description = next((b.description for b in beats if b.description), None)
     if description:
         card["description"] = description
+    architecture = next((b.architecture for b in beats if b.architecture), None)
+    if architecture:
+        card["architecture"] = architecture
     return card
 
 

@@ -187,7 +187,7 @@ async def retrieve_response(
     if not stream:
         response, _ = await current(service, store, stored)
         return JSONResponse(response, headers=headers)
-    if not await stream_exists(service, stored.record.request_id):
+    if not await stream_exists(service, stored.record.request_id, stored.record.tenant):
         _, final = await current(service, store, stored)
         if final:
             raise ApiError(
@@ -228,7 +228,7 @@ async def _settled(request: Request, caller: ApiKey, response_id: str, response:
     stored = await _owned(request, caller, response_id)
     started = time.monotonic()
     while time.monotonic() - started < _CANCEL_SETTLE_S:
-        record = await service.record(stored.record.request_id)
+        record = await service.record(stored.record.request_id, stored.record.tenant)
         if record is None or (record.status == "queued" and time.monotonic() - started >= _CANCEL_QUEUED_S):
             break
         if record.status in _ENDED:
@@ -245,7 +245,7 @@ async def delete_response(request: Request, caller: Caller, response_id: Respons
     stored = await _owned(request, caller, response_id)
     service = service_of(request)
     if stored.final is None:
-        status = await service.record(stored.record.request_id)
+        status = await service.record(stored.record.request_id, stored.record.tenant)
         if status is not None and status.status not in _ENDED:  # nobody could read it any more: stop it
             await service.cancel(stored.record.request_id, caller.tenant, reason="client_cancelled")
     await store_of(request).delete(stored.record)

@@ -53,11 +53,13 @@ def build_request(
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     tools = None
+    template_kwargs = None
     task: Task = "generate"
     pooling: Pooling | None = None
     if isinstance(body, ChatCompletionBody):
         messages = body.chat_messages()
         tools = body.offered_tools()
+        template_kwargs = body.chat_template_kwargs
     elif isinstance(body, CompletionBody):
         prompt = body.prompt  # type: ignore[assignment]  # narrowed to one prompt by its validator
     elif isinstance(body, EmbeddingInput):
@@ -81,6 +83,7 @@ def build_request(
         sampling=body.sampling(max_tokens if max_tokens is not None else body.resolved_max_tokens()),
         guided=body.guided_spec(),
         tools=tools or None,
+        chat_template_kwargs=template_kwargs or None,
         priority=tier,
         tenant=tenant,
         key_id=key_id,

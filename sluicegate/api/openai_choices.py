@@ -12,18 +12,21 @@ from schemas.events import FinishReason
 
 from .assembler import ChoiceDelta, StreamAssembler
 from .openai_format import Kind, chat_logprobs, completion_logprobs
+from .reasoning import ReasoningPlan, ReasoningStream, split_reasoning
 from .tool_call_stream import ToolCallStream
 from .tool_calls import ToolPlan, parse_output
 
 
 @dataclass(frozen=True)
 class ChoicePlan:
-    """What a response's choices look like: how many, whether they carry logprobs, how tools are read."""
+    """What a response's choices look like: how many, whether they carry logprobs, how tools are read, and how a
+    chat output splits into reasoning and answer (None: all answer)."""
 
     kind: Kind
     n: int = 1
     logprobs: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)
+    reasoning: ReasoningPlan | None = None
 
 
 def _logprobs(plan: ChoicePlan, logprobs: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
@@ -48,10 +51,15 @@ def whole_choices(assembler: StreamAssembler, plan: ChoicePlan) -> list[dict[str
         if plan.kind == "completion":
             choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
             continue
+        reasoning = None
+        if plan.reasoning is not None:
+            reasoning, text = split_reasoning(text, plan.reasoning)
         content, calls = parse_output(text, plan.tools)
         if plan.tools.mode == "required" and not calls:
             content, calls = _streamed_message(text, plan.tools)  # cut short: what the stream would have sent
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if plan.reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
             reason = _with_calls(reason)
@@ -81,6 +89,8 @@ class ChoiceChunks:
     def __init__(self, plan: ChoicePlan) -> None:
         self.plan = plan
         self._tools = {i: ToolCallStream(plan.tools) for i in range(plan.n)}
+        reasoning = plan.reasoning if plan.kind == "chat" else None
+        self._reasoning = {i: ReasoningStream(reasoning) for i in range(plan.n)} if reasoning is not None else {}
         self._offsets = dict.fromkeys(range(plan.n), 0)
         self._ended: set[int] = set()
 
@@ -112,7 +122,7 @@ class ChoiceChunks:
             if delta.index >= self.plan.n or delta.index in self._ended:
                 continue
             messages = (
-                self._tools[delta.index].feed(delta.text) if self.plan.kind == "chat" else [{"content": delta.text}]
+                self._chat_messages(delta.index, delta.text) if self.plan.kind == "chat" else [{"content": delta.text}]
             )
             messages = [m for m in messages if m.get("content") != ""] or ([{}] if delta.logprobs else [])
             for position, message in enumerate(messages):
@@ -121,6 +131,21 @@ class ChoiceChunks:
                 out.extend(self.close(delta.index, delta.finish_reason))
         return out
 
+    def _chat_messages(self, index: int, text: str, *, final: bool = False) -> list[dict[str, Any]]:
+        """A chat choice's deltas for its new ``text``: the reasoning it holds, then the answer as the tool-call
+        reader relays it (``final``: the choice ended, nothing is held back any more)."""
+        reasoning, content = "", text
+        splitter = self._reasoning.get(index)
+        if splitter is not None:
+            reasoning, content = splitter.feed(text)
+            if final:
+                more_reasoning, more_content = splitter.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        tools = self._tools[index]
+        messages = [{"reasoning_content": reasoning}] if reasoning else []
+        messages += tools.feed(content)
+        return messages + (tools.finish() if final else [])
+
     def close(self, index: int, reason: FinishReason) -> list[dict[str, Any]]:
         """A choice's held deltas and its closing chunk choice."""
         if index in self._ended:
@@ -128,7 +153,9 @@ class ChoiceChunks:
         self._ended.add(index)
         tools = self._tools[index]
         out = (
-            [self._choice(index, message, None, None) for message in tools.finish()] if self.plan.kind == "chat" else []
+            [self._choice(index, message, None, None) for message in self._chat_messages(index, "", final=True)]
+            if self.plan.kind == "chat"
+            else []
         )
         final = _with_calls(reason) if tools.called else reason
         out.append(self._choice(index, {}, None, final))

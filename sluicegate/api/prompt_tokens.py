@@ -28,12 +28,18 @@ class ModelTokenizerView:
         self.template = compile_template(published.chat_template) if published.chat_template else None
 
     def render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat prompt text (``ValueError`` without a template or when the template refuses)."""
+        """The chat prompt text (``ValueError`` without a template or when the template refuses);
+        ``template_kwargs``: the request's extra template variables (``chat_template_kwargs``)."""
         if self.template is None:
             raise ValueError(f"model {self.published.model!r} has no chat template; send 'prompt' instead")
         return self.template.render(
+            **(template_kwargs or {}),
             messages=messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
@@ -41,13 +47,32 @@ class ModelTokenizerView:
             eos_token=self.published.eos_token or "",
         )
 
+    def render_messages(
+        self,
+        messages: list[ChatMessage],
+        tools: list[ToolSpec] | None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat prompt text of the pipeline's messages and tools."""
+        tool_dicts = [t.model_dump(mode="json", exclude_none=True) for t in tools] if tools else None
+        return self.render([template_message(m) for m in messages], tool_dicts, add_generation_prompt, template_kwargs)
+
     def encode_messages(
-        self, messages: list[ChatMessage], tools: list[ToolSpec] | None, add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        tools: list[ToolSpec] | None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Chat messages through the template, then tokenized (the template writes the special tokens)."""
-        tool_dicts = [t.model_dump(mode="json", exclude_none=True) for t in tools] if tools else None
-        text = self.render([template_message(m) for m in messages], tool_dicts, add_generation_prompt)
+        text = self.render_messages(messages, tools, add_generation_prompt, template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render_request(self, request: InferenceRequest) -> str:
+        """A chat request's prompt text, as the worker renders it."""
+        assert request.messages is not None
+        return self.render_messages(request.messages, request.tools, True, request.chat_template_kwargs)
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -55,7 +80,7 @@ class ModelTokenizerView:
     def encode_request(self, request: InferenceRequest) -> list[int]:
         """The request's prompt token ids, as the worker's ``prompt_token_ids`` makes them."""
         if request.messages is not None:
-            return self.encode_messages(request.messages, request.tools)
+            return self.encode_messages(request.messages, request.tools, True, request.chat_template_kwargs)
         if isinstance(request.prompt, str):
             return self.encode_text(request.prompt)
         return list(request.prompt or [])

@@ -9,13 +9,14 @@ ack, two beats) does nothing twice. Queue and broker keys carry the topic prefix
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from celery import Celery
 
 from schemas import Names
-from sluicegate.redis_client import is_sentinel_url, parse_sentinel_url
-from sluicegate.settings import BatchApiSettings, BatchServiceSettings
+from sluicegate.redis_urls import is_sentinel_url, parse_sentinel_url, tls_options
+from sluicegate.settings import BatchApiSettings, BatchServiceSettings, RedisSettings
 
 TICK_TASK = "sluicegate.batch.tick"
 ADVANCE_TASK = "sluicegate.batch.advance"
@@ -26,21 +27,49 @@ def broker_url(settings: BatchApiSettings) -> str:
     return settings.batch_broker_url or settings.redis_url
 
 
-def kombu_broker(url: str) -> tuple[str, dict[str, Any]]:
-    """(kombu URL, extra transport options). A ``redis+sentinel://h:p,h:p/service/db`` URL becomes kombu's
-    ``sentinel://h:p/db;sentinel://h:p/db`` with ``master_name`` = service, so the broker follows a failover
-    like every other Redis client of the pipeline; any other URL is used as it is."""
+class KombuBroker(NamedTuple):
+    """What kombu needs to reach the broker as the pipeline's own clients reach Redis."""
+
+    url: str
+    transport_options: dict[str, Any]
+    use_ssl: dict[str, Any] | None
+
+
+def kombu_broker(url: str, settings: RedisSettings | None = None) -> KombuBroker:
+    """kombu's form of a pipeline Redis URL (:mod:`sluicegate.redis_urls`). A ``redis+sentinel://h:p,h:p/service/db``
+    URL becomes kombu's ``sentinel://h:p/db;sentinel://h:p/db`` with ``master_name`` = service, so the broker
+    follows a failover like every other Redis client of the pipeline; the ACL user and password go to the primary,
+    ``sentinel_username``/``sentinel_password`` to the Sentinels. A TLS URL (``rediss://``, ``rediss+sentinel://``)
+    checks the server's certificate (``broker_use_ssl`` with ``ssl_cert_reqs`` required unless the URL says otherwise,
+    the CA from the URL or ``redis_tls_ca_file``): left to itself kombu would connect to a ``rediss://`` URL without
+    ``ssl_cert_reqs`` unchecked."""
+    tls = tls_options(url, settings)
     if not is_sentinel_url(url):
-        return url, {}
-    sentinels, service, db, password = parse_sentinel_url(url)
-    auth = f":{password}@" if password else ""
-    return ";".join(f"sentinel://{auth}{host}:{port}/{db}" for host, port in sentinels), {"master_name": service}
+        parts = urlsplit(url)
+        # The TLS parameters travel in broker_use_ssl; in the URL kombu would take them as its own.
+        kept = [(k, v) for k, v in parse_qsl(parts.query) if not k.startswith("ssl_")]
+        plain = urlunsplit(parts._replace(query=urlencode(kept)))
+        return KombuBroker(plain, {}, tls.kombu() if tls else None)
+    target = parse_sentinel_url(url, settings)
+    auth = ""
+    if target.username or target.password:
+        auth = f"{quote(target.username or '', safe='')}:{quote(target.password or '', safe='')}@"
+    hosts = ";".join(f"sentinel://{auth}{host}:{port}/{target.db}" for host, port in target.sentinels)
+    sentinel_kwargs: dict[str, Any] = {
+        k: v for k, v in (("username", target.sentinel_username), ("password", target.sentinel_password)) if v
+    }
+    if target.tls:
+        sentinel_kwargs.update(ssl=True, **target.tls.redis_py())
+    options: dict[str, Any] = {"master_name": target.service}
+    if sentinel_kwargs:
+        options["sentinel_kwargs"] = sentinel_kwargs
+    return KombuBroker(hosts, options, target.tls.kombu() if target.tls else None)
 
 
 def make_app(settings: BatchServiceSettings) -> Celery:
     """The batch workers' Celery app configured from ``settings``, with the beat's schedule (tasks are registered
     by :mod:`batch_service.tasks`)."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     app = _app(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
     app.conf.update(
         beat_schedule={
@@ -60,9 +89,10 @@ def _app(url: str, prefix: str, visibility_timeout_s: int) -> Celery:
     """A Celery app on the broker at ``url``, its queue and keys under ``prefix``: what the batch workers'
     app and a sender's (:func:`kick`) share."""
     names = Names(prefix)
-    broker, sentinel_options = kombu_broker(url)
-    app = Celery("sluicegate-batch", broker=broker)
+    broker = kombu_broker(url)
+    app = Celery("sluicegate-batch", broker=broker.url)
     app.conf.update(
+        broker_use_ssl=broker.use_ssl,
         task_default_queue=names.batch_queue,
         # A task is acked when it ends, not when it starts, and a worker lost mid-task (kill -9) gives it back:
         # the broker re-delivers it after the visibility timeout, kept short so a batch stalls seconds, not an hour.
@@ -72,7 +102,7 @@ def _app(url: str, prefix: str, visibility_timeout_s: int) -> Celery:
         broker_transport_options={
             "visibility_timeout": visibility_timeout_s,
             "global_keyprefix": names.prefix,
-            **sentinel_options,
+            **broker.transport_options,
         },
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,
@@ -91,4 +121,4 @@ _sender = lru_cache(maxsize=4)(_app)
 def kick(settings: BatchApiSettings, batch_id: str) -> None:
     """Ask a batch worker to advance ``batch_id`` now (blocking: run it off the event loop)."""
     app = _sender(broker_url(settings), settings.topic_prefix, settings.batch_visibility_timeout_s)
-    app.send_task(ADVANCE_TASK, args=[batch_id], queue=Names(settings.topic_prefix).batch_queue, expires=60)
+    app.send_task(ADVANCE_TASK, args=[batch_id], queue=settings.names.batch_queue, expires=60)

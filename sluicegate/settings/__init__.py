@@ -19,6 +19,7 @@ from .engine import EngineSettings
 from .fleet import FleetSettings
 from .ingress import IngressSettings
 from .kafka import KafkaSettings
+from .kafka_security import KafkaSecuritySettings
 from .public_api import PublicApiSettings
 from .redis import RedisSettings
 from .reference import settings_table_markdown
@@ -40,6 +41,7 @@ __all__ = [
     "EngineSettings",
     "FleetSettings",
     "IngressSettings",
+    "KafkaSecuritySettings",
     "KafkaSettings",
     "LocalStackSettings",
     "PublicApiSettings",

@@ -3,6 +3,8 @@ client tools (``sluicegate batch``, ``sluicegate bench``), which talk to ingress
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from .base import SettingsBase
@@ -14,12 +16,24 @@ class LocalStackSettings(StateDirSettings):
 
     kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
     redis_port: int = Field(6379, description="Port of the local Redis server.")
+    redis_tls: bool = Field(
+        False,
+        description="Start the local Redis with TLS only (redis_port is its tls-port; certificates made under the "
+        "state folder) and with each service's ACL user (`sluicegate redis acls`; passwords in acl-passwords.json "
+        "beside it); its URL is then rediss:// with the CA.",
+    )
     kafka_brokers: int = Field(
         1,
         ge=1,
         le=5,
         description="Brokers of the local Kafka (`sluicegate dev up --brokers N`): node i listens on kafka_port + 2i "
         "(controller + 1); from 3 brokers topics get 3 replicas and min.insync.replicas 2.",
+    )
+    kafka_local_security: Literal["plaintext", "sasl_ssl"] = Field(
+        "plaintext",
+        description="Client listener of the local Kafka (`sluicegate dev up --kafka-security`): plaintext, or "
+        "sasl_ssl with SCRAM-SHA-512 users and a CA made at start (paths and variables in "
+        "<state_dir>/kafka-<port>/security/kafka.env).",
     )
     kafka_full_jit: bool = Field(
         False,

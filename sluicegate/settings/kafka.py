@@ -1,13 +1,14 @@
-"""Kafka: how every service reaches the brokers, and the shape and patience of the topics it creates."""
+"""Kafka: how every service reaches the brokers (their security is its own concern, inherited), and the shape and
+patience of the topics it creates."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from .base import SettingsBase
+from .kafka_security import KafkaSecuritySettings
 
 
-class KafkaSettings(SettingsBase):
+class KafkaSettings(KafkaSecuritySettings):
     """The Kafka cluster and the topics Sluicegate creates on it."""
 
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers, comma-separated.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from .base import SettingsBase
@@ -10,7 +12,20 @@ from .base import SettingsBase
 class RedisSettings(SettingsBase):
     """The Redis server and the lifetimes of a request's streams and records in it."""
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL for streams, limits, state.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis URL for streams, limits, state: redis://, rediss:// (TLS), redis+sentinel:// or "
+        "rediss+sentinel:// (forms and TLS query parameters: docs/deploy.md, 'Redis with TLS and ACL users').",
+    )
+    redis_tls_ca_file: Path | None = Field(
+        None, description="CA bundle checking the Redis servers' certificates when the URL has no ssl_ca_certs."
+    )
+    redis_tls_cert_file: Path | None = Field(
+        None, description="Client certificate shown to a TLS Redis when the URL has no ssl_certfile."
+    )
+    redis_tls_key_file: Path | None = Field(
+        None, description="The client certificate's key when the URL has no ssl_keyfile."
+    )
     stream_ttl_s: int = Field(3600, ge=1, description="Seconds a finished Redis stream is kept.")
     request_record_ttl_s: int = Field(
         86400, ge=1, description="Seconds a request's status record and cancel marker are kept in Redis."

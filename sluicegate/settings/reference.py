@@ -15,6 +15,7 @@ from .engine import EngineSettings
 from .fleet import FleetSettings
 from .ingress import IngressSettings
 from .kafka import KafkaSettings
+from .kafka_security import KafkaSecuritySettings
 from .public_api import PublicApiSettings
 from .redis import RedisSettings
 from .result_service import ResultServiceSettings
@@ -28,6 +29,7 @@ from .worker import WorkerSettings
 #: Every class that declares fields, in the reference's order, with its heading. Each field is declared by one.
 CONCERNS: tuple[tuple[str, type[SettingsBase]], ...] = (
     ("Kafka", KafkaSettings),
+    ("Kafka security", KafkaSecuritySettings),
     ("Redis", RedisSettings),
     ("Backbone namespace", BackboneSettings),
     ("State folder", StateDirSettings),

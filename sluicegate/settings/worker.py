@@ -4,6 +4,8 @@ Kafka, commits and survives Redis failovers, its adapters to load and its probes
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from .backbone import BackboneSettings
@@ -22,6 +24,12 @@ class WorkerSettings(BackboneSettings, StateDirSettings, TelemetrySettings, Flee
     )
     model_description: str = Field(
         "", description="Said of the model in `/v1/models` (`description`), e.g. that its weights are random."
+    )
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = Field(
+        "auto",
+        description="How the model's chat output splits into reasoning (`reasoning_content`) and answer: a "
+        "`<think>...</think>` span opened by the model (qwen3) or by the chat template (deepseek_r1); auto: qwen3 "
+        "when the chat template knows `</think>`, none otherwise.",
     )
     worker_id: str = Field("", description="Worker identity in heartbeats (defaults to host-pid).")
     worker_metrics_port: int = Field(

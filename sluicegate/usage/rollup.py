@@ -198,9 +198,12 @@ async def keep_rolling_up(
 async def run_usage_rollup(settings: UsageRollupSettings, redis: Redis, stop: asyncio.Event) -> UsageRollup:
     """Create ``llm.usage`` if missing, join group ``<prefix><usage_group>`` (from the earliest record: nothing
     written before the first rollup started is missed) and roll up until ``stop`` is set."""
-    names = Names(settings.topic_prefix)
+    names = settings.names
     await ensure_topics(
-        settings.kafka_bootstrap, {names.usage_topic: settings.topic_partitions}, settings.topic_replication
+        settings.kafka_bootstrap,
+        {names.usage_topic: settings.topic_partitions},
+        settings.topic_replication,
+        settings=settings,
     )
     group = f"{names.prefix}{settings.usage_group}"
     consumer = create_consumer(

@@ -76,13 +76,15 @@ class Pipeline:
     services: list[Service] = field(default_factory=list)
     api_key: str = API_KEY
     model: str = MODEL_NAME
+    #: Per subcommand (``ingress``, ``worker``...), environment only that service gets (its own Redis user).
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
     _redis: Any = None
 
     def start(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> Service:
         log_path = self.log_dir / f"{name}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", "cli.main", *args],
-            env={**self.env, **(extra_env or {})},
+            env={**self.env, **self.service_env.get(args[0], {}), **(extra_env or {})},
             stdout=log_path.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -260,10 +262,12 @@ def running_pipeline(
     tmp_path_factory: pytest.TempPathFactory,
     extra_env: dict[str, str],
     model_name: str = MODEL_NAME,
+    prefix: str | None = None,
+    service_env: dict[str, dict[str, str]] | None = None,
 ) -> Iterator[Pipeline]:
     """Router, ingress, result service and one worker serving ``model_dir`` as ``model_name``, under a prefix of
-    their own (plus ``extra_env``); stopped on exit."""
-    prefix = f"e{uuid.uuid4().hex[:8]}."
+    their own (plus ``extra_env``, and ``service_env`` per subcommand); stopped on exit."""
+    prefix = prefix or f"e{uuid.uuid4().hex[:8]}."
     ingress_port, result_port = free_port(), free_port()
     env = {
         **os.environ,
@@ -299,6 +303,7 @@ def running_pipeline(
         redis_url=redis_url,
         kafka_bootstrap=kafka_bootstrap,
         model=model_name,
+        service_env=service_env or {},
     )
     _RUNNING.append(pipe)
     try:

@@ -29,6 +29,7 @@ from schemas import (
     InferenceRequest,
     Names,
     PartitionRef,
+    ReasoningParser,
     RequestRecord,
     RequestStatus,
     RestartEvent,
@@ -90,6 +91,8 @@ async def heartbeat(
     description: str | None = None,
     backlog_seconds: dict[Tier, float] | None = None,
     lora: bool = False,
+    reasoning_parser: ReasoningParser | None = None,
+    architecture: str | None = None,
 ) -> None:
     """What a live worker writes to Redis every heartbeat interval (``lora``: it serves LoRA adapters)."""
     beat = WorkerHeartbeat(
@@ -105,6 +108,8 @@ async def heartbeat(
         description=description,
         backlog_seconds=backlog_seconds,
         lora=lora,
+        reasoning_parser=reasoning_parser,
+        architecture=architecture,
     )
     await redis.hset(names.workers_key(model), worker, beat.model_dump_json())
     await redis.sadd(names.models_key, model)

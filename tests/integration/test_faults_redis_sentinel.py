@@ -282,18 +282,20 @@ async def test_appends_the_replica_never_received_are_restored_after_failover(
 def test_sentinel_urls_parse_for_redis_py_and_kombu() -> None:
     from sluicegate.batches.celery_app import kombu_broker
     from sluicegate.kafka import replication_plan
-    from sluicegate.redis_client import parse_sentinel_url
+    from sluicegate.redis_urls import parse_sentinel_url
 
-    assert parse_sentinel_url("redis+sentinel://h1:1,h2:2/svc/3") == ([("h1", 1), ("h2", 2)], "svc", 3, None)
-    assert parse_sentinel_url("redis+sentinel://:pw@h1:1/svc") == ([("h1", 1)], "svc", 0, "pw")
+    target = parse_sentinel_url("redis+sentinel://h1:1,h2:2/svc/3")
+    assert (target.sentinels, target.service, target.db, target.password) == ([("h1", 1), ("h2", 2)], "svc", 3, None)
+    assert parse_sentinel_url("redis+sentinel://:pw@h1:1/svc").password == "pw"
     for bad in ("redis+sentinel://h1/svc", "redis+sentinel://h1:1/", "redis+sentinel://h1:1/svc/x"):
         with pytest.raises(ValueError):
             parse_sentinel_url(bad)
     assert kombu_broker("redis+sentinel://h1:1,h2:2/svc/3") == (
         "sentinel://h1:1/3;sentinel://h2:2/3",
         {"master_name": "svc"},
+        None,
     )
-    assert kombu_broker("redis://h:1/0") == ("redis://h:1/0", {})
+    assert kombu_broker("redis://h:1/0") == ("redis://h:1/0", {}, None)
     # One broker: 1 replica; three: 3 replicas and 2 in sync; auto off keeps what was asked for.
     assert replication_plan(1, 1, True) == (1, 1)
     assert replication_plan(1, 3, True) == (3, 2)

@@ -228,8 +228,13 @@ async def running_worker(
         while time.monotonic() < deadline:
             assert not task.done(), task.exception()
             with contextlib.suppress(OSError, RedisError):
-                beats = await redis.hgetall(names.workers_key(MODEL))
-                if any(WorkerHeartbeat.model_validate_json(v).partitions for v in beats.values()):
+                beats = [
+                    WorkerHeartbeat.model_validate_json(v)
+                    for v in (await redis.hgetall(names.workers_key(MODEL))).values()
+                ]
+                if any(b.partitions for b in beats):
+                    # The engine, in this process or its own, names the model's architecture.
+                    assert all(b.architecture == "LlamaForCausalLM" for b in beats), beats
                     break
             await asyncio.sleep(0.1)
         else:

@@ -42,7 +42,9 @@ def _engine() -> Any:
         num_preemptions=0,
     )
     tokenizer = SimpleNamespace(chat_template=None)  # not a fast tokenizer: nothing to publish
-    return SimpleNamespace(stats=lambda: stats, tokenizer=tokenizer, is_running=True, max_model_len=512)
+    return SimpleNamespace(
+        stats=lambda: stats, tokenizer=tokenizer, is_running=True, max_model_len=512, architecture="LlamaForCausalLM"
+    )
 
 
 async def test_a_heartbeat_redis_refuses_is_skipped_and_the_next_one_goes_out(tmp_path: Path) -> None:

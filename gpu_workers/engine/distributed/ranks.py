@@ -26,6 +26,7 @@ from transformers import AutoConfig
 from ..attention import get_attention_backend
 from ..config import EngineConfig
 from ..execution.model_runner import ModelRunner, PreparedBatch
+from ..models import ARCHITECTURE_INFO, check_features, resolve_architecture_name
 from ..models.loader import LoadedModel, load_model, resolve_model_path
 from .group import TPGroup, free_port
 from .shard import TPShard
@@ -43,8 +44,11 @@ class TensorParallelRanks:
 
     def __init__(self, config: EngineConfig) -> None:
         world = config.tensor_parallel_size
-        # A model whose heads do not divide over the ranks is refused before any process starts.
-        TPShard.plan(AutoConfig.from_pretrained(str(resolve_model_path(config.model))), 0, world)
+        # A model that cannot run sharded, or whose heads do not divide over the ranks, is refused before any
+        # process starts.
+        hf_config = AutoConfig.from_pretrained(str(resolve_model_path(config.model)))
+        check_features(ARCHITECTURE_INFO[resolve_architecture_name(getattr(hf_config, "architectures", None))], config)
+        TPShard.plan(hf_config, 0, world)
         port = free_port()
         context = multiprocessing.get_context("spawn")
         self.processes = [

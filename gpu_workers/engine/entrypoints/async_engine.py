@@ -74,6 +74,10 @@ class AsyncEngine(EngineFront):
         return self.engine.max_model_len
 
     @property
+    def architecture(self) -> str | None:
+        return self.engine.architecture
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -92,6 +92,11 @@ class EngineFront(ABC):
         """The context length (prompt + output tokens) one request may reach."""
 
     @property
+    def architecture(self) -> str | None:
+        """The registry's name of the model's architecture (e.g. Qwen3ForCausalLM); None before it is known."""
+        return None
+
+    @property
     @abstractmethod
     def is_running(self) -> bool: ...
 

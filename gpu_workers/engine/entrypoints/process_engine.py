@@ -99,6 +99,10 @@ class ProcessEngine(EngineFront):
         return self._spec.max_model_len
 
     @property
+    def architecture(self) -> str | None:
+        return self._spec.architecture if self._spec is not None else None
+
+    @property
     def spec(self) -> EngineSpec | None:
         return self._spec
 

@@ -140,6 +140,7 @@ def serve(sock: socket.socket) -> int:
         pid=os.getpid(),
         stats=engine.stats(),
         refused_tokens=engine.validator.refused_tokens,
+        architecture=engine.architecture,
     )
     channel.send(("ready", spec))
     try:

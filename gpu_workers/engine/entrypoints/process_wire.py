@@ -36,6 +36,7 @@ class EngineSpec:
     stats: EngineStats
     # Prompt tokens the model refuses, with the reason (``RequestValidator.refused_tokens``).
     refused_tokens: dict[int, str] = field(default_factory=dict)
+    architecture: str = ""
 
 
 def frame(message: tuple[Any, ...]) -> bytes:

@@ -21,8 +21,6 @@ and projector are skipped, and prompts holding the image token are refused (``im
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,14 +116,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3's causal LM: tied embeddings by default, optional final logit soft-cap."""
-
-    # Refused at load (``capabilities.py``): not yet checked against transformers/PEFT for this layout.
-    unsupported_features: ClassVar[dict[str, str]] = {
-        "LoRA": "adapters on Gemma 3's layers are not checked against PEFT yet",
-        "tensor parallelism": "its sharding is not checked against the single-device model yet",
-        "GGUF kept-quantized weights": "a Gemma 3 GGUF loads dequantized only (leave quantization unset)",
-    }
+    """Gemma 3's causal LM: tied embeddings by default, optional final logit soft-cap. The features it does not
+    serve are refused at load by its ``architectures.py`` entry."""
 
     def __init__(self, config: PretrainedConfig, max_len: int) -> None:
         nn.Module.__init__(self)

@@ -1,7 +1,12 @@
 """Reads a GGUF with the ``gguf`` library and writes the Hugging Face folder ``gguf_checkpoint`` caches: config from
 the metadata, every tensor dequantized by the library's own dequantizer (llama.cpp's Q/K row permutation undone
-for llama/mistral, and the ``1 +`` llama.cpp folds into Gemma 3's norm weights), the tokenizer with its chat
-template, and the generation config (an end-of-turn token, as Gemma's ``<end_of_turn>``, ends generation too)."""
+for llama/mistral, and the ``1 +`` llama.cpp folds into Gemma 3's norm weights: ``gguf_gemma3.py``), the
+tokenizer with its chat template, and the generation config (an end-of-turn token, as Gemma's ``<end_of_turn>``,
+ends generation too).
+
+``phi3`` keeps its projections fused (``attn_qkv``; ``ffn_up`` holds gate and up) and so does the folder, under
+transformers' Phi-3 names; its LongRoPE factors are the tensors ``rope_factors_long`` / ``rope_factors_short``,
+which become the config's ``long_factor`` / ``short_factor``."""
 
 from __future__ import annotations
 
@@ -16,9 +21,21 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from transformers import Gemma3TextConfig, GenerationConfig, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from transformers import (
+    Gemma3TextConfig,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from .gguf_errors import GGUFLoadError
+from .gguf_gemma3 import GEMMA3_LAYER_TENSORS, gemma3_expected_shapes, gemma3_kwargs, unfold_norm
+from .gguf_moe import MOE_LAYER_TENSORS, is_moe, moe_config, moe_expected_shapes, per_expert_hf_name, stacked_of
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +48,9 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM", True),
     "mistral": (MistralConfig, "MistralForCausalLM", True),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", False),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", False),
+    "phi3": (Phi3Config, "Phi3ForCausalLM", False),
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", False),  # a llama file with experts is Mixtral: gguf_moe.py
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", False),
 }
 _GLOBAL_TENSORS = {
@@ -48,23 +68,15 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 norms its attention and MLP outputs too, and its queries and keys per head: ``ffn_norm`` is the norm
-# before the MLP there, not after attention.
-_GEMMA3_LAYER_TENSORS = {
-    **_LAYER_TENSORS,
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head query/key norms
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    **MOE_LAYER_TENSORS,
 }
-_LAYER_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_LAYER_TENSORS}
-# llama.cpp sets Gemma 3's local RoPE base and layer pattern in code, not in the metadata (newer files may say).
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
-GEMMA3_SLIDING_PATTERN = 6
-# The 27B model (62 layers) scales queries by hidden / heads, the others by head_dim, as llama.cpp decides.
-GEMMA3_27B_LAYERS = 62
+# Where an architecture's tensor means something else: phi3's ffn_up is gate and up, fused; gemma3's norms.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma3": GEMMA3_LAYER_TENSORS}
+# LongRoPE factors (phi3): config values, not weights.
+ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 SHARD_BYTES = 2 << 30  # safetensors shard size: conversion holds at most about this much in memory
 # Where each tensor's bytes lie in the GGUF (``tensor_index``), written beside the weights.
 TENSOR_INDEX = "gguf_tensors.json"
@@ -102,7 +114,7 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise GGUFLoadError(path, f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
@@ -118,6 +130,10 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
             )
     elif scaling != "none":
         raise GGUFLoadError(path, f"RoPE scaling {scaling!r} is not supported (none, linear, yarn)")
+    if rope_dim != head_dim:
+        rope["partial_rotary_factor"] = rope_dim / head_dim
+    if arch == "phi3":
+        rope.update(_longrope(reader, path, arch, names))
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -134,10 +150,15 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", None),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", None),
     )
-    if arch == "mistral":
-        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None)
+    if arch in ("mistral", "phi3"):
+        # llama.cpp writes phi3's window as 0 where there is none (Phi-4).
+        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window", None) or None
     if arch == "gemma3":
-        kwargs.update(_gemma3_kwargs(reader, kwargs))
+        kwargs.update(gemma3_kwargs(lambda key, default=...: _field(reader, key, default), kwargs))
+    if "original_max_position_embeddings" in rope:
+        kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if is_moe(arch, lambda key, default: _field(reader, key, default)):
+        config_cls, hf_arch, kwargs = moe_config(arch, lambda key, default: _field(reader, key, default), kwargs)
     config = config_cls(**kwargs)
     config.architectures = [hf_arch]
     types = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
@@ -145,30 +166,28 @@ def build_config(reader: GGUFReader, path: Path) -> PretrainedConfig:
     return config
 
 
-def _gemma3_kwargs(reader: GGUFReader, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's settings beyond the Llama ones: its layer pattern and window, RoPE per layer kind (the scaling
-    read into ``rope_parameters`` belongs to the global layers), query scale and final soft-cap."""
-    layers = kwargs["num_hidden_layers"]
-    # A period (every n-th layer global), or one flag per layer (True: sliding), as gguf-py writes either.
-    pattern = _field(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
-    if isinstance(pattern, list):
-        sliding = [bool(x) for x in pattern]
-    else:
-        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
-    scalar = kwargs["head_dim"]
-    if layers == GEMMA3_27B_LAYERS:
-        scalar = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    return dict(
-        sliding_window=int(_field(reader, "gemma3.attention.sliding_window")),
-        layer_types=["sliding_attention" if slides else "full_attention" for slides in sliding],
-        rope_parameters={
-            "full_attention": kwargs["rope_parameters"],
-            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
-        },
-        query_pre_attn_scalar=scalar,
-        final_logit_softcapping=_field(reader, "gemma3.final_logit_softcapping", None),
-        hidden_activation="gelu_pytorch_tanh",
-    )
+def _longrope(reader: GGUFReader, path: Path, arch: str, names: set[str]) -> dict[str, Any]:
+    """A phi3 GGUF's LongRoPE parameters (none without its factor tensors): llama.cpp writes no scaling type for
+    them, the original context length and the attention factor as metadata, the factors as two F32 tensors."""
+    present = [n for n in ROPE_FACTOR_TENSORS if n in names]
+    if not present:
+        return {}
+    if len(present) == 1:
+        raise GGUFLoadError(path, f"LongRoPE needs both rope_factors_long and rope_factors_short; only {present[0]}")
+    rope: dict[str, Any] = {"rope_type": "longrope"}
+    for t in reader.tensors:
+        if t.name in ROPE_FACTOR_TENSORS:
+            rope[ROPE_FACTOR_TENSORS[t.name]] = [float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1)]
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length", None)
+    if original is None:
+        raise GGUFLoadError(
+            path, f"LongRoPE factors without metadata key '{arch}.rope.scaling.original_context_length'"
+        )
+    rope["original_max_position_embeddings"] = int(original)
+    attention_factor = _field(reader, f"{arch}.rope.scaling.attn_factor", None)
+    if attention_factor is not None:
+        rope["attention_factor"] = float(attention_factor)
+    return rope
 
 
 def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int, ...]]:
@@ -184,14 +203,23 @@ def expected_shapes(config: PretrainedConfig, arch: str) -> dict[str, tuple[int,
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
-        shapes |= {p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)}
-        shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        shapes |= {p + "self_attn.o_proj.weight": (h, q)}
+        if arch == "phi3":
+            shapes |= {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        else:
+            shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h)}
+            shapes |= {p + "self_attn.v_proj.weight": (kv, h)}
+            if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+                shapes |= moe_expected_shapes(config, p)
+            else:
+                shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)}
+                shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if arch == "qwen2":
             shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
         if arch == "gemma3":
-            shapes |= {p + f"{n}.weight": (h,) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")}
+            shapes |= gemma3_expected_shapes(config, p)
+        if arch in ("qwen3", "qwen3moe"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
 
@@ -201,11 +229,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{kind}"
-    layer_tensors = _LAYER_TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
+    layer_tensors = _LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
-    return None
+    return per_expert_hf_name(parts, kind)
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -222,7 +250,16 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
     expected = expected_shapes(config, arch)
     mapped: dict[str, Any] = {}
     for t in reader.tensors:
+        if t.name in ROPE_FACTOR_TENSORS and arch == "phi3":
+            continue  # read into the config's rope parameters
         name = hf_name(t.name, arch)
+        stacked = stacked_of(name) if name is not None else None
+        if name is not None and stacked is not None and stacked[0] in expected:
+            # One expert of an older per-expert file: its shape is one of the stack's, and it stands for its part.
+            stack, expert = stacked
+            if expert < expected[stack][0]:
+                expected[name] = expected[stack][1:]
+                mapped.setdefault(stack, set()).add(expert)
         if name is None or name not in expected:
             raise GGUFLoadError(path, f"tensor {t.name!r} has no place in a {arch} model")
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -232,10 +269,14 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
         if shape != expected[name]:
             raise GGUFLoadError(path, f"tensor {t.name!r} has shape {shape}, expected {expected[name]}")
         mapped[name] = t
-    missing = sorted(set(expected) - set(mapped))
+    # A stack read expert by expert is there when all its experts are.
+    stacks = {n: experts for n, experts in mapped.items() if isinstance(experts, set)}
+    missing = sorted(set(expected) - set(mapped) | {n for n, e in stacks.items() if len(e) < expected[n][0]})
     if missing:
         raise GGUFLoadError(path, f"tensors missing: {missing[:4]}")
     for name, t in mapped.items():
+        if name in stacks:
+            continue
         try:
             values = dequantize(t.data, t.tensor_type)
         except Exception as exc:  # tensor bytes past the end of a truncated file, and similar
@@ -249,8 +290,8 @@ def read_tensors(reader: GGUFReader, path: Path, config: PretrainedConfig) -> It
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = unpermute_rows(tensor, heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            tensor = tensor - 1  # llama.cpp stores Gemma's (1 + w) norm scales; the model adds the 1 itself
+        if arch == "gemma3":
+            tensor = unfold_norm(name, tensor)
         yield name, tensor.contiguous()
 
 
@@ -321,8 +362,21 @@ def convert(path: Path, out: Path) -> None:
         log.warning("GGUF %s has no chat template: the model serves completions only", path)
     _write_weights(reader, path, config, out)
     config.save_pretrained(str(out))
-    ids = {k: getattr(config, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
-    eot = _field(reader, "tokenizer.ggml.eot_token_id", None)
-    if eot is not None and ids["eos"] is not None and eot != ids["eos"]:
-        ids["eos"] = [ids["eos"], eot]  # a chat turn ends there (Gemma's <end_of_turn>) as well as at EOS
+    ids: dict[str, Any] = {k: getattr(config, f"{k}_token_id", None) for k in ("bos", "eos", "pad")}
+    ids["eos"] = end_token_ids(reader, ids["eos"])
     GenerationConfig(**{f"{k}_token_id": v for k, v in ids.items() if v is not None}).save_pretrained(str(out))
+
+
+def end_token_ids(reader: GGUFReader, eos: int | None) -> int | list[int] | None:
+    """The tokens that end generation: the file's EOS, its end-of-turn token (``eot_token_id``) and, for phi3,
+    ``<|end|>`` found by its text, as llama.cpp finds it (Phi-3 ends each turn with it, not with its EOS)."""
+    ends = [eos] if eos is not None else []
+    eot = _field(reader, "tokenizer.ggml.eot_token_id", None)
+    if eot is not None:
+        ends.append(int(eot))
+    if _field(reader, "general.architecture") == "phi3" and "tokenizer.ggml.tokens" in reader.fields:
+        tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+        if "<|end|>" in tokens:
+            ends.append(tokens.index("<|end|>"))
+    ends = list(dict.fromkeys(ends))
+    return ends if len(ends) > 1 else (ends[0] if ends else None)

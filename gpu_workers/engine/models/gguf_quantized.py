@@ -41,7 +41,13 @@ from .gguf_errors import GGUFLoadError
 
 log = logging.getLogger(__name__)
 
-_PROJECTION = re.compile(r"^(.*)\.(" + "|".join(MERGED_PROJECTIONS) + r")\.weight$")
+# A phi3 file's projections arrive already fused: one part filling the whole merged layer.
+_FUSED_IN_FILE: dict[str, tuple[str, int, int]] = {
+    "qkv_proj": ("qkv_proj", 0, 1),
+    "gate_up_proj": ("gate_up_proj", 0, 1),
+}
+_PARTS = MERGED_PROJECTIONS | _FUSED_IN_FILE
+_PROJECTION = re.compile(r"^(.*)\.(" + "|".join(_PARTS) + r")\.weight$")
 KEPT_TYPES = (*INT4_GGUF_TYPES, "Q8_0")
 
 
@@ -114,7 +120,7 @@ class GGUFQuantizedWeights:
                 if match is None:
                     continue
                 prefix, proj = match.groups()
-                merged, shard, _ = MERGED_PROJECTIONS[proj]
+                merged, shard, _ = _PARTS[proj]
                 target = f"{prefix}.{merged}"
             part_heads = heads.get(proj or "") if permuted else None
             grouped.setdefault(target, {})[shard] = _Part(

@@ -8,6 +8,7 @@ are merged into single ``nn.Linear`` layers (fewer, larger matmuls); quantizatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,13 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def uniform_windows(config: PretrainedConfig) -> list[int | None]:
+    """Every layer slides by the config's ``sliding_window`` when it has one (Mistral, Mixtral, Phi-3 and
+    Qwen3-MoE: transformers masks all their layers to it), else None each."""
+    window = getattr(config, "sliding_window", None)
+    return [int(window) if window else None] * config.num_hidden_layers
 
 
 def layer_types_windows(config: PretrainedConfig) -> list[int | None]:
@@ -123,10 +131,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, spec: AttentionSpec) -> None:
+    def __init__(self, config: PretrainedConfig, spec: AttentionSpec, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, spec)
-        self.mlp = LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
+        # ``mlp``: a model's own feed-forward block for this layer (a mixture of experts), else the dense one.
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -136,11 +145,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_len: int, specs: list[AttentionSpec]) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        max_len: int,
+        specs: list[AttentionSpec],
+        mlp_of: Callable[[int], nn.Module | None] = lambda layer: None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_len)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec) for spec in specs)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, mlp=mlp_of(i)) for i, spec in enumerate(specs))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -162,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
             AttentionSpec(self.qkv_bias(config), bias, self.qk_norm(config), window)
             for window in self.sliding_windows(config)
         ]
-        self.model = LlamaModel(config, max_len, specs)
+        self.model = LlamaModel(config, max_len, specs, mlp_of=lambda layer: self.mlp_of_layer(config, layer))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -179,6 +194,11 @@ class LlamaForCausalLM(nn.Module):
     def sliding_windows(cls, config: PretrainedConfig) -> list[int | None]:
         """Per layer, how many positions its attention sees (None: the whole context)."""
         return layer_types_windows(config)
+
+    @classmethod
+    def mlp_of_layer(cls, config: PretrainedConfig, layer: int) -> nn.Module | None:
+        """The feed-forward block of decoder layer ``layer``; None for the dense SiLU-gated MLP."""
+        return None
 
     @classmethod
     def text_config(cls, config: PretrainedConfig) -> PretrainedConfig:
@@ -215,8 +235,7 @@ class MistralForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def sliding_windows(cls, config: PretrainedConfig) -> list[int | None]:
-        window = getattr(config, "sliding_window", None)
-        return [int(window) if window else None] * config.num_hidden_layers
+        return uniform_windows(config)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

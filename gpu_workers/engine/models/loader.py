@@ -30,10 +30,10 @@ from ..config import EngineConfig
 from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
-from . import resolve_architecture
-from .capabilities import check_features
+from . import ARCHITECTURE_INFO, MODEL_REGISTRY, ArchitectureInfo, check_features, resolve_architecture_name
 from .gguf_checkpoint import converted_folder, find_gguf
 from .llama import LlamaForCausalLM, head_dim_of
+from .moe_checkpoint import expert_shards, expert_slot, router_name
 from .rotary import RotaryEmbedding, rope_type_of
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ class LoadedModel:
     kv_scales: torch.Tensor | None = None
     # Under tensor parallelism, the KV heads this rank keeps (its KV cache holds only those).
     local_kv_heads: int | None = None
+    # The registry's name of the architecture (``MODEL_REGISTRY``), e.g. "Qwen3ForCausalLM".
+    architecture: str = ""
 
     @property
     def num_layers(self) -> int:
@@ -166,12 +168,75 @@ def _weight_files(path: Path) -> list[Path]:
 def _shard_slices(model: LlamaForCausalLM) -> dict[str, list[tuple[int, int]]]:
     """Row ranges of each shard inside the merged weights, per merged module kind."""
     attn = model.attention_layers[0]
-    inter = model.model.layers[0].mlp.intermediate_size
+    # The first dense MLP's size: one with a merged gate_up_proj (Llama's SiLU or Gemma's GeGLU); a mixture-of-experts
+    # layer's experts are stacked apart (moe_checkpoint.py).
+    dense = (layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate_up_proj"))
+    inter = next((mlp.intermediate_size for mlp in dense), 0)
     q, kv = attn.q_size, attn.kv_size
     return {
         "qkv_proj": [(0, q), (q, q + kv), (q + kv, q + 2 * kv)],
         "gate_up_proj": [(0, inter), (inter, 2 * inter)],
     }
+
+
+def _fused_sizes(config: PretrainedConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The parts of a checkpoint's fused projections (Phi-3's ``qkv_proj`` / ``gate_up_proj``) in row order,
+    at the full model's sizes (a tensor-parallel rank cuts each part afterwards)."""
+    heads = int(config.num_attention_heads)
+    q, kv = heads * head_dim_of(config), int(config.num_key_value_heads or heads) * head_dim_of(config)
+    inter = int(config.intermediate_size)
+    return {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "gate_up_proj": (("gate_proj", inter), ("up_proj", inter)),
+    }
+
+
+def _split_fused(
+    name: str, tensor: torch.Tensor, fused: dict[str, tuple[tuple[str, int], ...]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of a checkpoint tensor, or of each part of a fused one under its part's name: the
+    loader then stacks the parts back into the merged layer like a Llama checkpoint's separate projections."""
+    fused_name = next((f for f in fused if f".{f}." in name), None)
+    if fused_name is None:
+        return [(name, tensor)]
+    parts = fused[fused_name]
+    rows = sum(size for _, size in parts)
+    if tensor.shape[0] != rows:
+        raise ValueError(f"checkpoint tensor {name} has {tensor.shape[0]} rows; the config implies {rows}")
+    split = tensor.split([size for _, size in parts])
+    return [(name.replace(f".{fused_name}.", f".{part}."), t) for (part, _), t in zip(parts, split, strict=True)]
+
+
+def _copy_into(
+    params: dict[str, nn.Parameter],
+    slices: dict[str, list[tuple[int, int]]],
+    shards_of: dict[str, Sequence[int]],
+    name: str,
+    tensor: torch.Tensor,
+) -> list[tuple[str, int]] | None:
+    """Copy checkpoint tensor ``name`` into its parameter (a row slice of a merged one, or an expert's slot of a
+    stacked expert one); the ``(parameter, shard)`` pairs filled, or None when the model has no place for it."""
+    slot = expert_slot(name, params)
+    if slot is not None:
+        target, dest, covered = slot.param, params[slot.param].data[slot.index], list(slot.shards)
+    else:
+        target, shard = router_name(name) or name, None
+        for src, dst, idx in _STACKED_PARAMS:
+            if f".{src}." in name:
+                target, shard = name.replace(f".{src}.", f".{dst}."), idx
+                break
+        if target not in params:
+            return None
+        dest = params[target].data
+        if shard is not None:
+            start, end = slices[target.split(".")[-2]][shard]
+            dest = dest[start:end]
+        # A whole merged (or stacked) tensor fills every shard of its parameter.
+        covered = [shard] if shard is not None else list(shards_of[target])
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+    return [(target, s) for s in covered]
 
 
 class WeightReader(Protocol):
@@ -237,13 +302,15 @@ def load_weights(
     kv_scales = _KVScaleReader(len(model.attention_layers), attn.num_kv_heads)
     params = dict(model.named_parameters(remove_duplicate=False))
     slices = _shard_slices(model)
+    fused_sizes = _fused_sizes(model.config)
     expected: set[tuple[str, int]] = set()
-    for name in params:
+    shards_of: dict[str, Sequence[int]] = {}  # of a parameter a checkpoint may fill in parts
+    for name, param in params.items():
         if model.tie_word_embeddings and name == "lm_head.weight":
             continue
         merged = next((m for m in slices if f".{m}." in name), None)
-        shards = range(len(slices[merged])) if merged else [0]
-        expected.update((name, s) for s in shards)
+        shards_of[name] = expert_shards(name, param) or (range(len(slices[merged])) if merged else [0])
+        expected.update((name, s) for s in shards_of[name])
     loaded: set[tuple[str, int]] = set()
     unexpected: list[str] = []
     with torch.no_grad():
@@ -260,30 +327,13 @@ def load_weights(
                         continue
                     if any(r.take(ckpt_name, lambda n=stored_name: f.get_tensor(n)) for r in readers):
                         continue
-                    target, shard = ckpt_name, None
-                    for src, dst, idx in _STACKED_PARAMS:
-                        if f".{src}." in ckpt_name:
-                            target, shard = ckpt_name.replace(f".{src}.", f".{dst}."), idx
-                            break
-                    if target not in params:
-                        unexpected.append(ckpt_name)
-                        continue
                     tensor = f.get_tensor(stored_name)
-                    if cut is not None:
-                        tensor = cut(ckpt_name, tensor)
-                    param = params[target]
-                    if shard is None:
-                        dest = param.data
-                    else:
-                        start, end = slices[target.split(".")[-2]][shard]
-                        dest = param.data[start:end]
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        raise ValueError(
-                            f"checkpoint tensor {ckpt_name} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor)
-                    loaded.add((target, shard or 0))
+                    for name, part in _split_fused(ckpt_name, tensor, fused_sizes):
+                        filled = _copy_into(params, slices, shards_of, name, part if cut is None else cut(name, part))
+                        if filled is None:
+                            unexpected.append(name)
+                        else:
+                            loaded.update(filled)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {unexpected[:5]}")
     missing = sorted(expected - loaded)
@@ -295,9 +345,10 @@ def load_weights(
 
 
 def _gguf_quantized(
-    config: EngineConfig, folder: Path, hf_config: PretrainedConfig, int4: Int4Config | None
+    config: EngineConfig, folder: Path, hf_config: PretrainedConfig, int4: Int4Config | None, info: ArchitectureInfo
 ) -> GGUFQuantizedWeights | None:
-    """The kept-quantized plan of a GGUF model under a CPU method, else None; ``gguf`` needs a GGUF."""
+    """The kept-quantized plan of a GGUF model under a CPU method, else None; ``gguf`` needs a GGUF, and an
+    architecture that cannot keep a GGUF's blocks (``info``) is refused by name."""
     if config.quantization not in CPU_QUANTIZATIONS or int4 is not None:
         return None
     gguf_file = find_gguf(config.model)
@@ -309,6 +360,7 @@ def _gguf_quantized(
                 "checkpoint at load"
             )
         return None  # a float checkpoint: quantize_model converts it after loading
+    info.refuse("gguf_quantized")
     from .gguf_quantized import GGUFQuantizedWeights
 
     return GGUFQuantizedWeights(gguf_file, folder, hf_config, config.quantization)
@@ -324,11 +376,14 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         check_quantization_supported(config.quantization, device)
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
-    model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
-    check_features(model_cls, config)
+    architecture = resolve_architecture_name(getattr(hf_config, "architectures", None))
+    model_cls, info = MODEL_REGISTRY[architecture], ARCHITECTURE_INFO[architecture]
+    check_features(info, config)  # a feature it cannot run with, refused by name
     hf_config = model_cls.text_config(hf_config)
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
-    gguf_weights = _gguf_quantized(config, path, hf_config, int4)
+    if int4 is not None:
+        info.refuse("int4_checkpoints")
+    gguf_weights = _gguf_quantized(config, path, hf_config, int4, info)
     dtype = resolve_dtype(config.torch_dtype, hf_config, device, config.quantization)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
     shard = None
@@ -368,4 +423,5 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         max_model_len=max_model_len,
         kv_scales=kv_scales,
         local_kv_heads=shard.num_kv_heads if shard is not None else None,
+        architecture=architecture,
     )

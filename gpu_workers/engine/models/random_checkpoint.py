@@ -1,8 +1,9 @@
-"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3/Gemma 3 checkpoint plus a trained byte-level BPE
-tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
+"""Writes a small random-weight Llama/Mistral/Qwen2/Qwen3/Phi-3/Mixtral/Qwen3-MoE/Gemma 3 checkpoint plus a trained
+byte-level BPE tokenizer as an ordinary Hugging Face folder, for tests, demos and benchmarks without downloads."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,12 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 ARCH_CONFIGS: dict[str, type] = {
@@ -25,6 +29,9 @@ ARCH_CONFIGS: dict[str, type] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "phi3": Phi3Config,
+    "mixtral": MixtralConfig,
+    "qwen3_moe": Qwen3MoeConfig,
     "gemma3": Gemma3TextConfig,
     # Gemma 3's vision-language layout (a tiny vision tower beside the language model), served text-only.
     "gemma3_mm": Gemma3Config,
@@ -34,13 +41,37 @@ ARCH_NAMES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma3_mm": "Gemma3ForConditionalGeneration",
+}
+# Config fields an architecture gets unless ``config_overrides`` sets them: small expert counts for the MoE models
+# (their library defaults are Mixtral-8x7B's and Qwen3-30B-A3B's).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+# Qwen3's way of switching thinking (``chat_template_kwargs: {"enable_thinking": false}`` closes an empty
+# <think> span in the prompt), in ChatML; ``open_think`` mimics the thinking-only releases that open it themselves.
+THINKING_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
+)
+# Phi-3 / Phi-4-mini's turn markers and template (Phi-4-mini's: no newlines): a turn ends with <|end|>, which the
+# generation config lists as an EOS beside <|endoftext|>, as the real checkpoints do.
+PHI3_SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PHI3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
 )
 
 _CORPUS = """\
@@ -91,8 +122,11 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int, extra_special: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE, eos_token: str = "</s>"
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the built-in corpus, padded to exactly ``vocab_size``.
+    ``extra_special``: more special tokens (an architecture's turn markers), ``eos_token`` among them or ``</s>``.
 
     A small corpus cannot supply tens of thousands of merges, so the remainder of the vocabulary
     is filled with plain added tokens ``<|extra_N|>``; every model id then decodes to something.
@@ -104,7 +138,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -119,10 +153,13 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
-        eos_token="</s>",
+        eos_token=eos_token,
         pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
+    if extra_special:
+        # Marked special, so decoding with skip_special_tokens drops them (an end-of-turn token is no text).
+        fast.add_special_tokens({"additional_special_tokens": list(extra_special)})
     if len(fast) != vocab_size:
         raise RuntimeError(f"tokenizer has {len(fast)} tokens, expected {vocab_size}")
     return fast
@@ -146,6 +183,8 @@ def make_tiny_model(
     max_shard_size: str | int | None = None,
     head_dim: int | None = None,
     sliding_window: int | None = None,
+    chat_template: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``generation_config.json`` and tokenizer files
     for a random model into ``out_dir`` (created if needed) and return its path.
@@ -154,7 +193,10 @@ def make_tiny_model(
     than one token forever. ``intermediate_size`` defaults to ~8/3 x hidden, rounded up to 32.
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into an indexed, sharded checkpoint.
     ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 and Gemma set it apart from the hidden size).
-    ``sliding_window``: Mistral's window (every layer), None for full attention.
+    ``sliding_window``: the window of every layer (Mistral, Mixtral, Phi-3, Qwen3-MoE) or of Gemma 3's sliding
+    layers; None for full attention.
+    ``chat_template`` replaces the tokenizer's (e.g. ``THINKING_CHAT_TEMPLATE``).
+    ``config_overrides``: more fields of the architecture's config (e.g. ``num_experts``), over ``ARCH_DEFAULTS``.
     """
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
@@ -166,8 +208,16 @@ def make_tiny_model(
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
-    bos, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS)
+    if arch == "phi3":
+        tokenizer = build_tokenizer(vocab_size, PHI3_SPECIAL_TOKENS, PHI3_CHAT_TEMPLATE, eos_token="<|endoftext|>")
+    else:
+        tokenizer = build_tokenizer(vocab_size)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
+    # Generation stops at any of these: Phi-3 ends a turn with <|end|>, a document with <|endoftext|>.
+    eos_ids: int | list[int] = [tokenizer.convert_tokens_to_ids("<|end|>"), eos] if arch == "phi3" else eos
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -188,12 +238,21 @@ def make_tiny_model(
         rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
         rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
     kwargs["rope_parameters"] = rope_parameters
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral", "phi3"):
         kwargs["sliding_window"] = sliding_window
+    elif arch == "qwen3_moe" and sliding_window is not None:
+        kwargs |= dict(use_sliding_window=True, sliding_window=sliding_window)
     elif arch.startswith("gemma3"):
         kwargs.update(_gemma3_text_kwargs(num_layers, sliding_window, rope_theta, rope_scaling))
     elif sliding_window is not None:
         raise ValueError(f"sliding_window is not supported for arch {arch!r}")
+    if arch == "phi3":
+        # Phi3Config's own original_max_position_embeddings (4096) overrides the one given with the RoPE parameters.
+        default_original = ARCH_CONFIGS[arch]().original_max_position_embeddings
+        kwargs["original_max_position_embeddings"] = rope_parameters.get(
+            "original_max_position_embeddings", default_original
+        )
+    kwargs |= ARCH_DEFAULTS.get(arch, {}) | (config_overrides or {})
     if arch == "gemma3_mm":
         config = Gemma3Config(
             text_config=Gemma3TextConfig(**kwargs), vision_config=_TINY_VISION, mm_tokens_per_image=4,
@@ -211,7 +270,7 @@ def make_tiny_model(
                 for layer in model.model.layers:
                     for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                         proj.bias.normal_(0.0, init_std)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             # Qwen3 initialises its per-head query/key norms to ones; random ones make the test cover them.
             with torch.no_grad():
                 for layer in model.model.layers:
@@ -223,7 +282,7 @@ def make_tiny_model(
                 for name, param in model.named_parameters():
                     if name.endswith("norm.weight") and "vision" not in name:
                         param.uniform_(-0.5, 0.5)
-    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos_ids, pad_token_id=pad)
     if max_shard_size is None:
         model.save_pretrained(out, safe_serialization=True)
     else:

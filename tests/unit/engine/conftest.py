@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from gpu_workers.engine import LLM
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
+from gpu_workers.engine.models.rotary import uses_long_factors
 
 # The tiny models are cheap; keep intra-op threads low so the suite behaves on a shared 2-core box.
 torch.set_num_threads(1)
@@ -25,6 +27,19 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+
+
+def longrope(rotary_dim: int, original_max_position_embeddings: int = 64) -> dict[str, Any]:
+    """Phi-3 style LongRoPE: distinct short and long factors per frequency (the long ones stretch the low
+    frequencies most, as the real ones do); prompts here cross the original length, so both sets matter."""
+    half = rotary_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 1.5 * i for i in range(half)],
+        "original_max_position_embeddings": original_max_position_embeddings,
+    }
+
 
 MODEL_VARIANTS: dict[str, dict[str, Any]] = {
     "llama": dict(arch="llama"),
@@ -46,6 +61,24 @@ MODEL_VARIANTS: dict[str, dict[str, Any]] = {
         arch="llama", seed=3, tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
         num_heads=8, num_kv_heads=2,
     ),
+    # Phi-3 (128k style): fused checkpoint projections, LongRoPE with an original length of 64 tokens.
+    "phi3_longrope": dict(arch="phi3", seed=5, max_position_embeddings=512, rope_scaling=longrope(16)),
+    # Phi-4-mini style: 3/4 of each head rotates (12 of 16 dims), LongRoPE on those, tied embeddings, 4:1 GQA.
+    "phi4mini": dict(
+        arch="phi3", seed=6, max_position_embeddings=512, tie_word_embeddings=True, num_heads=4, num_kv_heads=1,
+        rope_scaling={**longrope(12), "partial_rotary_factor": 0.75},
+    ),
+    # Mixture of experts: Mixtral's top-2 of 8 experts, renormalized; Qwen3-MoE's top-4 of 8 not renormalized
+    # (norm_topk_prob off), qk norms, and layer 1 dense (mlp_only_layers). test_engine_moe.py checks that these
+    # suites' prompts route tokens to every expert of every sparse layer.
+    "mixtral": dict(arch="mixtral", seed=5),
+    "qwen3_moe": dict(
+        arch="qwen3_moe", seed=7, num_layers=3, head_dim=32,
+        config_overrides=dict(num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[1]),
+    ),
+    # Phi-3-mini-4k's and Mixtral's windows slide every layer as Mistral's does (transformers masks them too).
+    "phi3_sliding": dict(arch="phi3", seed=8, sliding_window=40),
+    "mixtral_sliding": dict(arch="mixtral", seed=9, sliding_window=56),
 }  # fmt: skip
 
 # Prompt lengths straddle block boundaries (block size 16) and reach 300 tokens.
@@ -93,6 +126,21 @@ def shared_prefix_prompts(seed: int, vocab_size: int = 512) -> list[tuple[list[i
     return prompts
 
 
+def pin_longrope_factors(model: Any, max_model_len: int) -> None:
+    """Make a transformers LongRoPE model use the factor set the engine picks for ``max_model_len`` at every
+    length. transformers switches to the long factors once the sequence in hand passes the original length
+    (its cached keys keep the short ones); the engine picks one set per engine (``models/rotary.py``), so a
+    prompt shorter than the original length would otherwise be compared across two different RoPEs. The
+    factors and the attention scaling stay transformers' own; ``test_phi3.py`` checks the unpinned model too."""
+    config = model.config
+    if not uses_long_factors(config, max_model_len):
+        return
+    rotary = model.model.rotary_emb
+    original = int(config.rope_parameters["original_max_position_embeddings"])
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, rotary.original_inv_freq.device, seq_len=original + 1)
+    rotary.original_inv_freq.copy_(long_inv_freq)
+
+
 class HFReference:
     """Greedy continuations from transformers ``generate`` (batch of one, no padding), cached."""
 
@@ -107,6 +155,7 @@ class HFReference:
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
                 # generate() fills unset fields from the model's defaults; drop EOS there too.
                 model.generation_config.eos_token_id = None
+                pin_longrope_factors(model, MAX_MODEL_LEN)
                 self._models[path] = model
             model = self._models[path]
             # No EOS: exactly max_new_tokens tokens, matching the engine's ignore_eos=True.

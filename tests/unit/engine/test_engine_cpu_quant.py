@@ -43,6 +43,7 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 MODELS = {
     "llama": dict(arch="llama"),
     "qwen2": dict(arch="qwen2", seed=2),
+    "qwen3": dict(arch="qwen3", seed=4, head_dim=32),
     "llama_tied": dict(arch="llama", seed=3, tie_word_embeddings=True, num_heads=8, num_kv_heads=2),
     "wide": dict(hidden_size=256, intermediate_size=256, num_layers=1, num_heads=4),
 }
@@ -112,7 +113,7 @@ def _compare(kept: LLM, ref: LLM, capsys: pytest.CaptureFixture[str], label: str
 
 @pytest.mark.parametrize(
     ("variant", "qtype"),
-    [("llama", T.Q4_0), ("qwen2", T.Q4_1), ("llama_tied", T.Q4_1), ("wide", T.Q4_K)],
+    [("llama", T.Q4_0), ("qwen2", T.Q4_1), ("qwen3", T.Q4_0), ("llama_tied", T.Q4_1), ("wide", T.Q4_K)],
     ids=lambda v: v if isinstance(v, str) else v.name,
 )
 def test_kept_4bit_gguf_matches_the_dequantized_engine(

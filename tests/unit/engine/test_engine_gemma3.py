@@ -83,7 +83,7 @@ def test_hybrid_model_masks_sliding_layers_and_keeps_every_block(
 
 @pytest.mark.parametrize(
     ("setting", "feature"),
-    [({"enable_lora": True}, "LoRA"), ({"tensor_parallel_size": 2}, "tensor parallelism")],
+    [({"enable_lora": True}, "LoRA"), ({"tensor_parallel_size": 2}, "Tensor parallelism")],
 )
 def test_unsupported_features_are_refused_by_name(
     setting: dict[str, object], feature: str, model_dir: Callable[[str], Path]

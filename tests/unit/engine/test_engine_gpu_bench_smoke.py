@@ -93,9 +93,11 @@ def _rehearse(out: Path, phases: str, *, timeout_s: float) -> None:
 def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
     """The prepared GPU run (benchmarks/gpu_run.sh) in its CPU rehearsal: every phase leaves its files and its
     exit status in summary.json, and greedy parity with transformers holds on the CPU's attention paths."""
-    _rehearse(tmp_path, "env,parity", timeout_s=400)
+    _rehearse(tmp_path, "env,parity,moe", timeout_s=400)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary) == {"env", "parity"} and all(phase["rc"] == 0 for phase in summary.values()), summary
+    assert set(summary) == {"env", "parity", "moe"} and all(phase["rc"] == 0 for phase in summary.values()), summary
+    with tarfile.open(tmp_path / "gpu_run_files.tar") as tar:
+        assert "./moe_gpu.json" in tar.getnames()
     parity = json.loads((tmp_path / "gpu_parity.json").read_text())
     assert parity["failures"] == [] and len(parity["cases"]) >= 4
     assert all(case["all_equal"] for case in parity["cases"]), parity["cases"]

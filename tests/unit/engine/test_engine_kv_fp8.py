@@ -123,6 +123,7 @@ def test_blocks_per_gib_double_against_a_16_bit_cache(
         ("llama", "torch"),
         ("llama3_tied", "torch"),
         ("qwen2", "torch"),
+        ("qwen3", "torch"),
         pytest.param(
             "llama3_tied",
             "triton",

@@ -1,7 +1,8 @@
 """Sliding-window attention in the KV cache: with every layer sliding, the blocks behind the window go back
 to the pool (``NULL_BLOCK`` in their place), the released blocks stay findable by prefix lookups until
 evicted, a lookup never returns a prefix with a block missing, and the window no longer caps the context.
-Token-for-token parity with transformers runs in test_engine_vs_transformers.py (``mistral_sliding``)."""
+Token-for-token parity with transformers runs in test_engine_vs_transformers.py (``mistral_sliding``,
+``phi3_sliding``, ``mixtral_sliding``); Qwen3-MoE's window (``use_sliding_window``) is checked here."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.core.block_manager import NULL_BLOCK, KVBlockManager
 from gpu_workers.engine.models.loader import resolve_max_model_len
+from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
-from .conftest import MODEL_VARIANTS
+from .conftest import MODEL_VARIANTS, HFReference
 from .test_engine_block_manager import _seq
 
 BS = 4
@@ -112,3 +116,28 @@ def test_engine_holds_only_the_window_s_blocks_while_decoding(
     # during the prefill: far fewer than the 260 tokens' 17 blocks a full-attention model holds.
     bound = -(-(window + 64) // block_size) + 1
     assert 0 < most_held <= bound < -(-260 // block_size)
+
+
+@pytest.mark.parametrize("variant", ["mistral_sliding", "phi3_sliding", "mixtral_sliding"])
+def test_every_layer_of_an_all_sliding_model_slides_and_releases(
+    variant: str, model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    window = MODEL_VARIANTS[variant]["sliding_window"]
+    engine = make_llm(model_dir(variant)).engine
+    assert engine.loaded.sliding_windows == [window] * engine.loaded.num_layers
+    assert engine.block_manager.sliding_window == window
+    assert engine.loaded.max_model_len > window
+
+
+def test_qwen3_moe_window_matches_transformers(
+    tmp_path: Path, hf_reference: HFReference, make_llm: Callable[..., LLM]
+) -> None:
+    window = 24
+    path = make_tiny_model(tmp_path / "qwen3_moe_sliding", arch="qwen3_moe", seed=7, head_dim=32, sliding_window=window)
+    llm = make_llm(path)
+    assert llm.engine.block_manager.sliding_window == window
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (90, 17)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outputs] == [hf_reference.greedy(path, p, 12) for p in prompts]

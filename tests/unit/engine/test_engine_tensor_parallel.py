@@ -1,9 +1,9 @@
 """Tensor parallelism on CPU, 2 ranks under gloo: greedy tokens equal tensor_parallel_size=1 for Llama, Mistral
-(one KV head: replicated on both ranks), Qwen2 (Q/K/V biases) and tied-embedding Llama 3 (GQA 4:1, vocab-parallel
-embedding shared with the LM head), with chunked prefill, prefix caching and n > 1 (copy-on-write block copies);
-unsupported combinations are refused by name; a rank that dies fails the step, not hangs; an engine idle for longer
-than the group's timeout still serves (its other ranks wait for commands however long), and rank 0's death ends
-that wait at once."""
+(one KV head: replicated on both ranks), Qwen2 (Q/K/V biases), Phi-3 and Phi-4-mini (fused checkpoint projections
+cut into each rank's parts) and tied-embedding Llama 3 (GQA 4:1, vocab-parallel embedding shared with the LM head),
+with chunked prefill, prefix caching and n > 1 (copy-on-write block copies); unsupported combinations are refused
+by name; a rank that dies fails the step, not hangs; an engine idle for longer than the group's timeout still
+serves (its other ranks wait for commands however long), and rank 0's death ends that wait at once."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def tp_llms() -> Iterator[Callable[..., LLM]]:
             assert not process.is_alive(), "a tensor-parallel rank outlived its engine"
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "llama3_tied"])
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "llama3_tied", "phi3_longrope", "phi4mini"])
 def test_two_ranks_decode_the_same_greedy_tokens(
     variant: str,
     model_dir: Callable[[str], Path],

@@ -65,7 +65,7 @@ def _count_cascade_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "phi4mini"])
 def test_matches_transformers_with_prefix_hits_and_decode_batches(
     variant: str, model_dir: Callable[[str], Path], hf_reference: HFReference, make_llm: Callable[..., LLM]
 ) -> None:

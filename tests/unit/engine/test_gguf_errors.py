@@ -67,9 +67,9 @@ def test_corrupt_metadata(good_bytes: bytes, tmp_path: Path) -> None:
 
 
 def test_an_unknown_architecture(hf_dir: Path, tmp_path: Path) -> None:
-    path = tmp_path / "phi.gguf"
-    write_gguf(hf_dir, path, arch="phi3")
-    _refused(path, "architecture 'phi3' is not supported")
+    path = tmp_path / "falcon.gguf"
+    write_gguf(hf_dir, path, arch="falcon")
+    _refused(path, "architecture 'falcon' is not supported")
 
 
 def test_an_unsupported_tensor_type(hf_dir: Path, tmp_path: Path) -> None:

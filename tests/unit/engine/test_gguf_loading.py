@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.models.gguf_checkpoint import SOURCE_FILE, converted_folder, find_gguf
@@ -27,7 +27,11 @@ ARCHS = {
     "llama": dict(arch="llama"),
     "mistral": dict(arch="mistral", seed=1),
     "qwen2": dict(arch="qwen2", seed=2),
+    "qwen3": dict(arch="qwen3", seed=4, head_dim=32),
     "llama_tied": dict(arch="llama", seed=3, tie_word_embeddings=True, num_heads=8, num_kv_heads=2),
+    # llama.cpp's phi3: fused attn_qkv and ffn_up, LongRoPE factors as tensors, partial rotary (Phi-4-mini).
+    "phi3_longrope": MODEL_VARIANTS["phi3_longrope"],
+    "phi4mini": MODEL_VARIANTS["phi4mini"],
 }
 # Types the gguf library quantizes (written from the model's weights) and, last, those it only dequantizes.
 QUANTIZED = [T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, *DEQUANTIZE_ONLY]
@@ -45,7 +49,7 @@ def test_f32_gguf_matches_transformers_on_the_original(
     write_gguf(hf, tmp_path / "model.gguf", T.F32)
     llm = make_llm(tmp_path / "model.gguf", dtype="float32")
     assert not (llm.engine.loaded.path / "lm_head.weight").exists()
-    assert llm.engine.loaded.hf_config.tie_word_embeddings == (variant == "llama_tied")
+    assert llm.engine.loaded.hf_config.tie_word_embeddings == bool(ARCHS[variant].get("tie_word_embeddings"))
     prompts = random_prompts(seed=len(variant))[:6]
     outputs = llm.generate([p for p, _ in prompts], [_greedy(n) for _, n in prompts])
     for out, (prompt, max_tokens) in zip(outputs, prompts, strict=True):
@@ -55,7 +59,9 @@ def test_f32_gguf_matches_transformers_on_the_original(
     text = "The river ran quietly past 2026 mills & 3.14 bakers.\nShe asked: what time?"
     assert rebuilt.encode(text) == original.encode(text)
     assert rebuilt.chat_template == original.chat_template
-    assert llm.engine.eos_token_ids == frozenset({original.eos_token_id})
+    # Every end token of the original's generation config (Phi-3: <|end|> beside <|endoftext|>).
+    eos = GenerationConfig.from_pretrained(str(hf)).eos_token_id
+    assert llm.engine.eos_token_ids == frozenset(eos if isinstance(eos, list) else [eos])
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def adapters(model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPath
     """Per base variant, four adapters: ranks 4, 8 and 16 on every projection, and rank 2 on q/v only."""
     root = tmp_path_factory.mktemp("lora_adapters")
     made: dict[str, Adapters] = {}
-    for variant in ("llama", "qwen2"):
+    for variant in ("llama", "qwen2", "qwen3"):
         base = model_dir(variant)
         made[variant] = {r: make_adapter(base, root / f"{variant}-r{r}", r, seed=r) for r in (4, 8, 16)}
         made[variant][2] = make_adapter(base, root / f"{variant}-r2", 2, targets=["q_proj", "v_proj"], seed=2)
@@ -65,7 +65,7 @@ def _check(llm: LLM, ref: MergedReference, prompts: list[list[int]], loras: list
             assert choice.token_ids == expected, f"prompt {i} ({len(prompt)} tokens, {name}) diverged"
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3"])
 def test_mixed_batch_equals_merged_peft(
     variant: str, adapters: dict[str, Adapters], references: Callable[[str], MergedReference],
     make_llm: Callable[..., LLM],

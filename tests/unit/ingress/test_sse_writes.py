@@ -30,7 +30,9 @@ class ReplayedStream:
         self.settings = SimpleNamespace(request_timeout_s=5.0, kafka_timeout_s=1.0)
         self.cancelled: list[str] = []
 
-    async def event_batches(self, request_id: str, *, timeout_s: float) -> AsyncIterator[list[StreamEvent]]:
+    async def event_batches(
+        self, request_id: str, tenant: str, *, timeout_s: float
+    ) -> AsyncIterator[list[StreamEvent]]:
         for batch in self._batches:
             yield batch
 

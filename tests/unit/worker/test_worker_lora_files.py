@@ -9,7 +9,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from cli.main import CliError, _lora_pairs, _worker_settings, build_parser
+from cli.main import CliError, _pairs, _worker_settings, build_parser
 from gpu_workers.worker.adapter_files import AdapterFetchError, fetch_adapter, is_remote
 from gpu_workers.worker.main import engine_arguments, lora_enabled
 from sluicegate.settings import Settings
@@ -73,9 +73,9 @@ def test_lora_flags_add_to_the_settings_and_turn_lora_on(monkeypatch: pytest.Mon
     assert settings.worker_loras == {"chat": "/a/chat", "sql": "s3://b/sql", "x": "/p/x"}
     assert lora_enabled(settings)
     with pytest.raises(CliError, match="expected NAME=PATH"):
-        _lora_pairs(["sql"])
+        _pairs(["sql"], "--lora", "NAME=PATH")
     with pytest.raises(CliError, match="given twice"):
-        _lora_pairs(["a=/x", "a=/y"])
+        _pairs(["a=/x", "a=/y"], "--lora", "NAME=PATH")
 
 
 def test_engine_gets_the_lora_knobs_only_when_lora_is_on() -> None:

@@ -7,6 +7,7 @@ port serving /metrics), readinessPath, livenessPath, env (extra env YAML), volum
 {{- $ctx := .ctx -}}
 {{- $v := .values -}}
 {{- $name := printf "%s-%s" (include "sluicegate.fullname" $ctx) .component -}}
+{{- $transport := include "sluicegate.transport" (dict "ctx" $ctx "component" .component) | fromYaml -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -59,6 +60,9 @@ spec:
             {{- with .env }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with $transport.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
             {{- with $v.env }}
             {{- include "sluicegate.extraEnv" . | trim | nindent 12 }}
             {{- end }}
@@ -82,10 +86,16 @@ spec:
             {{- with .mounts }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with $transport.mounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
       volumes:
         {{- include "sluicegate.scratchVolumes" $ctx | nindent 8 }}
         {{- with .volumes }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- with $transport.volumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
       {{- with $v.nodeSelector }}
       nodeSelector:
