@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from ingress_support import eventually
+from ingress_support import eventually, wait_partitions_owned
 from redis.asyncio import Redis
 
 from gpu_workers.worker.main import run_worker
@@ -21,7 +21,6 @@ from schemas import (
     InferenceRequest,
     SamplingOptions,
     StreamEvent,
-    WorkerHeartbeat,
     parse_stream_event,
 )
 from schemas.names import HEADER_REQUEST_ID
@@ -63,13 +62,8 @@ async def worker_settings(
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(settings, stop))
 
-    async def owns_partitions() -> bool:
-        assert not worker.done(), worker.exception()
-        beats = await redis.hgetall(settings.names.workers_key(MODEL))
-        return any(WorkerHeartbeat.model_validate_json(v).partitions for v in beats.values())
-
     try:
-        await eventually(owns_partitions, timeout_s=120)
+        await wait_partitions_owned(redis, settings, MODEL, worker)
         yield settings
         assert not worker.done(), worker.exception()
     finally:
