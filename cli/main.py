@@ -18,6 +18,7 @@ from sluicegate.logs import configure_logging
 from sluicegate.settings import BackboneSettings, BatchServiceSettings, TelemetrySettings, WorkerSettings, get_settings
 
 T = TypeVar("T")
+TENANT_DLQ_HELP = "tenant T's own DLQ, llm.dlq.<T> (with SLUICEGATE_TENANT_TOPICS=true)"
 
 
 class CliError(Exception):
@@ -198,7 +199,7 @@ def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:
 def _dlq_list(args: argparse.Namespace) -> int:
     from sluicegate.dead_letter_admin import format_entry, list_entries
 
-    entries = _dlq_run(list_entries(BackboneSettings(), limit=args.limit))
+    entries = _dlq_run(list_entries(BackboneSettings(), limit=args.limit, tenant=args.tenant))
     for entry in entries:
         print(format_entry(entry))
     if not entries:
@@ -210,7 +211,13 @@ def _dlq_replay(args: argparse.Namespace) -> int:
     from sluicegate.dead_letter_admin import replay, summary
 
     outcomes = _dlq_run(
-        replay(BackboneSettings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run)
+        replay(
+            BackboneSettings(),
+            reason=args.reason,
+            request_id=args.request_id,
+            dry_run=args.dry_run,
+            tenant=args.tenant,
+        )
     )
     for outcome in outcomes:
         print(outcome.line())
@@ -340,11 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     dlq = sub.add_parser("dlq", help="the dead-letter topic").add_subparsers(dest="action", required=True)
     dlq_list = dlq.add_parser("list", help="print DLQ entries: reason, source topic/partition/offset, request, detail")
     dlq_list.add_argument("--limit", type=int, help="only the N most recent entries")
+    dlq_list.add_argument("--tenant", help=TENANT_DLQ_HELP)
     dlq_list.set_defaults(handler=_dlq_list)
     dlq_replay = dlq.add_parser("replay", help="republish the original requests to llm.inbound (router re-validates)")
     dlq_replay.add_argument("--reason", help="only entries with this reason (or its detailed forms, 'reason:...')")
     dlq_replay.add_argument("--request-id", help="only entries for this request")
     dlq_replay.add_argument("--dry-run", action="store_true", help="say what would be replayed, publish nothing")
+    dlq_replay.add_argument("--tenant", help=TENANT_DLQ_HELP + "; replayed to llm.inbound.<T> only")
     dlq_replay.set_defaults(handler=_dlq_replay)
 
     from cli.tools.batch import add_batch_commands

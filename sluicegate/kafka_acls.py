@@ -1,13 +1,14 @@
 """The Kafka ACLs of a deployment, from the names in :mod:`schemas.names`: what each service principal and each
 tenant principal may do, as ``kafka-acls.sh`` commands or JSON (``sluicegate kafka acls``).
 
-Each service gets what its code does on the broker: the router reads the inbound topics and writes the model
-topics and DLQs, a model's workers read that model's topics and write results, usage, DLQs and heartbeats, and so
-on. A tenant gets its own topics only with tenants apart (``SLUICEGATE_TENANT_TOPICS``): it writes
-``llm.inbound.<tenant>`` and ``llm.control.<tenant>`` and reads ``llm.results.<tenant>`` and ``llm.dlq.<tenant>``,
-with consumer groups named ``<tenant>.*``. With the shared topics a tenant principal writes ``llm.inbound`` and
-reads ``llm.results``, which cannot keep tenants apart (said in the output). No transactional ids are used.
-Topic creation (``Create`` on the cluster) is granted to the services that create topics on first use.
+Each service gets what its code does on the broker: the router reads the inbound topics (and the usage ledger, for
+the rollup it runs) and writes the model topics and DLQs, a model's workers read that model's topics and write
+results, usage, DLQs and heartbeats, and so on. A tenant gets its own topics only with tenants apart
+(``SLUICEGATE_TENANT_TOPICS``): it writes ``llm.inbound.<tenant>`` and ``llm.control.<tenant>`` and reads
+``llm.results.<tenant>`` and ``llm.dlq.<tenant>``, with consumer groups named ``<tenant>.*``. With the shared topics
+a tenant principal writes ``llm.inbound`` and reads ``llm.results``, which cannot keep tenants apart (said in the
+output). No transactional ids are used. Topic creation (``Create`` on the cluster) is granted to the services that
+create topics on first use.
 """
 
 from __future__ import annotations
@@ -74,9 +75,16 @@ def tenant_principal(tenant: str) -> str:
 
 
 def deployment_acls(
-    names: Names, *, models: Iterable[str], tenants: Iterable[str], router_group: str, usage_group: str
+    names: Names,
+    *,
+    models: Iterable[str],
+    tenants: Iterable[str],
+    router_group: str,
+    usage_group: str,
+    usage_rollup: bool = True,
 ) -> list[Acl]:
-    """Every ACL of the deployment: each service principal, a worker principal per model, a principal per tenant."""
+    """Every ACL of the deployment: each service principal, a worker principal per model, a principal per tenant.
+    ``usage_rollup`` (``SLUICEGATE_USAGE_ROLLUP``): the router process also runs the usage rollup, as the router."""
     models, tenants = list(dict.fromkeys(models)), list(dict.fromkeys(tenants))
     apart = names.tenants_apart
     model_topics = [topic for model in models for topic in names.request_topics(model)]
@@ -101,10 +109,9 @@ def deployment_acls(
         *_topics("batch-service", "Write", [*model_topics, names.control_topic]),
         *_topics("batch-service", "Read", [names.results_topic]),
         _create("batch-service"),
-        # The usage rollup (in the router process unless run apart) reads the ledger.
-        *_topics("usage-rollup", "Read", [names.usage_topic]),
-        *_group("usage-rollup", f"{names.prefix}{usage_group}"),
     ]
+    if usage_rollup:  # the rollup runs in the router process, as its principal, and reads the ledger in its group
+        rules += [*_topics("router", "Read", [names.usage_topic]), *_group("router", f"{names.prefix}{usage_group}")]
     for model in models:
         worker = worker_principal(model)
         rules += [

@@ -35,6 +35,12 @@ class LocalStackSettings(StateDirSettings):
         "sasl_ssl with SCRAM-SHA-512 users and a CA made at start (paths and variables in "
         "<state_dir>/kafka-<port>/security/kafka.env).",
     )
+    kafka_local_deny_without_acl: bool = Field(
+        False,
+        description="With kafka_local_security=sasl_ssl, deny every principal what no ACL allows "
+        "(allow.everyone.if.no.acl.found=false), as a shared cluster should; by default a user with no ACL may do "
+        "anything. Only admin, the super user, then does anything until ACLs are added (`sluicegate kafka acls`).",
+    )
     kafka_full_jit: bool = Field(
         False,
         description="Let the local broker's JVM compile hot code with C2, as a production broker does, instead of "
