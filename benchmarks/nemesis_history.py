@@ -16,6 +16,7 @@ Two sources, best first:
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -76,13 +77,16 @@ class _Stream:
     epochs: int = 0  # owner epochs begun (worker pick-ups)
     holding: dict[str, int] = field(default_factory=dict)  # writer -> its latest epoch
     entries: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # seq -> (writer, epoch, newest then)
+    times: dict[int, float] = field(default_factory=dict)  # seq -> when Redis applied its append
 
 
 class CommandLog:
     """Replays the ``XRANGE`` and ``XADD`` commands workers sent, in Redis's order, into per-seq attributions.
 
     ``writers`` maps a worker's client address to its name; commands from other addresses (ingress, the relays,
-    this harness) are not a worker's and are skipped, as are streams not under ``stream_prefix``."""
+    this harness) are not a worker's and are skipped, as are streams not under ``stream_prefix``. Appends made
+    inside a Lua script (client ``lua``: fenced appends) are replayed too, under the writer ``lua``: their entries
+    name their writer themselves."""
 
     def __init__(self, writers: dict[str, str], stream_prefix: str) -> None:
         self.writers = writers
@@ -92,7 +96,7 @@ class CommandLog:
 
     def feed(self, calls: Iterable[MonitorCall]) -> None:
         for call in calls:
-            writer = self.writers.get(call.client)
+            writer = "lua" if call.client == "lua" else self.writers.get(call.client)
             if writer is None or len(call.args) < 2 or not call.args[1].startswith(self.prefix):
                 continue
             command = call.args[0].lower()
@@ -101,9 +105,9 @@ class CommandLog:
                 stream.epochs += 1
                 stream.holding[writer] = stream.epochs
             elif command == "xadd" and len(call.args) >= 3:
-                self._append(self.streams.setdefault(call.args[1], _Stream()), writer, call.args[2])
+                self._append(self.streams.setdefault(call.args[1], _Stream()), writer, call.args[2], call.time)
 
-    def _append(self, stream: _Stream, writer: str, entry_id: str) -> None:
+    def _append(self, stream: _Stream, writer: str, entry_id: str, at: float) -> None:
         try:
             seq = seq_from_entry_id(entry_id)
         except ValueError:
@@ -113,11 +117,29 @@ class CommandLog:
             return
         stream.top = seq
         stream.entries[seq] = (writer, stream.holding.get(writer, 0), stream.epochs)
+        stream.times[seq] = at
 
     def attribution(self, key: str, seq: int) -> tuple[str, int, int] | None:
         """(writer, epoch, newest epoch begun by then) of the entry ``seq`` of stream ``key``, when logged."""
         stream = self.streams.get(key)
         return None if stream is None else stream.entries.get(seq)
+
+    def longest_pauses(self, windows: list[tuple[float, float, str]], writers: dict[str, set[str]]) -> list[float]:
+        """For each window (start, end, faulted worker) and each stream appended to on both sides of its start
+        whose writers (``writers``: stream key -> names) do not include the faulted worker: the longest time
+        between two appends that reaches into the window. What a rebalance costs the streams it should spare."""
+        pauses = []
+        for start, end, faulted in windows:
+            for key, stream in self.streams.items():
+                if faulted in writers.get(key, set()):
+                    continue
+                times = sorted(stream.times.values())
+                if not times or times[0] >= start or times[-1] <= start:
+                    continue
+                gaps = [b - a for a, b in itertools.pairwise(times) if b >= start and a <= end]
+                if gaps:
+                    pauses.append(max(gaps))
+        return pauses
 
     def feed_file(self, lines: Iterable[str]) -> None:
         """The lines of a ``redis-cli monitor`` output; only ``xadd`` and ``xrange`` lines are parsed."""

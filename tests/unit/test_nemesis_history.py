@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.nemesis_check import History, RequestHistory, check
 from benchmarks.nemesis_history import CommandLog, entries_of, parse_monitor_line
 
@@ -86,3 +88,16 @@ def test_a_clean_take_over_is_not_mixed_and_own_fields_win_over_the_log() -> Non
     assert {(e.writer, e.epoch, e.newest_epoch) for e in entries_of("p.llm:stream:r1", fenced, log)} == {
         ("w-z", 7, None)
     }
+
+
+def test_the_longest_pause_is_taken_only_from_streams_of_workers_the_fault_spared() -> None:
+    a, b = "10.9.0.10", "10.9.0.11"
+    lines = []
+    for key, ip, times in (("p.llm:stream:ra", a, [1.0, 1.1, 3.5, 3.6]), ("p.llm:stream:rb", b, [1.0, 1.2, 1.3, 2.0])):
+        lines.append(f'0.5 [0 {ip}:1] "xrange" "{key}" "-" "+"')
+        lines += [f'{t} [0 {ip}:1] "xadd" "{key}" "0-{n + 1}" "event" "x"' for n, t in enumerate(times)]
+    log = CommandLog({a: "w-a", b: "w-b"}, "p.llm:stream:")
+    log.feed_file(sorted(lines, key=lambda line: float(line.split()[0])))
+    writers = {"p.llm:stream:ra": {"w-a"}, "p.llm:stream:rb": {"w-b"}}
+    assert log.longest_pauses([(1.05, 1.5, "w-b")], writers) == pytest.approx([2.4])  # ra, spared, paused 2.4 s
+    assert log.longest_pauses([(1.15, 1.5, "w-a")], writers) == pytest.approx([0.7])  # rb's 1.3 -> 2.0
