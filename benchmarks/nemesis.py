@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,24 @@ def summary(verdict: Verdict, faults: list[tuple[Fault, float, float]], pauses: 
     }
 
 
+SESSION_EXPIRED = "Heartbeat session expired"  # aiokafka's line when the group dropped this member
+
+
+def false_session_timeouts(workdir: Path, windows: list[tuple[float, float, str]]) -> list[str]:
+    """Workers whose group session expired outside every fault against them: the box starved them (the spacing
+    or the load is too much for it), not the nemesis. One ``worker@time`` each."""
+    found = []
+    for log in sorted(workdir.glob("w*.log")):
+        worker = log.stem
+        for line in log.read_text(errors="replace").splitlines():
+            if SESSION_EXPIRED not in line or not line.startswith("ts="):
+                continue
+            at = datetime.fromisoformat(line[3:].split(" ", 1)[0]).timestamp()
+            if not any(start <= at <= end and worker == faulted for start, end, faulted in windows):
+                found.append(f"{worker}@{line[14:22]}")
+    return found
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
@@ -201,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spacing_s=args.spacing,
         refused=clients.refused,
         refused_appends=log.refused_appends,
+        false_session_timeouts=false_session_timeouts(workdir, windows),
         workdir=str(workdir),
     )
     if not args.keep and verdict.ok:

@@ -11,9 +11,10 @@ again later: ``python -m benchmarks.nemesis_check history.json``). The rules:
 * **every seq once**: the stream's ``seq`` run 0..n with none twice and none missing, and a client that sees
   ``seq`` numbers (WebSocket with resume) received none twice.
 * **one owner at a time**: read in ``seq`` order, the owner epoch never goes down (no entry of an older epoch
-  after one of a newer), one epoch has one writer, and no entry was written by an epoch older than the newest
-  one begun by then (a zombie's append that landed between the new owner's pick-up and its first append: the
-  epochs still rise in ``seq`` order, but the new owner continues from text that is not in the stream).
+  after one of a newer), one epoch has one writer, and no owner continues a stream that a zombie appended to
+  after that owner's pick-up (the epochs still rise in ``seq`` order, but the owner continues from text that is
+  not in the stream). A zombie's append that no such owner follows (it lost the partition again before writing)
+  leaves one writer's text: it is counted (``zombie_streams``), not a failure; fencing refuses it.
   Entries without an epoch cannot be judged: they are counted as *unattributed*, never passed silently.
 
 Seeded sampled requests restart their random generator at a resume point, so their text is not compared with a
@@ -89,6 +90,7 @@ class Verdict(BaseModel):
     mixed: int = 0
     gaps: int = 0
     mixed_sampled: int = 0
+    zombie_streams: int = 0
     unattributed_entries: int = 0
     result_duplicates: int = 0
     findings: list[Finding] = Field(default_factory=list)
@@ -139,19 +141,25 @@ def _stream_findings(request: RequestHistory) -> list[Finding]:
 
 
 def _mixing(request: RequestHistory) -> Finding | None:
-    """The first place the stream's owner epoch goes back, or one epoch shows two writers."""
+    """The first place the stream's owner epoch goes back, one epoch shows two writers, or an owner continues a
+    stream that a zombie appended to after that owner's pick-up."""
     newest: Entry | None = None
     newest_epoch = -1
     writers: dict[int, str] = {}
+    # Entries written by an older epoch once a newer one had begun (zombie appends), with that newest epoch.
+    stale: list[tuple[Entry, int]] = []
     for entry in request.entries:
         if entry.epoch is None:
             continue
+        for old, begun in stale:  # this entry's owner had read the stream before ``old`` was appended to it
+            if old.epoch is not None and old.epoch < entry.epoch <= begun:
+                detail = (
+                    f"seq {entry.seq} by {entry.writer} (epoch {entry.epoch}) continues a stream that seq "
+                    f"{old.seq} by {old.writer} (epoch {old.epoch}) was appended to after epoch {entry.epoch} began"
+                )
+                return Finding(request_id=request.request_id, kind="mixed", detail=detail)
         if entry.newest_epoch is not None and entry.epoch < entry.newest_epoch:
-            detail = (
-                f"seq {entry.seq} by {entry.writer} (epoch {entry.epoch}) written once epoch "
-                f"{entry.newest_epoch} had begun"
-            )
-            return Finding(request_id=request.request_id, kind="mixed", detail=detail)
+            stale.append((entry, entry.newest_epoch))
         if entry.writer is not None:
             other = writers.setdefault(entry.epoch, entry.writer)
             if other != entry.writer:
@@ -196,6 +204,9 @@ def check(history: History) -> Verdict:
             found.append(mixed)
             verdict.mixed += 1
             verdict.mixed_sampled += request.sampled
+        verdict.zombie_streams += any(
+            e.newest_epoch is not None and e.epoch is not None and e.epoch < e.newest_epoch for e in request.entries
+        )
         found += _client_findings(request)
         kinds = {f.kind for f in found}
         verdict.lost += bool(kinds & {"lost", "client_lost"})

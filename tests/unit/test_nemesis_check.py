@@ -110,13 +110,25 @@ def test_what_the_clients_saw_and_the_results_topic_are_checked_too() -> None:
     assert (verdict.duplicated, verdict.lost, verdict.result_duplicates) == (1, 1, 1)
 
 
-def test_an_append_of_an_old_epoch_after_a_newer_one_began_is_a_mixed_stream() -> None:
+def test_an_owner_continuing_a_stream_a_zombie_appended_to_after_its_pick_up_is_a_mixed_stream() -> None:
     # The zombie's seq 11 landed after w2's pick-up (epoch 2 begun) and before w2's first append: the epochs
     # still rise in seq order, but w2's seq 12 continues from its own seq 11, which is not in the stream.
     stale = Entry(seq=11, type="token", writer="w1", epoch=1, newest_epoch=2)
     entries = [*tokens("w1", 1, range(11)), stale, *tokens("w2", 2, [12]), done("w2", 2, 13)]
-    verdict = check(
-        History(attribution="monitor", requests=[RequestHistory(request_id="r-z", client="native", entries=entries)])
+    request = RequestHistory(request_id="r-z", client="native", entries=entries)
+    verdict = check(History(attribution="monitor", requests=[request]))
+    assert (verdict.mixed, verdict.zombie_streams) == (1, 1)
+    assert (
+        "r-z: mixed: seq 12 by w2 (epoch 2) continues a stream that seq 11 by w1 (epoch 1) was appended to after "
+        "epoch 2 began" in verdict.account()
     )
-    assert verdict.mixed == 1
-    assert "r-z: mixed: seq 11 by w1 (epoch 1) written once epoch 2 had begun" in verdict.account()
+
+
+def test_a_zombie_append_no_newer_owner_continues_is_counted_but_leaves_one_writers_text() -> None:
+    # w2 picked the request up (epoch 2) but lost it again before writing; w1 appended meanwhile and then picked it
+    # up again itself (epoch 3, reading its own appends): one writer's text throughout.
+    stale = [Entry(seq=s, type="token", writer="w1", epoch=1, newest_epoch=2) for s in (5, 6)]
+    entries = [*tokens("w1", 1, range(5)), *stale, *tokens("w1", 3, [7]), done("w1", 3, 8)]
+    request = RequestHistory(request_id="r-y", client="native", entries=entries)
+    verdict = check(History(attribution="monitor", requests=[request]))
+    assert verdict.ok and (verdict.mixed, verdict.zombie_streams) == (0, 1)
