@@ -71,7 +71,6 @@ async def drive(stack: Stack, clients: Clients, faults: list[Fault]) -> list[tup
         start, end = await inject(stack, fault)
         done.append((fault, start, end))
     await asyncio.sleep(max(0.0, begun + stack.args.minutes * 60 - time.monotonic()))
-    await settled(stack, clients.names)  # a worker killed last must be back to finish what it held
     stop.set()
     progress("nemesis: load stopped; waiting for every request's end")
     await load
@@ -145,6 +144,7 @@ def summary(verdict: Verdict, faults: list[tuple[Fault, float, float]], pauses: 
         "duplicated": verdict.duplicated,
         "mixed": verdict.mixed,
         "mixed_sampled": verdict.mixed_sampled,
+        "zombie_streams": verdict.zombie_streams,
         "gaps": verdict.gaps,
         "unattributed_entries": verdict.unattributed_entries,
         "result_duplicates": verdict.result_duplicates,

@@ -108,6 +108,7 @@ class Stack:
             "SLUICEGATE_BATCH_METRICS_PORT": "0",
             "SLUICEGATE_LIMIT_RPS": "100000",
             "SLUICEGATE_FILES_URL": str(self.workdir / "files"),
+            "SLUICEGATE_STATE_DIR": str(self.workdir),  # the batch worker's beat schedule goes with the run
             "SLUICEGATE_BATCH_TICK_S": "0.5",
         }
         for i in range(self.args.workers):

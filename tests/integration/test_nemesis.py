@@ -33,11 +33,11 @@ def test_a_short_nemesis_run_loses_and_duplicates_nothing() -> None:
     require(shutil.which("redis-cli") is not None, "redis-cli", "apt-get install redis-tools")
     args = parser().parse_args(
         [
-            "--minutes", "1.5",
+            "--minutes", "1.2",
             "--workers", "2",
-            "--spacing", "18",
-            "--pause-s", "9",
-            "--partition-s", "9",
+            "--spacing", "16",
+            "--pause-s", "8",
+            "--partition-s", "8",
             "--kill-down-s", "1",
             "--interval-s", "3",
             "--max-tokens", "96",
