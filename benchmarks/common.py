@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,20 @@ def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds so far of process ``pid``, all its threads (Linux ``/proc``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_service(workdir: Path, name: str, args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``sluicegate <args>`` (``python -m cli.main``) in a session of its own, its output appended to
+    ``<workdir>/<name>.log``."""
+    with (workdir / f"{name}.log").open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
 
 
 def progress(message: str) -> None:

@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from typing import Any
 import httpx
 
 from benchmarks import relay
-from benchmarks.common import REPO_ROOT, free_port, progress, start_private_stack
+from benchmarks.common import REPO_ROOT, free_port, progress, start_private_stack, start_service
 from schemas import Names, WorkerHeartbeat
 from sluicegate.settings import Settings
 
@@ -166,15 +165,7 @@ class Stack:
         return f"http://127.0.0.1:{self.settings.result_port}"
 
     def spawn(self, name: str, *args: str) -> None:
-        log = (self.workdir / f"{name}.log").open("ab")
-        self.services[name] = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *args],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
+        self.services[name] = start_service(self.workdir, name, args, self.env)
 
     def check_alive(self) -> None:
         for name, process in self.services.items():

@@ -76,6 +76,7 @@ def _write_config(
     template = string.Template(infra_file(SERVER_TEMPLATE).read_text())
     try:
         text = template.substitute(
+            kafka_host=layout.kafka_host,
             kafka_port=layout.kafka_port,
             controller_port=layout.kafka_port + 1,
             log_dirs=layout.kafka_dir / "data",

@@ -3,9 +3,10 @@ client tools (``sluicegate batch``, ``sluicegate bench``), which talk to ingress
 
 from __future__ import annotations
 
+from ipaddress import IPv4Address
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, IPvAnyAddress
 
 from .base import SettingsBase
 from .state_dir import StateDirSettings
@@ -15,6 +16,11 @@ class LocalStackSettings(StateDirSettings):
     """The local Kafka and Redis: ports and brokers."""
 
     kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
+    kafka_host: IPvAnyAddress = Field(
+        IPv4Address("127.0.0.1"),
+        description="Address the local Kafka's client listener binds and advertises (its controllers stay on "
+        "127.0.0.1): another address of this machine lets processes in other network namespaces reach it.",
+    )
     redis_port: int = Field(6379, description="Port of the local Redis server.")
     redis_tls: bool = Field(
         False,
