@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_worker import MODEL, model_dir, publish, running_worker  # noqa: F401  (model_dir: a fixture)
+from test_worker import MODEL, publish, running_worker
 from transformers import AutoTokenizer
 
 from router.kv_follower import KVFollower
@@ -19,6 +19,14 @@ from schemas import InferenceRequest, SamplingOptions, WorkerHeartbeat
 from sluicegate.block_hashes import prompt_block_hashes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gpu_workers.engine.models.random_checkpoint import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("kv-model") / MODEL, num_layers=2, hidden_size=64)
+
 
 PROMPT = "The river ran quietly past the old mill, and the miller counted the sacks of flour one by one."
 
@@ -34,7 +42,7 @@ async def test_a_late_router_catches_up_and_indexes_the_served_prompt(
     kafka_bootstrap: str,
     redis_url: str,
     model_dir: Path,
-    unique_prefix: str,  # noqa: F811
+    unique_prefix: str,
 ) -> None:
     async with running_worker(kafka_bootstrap, redis_url, model_dir, unique_prefix, block_size=4) as worker:
         # The router joins after the worker's start snapshot went out: it must ask for one.
