@@ -183,10 +183,12 @@ def worker_name(model: str, model_index: int, worker_index: int) -> str:
 
 
 def _worker_env(threads: int) -> dict[str, str]:
-    """A worker's share of the cores (unless SLUICEGATE_TORCH_THREADS is set); 0 threads: torch's default."""
+    """A worker's share of the cores (unless SLUICEGATE_TORCH_THREADS is set); 0 threads: torch's default. A
+    condition of this machine, like the CPU dtype in ``_model_env``: not a setting every child gets."""
+    env: dict[str, str] = {}
     if threads and "SLUICEGATE_TORCH_THREADS" not in os.environ:
-        return {"SLUICEGATE_TORCH_THREADS": str(threads)}
-    return {}
+        env["SLUICEGATE_TORCH_THREADS"] = str(threads)
+    return env
 
 
 def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
