@@ -225,6 +225,16 @@ def _dlq_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
 def _up(args: argparse.Namespace) -> int:
     from cli.stack.launcher import up
 
@@ -238,6 +248,7 @@ def _up(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         keep_stack=args.keep_stack,
         backbone=backbone,
+        workers=args.workers,
     )
 
 
@@ -313,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    up.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="workers per model (each its own engine; on the CPU each gets cores / engines torch threads unless "
+        "SLUICEGATE_TORCH_THREADS says otherwise): requests are routed among them on their cached prefixes",
+    )
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
     up.add_argument("--kafka-bootstrap", help="use this running Kafka (with --redis-url) instead of starting one")
     up.add_argument("--redis-url", help="use this running Redis (with --kafka-bootstrap) instead of starting one")

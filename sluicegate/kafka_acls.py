@@ -95,6 +95,10 @@ def deployment_acls(
     rules = [
         # Ingress publishes requests, cancels and usage, and reads the workers' group lag for its backlog.
         *_topics("ingress", "Write", [*model_topics, names.control_topic, names.usage_topic]),
+        # Ingress and the router follow the workers' KV events (no group) and ask for snapshots on llm.control.
+        *_topics("ingress", "Read", [names.kv_events_topic]),
+        *_topics("router", "Read", [names.kv_events_topic]),
+        *_topics("router", "Write", [names.control_topic]),
         *(Acl("ingress", "Describe", "group", names.worker_group(model)) for model in models),
         _create("ingress"),
         # The router validates the inbound topics into the model topics, refusals into the DLQs.
@@ -117,7 +121,9 @@ def deployment_acls(
         rules += [
             *_topics(worker, "Read", [*names.request_topics(model), *controls]),
             *_group(worker, names.worker_group(model)),
-            *_topics(worker, "Write", [*results, names.usage_topic, *dlqs, names.heartbeats_topic]),
+            *_topics(
+                worker, "Write", [*results, names.usage_topic, *dlqs, names.heartbeats_topic, names.kv_events_topic]
+            ),
             _create(worker),
         ]
     for tenant in tenants:
