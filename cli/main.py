@@ -241,8 +241,11 @@ def _up(args: argparse.Namespace) -> int:
     if (args.kafka_bootstrap is None) != (args.redis_url is None):
         raise CliError("--kafka-bootstrap and --redis-url go together (an existing Kafka and Redis)")
     backbone = (args.kafka_bootstrap, args.redis_url) if args.kafka_bootstrap else None
+    settings = get_settings()
+    if args.kafka_security is not None:
+        settings = settings.model_copy(update={"kafka_local_security": args.kafka_security})
     return up(
-        get_settings(),
+        settings,
         models=args.model,
         device=args.device,
         model_name=args.model_name,
@@ -333,6 +336,13 @@ def build_parser() -> argparse.ArgumentParser:
         "SLUICEGATE_TORCH_THREADS says otherwise): requests are routed among them on their cached prefixes",
     )
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
+    up.add_argument(
+        "--kafka-security",
+        choices=["plaintext", "sasl_ssl"],
+        default=None,
+        help="the local broker's client listener, as `dev up --kafka-security` (default plaintext); every service "
+        "then connects over SASL_SSL",
+    )
     up.add_argument("--kafka-bootstrap", help="use this running Kafka (with --redis-url) instead of starting one")
     up.add_argument("--redis-url", help="use this running Redis (with --kafka-bootstrap) instead of starting one")
     up.set_defaults(handler=_up)

@@ -304,6 +304,8 @@ def up(
     env = {
         **os.environ,
         "SLUICEGATE_KAFKA_BOOTSTRAP": info.kafka_bootstrap,
+        # A SASL_SSL broker's protocol, user, password file and CA (``--kafka-security sasl_ssl``); none for plaintext.
+        **info.kafka_env,
         "SLUICEGATE_REDIS_URL": info.redis_url,
         "SLUICEGATE_API_KEYS": settings.api_keys or api_key,
         # The key generated for this one-person run may do everything, loading LoRA adapters too; a deployment's
