@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,20 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def start_service(workdir: Path, name: str, args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``sluicegate <args>`` (``python -m cli.main``) in a session of its own, its output appended to
+    ``<workdir>/<name>.log``."""
+    with (workdir / f"{name}.log").open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+
+
 def progress(message: str) -> None:
     """A progress line on stderr (stdout carries the report)."""
     print(message, file=sys.stderr, flush=True)
@@ -113,6 +128,14 @@ class PrivateStack:
         self.close()
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, for a report's header ("n/a" where the system has none)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def start_private_stack(
     kafka_port: int,
     redis_port: int,
@@ -120,10 +143,12 @@ def start_private_stack(
     state_dir: Path | None = None,
     full_jit: bool = False,
     services: tuple[str, ...] = ("kafka", "redis"),
+    secure: bool = False,
 ) -> PrivateStack:
     """Kafka and Redis (or only ``services``) on the given ports through the dev-stack API, reusing ones already
     running there. ``state_dir`` defaults to the repository's ``.sluicegate`` (its broker-jar cache);
-    ``full_jit`` lifts the dev broker's C1-only JIT cap (latency runs, as a production broker compiles)."""
+    ``full_jit`` lifts the dev broker's C1-only JIT cap (latency runs, as a production broker compiles);
+    ``secure``: the broker speaks SASL_SSL only (SCRAM-SHA-512) and Redis TLS only, with its ACL users."""
     from cli.backbone import devstack
     from sluicegate.settings import Settings
 
@@ -132,5 +157,7 @@ def start_private_stack(
         kafka_port=kafka_port,
         redis_port=redis_port,
         kafka_full_jit=full_jit,
+        kafka_local_security="sasl_ssl" if secure else "plaintext",
+        redis_tls=secure,
     )
     return PrivateStack(devstack.up(settings, services=services), settings)

@@ -1,7 +1,8 @@
 """The pipeline benchmark's stack: Kafka and Redis (a private dev stack or the addresses given), ingress and the
 result service as ``sluicegate`` subprocesses, and one worker in a child process of the benchmark with timing
 probes that stamp when a request's record reaches the worker, its engine timestamps, and when its first token's
-XADD goes out.
+XADD goes out. The ``secure`` transport runs the same services on a private stack of its own whose broker speaks
+SASL_SSL (SCRAM-SHA-512) and whose Redis speaks TLS only, each service logging in as its own ACL user.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from benchmarks import relay
-from benchmarks.common import REPO_ROOT, free_port, progress, start_private_stack
+from benchmarks.common import REPO_ROOT, free_port, progress, start_private_stack, start_service
 from schemas import Names, WorkerHeartbeat
 from sluicegate.settings import Settings
 
@@ -147,6 +147,8 @@ class Stack:
     worker: multiprocessing.process.BaseProcess | None = None
     teardown: list[Callable[[], None]] = field(default_factory=list)
     backbone_pids: dict[str, int] = field(default_factory=dict)
+    #: Per service (``ingress``, ``result-service``): variables only it gets (its own Redis user).
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def pids(self) -> dict[str, int]:
         """Every process of the pipeline whose pid is known, by role."""
@@ -166,15 +168,7 @@ class Stack:
         return f"http://127.0.0.1:{self.settings.result_port}"
 
     def spawn(self, name: str, *args: str) -> None:
-        log = (self.workdir / f"{name}.log").open("ab")
-        self.services[name] = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *args],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-            start_new_session=True,
-        )
+        self.services[name] = start_service(self.workdir, name, args, {**self.env, **self.service_env.get(name, {})})
 
     def check_alive(self) -> None:
         for name, process in self.services.items():
@@ -232,64 +226,125 @@ def backbone(args: argparse.Namespace) -> tuple[str, str, dict[str, int], Callab
     return info.kafka_bootstrap, info.redis_url, pids, private.close
 
 
-def start_stack(args: argparse.Namespace, workdir: Path, extra_env: dict[str, str] | None = None) -> Stack:
+@dataclass(frozen=True)
+class SecureBackbone:
+    """A private stack with a SASL_SSL broker and a TLS-only Redis: the admin's Redis URL (readiness checks, the
+    load generator), each service's own, and the Settings fields that reach the broker as the service user."""
+
+    bootstrap: str
+    redis_url: str
+    service_redis_urls: dict[str, str]
+    kafka_fields: dict[str, str]
+    pids: dict[str, int]
+    down: Callable[[], None]
+
+
+def secure_backbone(args: argparse.Namespace, prefix: str) -> SecureBackbone:
+    """The ``secure`` transport's private stack on ``--secure-kafka-port`` / ``--secure-redis-port``, with the Redis
+    ACL users of the deployment under ``prefix`` loaded (``ACL SETUSER``, as the admin)."""
+    import redis
+
+    from cli.backbone.redis_server import acl_passwords
+    from cli.stack.layout import StackLayout
+    from sluicegate.redis_acl import service_acl, setuser_lines
+
+    progress(f"starting SASL_SSL Kafka on :{args.secure_kafka_port} and TLS Redis on :{args.secure_redis_port} ...")
+    private = start_private_stack(
+        args.secure_kafka_port, args.secure_redis_port, full_jit=args.broker_jit == "full", secure=True
+    )
+    info, layout = private.info, StackLayout.of(private.settings)
+    services, passwords = ("ingress", "result-service", "worker"), acl_passwords(layout)
+    with redis.Redis.from_url(info.redis_url) as admin:
+        for line in setuser_lines(prefix, passwords, services):
+            admin.execute_command(*line.split())  # passwords are URL-safe tokens: no spaces
+    tls_query = info.redis_url.partition("?")[2]
+    urls = {
+        service: f"rediss://{service_acl(service).user}:{passwords[service]}@127.0.0.1:{layout.redis_port}/0?{tls_query}"
+        for service in services
+    }
+    fields = {key.removeprefix("SLUICEGATE_").lower(): value for key, value in info.kafka_env.items()}
+    fields.pop("kafka_bootstrap")  # the backbone's own field
+    pids = {name: pid for name, pid in (("kafka", info.kafka_pid), ("redis", info.redis_pid)) if pid is not None}
+    return SecureBackbone(info.kafka_bootstrap, info.redis_url, urls, fields, pids, private.close)
+
+
+def start_stack(
+    args: argparse.Namespace, workdir: Path, extra_env: dict[str, str] | None = None, *, transport: str = "plain"
+) -> Stack:
     """Backbone, tiny model, ingress, result service and the timed worker; returns once the worker heartbeats.
 
-    ``extra_env`` is added to every service's environment (settings a benchmark needs beyond these)."""
+    ``extra_env`` is added to every service's environment (settings a benchmark needs beyond these);
+    ``transport`` ``secure``: on :func:`secure_backbone`'s stack instead of the plaintext one."""
     from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
-    bootstrap, redis_url, backbone_pids, down = backbone(args)
-    weights: dict[str, str] = {}
-    if getattr(args, "model", "tiny") == "smollm2":
-        from cli.stack.launcher import default_model
-
-        spec = default_model(Settings())  # fetched once into the state folder, as `sluicegate up` does
-        if spec.description:
-            raise RuntimeError(f"--model smollm2: the real model could not be fetched ({spec.description})")
-        model = Path(spec.path)
-        weights = {"dtype": spec.dtype or "auto", "quantization": spec.quantization or ""}
+    workdir.mkdir(parents=True, exist_ok=True)
+    prefix = f"pb{uuid.uuid4().hex[:6]}."
+    secure = secure_backbone(args, prefix) if transport == "secure" else None
+    if secure is not None:
+        bootstrap, redis_url, backbone_pids, down = secure.bootstrap, secure.redis_url, secure.pids, secure.down
     else:
-        progress("building the tiny model ...")
-        model = make_tiny_model(workdir / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
-    settings = Settings(
-        kafka_bootstrap=bootstrap,
-        redis_url=redis_url,
-        topic_prefix=f"pb{uuid.uuid4().hex[:6]}.",
-        topic_partitions=args.partitions,
-        ingress_port=free_port(),
-        result_port=free_port(),
-        api_keys=API_KEY,
-        # The relay scenarios sign their stream tokens with the relay benchmark's secret.
-        stream_token_secret=relay.SECRET,
-        model=str(model),
-        model_name=MODEL_NAME,
-        worker_id=WORKER_ID,
-        device="cpu",
-        kv_cache_gb=0.25,
-        log_level=args.log_level,
-        # The tiny model gains nothing from a second thread on a shared 2-core machine.
-        torch_threads=1,
-        engine_mode=args.engine,
-        # As deployed: the worker serves its metrics (nobody scrapes here), and traces go where --tracing says.
-        worker_metrics_port=free_port(),
-        otlp_endpoint=getattr(args, "otlp_endpoint", ""),
-        metrics_enabled=getattr(args, "metrics", "on") == "on",
-        **weights,
-    )
-    settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env = {k: v for k, v in env.items() if not k.startswith("SLUICEGATE_")}
-    for name, value in settings.model_dump(mode="json").items():
-        if value is not None:
-            env[f"SLUICEGATE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
-    env.update(extra_env or {})
-    stack = Stack(settings, env, workdir, backbone_pids=backbone_pids)
-    if down is not None:
-        stack.teardown.append(down)
+        bootstrap, redis_url, backbone_pids, down = backbone(args)
+    with contextlib.ExitStack() as guard:  # a failure before the stack exists stops the backbone started here
+        if down is not None:
+            guard.callback(down)
+        weights: dict[str, str] = {}
+        if getattr(args, "model", "tiny") == "smollm2":
+            from cli.stack.launcher import default_model
+
+            spec = default_model(Settings())  # fetched once into the state folder, as `sluicegate up` does
+            if spec.description:
+                raise RuntimeError(f"--model smollm2: the real model could not be fetched ({spec.description})")
+            model = Path(spec.path)
+            weights = {"dtype": spec.dtype or "auto", "quantization": spec.quantization or ""}
+        else:
+            progress("building the tiny model ...")
+            model = make_tiny_model(workdir / MODEL_NAME, arch="llama", num_layers=2, hidden_size=64)
+        settings = Settings(
+            kafka_bootstrap=bootstrap,
+            redis_url=redis_url,
+            topic_prefix=prefix,
+            topic_partitions=args.partitions,
+            ingress_port=free_port(),
+            result_port=free_port(),
+            api_keys=API_KEY,
+            # The relay scenarios sign their stream tokens with the relay benchmark's secret.
+            stream_token_secret=relay.SECRET,
+            model=str(model),
+            model_name=MODEL_NAME,
+            worker_id=WORKER_ID,
+            device="cpu",
+            kv_cache_gb=0.25,
+            log_level=args.log_level,
+            # The tiny model gains nothing from a second thread on a shared 2-core machine.
+            torch_threads=1,
+            engine_mode=args.engine,
+            # As deployed: the worker serves its metrics (nobody scrapes here), and traces go where --tracing says.
+            worker_metrics_port=free_port(),
+            otlp_endpoint=getattr(args, "otlp_endpoint", ""),
+            metrics_enabled=getattr(args, "metrics", "on") == "on",
+            **weights,
+            **(secure.kafka_fields if secure is not None else {}),
+        )
+        settings = settings.model_copy(update={"public_stream_url": f"ws://127.0.0.1:{settings.result_port}"})
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env = {k: v for k, v in env.items() if not k.startswith("SLUICEGATE_")}
+        for name, value in settings.model_dump(mode="json").items():
+            if value is not None:
+                env[f"SLUICEGATE_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+        env.update(extra_env or {})
+        stack = Stack(settings, env, workdir, backbone_pids=backbone_pids)
+        worker_settings = settings
+        if secure is not None:
+            urls = secure.service_redis_urls
+            stack.service_env = {name: {"SLUICEGATE_REDIS_URL": urls[name]} for name in ("ingress", "result-service")}
+            worker_settings = settings.model_copy(update={"redis_url": urls["worker"]})
+        if down is not None:
+            stack.teardown.append(down)
+        guard.pop_all()  # from here on the stack's own teardown stops its backbone
     try:
         context = multiprocessing.get_context("spawn")
         stack.worker = context.Process(
-            target=_worker_main, args=(settings.model_dump_json(), str(workdir)), daemon=False
+            target=_worker_main, args=(worker_settings.model_dump_json(), str(workdir)), daemon=False
         )
         stack.worker.start()
         stack.spawn("ingress", "ingress")

@@ -296,7 +296,9 @@ async def run_scenario(
     jobs = []
     for i in range(sc.clients):
         rid = request_ids[i % sc.streams]
-        jobs.append((i % sc.streams, f"{base_ws}/v1/streams/{rid}?token={issue_stream_token(SECRET, rid, TENANT)}"))
+        # A token as long-lived as a whole scenario could take.
+        token = issue_stream_token(SECRET, rid, TENANT, lifetime_s=3600)
+        jobs.append((i % sc.streams, f"{base_ws}/v1/streams/{rid}?token={token}"))
     context = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     try:

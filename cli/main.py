@@ -18,6 +18,7 @@ from sluicegate.logs import configure_logging
 from sluicegate.settings import BackboneSettings, BatchServiceSettings, TelemetrySettings, WorkerSettings, get_settings
 
 T = TypeVar("T")
+TENANT_DLQ_HELP = "tenant T's own DLQ, llm.dlq.<T> (with SLUICEGATE_TENANT_TOPICS=true)"
 
 
 class CliError(Exception):
@@ -198,7 +199,7 @@ def _dlq_run(coro: Coroutine[Any, Any, T]) -> T:
 def _dlq_list(args: argparse.Namespace) -> int:
     from sluicegate.dead_letter_admin import format_entry, list_entries
 
-    entries = _dlq_run(list_entries(BackboneSettings(), limit=args.limit))
+    entries = _dlq_run(list_entries(BackboneSettings(), limit=args.limit, tenant=args.tenant))
     for entry in entries:
         print(format_entry(entry))
     if not entries:
@@ -210,12 +211,28 @@ def _dlq_replay(args: argparse.Namespace) -> int:
     from sluicegate.dead_letter_admin import replay, summary
 
     outcomes = _dlq_run(
-        replay(BackboneSettings(), reason=args.reason, request_id=args.request_id, dry_run=args.dry_run)
+        replay(
+            BackboneSettings(),
+            reason=args.reason,
+            request_id=args.request_id,
+            dry_run=args.dry_run,
+            tenant=args.tenant,
+        )
     )
     for outcome in outcomes:
         print(outcome.line())
     print(summary(outcomes))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -224,13 +241,17 @@ def _up(args: argparse.Namespace) -> int:
     if (args.kafka_bootstrap is None) != (args.redis_url is None):
         raise CliError("--kafka-bootstrap and --redis-url go together (an existing Kafka and Redis)")
     backbone = (args.kafka_bootstrap, args.redis_url) if args.kafka_bootstrap else None
+    settings = get_settings()
+    if args.kafka_security is not None:
+        settings = settings.model_copy(update={"kafka_local_security": args.kafka_security})
     return up(
-        get_settings(),
+        settings,
         models=args.model,
         device=args.device,
         model_name=args.model_name,
         keep_stack=args.keep_stack,
         backbone=backbone,
+        workers=args.workers,
     )
 
 
@@ -306,7 +327,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--model-name", help="public name of a single --model (same as PATH=NAME)")
     up.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    up.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="workers per model (each its own engine; on the CPU each gets cores / engines torch threads unless "
+        "SLUICEGATE_TORCH_THREADS says otherwise): requests are routed among them on their cached prefixes",
+    )
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")
+    up.add_argument(
+        "--kafka-security",
+        choices=["plaintext", "sasl_ssl"],
+        default=None,
+        help="the local broker's client listener, as `dev up --kafka-security` (default plaintext); every service "
+        "then connects over SASL_SSL",
+    )
     up.add_argument("--kafka-bootstrap", help="use this running Kafka (with --redis-url) instead of starting one")
     up.add_argument("--redis-url", help="use this running Redis (with --kafka-bootstrap) instead of starting one")
     up.set_defaults(handler=_up)
@@ -340,11 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     dlq = sub.add_parser("dlq", help="the dead-letter topic").add_subparsers(dest="action", required=True)
     dlq_list = dlq.add_parser("list", help="print DLQ entries: reason, source topic/partition/offset, request, detail")
     dlq_list.add_argument("--limit", type=int, help="only the N most recent entries")
+    dlq_list.add_argument("--tenant", help=TENANT_DLQ_HELP)
     dlq_list.set_defaults(handler=_dlq_list)
     dlq_replay = dlq.add_parser("replay", help="republish the original requests to llm.inbound (router re-validates)")
     dlq_replay.add_argument("--reason", help="only entries with this reason (or its detailed forms, 'reason:...')")
     dlq_replay.add_argument("--request-id", help="only entries for this request")
     dlq_replay.add_argument("--dry-run", action="store_true", help="say what would be replayed, publish nothing")
+    dlq_replay.add_argument("--tenant", help=TENANT_DLQ_HELP + "; replayed to llm.inbound.<T> only")
     dlq_replay.set_defaults(handler=_dlq_replay)
 
     from cli.tools.batch import add_batch_commands

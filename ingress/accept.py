@@ -158,8 +158,10 @@ async def admit(
         except ValueError as exc:  # the only other refusal: a deadline already past
             raise ApiError(400, str(exc), code="invalid_value", param="deadline") from exc
         counted: int | None = None
+        prompt_ids: list[int] | None = None  # as the worker will see them: routing on the cached prefix hashes them
         if service.settings.ingress_count_prompt_tokens:
-            inference, counted = await _fit_context(service.tokenizers, inference, body, heartbeats)
+            inference, prompt_ids = await _fit_context(service.tokenizers, inference, body, heartbeats)
+            counted = len(prompt_ids) if prompt_ids is not None else None
         quota = claim_for(inference, service.settings, key_id=caller.key_id, key_limits=limits, prompt_tokens=counted)
         if span is not None:
             span.update_name(f"{genai_operation(inference)} {inference.model}")
@@ -181,7 +183,8 @@ async def admit(
                 return Accepted(inference, tool_call_format, rate, counted, reasoning_parser)
             # Redis did not take the replay: a worker answers it, already charged.
         # 4. The queue.
-        route = await service.route(inference, max_tier=caller.max_tier, heartbeats=heartbeats)
+        cacheable = prompt_ids if inference.task != "embed" else None  # an embedding neither uses nor fills a cache
+        route = await service.route(inference, max_tier=caller.max_tier, heartbeats=heartbeats, prompt_ids=cacheable)
         _check_deadline(service.metrics, inference, route.tier, heartbeats)
         await service.backlog.admit(inference.model, route.tier, heartbeats, service.partitions(inference.model))
         # 5. The charge, once the queue has room for the request.
@@ -232,11 +235,11 @@ def _with_header_deadline(body: AnyBody, header: str | None) -> AnyBody:
 
 async def _fit_context(
     tokenizers: ModelTokenizers, inference: InferenceRequest, body: AnyBody, heartbeats: list[WorkerHeartbeat]
-) -> tuple[InferenceRequest, int | None]:
+) -> tuple[InferenceRequest, list[int] | None]:
     """The prompt counted with the tokenizer the workers published: prompt + ``max_tokens`` over the context is a
     400 now (not an error after a Kafka round trip); a default ``max_tokens`` shrinks to the room left. Without
     a published tokenizer, or for a prompt the template cannot render, the worker decides as before. Returns the
-    request and its prompt's tokens (None when not counted)."""
+    request and its prompt's token ids (None when not counted)."""
     context = model_context(heartbeats)
     view = await tokenizers.get(inference.model) if context is not None else None
     if view is None:
@@ -246,16 +249,17 @@ async def _fit_context(
     if isinstance(inference.prompt, list):
         view.check_in_vocabulary(inference.prompt, param=param)  # a 400 now, not an error event from the worker
     try:
-        prompt_tokens = len(view.encode_request(inference))
+        prompt_ids = view.encode_request(inference)
     except Exception:  # a template's own refusal: the worker reports it with its own message
         return inference, None
     wanted = 0 if embed else inference.sampling.max_tokens
     explicit = embed or bool({"max_tokens", "max_completion_tokens"} & body.model_fields_set)
+    prompt_tokens = len(prompt_ids)
     fitted = check_prompt_fits(prompt_tokens, wanted, context, explicit=explicit, param=param)
     if fitted == wanted:
-        return inference, prompt_tokens
+        return inference, prompt_ids
     sampling = inference.sampling.model_copy(update={"max_tokens": fitted})
-    return inference.model_copy(update={"sampling": sampling}), prompt_tokens
+    return inference.model_copy(update={"sampling": sampling}), prompt_ids
 
 
 def _check_deadline(

@@ -74,6 +74,8 @@ def create_app(settings: IngressSettings, *, freeze_heap: bool = False) -> FastA
         app.state.service = service
         service.routes.start()  # watch the routing file for changes
         service.reader.start()
+        if service.kv_follower is not None:
+            service.kv_follower.start()  # what the workers' KV caches hold, for routing on the cached prefix
         app.state.files = FileStore(settings, service.redis, service.names)
         app.state.batches = BatchStore(settings, service.redis, service.names)
         app.state.responses = ResponseStore(settings, service.redis, service.names)

@@ -23,6 +23,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from router.heartbeats import HeartbeatCache
+from router.kv_follower import KVFollower
+from router.kv_index import KVIndex
 from router.publish import TopicRegistry, request_headers, send_routed
 from router.router import Route, Router
 from schemas import InferenceRequest, RequestRecord, StreamEvent, Tier, WorkerHeartbeat
@@ -73,7 +75,10 @@ class IngressService:
             client_name="ingress",
             retry_timeouts=False,
         )
-        self.router = Router.from_settings(settings)
+        # What the workers' KV caches hold (from their events), for routing on the cached prefix.
+        self.kv_index = KVIndex(settings.router_kv_index_max_blocks) if settings.kv_events else None
+        self.kv_follower = KVFollower(settings, self.kv_index, service="ingress") if self.kv_index else None
+        self.router = Router.from_settings(settings, self.kv_index, metrics.registry)
         self.topics = TopicRegistry(
             settings,
             self.names,
@@ -116,6 +121,8 @@ class IngressService:
     async def close(self) -> None:
         """Release Kafka and Redis connections."""
         try:
+            if self.kv_follower is not None:
+                await self.kv_follower.close()
             await self.reader.close()
             await self.cache.close()
             await self.usage.close()
@@ -150,7 +157,14 @@ class IngressService:
         return beats
 
     # --- publishing -----------------------------------------------------------------------------
-    async def route(self, request: InferenceRequest, *, max_tier: Tier, heartbeats: list[WorkerHeartbeat]) -> Route:
+    async def route(
+        self,
+        request: InferenceRequest,
+        *,
+        max_tier: Tier,
+        heartbeats: list[WorkerHeartbeat],
+        prompt_ids: list[int] | None = None,
+    ) -> Route:
         """Where ``request`` goes: its tier's topic (capped at ``max_tier``) and a partition, from the model's live
         ``heartbeats``. The producers are started and the model's topics made on first use: a Kafka that does not
         answer is a 503 here, before admission charges anything."""
@@ -161,7 +175,7 @@ class IngressService:
             self.metrics.publish_failures.labels(request.model).inc()
             raise unavailable("Kafka", exc) from exc
         self.router.set_heartbeats(request.model, heartbeats)
-        return self.router.route(request, max_tier=max_tier)
+        return self.router.route(request, max_tier=max_tier, prompt_ids=prompt_ids)
 
     def partitions(self, model: str) -> dict[str, int]:
         """The partition count of each of ``model``'s request topics (what its backlog is read from)."""

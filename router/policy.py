@@ -162,7 +162,7 @@ def partition_owners(topic: str, heartbeats: Sequence[WorkerHeartbeat]) -> dict[
     return owners
 
 
-def _keyed_partition(key: bytes, choices: Sequence[int]) -> int:
+def keyed_partition(key: bytes, choices: Sequence[int]) -> int:
     """One of ``choices`` picked by the key, so a burst sharing a prefix lands on one partition of a worker."""
     return choices[(murmur2(key) & 0x7FFFFFFF) % len(choices)]
 
@@ -209,7 +209,7 @@ def choose_partition(
     if not candidates:
         return PartitionChoice(None, "affinity_all_busy")
     relief = min(candidates, key=load_score)
-    return PartitionChoice(_keyed_partition(key, owned_partitions(relief, topic, partitions)), "overload")
+    return PartitionChoice(keyed_partition(key, owned_partitions(relief, topic, partitions)), "overload")
 
 
 def choose_adapter_partition(
@@ -243,11 +243,11 @@ def choose_adapter_partition(
         if home_owner is not None:
             return PartitionChoice(None, "adapter_resident")
         best = min(holders, key=load_score)
-        return PartitionChoice(_keyed_partition(key, owned_partitions(best, topic, partitions)), "adapter_resident")
+        return PartitionChoice(keyed_partition(key, owned_partitions(best, topic, partitions)), "adapter_resident")
     loader = min(able, key=load_score)
     if key_partition(key, partitions) in owned_partitions(loader, topic, partitions):
         return PartitionChoice(None, "adapter_load")
-    return PartitionChoice(_keyed_partition(key, owned_partitions(loader, topic, partitions)), "adapter_load")
+    return PartitionChoice(keyed_partition(key, owned_partitions(loader, topic, partitions)), "adapter_load")
 
 
 def expected_start_s(tier: Tier, heartbeats: Iterable[WorkerHeartbeat]) -> float | None:

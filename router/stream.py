@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from schemas import InferenceRequest, WorkerHeartbeat
 from schemas.names import HEADER_TRACEPARENT, HEADER_TRACESTATE
 from sluicegate.api.errors import ApiError
+from sluicegate.api.prompt_tokens import ModelTokenizers, ModelTokenizerView
 from sluicegate.kafka import create_consumer, create_producer, rewind_batch
 from sluicegate.lora.registry import LoRARegistry
 from sluicegate.lora.resolve import AdapterResolver
@@ -52,6 +53,8 @@ from sluicegate.usage.quota import QuotaClaim, Quotas, claim_for
 from sluicegate.usage.rollup import keep_rolling_up
 
 from .heartbeats import HeartbeatCache
+from .kv_follower import KVFollower
+from .kv_index import KVIndex
 from .metrics import RouterMetrics
 from .policy import deadline_unmeetable
 from .publish import TopicRegistry, request_headers, send_routed
@@ -73,6 +76,14 @@ def _trace_carrier(record: ConsumerRecord) -> dict[str, str]:
     if tracestate := header(record.headers, HEADER_TRACESTATE):
         carrier[HEADER_TRACESTATE] = tracestate
     return carrier
+
+
+def _prompt_ids(view: ModelTokenizerView | None, request: InferenceRequest) -> list[int] | None:
+    """The prompt's token ids as the worker will see them (None without a tokenizer, or one that refuses it)."""
+    try:
+        return view.encode_request(request) if view is not None else None
+    except Exception:  # a template's own refusal: routed on the key, the worker reports it
+        return None
 
 
 def _too_large(exc: MessageSizeTooLargeError) -> str:
@@ -104,7 +115,13 @@ class RouterProcessor:
         self.inbound = TenantInbound.from_settings(settings)
         self.consumer = consumer
         self.producer = producer
-        self.router = Router.from_settings(settings)
+        self.metrics = RouterMetrics()
+        # Routing on the cached prefix: the workers' KV events, and their tokenizers to hash a prompt's blocks.
+        kv = settings.kv_events and redis is not None
+        self.kv_index = KVIndex(settings.router_kv_index_max_blocks) if kv else None
+        self.kv_follower = KVFollower(settings, self.kv_index, service="router") if self.kv_index else None
+        self.tokenizers = ModelTokenizers(redis, self.names) if kv and redis is not None else None
+        self.router = Router.from_settings(settings, self.kv_index, self.metrics.registry)
         self.topics = TopicRegistry(
             settings,
             self.names,
@@ -132,7 +149,6 @@ class RouterProcessor:
         self.retry_backoff_s = retry_backoff_s
         self.routed = 0
         self.dead_lettered = 0
-        self.metrics = RouterMetrics()
         self.tracer = tracer("sluicegate.router")
 
     async def _live_heartbeats(self, model: str) -> list[WorkerHeartbeat] | None:
@@ -251,7 +267,8 @@ class RouterProcessor:
     ) -> asyncio.Future[RecordMetadata]:
         await self.topics.ensure_model(request.model)
         self.router.set_heartbeats(request.model, beats)
-        route = self.router.route(request)
+        view = await self.tokenizers.get(request.model) if self.tokenizers and request.task != "embed" else None
+        route = self.router.route(request, prompt_ids=_prompt_ids(view, request))
         log.debug(
             "router.routed request_id=%s topic=%s partition=%s reason=%s",
             request.request_id,
@@ -346,6 +363,8 @@ async def run_router(settings: RouterSettings, *, stop: asyncio.Event | None = N
     processor = RouterProcessor(settings, consumer, producer, redis)
     rollup = asyncio.create_task(keep_rolling_up(settings, redis, stop)) if settings.usage_rollup else None
     server = await _start_metrics(settings, processor)
+    if processor.kv_follower is not None:
+        processor.kv_follower.start()
     await processor.topics.ensure(dict.fromkeys(inbound.topics_to_create, settings.topic_partitions))
     await producer.start()
     try:
@@ -361,6 +380,8 @@ async def run_router(settings: RouterSettings, *, stop: asyncio.Event | None = N
                 await asyncio.gather(rollup, return_exceptions=True)
             else:  # the router failed: the rollup goes with it (its records are re-read later)
                 await cancel_and_wait(rollup)
+        if processor.kv_follower is not None:
+            await processor.kv_follower.close()
         await producer.stop()
         await redis.aclose()
         if server is not None:

@@ -62,6 +62,7 @@ from .generation import (
     TopLogprob,
     check_regex,
 )
+from .kv_events import KVBlockStored, KVCacheEvents, KVSnapshotRequest, KVTier
 from .names import TIERS, Names, Tier, batch_request_id, model_token, parse_batch_request_id, tier_rank
 from .requests import (
     ChatMessage,
@@ -111,6 +112,10 @@ __all__ = [
     "FunctionSpec",
     "GuidedSpec",
     "InferenceRequest",
+    "KVBlockStored",
+    "KVCacheEvents",
+    "KVSnapshotRequest",
+    "KVTier",
     "LoRAAdapter",
     "ModelTokenizer",
     "Names",

@@ -64,6 +64,12 @@ class WorkerHeartbeat(Message):
     adapters: list[str] = Field(
         default_factory=list, description="Names of the LoRA adapters loaded on this worker (CPU pool or device)."
     )
+    kv_events_seq: int | None = Field(
+        None,
+        ge=0,
+        description="The seq of this worker's latest KVCacheEvents (None: it publishes none); a reader whose copy is "
+        "behind it by more than a heartbeat has lost events.",
+    )
     lora: bool = Field(False, description="Whether this worker serves LoRA adapters (loads registered ones on demand).")
 
     @property

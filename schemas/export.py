@@ -11,6 +11,7 @@ from .adapters import LoRAAdapter
 from .batches import Batch, BatchInputLine, BatchOutputLine, FileObject
 from .control import CancelRequest, DeadLetter, FinalResult, RequestRecord, WorkerHeartbeat
 from .events import StreamEvent
+from .kv_events import KVCacheEvents, KVSnapshotRequest
 from .relay import CLIENT_MESSAGE, NOTICE
 from .requests import InferenceRequest
 from .usage import UsageRecord
@@ -21,6 +22,8 @@ EXPORTED: dict[str, type[BaseModel] | TypeAdapter] = {
     "StreamEvent": TypeAdapter(StreamEvent),
     "CancelRequest": CancelRequest,
     "WorkerHeartbeat": WorkerHeartbeat,
+    "KVCacheEvents": KVCacheEvents,
+    "KVSnapshotRequest": KVSnapshotRequest,
     "FinalResult": FinalResult,
     "DeadLetter": DeadLetter,
     "RequestRecord": RequestRecord,

@@ -135,6 +135,11 @@ class Names:
         return f"{self.prefix}llm.heartbeats"
 
     @property
+    def kv_events_topic(self) -> str:
+        """Workers' KV-cache events (``KVCacheEvents``), keyed by worker id: what a router routes prompts on."""
+        return f"{self.prefix}llm.kv_events"
+
+    @property
     def usage_topic(self) -> str:
         """The usage ledger: one ``UsageRecord`` per ended request, keyed by request id (at least once)."""
         return f"{self.prefix}llm.usage"

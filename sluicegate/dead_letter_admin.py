@@ -1,11 +1,14 @@
-"""The dead-letter topic ``llm.dlq``: list what is on it, and replay the original requests.
+"""The dead-letter topic ``llm.dlq``, or a tenant's ``llm.dlq.<tenant>``: list what is on it, and replay the original
+requests.
 
 Both read the topic from the beginning with no consumer group (nothing is committed, so any number of
 operators can look at once) up to the end offsets taken when the command starts.
 
 Replay republishes a dead letter's original payload to ``llm.inbound``, not to its source topic: the
 router then validates it again and routes it by the current load and tier, exactly as for any
-Kafka-native producer, whether the router or a worker dead-lettered it. Entries whose payload is still
+Kafka-native producer, whether the router or a worker dead-lettered it. With tenants apart a letter goes back to its
+tenant's inbound topic, and one read from a tenant's own DLQ (``--tenant``) only to that tenant's: the letters there
+are the tenant's, as the router takes a record's tenant from the topic it came on. Entries whose payload is still
 not a valid, unexpired request are skipped with the reason. A request whose stream already ended with
 ``done`` is skipped (it was served); one that ended with ``error`` has its stream cleared and its status
 record set back to ``queued``, so the worker runs it afresh instead of skipping it as finished.
@@ -107,11 +110,29 @@ def _entry(record: ConsumerRecord) -> DlqEntry:
     return DlqEntry(record.partition, record.offset, stamp, header or letter.reason, letter)
 
 
-async def list_entries(settings: BackboneSettings, limit: int | None = None) -> list[DlqEntry]:
-    """DLQ entries, oldest first; with ``limit``, only the most recent ``limit``."""
+def dlq_topic(settings: BackboneSettings, tenant: str | None = None) -> str:
+    """The DLQ to read: ``tenant``'s own (tenants apart only), else the shared one; ``ValueError`` saying why a
+    tenant cannot be read."""
+    if tenant is None:
+        return settings.names.dlq_topic
+    if not settings.tenant_topics:
+        raise ValueError(
+            f"--tenant {tenant!r} needs tenants apart (SLUICEGATE_TENANT_TOPICS=true): with the shared topics every "
+            f"tenant's dead letters are on {settings.names.dlq_topic}"
+        )
+    if settings.tenant_names and tenant not in settings.tenant_names:
+        listed = ", ".join(settings.tenant_names)
+        raise ValueError(f"--tenant {tenant!r} is not one of the tenants (SLUICEGATE_TENANTS: {listed})")
+    return settings.names.dlq_topic_of(tenant)  # ValueError for a name no tenant may have
+
+
+async def list_entries(
+    settings: BackboneSettings, limit: int | None = None, *, tenant: str | None = None
+) -> list[DlqEntry]:
+    """Entries of the DLQ (``tenant``'s own when given), oldest first; with ``limit``, only the most recent."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
-    topic = settings.names.dlq_topic
+    topic = dlq_topic(settings, tenant)
     entries = sorted(
         (_entry(r) for r in await read_topic(settings.kafka_bootstrap, topic, settings=settings)), key=_order
     )
@@ -255,10 +276,12 @@ async def replay(
     reason: str | None = None,
     request_id: str | None = None,
     dry_run: bool = False,
+    tenant: str | None = None,
 ) -> list[ReplayOutcome]:
-    """Republish matching dead letters to ``llm.inbound`` (see the module docstring); one outcome each."""
+    """Republish matching dead letters of the DLQ (``tenant``'s own when given) to the inbound topic (see the module
+    docstring); one outcome each."""
     names = settings.names
-    entries = [e for e in await list_entries(settings) if _matches(e, reason, request_id)]
+    entries = [e for e in await list_entries(settings, tenant=tenant) if _matches(e, reason, request_id)]
     outcomes: list[ReplayOutcome] = []
     redis = create_redis(settings, client_name="sluicegate-dlq")
     producer = None if dry_run else create_producer(settings, client_id="sluicegate-dlq")
@@ -272,6 +295,8 @@ async def replay(
                 outcomes.append(ReplayOutcome(entry, "skipped", entry.problem))
                 continue
             checked = check_payload(entry.letter)
+            if tenant is not None and isinstance(checked, InferenceRequest):
+                checked = _as_tenant(checked, tenant)
             if isinstance(checked, str):
                 outcomes.append(ReplayOutcome(entry, "skipped", checked))
                 continue
@@ -303,6 +328,16 @@ async def replay(
         await redis.aclose()
     outcomes.sort(key=lambda o: _order(o.entry))
     return outcomes
+
+
+def _as_tenant(request: InferenceRequest, tenant: str) -> InferenceRequest | str:
+    """A letter of ``tenant``'s own DLQ as the router would take it on the tenant's topic: a record naming no tenant
+    is the tenant's; one naming another is not replayed (the router would refuse it again)."""
+    if "tenant" not in request.model_fields_set:
+        return request.model_copy(update={"tenant": tenant})
+    if request.tenant != tenant:
+        return f"it names tenant {request.tenant!r} but is on tenant {tenant!r}'s DLQ: its topic would refuse it"
+    return request
 
 
 def _headers(request: InferenceRequest) -> list[tuple[str, bytes]]:

@@ -1,13 +1,14 @@
 """The Kafka ACLs of a deployment, from the names in :mod:`schemas.names`: what each service principal and each
 tenant principal may do, as ``kafka-acls.sh`` commands or JSON (``sluicegate kafka acls``).
 
-Each service gets what its code does on the broker: the router reads the inbound topics and writes the model
-topics and DLQs, a model's workers read that model's topics and write results, usage, DLQs and heartbeats, and so
-on. A tenant gets its own topics only with tenants apart (``SLUICEGATE_TENANT_TOPICS``): it writes
-``llm.inbound.<tenant>`` and ``llm.control.<tenant>`` and reads ``llm.results.<tenant>`` and ``llm.dlq.<tenant>``,
-with consumer groups named ``<tenant>.*``. With the shared topics a tenant principal writes ``llm.inbound`` and
-reads ``llm.results``, which cannot keep tenants apart (said in the output). No transactional ids are used.
-Topic creation (``Create`` on the cluster) is granted to the services that create topics on first use.
+Each service gets what its code does on the broker: the router reads the inbound topics (and the usage ledger, for
+the rollup it runs) and writes the model topics and DLQs, a model's workers read that model's topics and write
+results, usage, DLQs and heartbeats, and so on. A tenant gets its own topics only with tenants apart
+(``SLUICEGATE_TENANT_TOPICS``): it writes ``llm.inbound.<tenant>`` and ``llm.control.<tenant>`` and reads
+``llm.results.<tenant>`` and ``llm.dlq.<tenant>``, with consumer groups named ``<tenant>.*``. With the shared topics
+a tenant principal writes ``llm.inbound`` and reads ``llm.results``, which cannot keep tenants apart (said in the
+output). No transactional ids are used. Topic creation (``Create`` on the cluster) is granted to the services that
+create topics on first use.
 """
 
 from __future__ import annotations
@@ -74,9 +75,16 @@ def tenant_principal(tenant: str) -> str:
 
 
 def deployment_acls(
-    names: Names, *, models: Iterable[str], tenants: Iterable[str], router_group: str, usage_group: str
+    names: Names,
+    *,
+    models: Iterable[str],
+    tenants: Iterable[str],
+    router_group: str,
+    usage_group: str,
+    usage_rollup: bool = True,
 ) -> list[Acl]:
-    """Every ACL of the deployment: each service principal, a worker principal per model, a principal per tenant."""
+    """Every ACL of the deployment: each service principal, a worker principal per model, a principal per tenant.
+    ``usage_rollup`` (``SLUICEGATE_USAGE_ROLLUP``): the router process also runs the usage rollup, as the router."""
     models, tenants = list(dict.fromkeys(models)), list(dict.fromkeys(tenants))
     apart = names.tenants_apart
     model_topics = [topic for model in models for topic in names.request_topics(model)]
@@ -87,6 +95,10 @@ def deployment_acls(
     rules = [
         # Ingress publishes requests, cancels and usage, and reads the workers' group lag for its backlog.
         *_topics("ingress", "Write", [*model_topics, names.control_topic, names.usage_topic]),
+        # Ingress and the router follow the workers' KV events (no group) and ask for snapshots on llm.control.
+        *_topics("ingress", "Read", [names.kv_events_topic]),
+        *_topics("router", "Read", [names.kv_events_topic]),
+        *_topics("router", "Write", [names.control_topic]),
         *(Acl("ingress", "Describe", "group", names.worker_group(model)) for model in models),
         _create("ingress"),
         # The router validates the inbound topics into the model topics, refusals into the DLQs.
@@ -101,16 +113,17 @@ def deployment_acls(
         *_topics("batch-service", "Write", [*model_topics, names.control_topic]),
         *_topics("batch-service", "Read", [names.results_topic]),
         _create("batch-service"),
-        # The usage rollup (in the router process unless run apart) reads the ledger.
-        *_topics("usage-rollup", "Read", [names.usage_topic]),
-        *_group("usage-rollup", f"{names.prefix}{usage_group}"),
     ]
+    if usage_rollup:  # the rollup runs in the router process, as its principal, and reads the ledger in its group
+        rules += [*_topics("router", "Read", [names.usage_topic]), *_group("router", f"{names.prefix}{usage_group}")]
     for model in models:
         worker = worker_principal(model)
         rules += [
             *_topics(worker, "Read", [*names.request_topics(model), *controls]),
             *_group(worker, names.worker_group(model)),
-            *_topics(worker, "Write", [*results, names.usage_topic, *dlqs, names.heartbeats_topic]),
+            *_topics(
+                worker, "Write", [*results, names.usage_topic, *dlqs, names.heartbeats_topic, names.kv_events_topic]
+            ),
             _create(worker),
         ]
     for tenant in tenants:

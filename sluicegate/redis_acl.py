@@ -69,6 +69,8 @@ FEATURES: dict[str, Feature] = {
         commands=("hgetall", "hget", "hexists", "hsetnx", "hdel", "incr", "rpush", "blpop", "lrem", "expire"),
         keys=("lora:*",),
     ),
+    # router/stream.py: the router resolves a Kafka-native record's adapter name from a snapshot of the registry.
+    "lora_read": Feature(commands=("hgetall",), keys=("lora:adapters",)),
     # ingress/responses/store.py and sweeper.py: stored responses (a script sets a field if the hash exists).
     "responses": Feature(
         commands=("hset", "hmget", "hgetall", "set", "get", "del", "expire", "zadd", "zrange", "zrem", *_SCRIPTS),
@@ -195,7 +197,15 @@ SERVICES: dict[str, tuple[str, ...]] = {
     ),
     "result-service": ("stream_read", "request_state"),
     "worker": ("stream_write", "request_state", "heartbeat_write", "heartbeat_read", "lora"),
-    "router": ("stream_write", "request_state", "heartbeat_read", "route_rollbacks", "quota", "usage_rollup"),
+    "router": (
+        "stream_write",
+        "request_state",
+        "heartbeat_read",
+        "route_rollbacks",
+        "lora_read",
+        "quota",
+        "usage_rollup",
+    ),
     "batch-worker": (
         "stream_read",
         "request_state",

@@ -44,8 +44,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 log = logging.getLogger("tests.backbone")
 
 # tests/needs.py: what a test needs is a skip on a developer's machine and a failure under CI=true.
-# tests/secure_kafka.py: the session's SASL_SSL broker (fixture ``secure_kafka``).
-pytest_plugins = ("needs", "hang_report", "alone", "secure_kafka")
+# tests/secure_kafka.py: the session's SASL_SSL broker (fixture ``secure_kafka``); tests/secure_redis.py: its
+# TLS-only Redis with per-service ACL users (fixture ``secure_redis_server``).
+pytest_plugins = ("needs", "hang_report", "alone", "secure_kafka", "secure_redis")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Not the defaults (9092/6379): a developer's own `sluicegate dev up` stack stays untouched.

@@ -4,7 +4,9 @@ The local dev stack's broker (``cli.backbone.devstack``) with ``kafka_local_secu
 openssl, SCRAM-SHA-512 users ``admin`` and ``sluicegate``. It runs on a port of its own
 (``SLUICEGATE_TEST_SECURE_KAFKA_PORT``, default 19192; its controller takes the next one) under the repository's
 ``.sluicegate`` folder, beside the plaintext test broker, and is stopped at the end of the session when this
-session started it. This module is a pytest plugin (``tests/conftest.py`` loads it).
+session started it. ``acl_kafka`` is another such broker that denies what no ACL allows
+(``kafka_local_deny_without_acl``; port ``SLUICEGATE_TEST_ACL_KAFKA_PORT``, default 19196), for the tests that
+apply ACLs. This module is a pytest plugin (``tests/conftest.py`` loads it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from sluicegate.settings import KafkaSettings, Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECURE_KAFKA_PORT = int(os.environ.get("SLUICEGATE_TEST_SECURE_KAFKA_PORT", "19192"))
+ACL_KAFKA_PORT = int(os.environ.get("SLUICEGATE_TEST_ACL_KAFKA_PORT", "19196"))
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,8 @@ class SecureKafka:
         return KafkaSettings(**fields)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="session")
-def secure_kafka() -> Iterator[SecureKafka]:
-    """The session's SASL_SSL broker (started on first use)."""
+def _secure_broker(port: int, **changes: object) -> Iterator[SecureKafka]:
+    """A SASL_SSL broker on ``port`` (started unless running), stopped at the end when started here."""
     require_tool("openssl", "makes the SASL_SSL broker's certificates")
     require_tool("java", "runs the Kafka broker")
     from cli.backbone import devstack
@@ -70,9 +72,10 @@ def secure_kafka() -> Iterator[SecureKafka]:
 
     settings = Settings(
         state_dir=REPO_ROOT / ".sluicegate",
-        kafka_port=SECURE_KAFKA_PORT,
-        redis_port=SECURE_KAFKA_PORT + 2,  # unused (Kafka only), but must differ from the broker's ports
+        kafka_port=port,
+        redis_port=port + 2,  # unused (Kafka only), but must differ from the broker's ports
         kafka_local_security="sasl_ssl",
+        **changes,  # type: ignore[arg-type]
     )
     info = devstack.up(settings, services=("kafka",))
     security = BrokerSecurity.of(StackLayout.of(settings))
@@ -85,3 +88,15 @@ def secure_kafka() -> Iterator[SecureKafka]:
     finally:
         if info.started:
             devstack.down(settings, services=("kafka",))
+
+
+@pytest.fixture(scope="session")
+def secure_kafka() -> Iterator[SecureKafka]:
+    """The session's SASL_SSL broker (started on first use)."""
+    yield from _secure_broker(SECURE_KAFKA_PORT)
+
+
+@pytest.fixture(scope="session")
+def acl_kafka() -> Iterator[SecureKafka]:
+    """A SASL_SSL broker that denies every principal but ``admin`` what no ACL allows (started on first use)."""
+    yield from _secure_broker(ACL_KAFKA_PORT, kafka_local_deny_without_acl=True)

@@ -1,6 +1,7 @@
 """A redis-server of a test's own that speaks TLS only and knows each service's ACL user (for one topic prefix),
 started the way ``sluicegate dev up`` starts one with ``SLUICEGATE_REDIS_TLS=true``; optionally a Sentinel over
-TLS with ACL users of its own in front of it."""
+TLS with ACL users of its own in front of it. This module is also a pytest plugin (``tests/conftest.py`` loads it):
+fixture ``secure_redis_server`` is one such server for the whole session."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import secrets
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from needs import require_tool
 from ports import free_port
 
@@ -119,3 +122,11 @@ def secure_redis(folder: Path, prefix: str, *, sentinel: bool = False) -> Iterat
         for process in redis.processes:
             process.kill()
             process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def secure_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureRedis]:
+    """The session's TLS-only Redis (started on first use). Its ACL users are those of one topic prefix
+    (``.prefix``), so a pipeline on it runs under that prefix: one pipeline at a time."""
+    with secure_redis(tmp_path_factory.mktemp("secure-redis"), f"s{uuid.uuid4().hex[:8]}.") as redis:
+        yield redis

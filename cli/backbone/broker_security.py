@@ -12,7 +12,8 @@ them, so clients already given the CA and passwords keep working):
     kafka.env             the SLUICEGATE_KAFKA_* variables that point a service at this broker
 
 The StandardAuthorizer is on with ``super.users=User:admin``; ``allow.everyone.if.no.acl.found=true`` keeps
-every other authenticated user allowed until ACLs are added (a user with no ACL at all may do anything). The
+every other authenticated user allowed until ACLs are added (a user with no ACL at all may do anything), unless
+``kafka_local_deny_without_acl`` asks the broker to deny what no ACL allows, as a shared cluster does. The
 controller listener stays PLAINTEXT on loopback; its principal (ANONYMOUS) is a super user so that brokers may
 reach their controller once ACLs exist.
 """
@@ -123,8 +124,9 @@ class BrokerSecurity:
             args += ["--add-scram", f"{MECHANISM}=[name={user},password={self.password(user)}]"]
         return args
 
-    def server_properties(self) -> str:
-        """The lines a SASL_SSL broker adds to its ``server.properties``."""
+    def server_properties(self, *, deny_without_acl: bool = False) -> str:
+        """The lines a SASL_SSL broker adds to its ``server.properties``; ``deny_without_acl`` refuses a principal
+        what no ACL allows (read at each start, so a restart switches it without reformatting)."""
         jaas = (
             "org.apache.kafka.common.security.scram.ScramLoginModule required "
             f'username="{ADMIN_USER}" password="{self.password(ADMIN_USER)}";'
@@ -141,7 +143,7 @@ class BrokerSecurity:
                 "ssl.client.auth=none",
                 "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
                 f"super.users=User:{ADMIN_USER};User:ANONYMOUS",
-                "allow.everyone.if.no.acl.found=true",
+                f"allow.everyone.if.no.acl.found={'false' if deny_without_acl else 'true'}",
             )
         )
 

@@ -76,6 +76,7 @@ def _write_config(
     template = string.Template(infra_file(SERVER_TEMPLATE).read_text())
     try:
         text = template.substitute(
+            kafka_host=layout.kafka_host,
             kafka_port=layout.kafka_port,
             controller_port=layout.kafka_port + 1,
             log_dirs=layout.kafka_dir / "data",
@@ -85,7 +86,11 @@ def _write_config(
             replication=quorum.replication,
             min_isr=quorum.min_isr,
             listener="SASL_SSL" if security is not None else "PLAINTEXT",
-            security=security.server_properties() if security is not None else "",
+            security=(
+                security.server_properties(deny_without_acl=settings.kafka_local_deny_without_acl)
+                if security is not None
+                else ""
+            ),
         )
     except (KeyError, ValueError) as exc:
         raise DevStackError(f"{SERVER_TEMPLATE} has an unknown or malformed placeholder: {exc}") from exc

@@ -36,7 +36,10 @@ def node_layouts(layout: StackLayout, brokers: int) -> list[StackLayout]:
     """One layout per node; node 0 is ``layout`` itself."""
     if not 1 <= brokers <= MAX_BROKERS:
         raise DevStackError(f"--brokers {brokers}: expected 1..{MAX_BROKERS}")
-    nodes = [StackLayout(layout.state, layout.kafka_port + 2 * i, layout.redis_port) for i in range(brokers)]
+    nodes = [
+        StackLayout(layout.state, layout.kafka_port + 2 * i, layout.redis_port, kafka_host=layout.kafka_host)
+        for i in range(brokers)
+    ]
     for node in nodes:
         if layout.redis_port in (node.kafka_port, node.kafka_port + 1) or node.kafka_port + 1 > 65535:
             raise DevStackError(f"Kafka node port {node.kafka_port} collides with Redis or is out of range")

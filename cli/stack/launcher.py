@@ -169,6 +169,28 @@ def _demo_model(settings: Settings) -> Path:
     return path
 
 
+def engine_threads(cores: int, engines: int) -> int:
+    """Torch threads for each of ``engines`` CPU engines on ``cores`` cores: an equal share, at least one, so
+    several workers never oversubscribe the machine (two engines of two threads on two cores ran 24 streams
+    3-4x slower than one engine)."""
+    return max(1, cores // max(1, engines))
+
+
+def worker_name(model: str, model_index: int, worker_index: int) -> str:
+    """The supervised child's name: "worker" for the first model's first worker, else by model and number."""
+    base = "worker" if model_index == 0 else f"worker-{model}"
+    return base if worker_index == 0 else f"{base}-{worker_index + 1}"
+
+
+def _worker_env(threads: int) -> dict[str, str]:
+    """A worker's share of the cores (unless SLUICEGATE_TORCH_THREADS is set); 0 threads: torch's default. A
+    condition of this machine, like the CPU dtype in ``_model_env``: not a setting every child gets."""
+    env: dict[str, str] = {}
+    if threads and "SLUICEGATE_TORCH_THREADS" not in os.environ:
+        env["SLUICEGATE_TORCH_THREADS"] = str(threads)
+    return env
+
+
 def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
     """The worker environment that serves ``spec``; a dtype or quantization set in the environment
     (SLUICEGATE_DTYPE, SLUICEGATE_QUANTIZATION) wins."""
@@ -257,6 +279,7 @@ def up(
     model_name: str | None,
     keep_stack: bool,
     backbone: tuple[str, str] | None = None,
+    workers: int = 1,
 ) -> int:
     """Run the full stack until interrupted; returns the exit code (1: a child kept crashing).
 
@@ -281,6 +304,8 @@ def up(
     env = {
         **os.environ,
         "SLUICEGATE_KAFKA_BOOTSTRAP": info.kafka_bootstrap,
+        # A SASL_SSL broker's protocol, user, password file and CA (``--kafka-security sasl_ssl``); none for plaintext.
+        **info.kafka_env,
         "SLUICEGATE_REDIS_URL": info.redis_url,
         "SLUICEGATE_API_KEYS": settings.api_keys or api_key,
         # The key generated for this one-person run may do everything, loading LoRA adapters too; a deployment's
@@ -302,13 +327,17 @@ def up(
         stop = True
 
     try:
-        # One worker (its own consumer group and topics) per model; the first keeps the plain name "worker".
-        workers = [
-            supervisor.start(
-                "worker" if n == 0 else f"worker-{spec.name}", ["worker"], {**env, **_model_env(spec, device)}
+        # ``workers`` workers per model (one consumer group and its topics per model); the first keeps the plain
+        # name "worker". Engines on the CPU share its cores rather than each taking all of them.
+        threads = engine_threads(os.cpu_count() or 1, len(specs) * workers) if device == "cpu" else 0
+        started = {
+            (n, i): supervisor.start(
+                worker_name(spec.name, n, i), ["worker"], {**env, **_model_env(spec, device), **_worker_env(threads)}
             )
             for n, spec in enumerate(specs)
-        ]
+            for i in range(workers)
+        }
+        first_workers = [started[(n, 0)] for n in range(len(specs))]
         ingress = supervisor.start("ingress", ["ingress"], env)
         results = supervisor.start("result-service", ["result-service"], env)
         supervisor.start("router", ["router"], env)
@@ -318,7 +347,7 @@ def up(
         _wait_http(f"{ingress_url}/healthz", ingress, 60)
         _wait_http(f"{result_url}/healthz", results, 60)
         # A real checkpoint on a GPU can take minutes to load; the demo model takes seconds.
-        for spec, worker in zip(specs, workers, strict=True):
+        for spec, worker in zip(specs, first_workers, strict=True):
             print(f"waiting for the worker to serve {spec.name!r} ...", flush=True)
             _wait_model(ingress_url, api_key, spec.name, worker, MODEL_LOAD_TIMEOUT_S)
         print(banner(specs, result_url, ingress_url, api_key, generated_key, info, log_dir), flush=True)

@@ -33,6 +33,7 @@ class StackLayout:
     kafka_port: int
     redis_port: int
     redis_tls: bool = False
+    kafka_host: str = "127.0.0.1"  # the client listener's address (bound and advertised)
 
     @classmethod
     def of(cls, settings: Settings) -> StackLayout:
@@ -46,9 +47,8 @@ class StackLayout:
                 raise DevStackError(f"{name} {port} is not a valid TCP port")
         if len(set(ports.values())) != len(ports):
             raise DevStackError(f"ports must differ: {ports}")
-        return cls(
-            settings.state_dir.expanduser().resolve(), settings.kafka_port, settings.redis_port, settings.redis_tls
-        )
+        state = settings.state_dir.expanduser().resolve()
+        return cls(state, settings.kafka_port, settings.redis_port, settings.redis_tls, str(settings.kafka_host))
 
     @property
     def libs_root(self) -> Path:
@@ -96,7 +96,7 @@ class StackLayout:
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.kafka_port}"
+        return f"{self.kafka_host}:{self.kafka_port}"
 
     @property
     def redis_url(self) -> str:

@@ -22,6 +22,7 @@ def _run(args: argparse.Namespace) -> int:
         tenants=tenants,
         router_group=settings.router_group,
         usage_group=settings.usage_group,
+        usage_rollup=settings.usage_rollup,
     )
     if args.json:
         print(json.dumps([acl.as_json() for acl in acls], indent=2))

@@ -97,6 +97,9 @@ class EngineConfig:
     # once); what it makes meanwhile rides in that delta. 0: a delta every step. vLLM's ``stream_interval`` counts
     # tokens; a time suits a stream read by people and costs per message downstream whatever the model's speed.
     stream_interval_ms: float = 0.0
+    # Journal the prefix cache's changes (blocks cached, evicted) for whoever drains them each step
+    # (``LLMEngine.take_kv_events``): a worker publishing them to a fleet router. Off, nothing is kept.
+    enable_kv_events: bool = False
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)

@@ -29,7 +29,7 @@ from .lora.manager import LoRAManager
 from .lora.peft_files import AdapterSpec, load_adapter
 from .lora.request import LoRARequest
 from .models.loader import load_model
-from .outputs import EngineStats, RequestDelta
+from .outputs import EngineStats, KVCacheEvents, RequestDelta
 from .sampling_params import SamplingParams
 from .spec_decode.draft_model import build_draft_model
 from .spec_decode.speculator import Speculator
@@ -86,6 +86,7 @@ class LLMEngine:
         self.block_manager = KVBlockManager(
             num_blocks, block_size, config.enable_prefix_caching, sliding_window=self.loaded.release_window
         )
+        self.block_manager.record_kv_events = config.enable_kv_events and config.enable_prefix_caching
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -364,6 +365,20 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
+
+    def take_kv_events(self) -> KVCacheEvents | None:
+        """The prefix cache's changes since the last call (None when nothing changed or events are off)."""
+        if not self.block_manager.record_kv_events:
+            return None
+        stored, removed = self.block_manager.take_kv_events()
+        if not stored and not removed:
+            return None
+        return KVCacheEvents(self.block_manager.block_size, stored, removed)
+
+    def kv_snapshot(self) -> KVCacheEvents:
+        """Every block the prefix cache holds now; the events that follow continue from it."""
+        hashes = self.block_manager.cached_hashes() if self.block_manager.record_kv_events else []
+        return KVCacheEvents(self.block_manager.block_size, [(h, b"") for h in hashes], snapshot=True)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -100,6 +100,19 @@ class RequestDelta:
     embedding: list[float] | None = field(default=None, repr=False)
 
 
+@dataclass(frozen=True)
+class KVCacheEvents:
+    """What the prefix cache did over one step, or (``snapshot``) all it holds now, by block hash
+    (``sluicegate.block_hashes``): ``stored`` the blocks newly cached with their parent hashes (the chain seed for
+    a first block; empty in a snapshot, which replaces what was known), ``removed`` the ones evicted. Apply stored
+    before removed: a block may be cached and evicted within one step."""
+
+    block_size: int
+    stored: list[tuple[bytes, bytes]] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    snapshot: bool = False
+
+
 @dataclass
 class EngineStats:
     """A snapshot for heartbeats and dashboards."""

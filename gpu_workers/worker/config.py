@@ -49,3 +49,5 @@ class WorkerConfig:
     tenants: tuple[str, ...] = ()
     # False (SLUICEGATE_METRICS_ENABLED): a Worker built without a WorkerTelemetry keeps none.
     metrics: bool = True
+    # Publish the engine's KV-cache events on ``llm.kv_events`` (the engine journals them only then).
+    kv_events: bool = False

@@ -20,9 +20,10 @@ from aiokafka import AIOKafkaConsumer
 from pydantic import ValidationError
 
 from gpu_workers.engine import EngineFront
-from schemas import CancelRequest, Names
+from schemas import CancelRequest, KVSnapshotRequest, Names
 
 from .in_flight import Active, InFlight
+from .kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class Cancels:
         self._early: OrderedDict[str, set[str | None]] = OrderedDict()
         # Readers whose lease lapsed (``reader_leases.ReaderWatch``), with when: nobody reads what their requests make.
         self._gone_readers: OrderedDict[str, float] = OrderedDict()
+        # Where a ``KVSnapshotRequest`` read here goes (set by the Worker when it publishes KV events).
+        self.kv_events: KVEventPublisher | None = None
 
     def pending(self, request_id: str, reader: str | None = None) -> bool:
         """Whether a cancel for ``request_id`` arrived before the request did, or its reader is gone."""
@@ -103,6 +106,10 @@ class Cancels:
 
     async def run(self) -> None:
         async for message in self.consumer:
+            # Only the services' topic asks for snapshots: a tenant's cannot make every worker publish its cache.
+            if b'"kv_snapshot"' in message.value and self._tenant_of.get(message.topic) is None:
+                if self._snapshot_asked(message.value):
+                    continue
             try:
                 cancel = CancelRequest.model_validate_json(message.value)
             except ValidationError:
@@ -117,6 +124,17 @@ class Cancels:
                 continue
             if self._may_cancel(tenant, entry):
                 await self.stop(entry, cancel.reason)
+
+    def _snapshot_asked(self, value: bytes) -> bool:
+        """Whether ``value`` is a router's request for the workers' (of a model, or all) KV-cache snapshots;
+        answered here when it is."""
+        try:
+            request = KVSnapshotRequest.model_validate_json(value)
+        except ValidationError:
+            return False  # perhaps a cancel whose text mentions it
+        if self.kv_events is not None and request.model in (None, self.kv_events.model):
+            self.kv_events.request_snapshot()
+        return True
 
     @staticmethod
     def _may_cancel(tenant: str | None, entry: Active) -> bool:

@@ -22,6 +22,7 @@ from schemas import ModelTokenizer, Names, PartitionRef, WorkerHeartbeat
 
 from .adapters import Adapters
 from .config import WorkerConfig
+from .kv_events import KVEventPublisher
 from .prompts import reasoning_parser, tool_call_format
 from .streams import REDIS_UNAVAILABLE
 from .telemetry import WorkerTelemetry
@@ -57,6 +58,7 @@ class Heartbeats:
         self._tool_call_format = tool_call_format(engine.tokenizer)
         self._reasoning_parser = reasoning_parser(engine.tokenizer, config.reasoning_parser)
         self._tokenizer_json: str | None = None  # "published" once the tokenizer is in Redis
+        self.kv_events: KVEventPublisher | None = None  # set by the Worker when it publishes KV events
 
     def beat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
@@ -79,6 +81,7 @@ class Heartbeats:
             backlog_seconds=self.telemetry.backlog_seconds if self.telemetry is not None else None,
             adapters=self.adapters.names() if self.adapters is not None else [],
             lora=self.adapters is not None,
+            kv_events_seq=self.kv_events.last_seq if self.kv_events is not None else None,
         )
 
     async def run(self) -> None:

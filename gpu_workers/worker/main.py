@@ -85,6 +85,7 @@ def engine_arguments(settings: WorkerSettings) -> dict[str, object]:
         kv_cache_dtype=settings.kv_cache_dtype,
         tenant_weights=dict(settings.tenant_weights),
         block_size=settings.block_size,
+        enable_kv_events=settings.kv_events and settings.enable_prefix_caching,
         enable_prefix_caching=settings.enable_prefix_caching,
         enable_cascade_attention=settings.enable_cascade_attention,
         enforce_eager=settings.enforce_eager,
@@ -266,6 +267,7 @@ async def _run_started(
         replica_ack_max_events=settings.worker_replica_ack_max_events,
         reader_lease_s=settings.reader_lease_s,
         tenants=settings.tenant_names,
+        kv_events=settings.kv_events and settings.enable_prefix_caching,
     )
     topics = {t: settings.topic_partitions for t in names.request_topics(model_name)}
     controls = control_topics(names, config.tenants)
@@ -274,6 +276,7 @@ async def _run_started(
         names.usage_topic: settings.topic_partitions,
         names.dlq_topic: 1,
         names.heartbeats_topic: 1,
+        names.kv_events_topic: settings.topic_partitions,  # keyed by worker: each worker's events stay in order
         **dict.fromkeys(controls, 1),
     }
     for tenant in config.tenants if names.tenants_apart else ():  # each tenant's results and dead letters

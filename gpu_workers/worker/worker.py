@@ -51,6 +51,7 @@ from .control import Cancels, control_topics
 from .heartbeat import Heartbeats
 from .in_flight import InFlight
 from .intake import Intake
+from .kv_events import KVEventPublisher
 from .observer import WorkerObserver
 from .outputs import Outputs
 from .reader_leases import ReaderWatch
@@ -95,6 +96,10 @@ class Worker:
         )
         self.readers = ReaderWatch(redis, names, self.in_flight, self.cancels, config.reader_lease_s)
         self.heartbeats = Heartbeats(engine, config, names, redis, producer, consumer, self._stopping, adapters)
+        self.kv_events = (
+            KVEventPublisher(engine, producer, names, config.model_name, config.worker_id) if config.kv_events else None
+        )
+        self.heartbeats.kv_events = self.cancels.kv_events = self.kv_events
         self._redis = redis
         if telemetry is not None:
             telemetry.set_topics({names.request_topic(config.model_name, t): t for t in TIERS})
@@ -155,6 +160,8 @@ class Worker:
             asyncio.create_task(self.cancels.run(), name="control"),
             asyncio.create_task(self.heartbeats.run(), name="heartbeat"),
         ]
+        if self.kv_events is not None:
+            loops.append(asyncio.create_task(self.kv_events.run(), name="kv-events"))
         if self.readers.enabled:
             loops.append(asyncio.create_task(self.readers.run(), name="readers"))
         if self.adapters is not None:  # this worker verifies adapter registrations for its model (ingress asks)

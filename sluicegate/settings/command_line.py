@@ -3,9 +3,10 @@ client tools (``sluicegate batch``, ``sluicegate bench``), which talk to ingress
 
 from __future__ import annotations
 
+from ipaddress import IPv4Address
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, IPvAnyAddress
 
 from .base import SettingsBase
 from .state_dir import StateDirSettings
@@ -15,6 +16,11 @@ class LocalStackSettings(StateDirSettings):
     """The local Kafka and Redis: ports and brokers."""
 
     kafka_port: int = Field(9092, description="Port of the local Kafka broker (controller uses port + 1).")
+    kafka_host: IPvAnyAddress = Field(
+        IPv4Address("127.0.0.1"),
+        description="Address the local Kafka's client listener binds and advertises (its controllers stay on "
+        "127.0.0.1): another address of this machine lets processes in other network namespaces reach it.",
+    )
     redis_port: int = Field(6379, description="Port of the local Redis server.")
     redis_tls: bool = Field(
         False,
@@ -34,6 +40,12 @@ class LocalStackSettings(StateDirSettings):
         description="Client listener of the local Kafka (`sluicegate dev up --kafka-security`): plaintext, or "
         "sasl_ssl with SCRAM-SHA-512 users and a CA made at start (paths and variables in "
         "<state_dir>/kafka-<port>/security/kafka.env).",
+    )
+    kafka_local_deny_without_acl: bool = Field(
+        False,
+        description="With kafka_local_security=sasl_ssl, deny every principal what no ACL allows "
+        "(allow.everyone.if.no.acl.found=false), as a shared cluster should; by default a user with no ACL may do "
+        "anything. Only admin, the super user, then does anything until ACLs are added (`sluicegate kafka acls`).",
     )
     kafka_full_jit: bool = Field(
         False,

@@ -9,7 +9,7 @@ from .base import SettingsBase
 
 
 class FleetSettings(SettingsBase):
-    """Heartbeat cadence, LoRA registry snapshots, ingress reader leases and the default queue budget."""
+    """Heartbeat cadence, LoRA registry snapshots, ingress reader leases, KV events and the default queue budget."""
 
     # Workers beat every interval; whoever routes counts a worker live for three of them.
     heartbeat_interval_s: float = Field(2.0, gt=0, description="Seconds between worker heartbeats.")
@@ -30,6 +30,13 @@ class FleetSettings(SettingsBase):
         "(a third of it apart) over half of it, and never start that ingress's requests still queued: an ingress "
         "that died mid-response leaves no generation running for nobody. Give ingress and workers the same value. "
         "0: no leases.",
+    )
+    # Workers publish what their prefix caches hold; ingress and the router route prompts on it.
+    kv_events: bool = Field(
+        True,
+        description="Workers publish their KV-cache events (blocks cached and evicted, by block hash) on "
+        "llm.kv_events, and ingress and the router send a prompt to the worker holding its longest cached prefix "
+        "against load (docs/routing.md); false: neither, the prompt-prefix key alone decides.",
     )
     # Ingress gives a request without a deadline this budget; workers export it, so an alert compares backlogs with it.
     default_queue_budget_s: float = Field(

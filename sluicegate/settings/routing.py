@@ -36,6 +36,30 @@ class RoutingSettings(BackboneSettings):
     router_min_free_kv: float = Field(
         0.05, ge=0.0, le=1.0, description="Free KV-block fraction below which a worker counts as overloaded."
     )
+    router_kv_tokens_per_request: float = Field(
+        256.0,
+        ge=0.0,
+        description="Routing on the cached prefix: a request a worker runs or queues weighs as this many prompt "
+        "tokens to prefill, against the tokens of the prompt another worker holds cached (docs/routing.md).",
+    )
+    router_kv_tokens_per_backlog_s: float = Field(
+        1024.0,
+        ge=0.0,
+        description="Routing on the cached prefix: a second of a worker's backlog at the request's tier weighs as "
+        "this many prompt tokens to prefill.",
+    )
+    router_kv_max_lag_s: float = Field(
+        6.0,
+        gt=0.0,
+        description="A worker whose heartbeat, older than this, reports KV events the router has not read makes "
+        "the router fall back to the prompt-prefix key for its model (counted as stale_events).",
+    )
+    router_kv_index_max_blocks: int = Field(
+        262_144,
+        ge=1,
+        description="Block hashes the cached-prefix index keeps per worker at most (about 70 bytes each; the "
+        "oldest go first).",
+    )
     router_tenant_half_life_s: float = Field(
         30.0,
         ge=0.0,

@@ -290,6 +290,19 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10
         await asyncio.sleep(0.05)
 
 
+async def wait_partitions_owned(redis: Redis, settings: Settings, model: str, *tasks: asyncio.Task) -> None:
+    """Until a worker of ``model`` heartbeats with partitions of its own; a task of ``tasks`` (the services under
+    test) ending first fails with its exception."""
+
+    async def owned() -> bool:
+        for task in tasks:
+            assert not task.done(), task.exception()
+        beats = await redis.hgetall(settings.names.workers_key(model))
+        return any(WorkerHeartbeat.model_validate_json(v).partitions for v in beats.values())
+
+    await eventually(owned, timeout_s=120)
+
+
 async def delete_prefixed_keys(redis: Redis, prefix: str) -> None:
     """Delete every Redis key under ``prefix``."""
     keys = [k async for k in redis.scan_iter(match=f"{prefix}*")]

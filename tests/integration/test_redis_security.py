@@ -13,6 +13,7 @@ from secure_redis import SecureRedis, secure_redis
 
 from schemas import Names
 from sluicegate.batches.celery_app import _app
+from sluicegate.lora.registry import LoRARegistry
 from sluicegate.redis_access import RedisAccessError, check_redis_access
 from sluicegate.redis_acl import service_acl
 from sluicegate.redis_client import create_redis
@@ -43,6 +44,17 @@ async def test_stream_append_and_read_under_service_users(server: SecureRedis) -
     finally:
         await writer.aclose()
         await reader.aclose()
+
+
+async def test_router_reads_the_lora_registry_but_may_not_change_it(server: SecureRedis) -> None:
+    # The router resolves a Kafka-native record's adapter from the registry the workers keep.
+    router = create_redis(url=server.url("router"))
+    try:
+        assert await LoRARegistry(router, server.prefix).list() == []
+        with pytest.raises(Exception, match="no permissions to run the 'hdel' command"):
+            await LoRARegistry(router, server.prefix).unregister("any")
+    finally:
+        await router.aclose()
 
 
 async def test_sentinel_over_tls_with_users_finds_the_primary(server: SecureRedis) -> None:

@@ -7,12 +7,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from ingress_support import MODEL, consume, eventually, reader
+from ingress_support import MODEL, consume, reader, wait_partitions_owned
 from redis.asyncio import Redis
 
 from gpu_workers.worker.main import run_worker
 from router.stream import run_router
-from schemas import STREAM_FIELD, DeadLetter, FinalResult, InferenceRequest, WorkerHeartbeat, parse_stream_event
+from schemas import STREAM_FIELD, DeadLetter, FinalResult, InferenceRequest, parse_stream_event
 from sluicegate.kafka import create_producer, ensure_topics
 from sluicegate.settings import Settings
 
@@ -62,13 +62,8 @@ async def test_the_topic_names_the_tenant(
     router = asyncio.create_task(run_router(settings, stop=stop))
     worker = asyncio.create_task(run_worker(settings, stop))
 
-    async def owns_partitions() -> bool:
-        assert not worker.done(), worker.exception()
-        beats = await redis.hgetall(names.workers_key(MODEL))
-        return any(WorkerHeartbeat.model_validate_json(v).partitions for v in beats.values())
-
     try:
-        await eventually(owns_partitions, timeout_s=120)
+        await wait_partitions_owned(redis, settings, MODEL, worker)
         async with (
             reader(settings, names.results_topic_of("a"), partitions=1) as results,
             reader(settings, names.dlq_topic_of("a"), partitions=1) as dlq,

@@ -48,3 +48,13 @@ def test_the_client_variables_name_the_service_user_and_its_files(tmp_path: Path
     assert env["SLUICEGATE_KAFKA_SASL_PASSWORD_FILE"] == str(tmp_path / "security" / "sluicegate.password")
     assert env["SLUICEGATE_KAFKA_SSL_CAFILE"] == str(tmp_path / "security" / "ca.pem")
     assert "SLUICEGATE_KAFKA_SASL_PASSWORD" not in env  # the secret stays in its file
+
+
+def test_the_broker_denies_what_no_acl_allows_only_when_asked(tmp_path: Path) -> None:
+    security = BrokerSecurity(tmp_path)
+    security.password_file("admin").write_text("pw\n")
+    default = security.server_properties().splitlines()
+    assert "allow.everyone.if.no.acl.found=true" in default and "super.users=User:admin;User:ANONYMOUS" in default
+    denying = security.server_properties(deny_without_acl=True).splitlines()
+    assert "allow.everyone.if.no.acl.found=false" in denying
+    assert "allow.everyone.if.no.acl.found=true" not in denying

@@ -3,7 +3,9 @@
 * ``schemas`` imports no other package of the project;
 * the runtime library ``sluicegate`` imports only ``schemas``;
 * ``gpu_workers.engine`` imports nothing of the pipeline: no project package outside itself, no Kafka, Redis
-  or pydantic (it must run on a bare GPU image);
+  or pydantic (it must run on a bare GPU image), but the KV block hash chain ``sluicegate.block_hashes`` (a module
+  of the standard library alone, under a package whose ``__init__`` imports nothing), which the router hashes
+  prompts with;
 * inside the engine, ``core`` holds the leaf types (sequence, scheduler, KV block manager, request) that the driver
   ``llm_engine`` steps and ``execution``, ``spec_decode``, ``distributed`` and ``entrypoints`` read: it imports
   none of them;
@@ -115,8 +117,12 @@ def test_the_runtime_library_imports_only_schemas() -> None:
     assert _offending("sluicegate", ("schemas",)) == []
 
 
+#: What the engine may import from outside itself: pure modules that the pipeline shares with it.
+ENGINE_SHARED = ("sluicegate.block_hashes",)
+
+
 def test_the_engine_imports_nothing_of_the_pipeline() -> None:
-    assert _offending("gpu_workers.engine", ()) == []
+    assert _offending("gpu_workers.engine", ENGINE_SHARED) == []
     libraries = [
         f"{_module_name(p)} -> {n}"
         for p in _modules("gpu_workers.engine")
@@ -124,6 +130,18 @@ def test_the_engine_imports_nothing_of_the_pipeline() -> None:
         if n.split(".")[0] in PIPELINE_LIBRARIES
     ]
     assert libraries == []
+
+
+def test_what_the_engine_shares_imports_the_standard_library_only() -> None:
+    """Importing ``sluicegate.block_hashes`` runs ``sluicegate/__init__.py`` too: both must stay free of the
+    pipeline's libraries (and of the project), or the engine's bare GPU image would need them."""
+    import sys
+
+    for shared in ENGINE_SHARED:
+        package = shared.rpartition(".")[0]
+        for path in (ROOT / package.replace(".", "/") / "__init__.py", ROOT / (shared.replace(".", "/") + ".py")):
+            tops = {n.split(".")[0] for n in _imports(path)} - {"__future__"}
+            assert tops <= set(sys.stdlib_module_names), f"{path} imports {tops - set(sys.stdlib_module_names)}"
 
 
 def test_the_engine_core_imports_nothing_that_stands_above_it() -> None:

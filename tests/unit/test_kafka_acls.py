@@ -103,3 +103,19 @@ def test_the_command_prints_kafka_acls_lines_and_json() -> None:
         "resource": "llm.inbound",
         "pattern_type": "literal",
     } in rules
+
+
+def test_the_router_reads_the_usage_ledger_for_the_rollup_it_runs() -> None:
+    names = Names("p.", tenants_apart=True)
+    rollup = {
+        ("Read", "topic", names.usage_topic),
+        ("Describe", "topic", names.usage_topic),
+        ("Read", "group", "p.ug"),
+    }
+    router = {(a.operation, a.resource_type, a.resource) for a in _acls(names) if a.principal == "router"}
+    assert rollup <= router
+    without = deployment_acls(
+        names, models=MODELS, tenants=TENANTS, router_group="rg", usage_group="ug", usage_rollup=False
+    )
+    assert not [a for a in without if a.resource in (names.usage_topic, "p.ug") and a.operation == "Read"]
+    assert {a.principal for a in _acls(names)} == {a.principal for a in without}  # no principal of the rollup's own

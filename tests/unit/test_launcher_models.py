@@ -210,3 +210,19 @@ def test_the_stack_tells_its_router_and_ingress_which_models_it_serves() -> None
     specs = [ModelSpec("/m/a", "alpha"), ModelSpec("/m/b", "beta")]
     assert served_models("", specs) == "alpha,beta"
     assert served_models(" extra , alpha,", specs) == "extra,alpha,beta"
+
+
+def test_several_workers_share_the_cores_and_get_names_of_their_own() -> None:
+    assert launcher.engine_threads(16, 2) == 8
+    assert launcher.engine_threads(2, 2) == 1  # two workers on two cores: one thread each, not two
+    assert launcher.engine_threads(2, 3) == 1  # never none
+    names = {launcher.worker_name(m, n, i) for n, m in enumerate(["a", "b"]) for i in range(2)}
+    assert names == {"worker", "worker-2", "worker-b", "worker-b-2"}
+
+
+def test_up_takes_a_worker_count_and_refuses_none() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["up", "--workers", "2"]).workers == 2
+    assert parser.parse_args(["up"]).workers == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--workers", "0"])

@@ -13,9 +13,11 @@ layers (Gemma 3) need every block for their full layers; they run with ``sliding
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
+
+# The hash chain lives in the runtime library, where the router hashes prompts the same way; a pure module, the
+# engine's one import from outside itself.
+from sluicegate.block_hashes import chain_seed, hash_block
 
 from .sequence import Sequence
 
@@ -24,17 +26,6 @@ NULL_BLOCK = -1
 
 # How far the placement cursor looks for a fresh block before falling back to the LRU queue.
 _PLACEMENT_PROBES = 64
-
-
-def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """Content hash of one full block, chained on its parent's hash so it names the whole prefix."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
-
-
-def chain_seed(lora_int_id: int) -> bytes:
-    """The parent hash of a sequence's first block: empty for the base model, the adapter's id under a LoRA
-    adapter, so K/V computed under different adapters (or none) never share a block and one adapter's do."""
-    return b"" if lora_int_id == 0 else b"lora:" + lora_int_id.to_bytes(8, "little")
 
 
 class KVBlockManager:
@@ -66,6 +57,10 @@ class KVBlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._cursor = 0
+        # The KV event journal (``take_kv_events``): off unless someone drains it, or it would grow forever.
+        self.record_kv_events = False
+        self._kv_stored: list[tuple[bytes, bytes]] = []
+        self._kv_removed: list[bytes] = []
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -135,7 +130,21 @@ class KVBlockManager:
             if h not in self._cached:
                 self._cached[h] = block_id
                 self._block_hash[block_id] = h
+                if self.record_kv_events:
+                    self._kv_stored.append((h, seq.block_hashes[i - 1] if i else chain_seed(seq.lora_int_id)))
         seq.num_registered_blocks = num_full
+
+    def take_kv_events(self) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
+        """The blocks cached (each ``(hash, parent hash)``) and evicted since the last call, in order; empties the
+        journal. A block both cached and evicted in between appears in both lists: apply stored, then removed."""
+        stored, removed = self._kv_stored, self._kv_removed
+        self._kv_stored, self._kv_removed = [], []
+        return stored, removed
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache holds now (a snapshot); the journal restarts from here."""
+        self._kv_stored, self._kv_removed = [], []
+        return list(self._cached)
 
     # ------------------------------------------------------------------ allocation
     def _take_cached(self, block_id: int) -> None:
@@ -150,6 +159,8 @@ class KVBlockManager:
             # Evict: the block is about to be overwritten with other content.
             if self._cached.get(h) == block_id:
                 del self._cached[h]
+                if self.record_kv_events:
+                    self._kv_removed.append(h)
             self._block_hash[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id

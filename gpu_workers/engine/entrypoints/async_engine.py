@@ -151,6 +151,9 @@ class AsyncEngine(EngineFront):
                     return
                 if engine.has_unfinished():
                     deltas = engine.step()
+                    kv_events = engine.take_kv_events()
+                    if kv_events is not None:
+                        self._post(self._deliver_kv_events, kv_events)
                     if deltas:
                         self._post(self._deliver, deltas)
                         if self._delivery_yield_s:

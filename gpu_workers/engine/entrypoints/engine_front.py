@@ -16,7 +16,7 @@ from typing import Any
 from ..core.request import EngineRequest, PromptInput
 from ..lora.peft_files import AdapterSpec
 from ..lora.request import LoRARequest
-from ..outputs import EngineStats, RequestDelta
+from ..outputs import EngineStats, KVCacheEvents, RequestDelta
 from ..sampling_params import SamplingParams
 
 
@@ -61,7 +61,7 @@ class RequestStream:
 
 
 #: ``LLMEngine`` methods a front may run on the step loop through ``_engine_call`` (and nothing else).
-ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "check_lora"})
+ENGINE_CALLS = frozenset({"add_lora", "remove_lora", "list_loras", "check_lora", "kv_snapshot"})
 
 
 class EngineFront(ABC):
@@ -71,11 +71,21 @@ class EngineFront(ABC):
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._delta_observers: list[Callable[[list[RequestDelta]], None]] = []
+        self._kv_event_observers: list[Callable[[KVCacheEvents], None]] = []
 
     def add_delta_observer(self, observer: Callable[[list[RequestDelta]], None]) -> None:
         """Call ``observer`` with each step's deltas as they reach the event loop, before their streams get them
         (timing probes, metrics). It runs on the event loop for every step: keep it cheap and never raise."""
         self._delta_observers.append(observer)
+
+    def add_kv_event_observer(self, observer: Callable[[KVCacheEvents], None]) -> None:
+        """Call ``observer`` with each step's prefix-cache changes (engines built with ``enable_kv_events``), in
+        step order and before that step's deltas, on the event loop: keep it cheap and never raise."""
+        self._kv_event_observers.append(observer)
+
+    async def kv_snapshot(self) -> KVCacheEvents:
+        """Every block the prefix cache holds, taken between steps: the events observed after it continue it."""
+        return await self._engine_call("kv_snapshot")
 
     # ------------------------------------------------------------------ what a front provides
     @property
@@ -230,6 +240,13 @@ class EngineFront(ABC):
         stream = RequestStream(request_id, num_choices)
         self._streams[request_id] = stream
         return stream
+
+    def _deliver_kv_events(self, events: KVCacheEvents | None) -> None:
+        """Hand a step's prefix-cache changes to the observers (on the event loop)."""
+        if events is None:
+            return
+        for observer in self._kv_event_observers:
+            observer(events)
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         """Route a step's deltas to their streams (on the event loop)."""

@@ -61,6 +61,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         stream_interval_ms: float = 0.0,
+        enable_kv_events: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -90,6 +91,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras,
             stream_interval_ms=stream_interval_ms,
+            enable_kv_events=enable_kv_events,
         )
         self.engine = LLMEngine(config)
 

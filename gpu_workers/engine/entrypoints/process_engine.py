@@ -251,6 +251,7 @@ class ProcessEngine(EngineFront):
         kind = message[0]
         if kind == "deltas":
             self._stats = message[2]
+            self._deliver_kv_events(message[3])
             self._deliver(message[1])
         elif kind == "rejected":
             self._fail_one(message[1], ValueError(message[2]))

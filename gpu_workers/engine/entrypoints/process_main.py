@@ -89,8 +89,9 @@ class _StepLoop:
                     self._answer(*payload)
             if engine.has_unfinished():
                 deltas += engine.step()
-            if deltas:
-                self.channel.send(("deltas", deltas, engine.stats()))
+            kv_events = engine.take_kv_events()
+            if deltas or kv_events is not None:
+                self.channel.send(("deltas", deltas, engine.stats(), kv_events))
                 if self.delivery_yield_s:
                     time.sleep(self.delivery_yield_s)
 

@@ -2,9 +2,10 @@
 
 * front -> engine: ``("init", config, initializer)`` once, then ``("add", EngineRequest)``,
   ``("abort", request_id)``, ``("call", (call_id, method, args))`` (one of ``engine_front.ENGINE_CALLS``: the
-  adapter calls) and ``("stop", None)``;
+  adapter calls, the KV snapshot) and ``("stop", None)``;
 * engine -> front: ``("ready", EngineSpec)`` or ``("startup_failed", kind, message)``; then per step
-  ``("deltas", [RequestDelta], EngineStats)``, ``("rejected", request_id, message)`` for an add the engine
+  ``("deltas", [RequestDelta], EngineStats, KVCacheEvents | None)`` (the step's prefix-cache changes, when
+  the engine journals them), ``("rejected", request_id, message)`` for an add the engine
   refuses, ``("answer", call_id, result, error)`` for a call (``error``: the exception it raised, or None),
   ``("failed", traceback)`` when the step loop dies, and ``("stopped", [RequestDelta], EngineStats)``
   as the answer to ``stop``.

@@ -56,7 +56,14 @@ class Recording:
     async def model_heartbeats(self, model: str) -> list[WorkerHeartbeat]:
         return self._heartbeats
 
-    async def route(self, request: InferenceRequest, *, max_tier: Tier, heartbeats: list[WorkerHeartbeat]) -> Any:
+    async def route(
+        self,
+        request: InferenceRequest,
+        *,
+        max_tier: Tier,
+        heartbeats: list[WorkerHeartbeat],
+        prompt_ids: list[int] | None = None,
+    ) -> Any:
         self.calls.append("route")
         self.seen.append(request.request_id)
         return SimpleNamespace(tier=request.priority, topic=f"llm.{MODEL}.{request.priority}", reason="affinity")
