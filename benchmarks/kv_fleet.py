@@ -184,6 +184,7 @@ def run_mode(gguf: Path, shape: Shape, mode: str, tiers: dict[str, dict] | None)
             prompt = list(history[c])
             hashes = prompt_block_hashes(prompt, BLOCK)
             unbounded_hits += next((i for i, h in enumerate(hashes) if h not in seen), len(hashes)) * BLOCK
+            seen.update(hashes)  # a cache shared by the round's batch: later prompts of the round find it
             w = fleet.route(prompt, assigned, WORKERS)
             assigned[w] += 1
             result.per_worker[w] += 1
