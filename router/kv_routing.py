@@ -1,7 +1,8 @@
 """Routing on the exact cached prefix: the prompt's block hashes (``sluicegate.block_hashes``, over the token ids the
 worker will see) against each worker's cached blocks (:class:`router.kv_index.KVIndex`), weighed against load.
 
-A worker's cost for a request is the prompt tokens it would have to prefill (those past its cached prefix) plus
+A worker's cost for a request is the prompt tokens it would have to prefill (those past its cached prefix, a block in
+an offload tier counted at its tier's weight: ``CachedPrefixPolicy.tier_weights``) plus
 its load in the same unit: ``tokens_per_request`` for each request it runs or queues (from its heartbeat, plus
 those this router sent it since that heartbeat) and ``tokens_per_backlog_s`` for each second of backlog at the
 request's tier. The cheapest worker that is not overloaded (``LoadPolicy``) takes it, on one of its partitions
@@ -14,7 +15,7 @@ prompt-prefix key decides as before (:func:`router.policy.choose_partition`); wh
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -37,6 +38,12 @@ class CachedPrefixPolicy:
     tokens_per_backlog_s: float = 1024.0
     max_lag_s: float = 6.0
     max_blocks: int = 512  # leading blocks hashed and looked up at most (8k tokens at 16 a block)
+    # What a cached block is worth by where it sits, against a pool hit's 1 (docs/routing.md): a load from host
+    # memory costs a copy, from disk a read, from the shared store a round trip, and the store may have evicted it
+    # without telling (its events say what was written, not what is left).
+    tier_weights: Mapping[str, float] = field(
+        default_factory=lambda: {"pool": 1.0, "host": 0.9, "disk": 0.75, "shared": 0.5}
+    )
 
 
 @dataclass
@@ -101,7 +108,8 @@ class KVRouting:
         chosen: WorkerHeartbeat | None = None
         chosen_cached = 0
         for beat in (b for b in owners if not load.overloaded(b)):
-            cached = self.index.matched_blocks(model, beat.worker_id, hashes) * block_size
+            weighted = self.index.weighted_blocks(model, beat.worker_id, hashes, self.policy.tier_weights)
+            cached = round(weighted * block_size)
             cost = (prompt_tokens - cached) + self._load_tokens(beat, tier, now)
             if best is None or (cost, beat.worker_id) < best:
                 best, chosen, chosen_cached = (cost, beat.worker_id), beat, cached

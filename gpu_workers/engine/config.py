@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .kv_offload.config import KVOffloadConfig
 from .spec_decode.config import SpeculativeConfig
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -100,6 +101,9 @@ class EngineConfig:
     # Journal the prefix cache's changes (blocks cached, evicted) for whoever drains them each step
     # (``LLMEngine.take_kv_events``): a worker publishing them to a fleet router. Off, nothing is kept.
     enable_kv_events: bool = False
+    # Offload tiers under the prefix cache (host memory, local disk, a shared store): a ``KVOffloadConfig`` or a
+    # dict of its fields; None or all tiers at 0: off. Needs prefix caching.
+    kv_offload: KVOffloadConfig | dict[str, Any] | None = None
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -110,6 +114,7 @@ class EngineConfig:
         self.model = str(self.model)
         self.torch_dtype = parse_dtype(self.dtype)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        self.kv_offload = KVOffloadConfig.from_value(self.kv_offload)
         self.device = torch.device(self.device)
         self._check_cpu_quantization()
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -186,6 +191,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size > 1 does not support quantization={self.quantization!r} yet")
         if self.kv_cache_torch_dtype is not None:
             raise ValueError("tensor_parallel_size > 1 does not support an FP8 KV cache yet")
+        if self.offload_tiers is not None:
+            # Each rank holds its heads' share of every block, in its own process.
+            raise ValueError("tensor_parallel_size > 1 does not support KV offload tiers yet")
         spec = self.speculative_config
         if isinstance(spec, SpeculativeConfig) and spec.method == "draft_model":
             raise ValueError("tensor_parallel_size > 1 does not support a draft model yet (ngram works)")
@@ -206,6 +214,14 @@ class EngineConfig:
         if self.enable_lora and self.tensor_parallel_size > 1:
             # The slot stacks would have to be split per rank like the projections they add to.
             raise ValueError("enable_lora does not support tensor_parallel_size > 1 yet")
+
+    @property
+    def offload_tiers(self) -> KVOffloadConfig | None:
+        """The offload tiers to build: the config when any tier is on and prefix caching is, else None."""
+        tiers = self.kv_offload
+        if isinstance(tiers, KVOffloadConfig) and tiers.enabled and self.enable_prefix_caching:
+            return tiers
+        return None
 
     @property
     def tokenizer_path(self) -> str:

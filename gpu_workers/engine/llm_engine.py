@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from . import kv_journal
 from .attention import get_attention_backend
 from .config import EngineConfig
 from .core.admission import RequestValidator
@@ -25,6 +26,7 @@ from .core.sequence_factory import SequenceFactory
 from .distributed.ranks import TensorParallelRanks, TPModelRunner
 from .execution.model_runner import ModelRunner
 from .execution.sampler import Sampler
+from .kv_offload import build_offloader
 from .lora.manager import LoRAManager
 from .lora.peft_files import AdapterSpec, load_adapter
 from .lora.request import LoRARequest
@@ -87,6 +89,8 @@ class LLMEngine:
             num_blocks, block_size, config.enable_prefix_caching, sliding_window=self.loaded.release_window
         )
         self.block_manager.record_kv_events = config.enable_kv_events and config.enable_prefix_caching
+        self.offloader = build_offloader(config, self.runner, self.loaded.dtype, self.block_manager.record_kv_events)
+        self.block_manager.tier = self.offloader
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -221,7 +225,9 @@ class LLMEngine:
         return [d for rid in list(self._requests) for d in self.abort(rid)]
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do without them); the engine cannot step after."""
+        """Stop the offload writer and the other tensor-parallel ranks; the engine cannot step after."""
+        if self.offloader is not None:
+            self.offloader.close()
         if self.tp_ranks is not None:
             self.tp_ranks.stop()
 
@@ -367,18 +373,12 @@ class LLMEngine:
         return self.block_manager.num_free_blocks
 
     def take_kv_events(self) -> KVCacheEvents | None:
-        """The prefix cache's changes since the last call (None when nothing changed or events are off)."""
-        if not self.block_manager.record_kv_events:
-            return None
-        stored, removed = self.block_manager.take_kv_events()
-        if not stored and not removed:
-            return None
-        return KVCacheEvents(self.block_manager.block_size, stored, removed)
+        """The prefix cache's and the offload tiers' changes since the last call (None when none, or events off)."""
+        return kv_journal.take_events(self.block_manager, self.offloader)
 
     def kv_snapshot(self) -> KVCacheEvents:
-        """Every block the prefix cache holds now; the events that follow continue from it."""
-        hashes = self.block_manager.cached_hashes() if self.block_manager.record_kv_events else []
-        return KVCacheEvents(self.block_manager.block_size, [(h, b"") for h in hashes], snapshot=True)
+        """Every block the prefix cache and the local tiers hold now; the events that follow continue from it."""
+        return kv_journal.snapshot(self.block_manager, self.offloader)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -397,4 +397,5 @@ class LLMEngine:
             spec_num_drafts=self.speculator.num_drafts if self.speculator else 0,
             spec_num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
             spec_num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
+            kv_offload=self.offloader.stats_snapshot() if self.offloader is not None else None,
         )

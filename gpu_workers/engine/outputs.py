@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_offload import OffloadStats
 
 
 @dataclass
@@ -105,12 +109,17 @@ class KVCacheEvents:
     """What the prefix cache did over one step, or (``snapshot``) all it holds now, by block hash
     (``sluicegate.block_hashes``): ``stored`` the blocks newly cached with their parent hashes (the chain seed for
     a first block; empty in a snapshot, which replaces what was known), ``removed`` the ones evicted. Apply stored
-    before removed: a block may be cached and evicted within one step."""
+    before removed: a block may be cached and evicted within one step.
+
+    ``tier`` is where the blocks sit: ``pool`` for the prefix cache itself; the pool's events carry, in ``tiers``,
+    the same step's (or snapshot's) events of the offload tiers (``host``, ``disk``, ``shared``)."""
 
     block_size: int
     stored: list[tuple[bytes, bytes]] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
     snapshot: bool = False
+    tier: str = "pool"
+    tiers: list[KVCacheEvents] = field(default_factory=list)
 
 
 @dataclass
@@ -134,6 +143,8 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # The offload tiers' counters (hits and bytes per tier, load time), when the engine has tiers.
+    kv_offload: OffloadStats | None = None
 
     @property
     def spec_acceptance_rate(self) -> float:

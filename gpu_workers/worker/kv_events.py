@@ -1,7 +1,9 @@
 """The worker's KV-cache events: each engine step's cached and evicted blocks (the engine journals them and its
-front hands them over with the step's deltas) published on ``llm.kv_events`` as one ``KVCacheEvents``, numbered
-per worker; a snapshot of the whole cache at start and whenever a ``KVSnapshotRequest`` asks (a router that joined
-late, or that lost a message and saw the gap in the numbers). What a router does with them: :mod:`router.kv_index`.
+front hands them over with the step's deltas) published on ``llm.kv_events`` as one ``KVCacheEvents`` per tier that
+changed (the pool, and the offload tiers blocks were written down to or dropped from), numbered per worker; a
+snapshot of the whole cache (its local tiers too) at start and whenever a ``KVSnapshotRequest`` asks (a router that
+joined late, or that lost a message and saw the gap in the numbers). What a router does with them:
+:mod:`router.kv_index`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ _SNAPSHOT = None
 
 
 def to_message(events: EngineKVEvents, *, model: str, worker_id: str, seq: int) -> KVCacheEvents:
-    """The contract's form of the engine's events (hashes hex; a snapshot lists hashes without parents)."""
+    """The contract's form of one tier's events (hashes hex; a snapshot lists hashes without parents; the nested
+    tiers' events are messages of their own)."""
     stored = [
         KVBlockStored(hash=h.hex(), parent=None if events.snapshot else parent.hex()) for h, parent in events.stored
     ]
@@ -31,7 +34,7 @@ def to_message(events: EngineKVEvents, *, model: str, worker_id: str, seq: int) 
         model=model,
         worker_id=worker_id,
         seq=seq,
-        tier="pool",
+        tier=events.tier,
         block_size=events.block_size,
         snapshot=events.snapshot,
         stored=stored,
@@ -80,6 +83,13 @@ class KVEventPublisher:
             await self._send(item)
 
     async def _send(self, events: EngineKVEvents) -> None:
+        """The pool's message (unless a step changed only the tiers), then one per offload tier that changed."""
+        if events.snapshot or events.stored or events.removed:
+            await self._send_one(events)
+        for below in events.tiers:
+            await self._send_one(below)
+
+    async def _send_one(self, events: EngineKVEvents) -> None:
         message = to_message(events, model=self.model, worker_id=self.worker_id, seq=self._next_seq)
         self._next_seq += 1
         try:

@@ -36,6 +36,7 @@ from sluicegate.telemetry import configure_tracing, shutdown_tracing, tracing_en
 from .adapters import Adapters
 from .config import WorkerConfig
 from .control import control_topics
+from .kv_tiers import kv_offload_config
 from .observer import WorkerObserver
 from .telemetry import WorkerTelemetry
 from .worker import Worker
@@ -86,6 +87,7 @@ def engine_arguments(settings: WorkerSettings) -> dict[str, object]:
         tenant_weights=dict(settings.tenant_weights),
         block_size=settings.block_size,
         enable_kv_events=settings.kv_events and settings.enable_prefix_caching,
+        kv_offload=kv_offload_config(settings),
         enable_prefix_caching=settings.enable_prefix_caching,
         enable_cascade_attention=settings.enable_cascade_attention,
         enforce_eager=settings.enforce_eager,

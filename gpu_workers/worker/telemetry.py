@@ -31,6 +31,7 @@ from sluicegate.telemetry import context_from_headers, genai_operation, genai_re
 
 from .backlog_seconds import GenerationRate, TokensPerRequest, backlog_seconds
 from .engine_collector import EngineCollector
+from .kv_tier_metrics import KVTierCollector
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class WorkerTelemetry:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.registry.register(EngineCollector(engine, model))
+        self.registry.register(KVTierCollector(engine, model))
         self.prompt_tokens = Counter("sluicegate:prompt_tokens", "Prompt tokens of finished requests.", _MT, registry=r)
         self.generation_tokens = Counter("sluicegate:generation_tokens", "Tokens generated.", _MT, registry=r)
         self.request_success = Counter(

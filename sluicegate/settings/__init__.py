@@ -20,6 +20,7 @@ from .fleet import FleetSettings
 from .ingress import IngressSettings
 from .kafka import KafkaSettings
 from .kafka_security import KafkaSecuritySettings
+from .kv_offload import KVOffloadSettings
 from .public_api import PublicApiSettings
 from .redis import RedisSettings
 from .reference import settings_table_markdown
@@ -41,6 +42,7 @@ __all__ = [
     "EngineSettings",
     "FleetSettings",
     "IngressSettings",
+    "KVOffloadSettings",
     "KafkaSecuritySettings",
     "KafkaSettings",
     "LocalStackSettings",

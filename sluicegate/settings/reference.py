@@ -16,6 +16,7 @@ from .fleet import FleetSettings
 from .ingress import IngressSettings
 from .kafka import KafkaSettings
 from .kafka_security import KafkaSecuritySettings
+from .kv_offload import KVOffloadSettings
 from .public_api import PublicApiSettings
 from .redis import RedisSettings
 from .result_service import ResultServiceSettings
@@ -43,6 +44,7 @@ CONCERNS: tuple[tuple[str, type[SettingsBase]], ...] = (
     ("Ingress admission and per-key limits", AdmissionSettings),
     ("Ingress", IngressSettings),
     ("Engine", EngineSettings),
+    ("KV offload tiers", KVOffloadSettings),
     ("GPU worker", WorkerSettings),
     ("Router", RouterSettings),
     ("Batch workers", BatchServiceSettings),

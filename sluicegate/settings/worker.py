@@ -11,11 +11,14 @@ from pydantic import Field
 from .backbone import BackboneSettings
 from .engine import EngineSettings
 from .fleet import FleetSettings
+from .kv_offload import KVOffloadSettings
 from .state_dir import StateDirSettings
 from .telemetry import TelemetrySettings
 
 
-class WorkerSettings(BackboneSettings, StateDirSettings, TelemetrySettings, FleetSettings, EngineSettings):
+class WorkerSettings(
+    BackboneSettings, StateDirSettings, TelemetrySettings, FleetSettings, EngineSettings, KVOffloadSettings
+):
     """What a GPU worker process reads: no ingress, admission, routing or batch fields."""
 
     model: str = Field("", description="Model folder (or hub id) the worker serves.")

@@ -1,6 +1,7 @@
 """Paged KV-cache block accounting: ref-counted blocks, prefix caching by chained block hashes,
-least-recently-used eviction of free cached blocks, prefix hit counters, and the release of blocks that fell
-out of a sliding attention window.
+least-recently-used eviction of free cached blocks, prefix hit counters, the release of blocks that fell
+out of a sliding attention window, and the two hooks of the offload tiers (``KVTierHook``): a block that fills is
+handed to them, and a prefix lookup that ends in the pool asks them for the blocks that follow.
 
 Sliding window: when every attention layer of the model sees only the last ``sliding_window`` positions, a
 block whose positions all lie before ``next_position - sliding_window + 1`` is never read again, so
@@ -14,6 +15,8 @@ layers (Gemma 3) need every block for their full layers; they run with ``sliding
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
+from typing import Protocol
 
 # The hash chain lives in the runtime library, where the router hashes prompts the same way; a pure module, the
 # engine's one import from outside itself.
@@ -26,6 +29,16 @@ NULL_BLOCK = -1
 
 # How far the placement cursor looks for a fresh block before falling back to the LRU queue.
 _PLACEMENT_PROBES = 64
+
+
+class KVTierHook(Protocol):
+    """The offload tiers as the block manager sees them (``kv_offload.KVOffloader``)."""
+
+    def block_filled(self, block_hash: bytes, parent: bytes, block_id: int) -> None: ...
+
+    def fetch_prefix(self, block_hashes: SequenceABC[bytes]) -> SequenceABC[object]: ...
+
+    def load_block(self, block_id: int, block: object) -> None: ...
 
 
 class KVBlockManager:
@@ -61,6 +74,8 @@ class KVBlockManager:
         self.record_kv_events = False
         self._kv_stored: list[tuple[bytes, bytes]] = []
         self._kv_removed: list[bytes] = []
+        # The offload tiers, when the engine has any (set by the engine once its KV cache exists).
+        self.tier: KVTierHook | None = None
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -110,7 +125,41 @@ class KVBlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.tier is not None and len(hits) < max_blocks:
+            hits += self._load_from_tier(seq, hits, max_blocks)
         return hits
+
+    def _load_from_tier(self, seq: Sequence, hits: list[int], max_blocks: int) -> list[int]:
+        """Bring the blocks after the pool's hits in from the offload tiers, as cached free blocks (the caller
+        takes them like any hit). Uses only blocks that are free beyond the hits; the hits and the blocks already
+        loaded are held meanwhile so that taking a free block never evicts them."""
+        room = len(self._free) - sum(1 for b in hits if self._ref_counts[b] == 0)
+        wanted = seq.block_hashes[len(hits) : len(hits) + min(max_blocks - len(hits), room)]
+        fetched = self.tier.fetch_prefix(wanted) if wanted and self.tier is not None else []
+        if not fetched:
+            return []
+        for block_id in hits:
+            self._take_cached(block_id)
+        loaded: list[int] = []
+        for i, block in enumerate(fetched):
+            h = wanted[i]
+            block_id = self._cached.get(h, -1)
+            if block_id >= 0:  # still in the pool past the first miss
+                self._take_cached(block_id)
+            else:
+                block_id = self._pop_free()
+                self.tier.load_block(block_id, block)
+                self._cached[h] = block_id
+                self._block_hash[block_id] = h
+                if self.record_kv_events:
+                    parent = seq.block_hashes[len(hits) + i - 1] if hits or i else chain_seed(seq.lora_int_id)
+                    self._kv_stored.append((h, parent))
+            loaded.append(block_id)
+        for block_id in reversed(hits + loaded):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+        return loaded
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are now full of computed K/V under their hashes."""
@@ -130,8 +179,11 @@ class KVBlockManager:
             if h not in self._cached:
                 self._cached[h] = block_id
                 self._block_hash[block_id] = h
+                parent = seq.block_hashes[i - 1] if i else chain_seed(seq.lora_int_id)
                 if self.record_kv_events:
-                    self._kv_stored.append((h, seq.block_hashes[i - 1] if i else chain_seed(seq.lora_int_id)))
+                    self._kv_stored.append((h, parent))
+                if self.tier is not None:
+                    self.tier.block_filled(h, parent, block_id)
         seq.num_registered_blocks = num_full
 
     def take_kv_events(self) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..config import EngineConfig
 from ..core.request import EngineRequest, PromptInput
+from ..kv_offload import KVOffloadConfig
 from ..llm_engine import LLMEngine
 from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
@@ -62,6 +63,7 @@ class LLM:
         max_cpu_loras: int | None = None,
         stream_interval_ms: float = 0.0,
         enable_kv_events: bool = False,
+        kv_offload: KVOffloadConfig | dict[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -92,6 +94,7 @@ class LLM:
             max_cpu_loras=max_cpu_loras,
             stream_interval_ms=stream_interval_ms,
             enable_kv_events=enable_kv_events,
+            kv_offload=kv_offload,
         )
         self.engine = LLMEngine(config)
 

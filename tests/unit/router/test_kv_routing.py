@@ -22,11 +22,14 @@ BLOCK = 4
 TOPIC = NAMES.request_topic(MODEL, "standard")
 
 
-def events(worker: str, seq: int, stored: list[bytes], removed: list[bytes] = (), snapshot: bool = False):
+def events(
+    worker: str, seq: int, stored: list[bytes], removed: list[bytes] = (), snapshot: bool = False, tier: str = "pool"
+):
     return KVCacheEvents(
         model=MODEL,
         worker_id=worker,
         seq=seq,
+        tier=tier,
         block_size=BLOCK,
         snapshot=snapshot,
         stored=[KVBlockStored(hash=h.hex()) for h in stored],
@@ -155,3 +158,23 @@ def test_missing_or_stale_events_fall_back_to_the_key_and_say_so() -> None:
     # no token ids (no tokenizer published): the key
     assert router.route(request, max_tier="standard").reason != "cached_prefix"
     assert _outcome(registry, "no_tokens") == 1
+
+
+def test_offload_tiers_count_at_their_weight_and_a_tier_snapshot_replaces_only_that_tier() -> None:
+    index = KVIndex()
+    a = prompt_block_hashes(list(range(3, 3 + BLOCK * 6 + 1)), BLOCK)  # six blocks
+    keys = [short_hash(h) for h in a]
+    weights = {"pool": 1.0, "host": 0.9, "disk": 0.5, "shared": 0.25}
+    index.apply(events("w1", 0, a[:2], snapshot=True))
+    index.apply(events("w1", 1, a[2:4], tier="disk", snapshot=True))
+    index.apply(events("w2", 0, [], snapshot=True))
+    assert index.apply(events("w2", 1, a[4:], tier="shared"))
+    # w1: two pool blocks, two on its disk, then two in the shared store that w2 wrote
+    assert index.weighted_blocks(MODEL, "w1", keys, weights) == 2 + 2 * 0.5 + 2 * 0.25
+    assert index.weighted_blocks(MODEL, "w2", keys, weights) == 0  # its chain breaks at the first block
+    assert index.matched_blocks(MODEL, "w1", keys) == 2  # the pool alone
+    index.apply(events("w1", 2, [a[0]], tier="disk", snapshot=True))
+    assert index.matched_blocks(MODEL, "w1", keys) == 2  # the pool kept
+    assert index.weighted_blocks(MODEL, "w1", keys, weights) == 2
+    assert index.worker(MODEL, "w1").in_sync
+    assert not index.apply(events("w1", 9, [], tier="host"))  # a gap in the worker's one sequence
