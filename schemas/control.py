@@ -65,6 +65,11 @@ class WorkerHeartbeat(Message):
         default_factory=list, description="Names of the LoRA adapters loaded on this worker (CPU pool or device)."
     )
     lora: bool = Field(False, description="Whether this worker serves LoRA adapters (loads registered ones on demand).")
+    deterministic: bool = Field(
+        False,
+        description="Whether the worker's engine runs batch-invariant: a request's greedy and seeded tokens do not "
+        "depend on its batch, chunking, prefix-cache hits or preemption (SLUICEGATE_DETERMINISTIC).",
+    )
 
     @property
     def serves_adapters(self) -> bool:

@@ -97,6 +97,9 @@ class EngineConfig:
     # once); what it makes meanwhile rides in that delta. 0: a delta every step. vLLM's ``stream_interval`` counts
     # tokens; a time suits a stream read by people and costs per message downstream whatever the model's speed.
     stream_interval_ms: float = 0.0
+    # Batch-invariant execution (execution/batch_invariant.py): a request's greedy and seeded tokens do not depend
+    # on what it is batched with, chunk boundaries, prefix-cache hits or preemption, at a cost in speed. CPU only.
+    deterministic: bool = False
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -149,9 +152,10 @@ class EngineConfig:
                 raise ValueError(problem)
         self._check_tensor_parallel()
         self._check_lora()
-        for flag in ("enforce_eager", "enable_cascade_attention", "enable_lora"):
+        for flag in ("enforce_eager", "enable_cascade_attention", "enable_lora", "deterministic"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        self._check_deterministic()
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.tenant_weights, dict):
@@ -191,6 +195,16 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
+
+    def _check_deterministic(self) -> None:
+        """Refuse by name what the deterministic mode cannot keep batch-invariant yet (checked before loading)."""
+        if not self.deterministic:
+            return
+        from .execution.batch_invariant import deterministic_problem
+
+        problem = deterministic_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

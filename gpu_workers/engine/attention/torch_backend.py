@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .kv_quant import FP8_AS_FP16_FACTOR, calibrate_scales, fp8_codes_as, is_fp8_cache, quantize_rows
 from .metadata import AttentionMetadata
+from .per_token import attend_per_token
 
 # Flat slot ranges [start, end) that, concatenated, hold one sequence's context in order.
 SlotRuns = list[tuple[int, int]]
@@ -104,6 +105,9 @@ class TorchAttentionBackend:
         self._plan: list[SlotRuns] = []
         self._decode: DecodeBatch | None = None
         self._skips_slots = False
+        # The deterministic mode (execution/batch_invariant.py): every query token attends alone over its cached
+        # context (per_token.py), never in a padded decode batch nor over a prompt's fresh keys.
+        self.batch_invariant = False
 
     def _runs_for(
         self, meta: AttentionMetadata, block_size: int, seq_lens: list[int], query_start: list[int]
@@ -111,7 +115,8 @@ class TorchAttentionBackend:
         if self._plan_meta is not meta:
             tables = meta.block_tables.tolist()
             self._plan = [context_runs(tables[i], n, block_size) for i, n in enumerate(seq_lens)]
-            self._decode = DecodeBatch.plan(self._plan, seq_lens, query_start, meta.slot_mapping.device)
+            device = meta.slot_mapping.device
+            self._decode = None if self.batch_invariant else DecodeBatch.plan(self._plan, seq_lens, query_start, device)
             # One host sync per step instead of one per layer in write_kv.
             self._skips_slots = bool((meta.slot_mapping < 0).any())
             self._plan_meta = meta
@@ -152,6 +157,11 @@ class TorchAttentionBackend:
             v_rows = (v_scale * FP8_AS_FP16_FACTOR).to(work)[:, None, None]
             k_heads = k_rows.repeat_interleave(group, dim=0)
             v_heads = v_rows.repeat_interleave(group, dim=0)
+        if self.batch_invariant:
+            return attend_per_token(
+                q, lambda i: (_read(flat_k, runs[i]), _read(flat_v, runs[i])), query_start, seq_lens, scale,
+                k_rows, v_rows, work,
+            )  # fmt: skip
         out = torch.empty_like(q)
         batched = self._decode
         if batched is not None:

@@ -61,6 +61,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         stream_interval_ms: float = 0.0,
+        deterministic: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -78,6 +79,7 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            deterministic=deterministic,
             enforce_eager=enforce_eager,
             enable_cascade_attention=enable_cascade_attention,
             seed=seed,
