@@ -197,14 +197,24 @@ class EngineConfig:
             )
 
     def _check_deterministic(self) -> None:
-        """Refuse by name what the deterministic mode cannot keep batch-invariant yet (checked before loading)."""
+        """Refuse by name what the deterministic mode (execution/batch_invariant.py) cannot keep batch-invariant yet,
+        before anything loads."""
         if not self.deterministic:
             return
-        from .execution.batch_invariant import deterministic_problem
-
-        problem = deterministic_problem(self)
+        problem = None
+        if self.device.type != "cpu":
+            problem = (
+                "runs on the CPU engine only: the GPU's batch-invariant Triton kernels are not built yet (run the "
+                "mode with device='cpu')"
+            )
+        elif self.attention_backend not in ("auto", "torch"):
+            problem = f"needs the torch attention backend on the CPU, not {self.attention_backend!r}"
+        elif self.tensor_parallel_size > 1:
+            problem = "does not support tensor_parallel_size > 1 yet (the all-reduce splits the sums)"
+        elif isinstance(self.speculative_config, SpeculativeConfig) and self.speculative_config.method == "draft_model":
+            problem = "does not support a draft model yet (its own forward is not batch-invariant); ngram works"
         if problem is not None:
-            raise ValueError(problem)
+            raise ValueError(f"deterministic=True {problem}")
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

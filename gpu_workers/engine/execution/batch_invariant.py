@@ -1,7 +1,7 @@
 """The deterministic mode: every token's numbers independent of the batch it is computed in.
 
 A token's logits depend on how many other tokens share its step wherever a kernel's reduction order depends on the
-batch. Measured on the CPU (``benchmarks/determinism_sources.py``), the sources were:
+batch. Measured on the CPU (``benchmarks/determinism_sources.py``, docs/benchmarks.md), the sources were:
 
 - dense matmuls: a one-row product runs a GEMV whose sum order differs from the GEMM of two or more rows, and a
   float32 GEMM treats the rows of a partial tile (fewer than 16) differently from whole tiles;
@@ -36,33 +36,11 @@ from ..quantization.cpu_linear import CpuInt4Linear
 
 if TYPE_CHECKING:
     from ..attention.base import AttentionBackend
-    from ..config import EngineConfig
 
 # Fewest rows a dense CPU matmul is given under the mode, per dtype: from this many rows on, a row's result was the
 # same whatever the number of rows and its place among them (tests/unit/engine/test_batch_invariant.py checks it on
 # the machine the tests run on). bfloat16 / float16 (oneDNN) differ only for a single row (a GEMV).
 _MIN_ROWS = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 2}
-
-
-def deterministic_problem(config: EngineConfig) -> str | None:
-    """Why the deterministic mode cannot run with this configuration, or None when it can."""
-    device = torch.device(config.device)
-    if device.type != "cpu":
-        return (
-            "deterministic=True runs on the CPU engine only: the GPU's batch-invariant Triton kernels are not "
-            "built yet (run the mode with device='cpu')"
-        )
-    if config.attention_backend not in ("auto", "torch"):
-        return f"deterministic=True needs the torch attention backend on the CPU, not {config.attention_backend!r}"
-    if config.tensor_parallel_size > 1:
-        return "deterministic=True does not support tensor_parallel_size > 1 yet (the all-reduce splits the sums)"
-    spec = config.speculative_config
-    if spec is not None and getattr(spec, "method", None) == "draft_model":
-        return (
-            "deterministic=True does not support a draft model yet (its own forward is not batch-invariant); "
-            "ngram works"
-        )
-    return None
 
 
 def min_rows(dtype: torch.dtype) -> int:
@@ -84,7 +62,7 @@ def invariant_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def make_batch_invariant(model: nn.Module, backend: AttentionBackend) -> int:
     """Switch a loaded model and its attention backend to batch-invariant execution; returns how many dense
-    linears now pad their rows. The backend must be the torch one (``deterministic_problem`` refuses others)."""
+    linears now pad their rows. The backend must be the torch one (``EngineConfig`` refuses others)."""
     if not hasattr(backend, "batch_invariant"):
         raise ValueError(f"the {backend.name!r} attention backend has no batch-invariant path")
     backend.batch_invariant = True
