@@ -94,6 +94,7 @@ def _crowd(make_llm: Callable[..., LLM], model: Path, params: SamplingParams, **
 SETUPS = [dict(dtype="bfloat16", quantization="cpu-int4"), dict(dtype="float32")]
 
 
+@pytest.mark.slow  # 13-33 s each on the shared 2-core box
 @pytest.mark.parametrize("setup", SETUPS, ids=["bf16-int4", "fp32"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["mode", "no-mode"])
 def test_answers_alone_equal_answers_in_a_crowd_only_in_the_mode(
