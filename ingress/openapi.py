@@ -171,6 +171,13 @@ class ModelCard(_Doc):
     workers: int = Field(ge=0)
     description: str | None = Field(None, description="What the model's workers say of it, e.g. random weights.")
     architecture: str | None = Field(None, description="The model's architecture, e.g. Qwen3ForCausalLM.")
+    deterministic: bool | None = Field(
+        None,
+        description="Every live worker of the model runs batch-invariant (SLUICEGATE_DETERMINISTIC): greedy and "
+        "seeded answers do not depend on batching, caching or preemption. Absent for an adapter.",
+    )
+    deterministic_workers: int | None = Field(None, ge=0, description="How many of its live workers run deterministic.")
+    warning: str | None = Field(None, description="Set when the model's workers mix deterministic and usual modes.")
     root: str | None = Field(None, description="An adapter's files (as vLLM shows them, credentials left out).")
     parent: str | None = Field(None, description="An adapter's base model (as vLLM shows it); null for a model.")
 

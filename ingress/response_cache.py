@@ -15,6 +15,10 @@ stream, which is why clients cannot tell a hit apart except by ``cached`` and a 
 
 ``Cache-Control: no-cache`` skips the lookup (the fresh reply still replaces the entry); ``no-store`` skips
 the lookup and the store.
+
+A hit replays the first answer. Without the deterministic mode a fresh run could differ from it (the batch it
+ran in changed the greedy tokens); with every worker of the model in the mode (``/v1/models`` says
+``deterministic``), a hit is exactly what a fresh run would give.
 """
 
 from __future__ import annotations

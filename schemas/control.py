@@ -71,6 +71,11 @@ class WorkerHeartbeat(Message):
         "behind it by more than a heartbeat has lost events.",
     )
     lora: bool = Field(False, description="Whether this worker serves LoRA adapters (loads registered ones on demand).")
+    deterministic: bool = Field(
+        False,
+        description="Whether the worker's engine runs batch-invariant: a request's greedy and seeded tokens do not "
+        "depend on its batch, chunking, prefix-cache hits or preemption (SLUICEGATE_DETERMINISTIC).",
+    )
 
     @property
     def serves_adapters(self) -> bool:

@@ -104,6 +104,9 @@ class EngineConfig:
     # Offload tiers under the prefix cache (host memory, local disk, a shared store): a ``KVOffloadConfig`` or a
     # dict of its fields; None or all tiers at 0: off. Needs prefix caching.
     kv_offload: KVOffloadConfig | dict[str, Any] | None = None
+    # Batch-invariant execution (execution/batch_invariant.py): a request's greedy and seeded tokens do not depend
+    # on what it is batched with, chunk boundaries, prefix-cache hits or preemption, at a cost in speed. CPU only.
+    deterministic: bool = False
     torch_dtype: torch.dtype | None = field(init=False, default=None)
     # The cache's dtype when it is not the model's (float8_e4m3fn), else None.
     kv_cache_torch_dtype: torch.dtype | None = field(init=False, default=None)
@@ -157,9 +160,10 @@ class EngineConfig:
                 raise ValueError(problem)
         self._check_tensor_parallel()
         self._check_lora()
-        for flag in ("enforce_eager", "enable_cascade_attention", "enable_lora"):
+        for flag in ("enforce_eager", "enable_cascade_attention", "enable_lora", "deterministic"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        self._check_deterministic()
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if not isinstance(self.tenant_weights, dict):
@@ -202,6 +206,26 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size} needs as many GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
+
+    def _check_deterministic(self) -> None:
+        """Refuse by name what the deterministic mode (execution/batch_invariant.py) cannot keep batch-invariant yet,
+        before anything loads."""
+        if not self.deterministic:
+            return
+        problem = None
+        if self.device.type != "cpu":
+            problem = (
+                "runs on the CPU engine only: the GPU's batch-invariant Triton kernels are not built yet (run the "
+                "mode with device='cpu')"
+            )
+        elif self.attention_backend not in ("auto", "torch"):
+            problem = f"needs the torch attention backend on the CPU, not {self.attention_backend!r}"
+        elif self.tensor_parallel_size > 1:
+            problem = "does not support tensor_parallel_size > 1 yet (the all-reduce splits the sums)"
+        elif isinstance(self.speculative_config, SpeculativeConfig) and self.speculative_config.method == "draft_model":
+            problem = "does not support a draft model yet (its own forward is not batch-invariant); ngram works"
+        if problem is not None:
+            raise ValueError(f"deterministic=True {problem}")
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

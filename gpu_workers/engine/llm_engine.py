@@ -24,6 +24,7 @@ from .core.scheduler import Scheduler
 from .core.sequence import RequestStatus, Sequence
 from .core.sequence_factory import SequenceFactory
 from .distributed.ranks import TensorParallelRanks, TPModelRunner
+from .execution.batch_invariant import make_batch_invariant
 from .execution.model_runner import ModelRunner
 from .execution.sampler import Sampler
 from .kv_offload import build_offloader
@@ -67,6 +68,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
         self.runner.lora = self.lora
+        if config.deterministic:
+            make_batch_invariant(self.loaded.model, backend)
         spec = config.speculative_config
         # A draft model loads before the cache is sized: its weights count as used memory, and its own cache
         # takes one block for each of the target's (the same token capacity), so the budget is split per block.

@@ -18,7 +18,8 @@ class SamplingParams:
     those filters. ``max_tokens=None`` generates up to the model's context length. ``stop`` strings
     end generation with the text cut right before the match; ``stop_token_ids`` and EOS end it with
     the token kept in ``token_ids`` (and hidden from ``text`` if it is a special token).
-    ``seed`` gives the request its own random generator, so its tokens repeat run after run.
+    ``seed`` keys the request's random draws by position (``core/counter_rng.py``), so its tokens repeat run
+    after run, whatever else is batched with it, and across a resume on another worker.
 
     Penalties follow vLLM: ``presence_penalty`` / ``frequency_penalty`` (OpenAI semantics, over the
     generated tokens, each in [-2, 2]), ``repetition_penalty`` (Hugging Face semantics, over prompt +
@@ -30,7 +31,7 @@ class SamplingParams:
     logit_bias, temperature and top-k/top-p/min-p), which is vLLM's default (``raw_logprobs``).
 
     ``n`` choices share the prompt's KV blocks (one prefill); with a ``seed``, choice ``i`` samples
-    from its own generator seeded ``seed + i``. ``guided`` constrains the output to a grammar.
+    from draws keyed by its own seed ``seed + i``. ``guided`` constrains the output to a grammar.
     """
 
     temperature: float = 1.0

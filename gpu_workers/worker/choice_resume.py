@@ -5,9 +5,9 @@ The engine forks a request's choices from one prompt, but resumed choices each h
 prompt plus that choice's delivered tokens), so each unfinished choice runs as a one-choice engine request
 ``<request id>#<index>``; their common prompt blocks are shared through the engine's prefix cache. Each keeps
 a :class:`.resume.Continuation` (text that joins seamlessly, stop strings across the resume point, the
-grammar replayed past its delivered tokens) and, when seeded, the seed ``seed + index`` its choice had (the
-same random stream family; the draws differ, since a generator cannot be rewound to where the first run
-was). Choices that ended before the crash stay ended; one whose delivered tokens already end it ends now.
+grammar replayed past its delivered tokens) and, when seeded, the seed ``seed + index`` its choice had (its
+draws are keyed by that seed and the position, so each choice draws what the first run drew). Choices that
+ended before the crash stay ended; one whose delivered tokens already end it ends now.
 """
 
 from __future__ import annotations

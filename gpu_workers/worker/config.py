@@ -37,6 +37,8 @@ class WorkerConfig:
     session_timeout_ms: int = 6000
     heartbeat_ms: int = 1500
     device: str = "cpu"
+    # The engine runs batch-invariant (EngineSettings.deterministic); reported in the heartbeat.
+    deterministic: bool = False
     redis_retry_max_s: float = 2.0
     commit_interval_s: float = 0.05
     # Keep flushed stream events until a Redis replica acknowledges them, re-appending them after a failover

@@ -72,6 +72,7 @@ class Heartbeats:
             total_kv_blocks=stats.num_total_blocks,
             prefix_cache_hit_rate=min(1.0, max(0.0, stats.prefix_cache_hit_rate)),
             device=self.config.device,
+            deterministic=self.config.deterministic,
             draining=self.stopping.is_set(),
             max_model_len=self.engine.max_model_len,
             tool_call_format=self._tool_call_format,

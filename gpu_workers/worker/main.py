@@ -93,6 +93,7 @@ def engine_arguments(settings: WorkerSettings) -> dict[str, object]:
         enforce_eager=settings.enforce_eager,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len or None,
+        deterministic=settings.deterministic,
         tensor_parallel_size=settings.tensor_parallel_size,
         speculative_config=(
             dict(
@@ -261,6 +262,7 @@ async def _run_started(
         session_timeout_ms=settings.worker_session_timeout_ms,
         heartbeat_ms=max(300, settings.worker_session_timeout_ms // 4),
         device=settings.device,
+        deterministic=settings.deterministic,
         commit_interval_s=settings.worker_commit_interval_s,
         metrics=telemetry is not None,
         replica_ack=is_sentinel_url(settings.redis_url)

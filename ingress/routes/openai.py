@@ -148,6 +148,15 @@ def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
     architecture = next((b.architecture for b in beats if b.architecture), None)
     if architecture:
         card["architecture"] = architecture
+    # Whether an answer is reproducible depends on which worker takes the request: a fleet that mixes modes says so.
+    deterministic = sum(b.deterministic for b in beats)
+    card["deterministic"] = bool(beats) and deterministic == len(beats)
+    card["deterministic_workers"] = deterministic
+    if 0 < deterministic < len(beats):
+        card["warning"] = (
+            f"{deterministic} of {len(beats)} workers run deterministic (SLUICEGATE_DETERMINISTIC): "
+            "a request's answer depends on which worker serves it"
+        )
     return card
 
 

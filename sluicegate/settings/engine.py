@@ -63,6 +63,13 @@ class EngineSettings(SettingsBase):
         0.9, gt=0, le=1, description="Share of GPU memory the engine may use (weights, activations, KV cache)."
     )
     max_model_len: int = Field(0, ge=0, description="Longest prompt + output in tokens; 0 means the model's own limit.")
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant execution: a request's greedy and seeded tokens do not depend on what it is "
+        "batched with, chunk boundaries, prefix-cache hits, preemption or which worker of the same build, CPU "
+        "family and torch threads serves it, at a cost in speed (docs/benchmarks.md). CPU engines only; workers "
+        "report it in their heartbeats and /v1/models shows it per model.",
+    )
 
     # --- speculative decoding ------------------------------------------------------------------------------------
     speculative_method: Literal["", "ngram", "draft_model"] = Field(

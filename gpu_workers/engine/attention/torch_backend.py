@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .kv_quant import FP8_AS_FP16_FACTOR, calibrate_scales, fp8_codes_as, is_fp8_cache, quantize_rows
 from .metadata import AttentionMetadata
+from .per_token import attend_per_token
 
 # Flat slot ranges [start, end) that, concatenated, hold one sequence's context in order.
 SlotRuns = list[tuple[int, int]]
@@ -129,6 +130,9 @@ class TorchAttentionBackend:
         self._plans: dict[int | None, StepPlan] = {}
         self._tables: list[list[int]] = []
         self._skips_slots = False
+        # The deterministic mode (execution/batch_invariant.py): every query token attends alone over its cached
+        # context (per_token.py), never in a padded decode batch nor over a prompt's fresh keys.
+        self.batch_invariant = False
 
     def _plan_for(
         self,
@@ -149,7 +153,11 @@ class TorchAttentionBackend:
             starts = window_starts(seq_lens, query_start, window)
             runs = [context_runs(self._tables[i], n, block_size, starts[i]) for i, n in enumerate(seq_lens)]
             ctx_lens = [n - lo for n, lo in zip(seq_lens, starts, strict=True)]
-            decode = DecodeBatch.plan(runs, ctx_lens, query_start, meta.slot_mapping.device)
+            decode = (
+                None
+                if self.batch_invariant
+                else DecodeBatch.plan(runs, ctx_lens, query_start, meta.slot_mapping.device)
+            )
             plan = self._plans[window] = StepPlan(runs, starts, decode)
         return plan
 
@@ -190,6 +198,11 @@ class TorchAttentionBackend:
             v_rows = (v_scale * FP8_AS_FP16_FACTOR).to(work)[:, None, None]
             k_heads = k_rows.repeat_interleave(group, dim=0)
             v_heads = v_rows.repeat_interleave(group, dim=0)
+        if self.batch_invariant:
+            return attend_per_token(
+                q, lambda i: (_read(flat_k, runs[i]), _read(flat_v, runs[i])), query_start, seq_lens, scale,
+                k_rows, v_rows, work, plan.starts, sliding_window,
+            )  # fmt: skip
         out = torch.empty_like(q)
         batched = plan.decode
         if batched is not None:

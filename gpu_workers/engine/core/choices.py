@@ -3,7 +3,7 @@
 The first choice prefills the prompt alone. In the step where its prompt's last token is computed, before
 sampling, each sibling is forked: it shares the prompt's full KV blocks by reference and gets a copy of the
 partial last block (copy-on-write), so the prompt is prefilled once. Each sibling then samples its first
-token from the same logits row, with its own generator (``seed + index`` when a seed is given). When the
+token from the same logits row, with its own random draws (keyed by ``seed + index`` when a seed is given). When the
 KV pool has no block for the copy, or the running set is full, the sibling waits like a preempted sequence
 and is recomputed later (its full prompt blocks come back from the prefix cache).
 """

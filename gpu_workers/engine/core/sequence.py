@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ..guided.matcher import GuidedState
     from ..lora.request import LoRARequest
     from ..outputs import TokenLogprob
+    from .counter_rng import SeededStream
 
 
 class RequestStatus(enum.Enum):
@@ -58,7 +59,8 @@ class Sequence:
     max_tokens: int
     eos_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    # A seeded choice's keyed random draws (core/counter_rng.py); None: the engine's generator.
+    rng: SeededStream | None = None
     # Who the request is for: sequences of one tier share the engine fairly between tenants.
     tenant: str = "default"
     # ``time.time()`` seconds: inside its tier the sequence goes earliest-deadline-first, before those without one.

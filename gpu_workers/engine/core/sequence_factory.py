@@ -13,6 +13,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..guided import GuidedDecoding
 from ..sampling_params import SamplingParams
 from .admission import max_output_tokens
+from .counter_rng import SeededStream
 from .request import EngineRequest
 from .sequence import Sequence
 
@@ -58,7 +59,7 @@ class SequenceFactory:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, self.special_token_ids
             ),
-            generator=self._generator(params, 0),
+            rng=self._rng(params, 0),
             tenant=request.tenant,
             deadline=request.deadline,
             logprobs=[] if params.logprobs is not None else None,
@@ -67,13 +68,12 @@ class SequenceFactory:
             lora_request=request.lora_request,
         )
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        """The choice's own random stream when the request is seeded: ``seed + index``."""
+    def _rng(self, params: SamplingParams, index: int) -> SeededStream | None:
+        """The choice's keyed random draws when the request is seeded, under the choice's seed ``seed + index``
+        (the seed a resumed choice is re-submitted with, so it draws what the first run drew)."""
         if params.seed is None:
             return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed + index)
-        return generator
+        return SeededStream(params.seed + index, self.device)
 
     def sibling(self, parent: Sequence, index: int) -> Sequence:
         """Choice ``index`` of ``parent``'s request, at the same point (prompt computed, nothing generated)."""
@@ -91,7 +91,7 @@ class SequenceFactory:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, parent.prompt_token_ids, params.skip_special_tokens, self.special_token_ids
             ),
-            generator=self._generator(params, index),
+            rng=self._rng(params, index),
             tenant=parent.tenant,
             deadline=parent.deadline,
             token_ids=list(parent.token_ids),

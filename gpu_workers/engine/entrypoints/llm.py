@@ -64,6 +64,7 @@ class LLM:
         stream_interval_ms: float = 0.0,
         enable_kv_events: bool = False,
         kv_offload: KVOffloadConfig | dict[str, Any] | None = None,
+        deterministic: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -81,6 +82,7 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            deterministic=deterministic,
             enforce_eager=enforce_eager,
             enable_cascade_attention=enable_cascade_attention,
             seed=seed,

@@ -6,8 +6,9 @@ temperature, apply min_p, then top-k / top-p. Every step is batched over the row
 batch without penalties, logprobs or grammars runs exactly the plain path.
 
 Random rows draw through the exponential-race trick (``argmax(p / q)`` with ``q ~ Exp(1)`` equals
-sampling from ``p``), which lets each seeded request use its own ``torch.Generator`` for its own
-noise while the arithmetic stays batched. Unseeded rows share the engine's generator.
+sampling from ``p``), which lets each seeded choice take its own noise while the arithmetic stays
+batched. A seeded choice's noise is keyed by the position it samples (``core/counter_rng.py``), so it is the
+same whatever the batch, and after a resume on another worker; unseeded rows share the engine's generator.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from ..core.counter_rng import Stream
 from ..core.sequence import Sequence
 from ..outputs import TokenLogprob
 from .logprobs import RawLogprobs
@@ -99,25 +101,34 @@ class Sampler:
             logits = _apply_top_k_top_p(logits, top_ks, top_ps)
         return torch.softmax(logits, dim=-1)
 
-    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row of ``probs`` (unnormalised weights are fine), each row's noise from its
-        sequence's own generator when seeded, else from the engine's."""
+    def draw(
+        self,
+        probs: torch.Tensor,
+        seqs: list[Sequence],
+        offsets: list[int] | None = None,
+        stream: Stream = Stream.TOKEN,
+    ) -> torch.Tensor:
+        """One token per row of ``probs`` (unnormalised weights are fine), each seeded row's noise keyed by the
+        position it samples (the sequence's next position plus the row's ``offsets`` entry: a draft model's
+        later drafts), unseeded rows' from the engine's generator."""
         dev = probs.device
         noise = torch.empty_like(probs)
-        shared = [i for i, s in enumerate(seqs) if s.generator is None]
+        shared = [i for i, s in enumerate(seqs) if s.rng is None]
         if shared:
             draw = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype, device=dev)
             draw.exponential_(generator=self.generator)
             noise[torch.tensor(shared, device=dev)] = draw
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
+            if seq.rng is not None:
+                seq.rng.exponential_(noise[i], seq.num_tokens + (offsets[i] if offsets else 0), stream)
         return (probs / noise).argmax(dim=-1)
 
     def uniform(self, n: int, seq: Sequence) -> torch.Tensor:
-        """``n`` draws from U[0, 1) on the sequence's generator (the engine's when unseeded)."""
-        generator = seq.generator if seq.generator is not None else self.generator
-        return torch.rand(n, generator=generator, device=self.device)
+        """``n`` draws from U[0, 1), one per draft position from the sequence's next one on (a seeded choice's
+        keyed by position; the engine's generator when unseeded)."""
+        if seq.rng is not None:
+            return seq.rng.uniform([seq.num_tokens + j for j in range(n)]).to(self.device)
+        return torch.rand(n, generator=self.generator, device=self.device)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -199,6 +199,8 @@ class CpuInt4Linear(nn.Module):
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8, device=device))
         self.register_buffer("scales_and_zeros", torch.empty(0, dtype=KERNEL_DTYPE, device=device))
         self.bias = _bias(None, out_features, dtype, device) if bias else None
+        # The deterministic mode keeps every input on the kernel: a row's sums must not depend on the row count.
+        self.batch_invariant = False
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
@@ -307,7 +309,8 @@ class CpuInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if DENSE_PATH and flat.shape[0] >= DENSE_MIN_ROWS and flat.device.type == "cpu" and pack_layout() is not None:
+        dense = DENSE_PATH and not self.batch_invariant and flat.shape[0] >= DENSE_MIN_ROWS
+        if dense and flat.device.type == "cpu" and pack_layout() is not None:
             out = self._dense_mm(flat)
         else:
             flat = flat.to(KERNEL_DTYPE).contiguous()

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..attention import get_attention_backend
 from ..config import EngineConfig
+from ..core.counter_rng import Stream
 from ..core.sequence import Sequence
 from ..execution.model_runner import ModelRunner, kv_bytes_per_block
 from ..execution.sampler import Sampler
@@ -190,7 +191,8 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         while live:
             logits = self._forward([state for _, state, _ in live], feeds, starts)
-            tokens, q = self._sample(sampler, logits, [seqs[i] for i, _, _ in live])
+            offsets = [len(out[i].tokens) for i, _, _ in live]
+            tokens, q = self._sample(sampler, logits, [seqs[i] for i, _, _ in live], offsets)
             next_live: list[tuple[int, DraftState, int]] = []
             feeds, starts = [], []
             for row, (i, state, want) in enumerate(live):
@@ -235,10 +237,11 @@ class DraftModelProposer:
 
     @staticmethod
     def _sample(
-        sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]
+        sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]
     ) -> tuple[list[int], list[torch.Tensor | None] | None]:
-        """Each row's draft: the argmax for a greedy request, a draw from q for a random one; and q per row
-        (None for greedy rows; None altogether when every request is greedy)."""
+        """Each row's draft: the argmax for a greedy request, a draw from q for a random one (a seeded one's keyed
+        by the draft's position: the sequence's next one plus ``offsets``); and q per row (None for greedy rows;
+        None altogether when every request is greedy)."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not random_rows:
@@ -246,7 +249,7 @@ class DraftModelProposer:
         index = torch.tensor(random_rows, device=logits.device)
         random_seqs = [seqs[i] for i in random_rows]
         q = Sampler.target_probs(logits[index], random_seqs)
-        tokens[index] = sampler.draw(q, random_seqs)
+        tokens[index] = sampler.draw(q, random_seqs, [offsets[i] for i in random_rows], Stream.DRAFT)
         per_row: list[torch.Tensor | None] = [None] * len(seqs)
         for j, i in enumerate(random_rows):
             per_row[i] = q[j]

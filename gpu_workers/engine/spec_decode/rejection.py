@@ -69,5 +69,6 @@ def verify_drafts(
             # p <= q everywhere only when p == q (both sum to 1), and then a rejection has probability 0;
             # float rounding can still get here, and p is then the right distribution.
             final = residual if float(residual.sum()) > 0.0 else final
-    token = int(sampler.draw(final[None, :], [seq])[0])
+    # The token takes the position after the accepted drafts (its seeded draw is keyed there).
+    token = int(sampler.draw(final[None, :], [seq], [accepted])[0])
     return Verified([*drafts[:accepted], token], accepted)
