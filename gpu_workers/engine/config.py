@@ -76,6 +76,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Decode batches sharing a long prefix attend it once (backends with a cascade path: triton).
     enable_cascade_attention: bool = True
+    # Models mixing full and sliding-window layers (Gemma 3) keep one block table and pool per layer group, so
+    # sliding layers hold only their window (core/kv_groups.py); False keeps every block of every layer.
+    enable_hybrid_kv_cache: bool = True
     seed: int = 0
     # Relative share of a tier's throughput per tenant under contention; tenants not listed weigh 1.
     tenant_weights: dict[str, float] = field(default_factory=dict)
@@ -160,7 +163,13 @@ class EngineConfig:
                 raise ValueError(problem)
         self._check_tensor_parallel()
         self._check_lora()
-        for flag in ("enforce_eager", "enable_cascade_attention", "enable_lora", "deterministic"):
+        for flag in (
+            "enforce_eager",
+            "enable_cascade_attention",
+            "enable_hybrid_kv_cache",
+            "enable_lora",
+            "deterministic",
+        ):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         self._check_deterministic()

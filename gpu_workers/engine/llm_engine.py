@@ -8,6 +8,7 @@ manager, sequences, requests), the forward pass of ``execution/`` (or ``distribu
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -19,6 +20,7 @@ from .core.admission import RequestValidator
 from .core.block_manager import KVBlockManager
 from .core.choices import fork_choices
 from .core.deltas import check_stop, delta_due, make_delta
+from .core.kv_groups import HybridKVBlockManager, kv_group_layout, split_kv_pool
 from .core.request import EngineRequest, PromptInput
 from .core.scheduler import Scheduler
 from .core.sequence import RequestStatus, Sequence
@@ -37,6 +39,8 @@ from .sampling_params import SamplingParams
 from .spec_decode.draft_model import build_draft_model
 from .spec_decode.speculator import Speculator
 from .tokenizer import load_tokenizer, resolve_eos_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -83,16 +87,34 @@ class LLMEngine:
                 f"cannot hold one request of max_model_len={self.max_model_len} tokens; give it more blocks "
                 "(num_kv_blocks, cpu_kv_cache_gb or gpu_memory_utilization) or lower max_model_len"
             )
-        self.runner.allocate_kv_cache(num_blocks)
+        # A draft model's cache and tensor-parallel followers mirror one block table: they keep one group.
+        layout = kv_group_layout(self.loaded.sliding_windows) if config.enable_hybrid_kv_cache else None
+        if layout is not None and (draft is not None or self.tp_ranks is not None):
+            logger.info("hybrid KV cache off: speculative drafts and tensor parallelism mirror one block table")
+            layout = None
+        self.block_manager: KVBlockManager | HybridKVBlockManager
+        if layout is None:
+            self.runner.allocate_kv_cache(num_blocks)
+            self.block_manager = KVBlockManager(
+                num_blocks, block_size, config.enable_prefix_caching, sliding_window=self.loaded.release_window
+            )
+        else:
+            split = split_kv_pool(num_blocks, layout, block_size, config.max_num_seqs, config.max_num_batched_tokens)
+            self.runner.allocate_hybrid_kv_cache(layout, split)
+            self.block_manager = HybridKVBlockManager(*split, block_size, config.enable_prefix_caching, layout.window)
         if draft is not None:
             draft.allocate_kv_cache(num_blocks)
         # Cascade attention and decode CUDA graphs (captured here: they bind the cache's addresses).
         self.runner.setup_decode(config, self.max_model_len)
-        self.block_manager = KVBlockManager(
-            num_blocks, block_size, config.enable_prefix_caching, sliding_window=self.loaded.release_window
-        )
         self.block_manager.record_kv_events = config.enable_kv_events and config.enable_prefix_caching
         self.offloader = build_offloader(config, self.runner, self.loaded.dtype, self.block_manager.record_kv_events)
+        if self.offloader is not None and isinstance(self.block_manager, HybridKVBlockManager):
+            # The tiers copy one block table's rows of one set of KV tensors; a hybrid cache has a table and tensors
+            # per layer group.
+            raise ValueError(
+                "KV offload tiers are not supported with the hybrid KV cache of a model mixing sliding and global "
+                "layers; turn the tiers off, or the hybrid cache (enable_hybrid_kv_cache=False)"
+            )
         self.block_manager.tier = self.offloader
         self.scheduler = Scheduler(
             self.block_manager,
@@ -262,7 +284,10 @@ class LLMEngine:
         if not self.block_manager.allocate(seq, [], n):
             raise RuntimeError(f"the KV cache has no room for {n} tokens")
         try:
-            return self.runner.score(seq.token_ids, seq.block_ids, n if prefill_len is None else prefill_len, step_len)
+            groups = [view.block_ids for view in seq.kv_group_views]
+            return self.runner.score(
+                seq.token_ids, seq.block_ids, n if prefill_len is None else prefill_len, step_len, groups
+            )
         finally:
             self.block_manager.free(seq)
 

@@ -16,6 +16,9 @@ Layout contract shared by all backends (torch reference, Triton, flash-attn):
   ``common_prefix_len // block_size`` physical blocks and that no query sits inside them, so a
   backend may attend that shared prefix once for the whole batch (cascade attention). Backends
   without a cascade path ignore it.
+* A hybrid KV cache (``core/kv_groups.py``: full-attention and sliding layers in separate pools) gives each
+  layer group its own slots and block tables: the metadata the model receives is group 0's and carries the
+  other groups' in ``kv_groups``; a layer reads ``meta.for_group(its group)``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ class AttentionMetadata:
     # FP8 KV cache only: each layer sets its K/V scales from this step's new K/V before writing them
     # (the model runner asks once, on the cache's first step; see ``kv_quant.py``).
     calibrate_kv_scales: bool = False
+    # Hybrid KV cache only: the metadata of groups 1, 2, ... (same queries and lengths, own slots and tables).
+    kv_groups: tuple[AttentionMetadata, ...] = ()
+    # Which KV group this metadata describes (backends that plan per step keep one plan per group).
+    kv_group: int = 0
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV group ``group`` (0: this one)."""
+        return self if group == 0 else self.kv_groups[group - 1]
 
     @property
     def num_seqs(self) -> int:

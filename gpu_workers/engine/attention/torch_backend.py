@@ -126,9 +126,8 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         # Per-step plans, rebuilt when a new metadata object arrives (the model runner makes one
         # per step and every layer receives the same one), one per sliding window in use.
-        self._plan_meta: AttentionMetadata | None = None
-        self._plans: dict[int | None, StepPlan] = {}
-        self._tables: list[list[int]] = []
+        # A hybrid KV cache has one metadata per layer group: each is planned once per step on its own.
+        self._group_states: dict[int, _GroupPlans] = {}
         self._skips_slots = False
         # The deterministic mode (execution/batch_invariant.py): every query token attends alone over its cached
         # context (per_token.py), never in a padded decode batch nor over a prompt's fresh keys.
@@ -142,23 +141,23 @@ class TorchAttentionBackend:
         query_start: list[int],
         window: int | None,
     ) -> StepPlan:
-        if self._plan_meta is not meta:
-            self._tables = meta.block_tables.tolist()
-            self._plans = {}
+        state = self._group_states.get(meta.kv_group)
+        if state is None or state.meta is not meta:
             # One host sync per step instead of one per layer in write_kv.
-            self._skips_slots = bool((meta.slot_mapping < 0).any())
-            self._plan_meta = meta
-        plan = self._plans.get(window)
+            state = _GroupPlans(meta, meta.block_tables.tolist(), {}, bool((meta.slot_mapping < 0).any()))
+            self._group_states[meta.kv_group] = state
+        self._skips_slots = state.skips_slots
+        plan = state.plans.get(window)
         if plan is None:
             starts = window_starts(seq_lens, query_start, window)
-            runs = [context_runs(self._tables[i], n, block_size, starts[i]) for i, n in enumerate(seq_lens)]
+            runs = [context_runs(state.tables[i], n, block_size, starts[i]) for i, n in enumerate(seq_lens)]
             ctx_lens = [n - lo for n, lo in zip(seq_lens, starts, strict=True)]
             decode = (
                 None
                 if self.batch_invariant
                 else DecodeBatch.plan(runs, ctx_lens, query_start, meta.slot_mapping.device)
             )
-            plan = self._plans[window] = StepPlan(runs, starts, decode)
+            plan = state.plans[window] = StepPlan(runs, starts, decode)
         return plan
 
     def forward(
@@ -293,6 +292,17 @@ class StepPlan:
     runs: list[SlotRuns]
     starts: list[int]
     decode: DecodeBatch | None
+
+
+@dataclass
+class _GroupPlans:
+    """One KV group's step: its metadata (the step's identity), host block tables, plans per window, and
+    whether any of its slots is -1."""
+
+    meta: AttentionMetadata
+    tables: list[list[int]]
+    plans: dict[int | None, StepPlan]
+    skips_slots: bool
 
 
 # The batched decode path pads every context to the longest; above this much padding per real

@@ -10,7 +10,8 @@ block whose positions all lie before ``next_position - sliding_window + 1`` is n
 released block keeps its hash and stays findable in the prefix cache until evicted: prefix lookups walk the
 hash chain from the first block and stop at the first one no longer cached, so a hit is always a whole prefix
 whose K/V is all present, never one with early blocks missing. Models that mix sliding and full-attention
-layers (Gemma 3) need every block for their full layers; they run with ``sliding_window=None`` here."""
+layers (Gemma 3) run one manager per layer group (``kv_groups.HybridKVBlockManager``): the full group's with
+``sliding_window=None``, the sliding group's with the window."""
 
 from __future__ import annotations
 
@@ -193,6 +194,10 @@ class KVBlockManager:
         self._kv_stored, self._kv_removed = [], []
         return stored, removed
 
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block caching this content, or None (a lookup that takes nothing)."""
+        return self._cached.get(block_hash)
+
     def cached_hashes(self) -> list[bytes]:
         """Every block hash the prefix cache holds now (a snapshot); the journal restarts from here."""
         self._kv_stored, self._kv_removed = [], []
@@ -249,21 +254,28 @@ class KVBlockManager:
             candidate += 1
         return self._pop_free()
 
+    def fits(self, hits: list[int], num_new_tokens: int) -> bool:
+        """Whether ``allocate`` with these hits and new tokens finds enough free blocks (it changes nothing)."""
+        num_new_blocks = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        # Hit blocks that sit in the free queue stop being allocatable once we take them.
+        free_hits = sum(1 for b in hits if b != NULL_BLOCK and self._ref_counts[b] == 0)
+        return num_new_blocks <= len(self._free) - free_hits
+
     def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         """Give a block-less sequence its prefix hits plus blocks for ``num_new_tokens`` more tokens.
 
-        All or nothing: returns False and changes nothing when the free pool is too small.
+        All or nothing: returns False and changes nothing when the free pool is too small. A hit may be
+        ``NULL_BLOCK`` (a sliding group's block behind the window of the hit's end: never read, not held).
         """
         if seq.block_ids:
             raise RuntimeError(f"request {seq.request_id} already holds blocks")
+        if not self.fits(hits, num_new_tokens):
+            return False
         num_hit_tokens = len(hits) * self.block_size
         num_new_blocks = self.blocks_for(num_hit_tokens + num_new_tokens) - len(hits)
-        # Hit blocks that sit in the free queue stop being allocatable once we take them.
-        free_hits = sum(1 for b in hits if self._ref_counts[b] == 0)
-        if num_new_blocks > len(self._free) - free_hits:
-            return False
         for block_id in hits:
-            self._take_cached(block_id)
+            if block_id != NULL_BLOCK:
+                self._take_cached(block_id)
         seq.block_ids = list(hits)
         for _ in range(num_new_blocks):
             seq.block_ids.append(self._next_block(seq))

@@ -72,6 +72,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # How many leading entries of ``block_ids`` are registered in the prefix cache.
     num_registered_blocks: int = 0
+    # A hybrid KV cache's block tables past the first group (``core/kv_groups.py``); empty otherwise.
+    kv_group_views: list[KVGroupView] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     text: str = ""
@@ -141,3 +143,55 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+
+class KVGroupView:
+    """A sequence as one more KV layer group's ``KVBlockManager`` sees it (``core/kv_groups.py``): its own block
+    table and registration count, everything else (tokens, hashes, progress) read through to the sequence."""
+
+    __slots__ = ("block_ids", "num_registered_blocks", "seq")
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.block_ids: list[int] = []
+        self.num_registered_blocks = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        self.seq.num_computed_tokens = value
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return self.seq.block_hashes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return self.seq.max_tokens
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.seq.lora_int_id
+
+    @property
+    def pooling(self) -> str | None:
+        return self.seq.pooling
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id

@@ -35,10 +35,12 @@ from ..attention.base import AttentionBackend
 from ..attention.kv_quant import KVScales
 from ..attention.metadata import AttentionMetadata
 from ..config import EngineConfig
+from ..core.kv_groups import KVGroupLayout
 from ..core.scheduler import ScheduledBatch
 from ..core.sequence import Sequence
 from ..models.loader import LoadedModel
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
+from .kv_group_cache import allocate_group_caches, group_metadata
 from .pooler import PoolSpan, pool
 
 if TYPE_CHECKING:
@@ -101,6 +103,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         # The engine's adapters when LoRA is enabled (set by LLMEngine).
         self.lora: LoRAManager | None = None
+        # Set by allocate_hybrid_kv_cache: the layer groups, and every group's cache (group 0's is kv_cache).
+        self.kv_layout: KVGroupLayout | None = None
+        self.group_kv_caches: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ decode options
     def setup_decode(self, config: EngineConfig, max_model_len: int) -> None:
@@ -135,6 +140,8 @@ class ModelRunner:
             return f"the {self.backend.name!r} attention backend syncs with the host"
         if (config.quantization or "").startswith("bnb-"):
             return "bitsandbytes layers inspect activations on the host"
+        if self.kv_layout is not None:
+            return "the hybrid KV cache's per-group block tables have no static graph buffers"
         return None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, *, capture: bool = True) -> None:
@@ -166,17 +173,38 @@ class ModelRunner:
             dtype=self.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         self.num_blocks = num_blocks
+        self.kv_layout = None
+        self.group_kv_caches = []
+        self._bind_layers([(0, i) for i in range(lm.num_layers)], [self.kv_cache])
+
+    def allocate_hybrid_kv_cache(self, layout: KVGroupLayout, group_blocks: tuple[int, ...]) -> None:
+        """One cache per layer group (``core/kv_groups.py``), each ``[2, group layers, its blocks, ...]``."""
+        lm = self.loaded
+        caches, places = allocate_group_caches(
+            layout, group_blocks, self.block_size, lm.num_kv_heads, lm.head_dim, self.kv_cache_dtype, self.device
+        )
+        self.kv_cache, self.group_kv_caches, self.kv_layout = caches[0], caches, layout
+        self.num_blocks = group_blocks[0]
+        self._bind_layers(places, caches)
+
+    def _bind_layers(self, places: list[tuple[int, int]], caches: list[torch.Tensor]) -> None:
+        """Point attention layer ``i`` at ``caches[group][:, index]`` for ``places[i] = (group, index)``."""
+        lm = self.loaded
         if self.kv_cache_dtype.itemsize == 1:
             self.kv_scales = KVScales(lm.num_layers, lm.num_kv_heads, self.device, lm.kv_scales)
         for i, layer in enumerate(self.model.attention_layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
+            group, index = places[i]
+            layer.kv_group = group
+            layer.k_cache = caches[group][0, index]
+            layer.v_cache = caches[group][1, index]
             if self.kv_scales is not None:
                 layer.k_scale, layer.v_scale = self.kv_scales.layer(i)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one KV block's keys and values in every layer (copy-on-write of a forked partial block)."""
         assert self.kv_cache is not None
+        if self.kv_layout is not None:
+            raise RuntimeError("a hybrid KV cache does not fork blocks (see core/kv_groups.py)")
         self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
     def profile_num_blocks(self, config: EngineConfig, max_model_len: int, extra_bytes_per_block: int = 0) -> int:
@@ -285,7 +313,14 @@ class ModelRunner:
             sample,
             1,
             common_prefix_len=rows.common_prefix_len,
+            group_tables=self._group_tables(seqs),
         )
+
+    def _group_tables(self, seqs: list[Sequence]) -> list[list[list[int]]] | None:
+        """Per KV group past the first, each sequence's block table (None without a hybrid cache)."""
+        if self.kv_layout is None:
+            return None
+        return [[seq.kv_group_views[0].block_ids for seq in seqs]]
 
     def _prepare_mixed(self, pairs: list[tuple[Sequence, int]]) -> PreparedBatch:
         bs = self.block_size
@@ -317,7 +352,10 @@ class ModelRunner:
                 logits_rows.extend(range(query_start[-1] - 1 - num_spec, query_start[-1]))
                 sample.append(seq)
         max_q = max(n for _, n in pairs)
-        prepared = self._build(input_ids, positions, slots, query_start, seq_lens, tables, logits_rows, sample, max_q)
+        prepared = self._build(
+            input_ids, positions, slots, query_start, seq_lens, tables, logits_rows, sample, max_q,
+            group_tables=self._group_tables([seq for seq, _ in pairs]),
+        )  # fmt: skip
         prepared.pool_spans = spans
         return prepared
 
@@ -334,6 +372,7 @@ class ModelRunner:
         max_query_len: int,
         *,
         common_prefix_len: int = 0,
+        group_tables: list[list[list[int]]] | None = None,
     ) -> PreparedBatch:
         dev = self.device
         width = max(len(t) for t in tables)
@@ -350,6 +389,11 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             common_prefix_len=common_prefix_len,
         )
+        if group_tables:
+            meta.kv_groups = tuple(
+                group_metadata(meta, g + 1, t, positions, query_start, self.block_size)
+                for g, t in enumerate(group_tables)
+            )
         return PreparedBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
@@ -389,13 +433,21 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[prepared.logits_indices])
         return prepared.sample_seqs, logits.float()
 
-    def score(self, token_ids: list[int], block_ids: list[int], prefill_len: int, step_len: int = 1) -> torch.Tensor:
+    def score(
+        self,
+        token_ids: list[int],
+        block_ids: list[int],
+        prefill_len: int,
+        step_len: int = 1,
+        group_block_ids: list[list[int]] | None = None,
+    ) -> torch.Tensor:
         """Float32 logits ``[len(token_ids), vocab]`` of every position (row ``i`` predicts token ``i + 1``),
         computed as the engine computes a request: the first ``prefill_len`` tokens as one prefill step, then
         the rest ``step_len`` tokens a step (1: decode steps; more: chunked prefill), each step reading all K/V
         of its context, its own tokens' included, back from the cache (an FP8 cache has quantized them, so
         every position past the prefill sees what a generated token sees). ``block_ids`` must hold
-        ``len(token_ids)`` slots and belong to no other sequence. Eager only (no CUDA graphs); an FP8 cache
+        ``len(token_ids)`` slots and belong to no other sequence (as must ``group_block_ids``, a hybrid cache's
+        tables of the groups past the first). Eager only (no CUDA graphs); an FP8 cache
         without fixed scales calibrates them on the prefill."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not allocated")
@@ -425,6 +477,7 @@ class ModelRunner:
                     list(range(end - start)),
                     [],
                     end - start,
+                    group_tables=[[t] for t in group_block_ids] if group_block_ids else None,
                 )
                 calibrate = self.kv_scales is not None and not self.kv_scales.fixed
                 prepared.meta.calibrate_kv_scales = calibrate

@@ -10,9 +10,8 @@ RoPE of their own kind each (``rope_parameters["sliding_attention"]`` at the loc
 (``final_logit_softcapping``). ``attn_logit_softcapping`` is read by transformers' Gemma 3 attention no more
 than here (Gemma 3 replaced it with the q/k norms), so a config setting it is served as transformers serves it.
 
-The full-attention layers need every KV block, so the block manager keeps all of them (no per-group block
-tables): the sliding layers are exact through the window mask, but their memory is not saved yet
-(``benchmarks/gemma3_sliding_kv.py`` measures what a per-group table would save).
+The full-attention layers need every KV block, the sliding ones only their window: the engine gives each kind
+its own pool and block table (``core/kv_groups.py``; ``benchmarks/gemma3_sliding_kv.py`` measures the saving).
 
 Of a multimodal checkpoint only the language model is loaded: its weights sit under ``language_model.``
 (hub layout: ``language_model.model.*``; transformers 5 layout: ``model.language_model.*``), the vision tower

@@ -93,6 +93,8 @@ class LlamaAttention(nn.Module):
         # Per-KV-head scales of an FP8 cache (None otherwise), bound with it.
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        # The layer's KV group in a hybrid cache (``AttentionMetadata.for_group``); 0 otherwise.
+        self.kv_group = 0
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -108,6 +110,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.backend is None or self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer used before the model runner bound its KV cache")
+        if self.kv_group:
+            meta = meta.for_group(self.kv_group)
         out = self.backend.forward(
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale,
             sliding_window=self.sliding_window,

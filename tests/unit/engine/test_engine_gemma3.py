@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from gpu_workers.engine import LLM, SamplingParams
+from gpu_workers.engine.core.kv_groups import HybridKVBlockManager
 
 from .conftest import MODEL_VARIANTS, HFReference
 
@@ -71,13 +72,15 @@ def test_image_token_is_refused_by_name(mm_dir: Path, make_llm: Callable[..., LL
     assert llm.generate([[5, 6]], _greedy(1))[0].token_ids  # text alone still runs
 
 
-def test_hybrid_model_masks_sliding_layers_and_keeps_every_block(
+def test_hybrid_model_gets_a_block_table_per_layer_group(
     model_dir: Callable[[str], Path], make_llm: Callable[..., LLM]
 ) -> None:
     llm = make_llm(model_dir("gemma3"))
     window = MODEL_VARIANTS["gemma3"]["sliding_window"]
     assert llm.engine.loaded.sliding_windows == [window, None, window]
-    assert llm.engine.block_manager.sliding_window is None  # the global layer needs every block
+    bm = llm.engine.block_manager
+    assert isinstance(bm, HybridKVBlockManager)
+    assert bm.full.sliding_window is None and bm.sliding.sliding_window == window  # the global layer keeps all
     assert not llm.engine.runner.use_cascade
 
 

@@ -100,7 +100,7 @@ def test_matches_dense_reference(
     q = torch.cat(qs)
     out = backend.forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, scale, sliding_window=window)
     if window is None:  # the path under test was taken (a window evens the contexts out)
-        assert (backend._plans[None].decode is None) == (shape_set == "decode_uneven")
+        assert (backend._group_states[0].plans[None].decode is None) == (shape_set == "decode_uneven")
     for i, (ctx, new) in enumerate(shapes):
         expected = _reference(qs[i], dense_k[i], dense_v[i], ctx - new, scale, window)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
