@@ -184,7 +184,11 @@ async def admit(
             # Redis did not take the replay: a worker answers it, already charged.
         # 4. The queue.
         cacheable = prompt_ids if inference.task != "embed" else None  # an embedding neither uses nor fills a cache
-        route = await service.route(inference, max_tier=caller.max_tier, heartbeats=heartbeats, prompt_ids=cacheable)
+        # An adapter's registry id seeds its KV chain: with it the router hashes the prompt as the engine does.
+        lora_int_id = await service.adapters.lora_int_id(adapter) if adapter and cacheable is not None else None
+        route = await service.route(
+            inference, max_tier=caller.max_tier, heartbeats=heartbeats, prompt_ids=cacheable, lora_int_id=lora_int_id
+        )
         _check_deadline(service.metrics, inference, route.tier, heartbeats)
         await service.backlog.admit(inference.model, route.tier, heartbeats, service.partitions(inference.model))
         # 5. The charge, once the queue has room for the request.

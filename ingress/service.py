@@ -164,6 +164,7 @@ class IngressService:
         max_tier: Tier,
         heartbeats: list[WorkerHeartbeat],
         prompt_ids: list[int] | None = None,
+        lora_int_id: int | None = None,
     ) -> Route:
         """Where ``request`` goes: its tier's topic (capped at ``max_tier``) and a partition, from the model's live
         ``heartbeats``. The producers are started and the model's topics made on first use: a Kafka that does not
@@ -175,7 +176,7 @@ class IngressService:
             self.metrics.publish_failures.labels(request.model).inc()
             raise unavailable("Kafka", exc) from exc
         self.router.set_heartbeats(request.model, heartbeats)
-        return self.router.route(request, max_tier=max_tier, prompt_ids=prompt_ids)
+        return self.router.route(request, max_tier=max_tier, prompt_ids=prompt_ids, lora_int_id=lora_int_id)
 
     def partitions(self, model: str) -> dict[str, int]:
         """The partition count of each of ``model``'s request topics (what its backlog is read from)."""

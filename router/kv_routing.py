@@ -38,6 +38,9 @@ class CachedPrefixPolicy:
     tokens_per_backlog_s: float = 1024.0
     max_lag_s: float = 6.0
     max_blocks: int = 512  # leading blocks hashed and looked up at most (8k tokens at 16 a block)
+    # What loading an adapter a worker does not hold costs it, in prompt tokens: a fetch and a weight upload, a
+    # few hundred milliseconds, so a holder wins unless the other has far more of the prompt cached.
+    tokens_per_adapter_load: float = 1024.0
     # What a cached block is worth by where it sits, against a pool hit's 1 (docs/routing.md): a load from host
     # memory costs a copy, from disk a read, from the shared store a round trip, and the store may have evicted it
     # without telling (its events say what was written, not what is left).
@@ -92,10 +95,14 @@ class KVRouting:
         heartbeats: Sequence[WorkerHeartbeat],
         load: LoadPolicy,
         hashes: list[int] | None,
+        adapter: str | None = None,
     ) -> tuple[PartitionChoice | None, int]:
         """The partition of the worker with the cheapest cost, and the prompt tokens it holds cached; (None, 0)
-        when the key should decide (counted by why)."""
+        when the key should decide (counted by why). For an ``adapter`` (``hashes`` seeded by its id), only the
+        workers that serve adapters count, and one that does not hold it pays ``tokens_per_adapter_load``."""
         owners = [b for b in heartbeats if owned_partitions(b, topic, partitions)]
+        if adapter is not None:
+            owners = [b for b in owners if b.serves_adapters]
         refusal = self._refusal(model, owners, load, hashes)
         self.outcomes.labels(model, refusal or "cached_prefix").inc()
         if refusal is not None or hashes is None:
@@ -111,6 +118,8 @@ class KVRouting:
             weighted = self.index.weighted_blocks(model, beat.worker_id, hashes, self.policy.tier_weights)
             cached = round(weighted * block_size)
             cost = (prompt_tokens - cached) + self._load_tokens(beat, tier, now)
+            if adapter is not None and adapter not in beat.adapters:
+                cost += self.policy.tokens_per_adapter_load
             if best is None or (cost, beat.worker_id) < best:
                 best, chosen, chosen_cached = (cost, beat.worker_id), beat, cached
         assert chosen is not None

@@ -58,6 +58,7 @@ def route(
     shares: TenantShares | None = None,
     kv: KVRouting | None = None,
     prompt_ids: Sequence[int] | None = None,
+    lora_int_id: int | None = None,
 ) -> Route:
     """Route ``request``: its priority (capped at ``max_tier``) picks the topic, its prompt prefix the key.
 
@@ -66,9 +67,10 @@ def route(
     ``partitions`` is the topic's partition count; ``heartbeats`` are the live workers of the model. With
     ``shares``, the request's tokens are charged to its tenant on the worker that owns the partition it goes to, and
     an overloaded worker sheds only the tenants above an equal share of its recent tokens. With ``kv`` (the workers'
-    KV events) and the prompt's token ids as the worker will see them, a base-model request goes to the worker
-    whose cached prefix against load costs least; an adapter request keeps the adapter rules (its hash chain is
-    seeded by the adapter's id, which the index does not resolve).
+    KV events) and the prompt's token ids as the worker will see them, a request goes to the worker whose cached
+    prefix against load costs least; an adapter request does so too when its registry id (``lora_int_id``, which
+    seeds its hash chain in every worker's engine) is given, among the workers that serve adapters, else it keeps
+    the adapter rules alone.
     """
     tier = cap_tier(request.priority, max_tier)
     topic = names.request_topic(request.model, tier)
@@ -77,9 +79,10 @@ def route(
     over_share = functools.partial(shares.over_share, tenant=request.tenant) if shares is not None else None
     load_policy = load_policy or LoadPolicy()
     choice = None
-    if kv is not None and adapter is None:
-        hashes = kv.prompt_hashes(request.model, prompt_ids) if prompt_ids is not None else None
-        choice, _ = kv.choose(request.model, topic, key, partitions, tier, heartbeats, load_policy, hashes)
+    if kv is not None and (adapter is None or lora_int_id is not None):
+        seed = lora_int_id or 0
+        hashes = kv.prompt_hashes(request.model, prompt_ids, seed) if prompt_ids is not None else None
+        choice, _ = kv.choose(request.model, topic, key, partitions, tier, heartbeats, load_policy, hashes, adapter)
     if choice is None:
         choice = choose_partition(topic, key, partitions, heartbeats, load_policy, adapter, over_share)
     if shares is not None:
@@ -159,10 +162,15 @@ class Router:
         return list(self._heartbeats.get(model, ()))
 
     def route(
-        self, request: InferenceRequest, *, max_tier: Tier = "interactive", prompt_ids: Sequence[int] | None = None
+        self,
+        request: InferenceRequest,
+        *,
+        max_tier: Tier = "interactive",
+        prompt_ids: Sequence[int] | None = None,
+        lora_int_id: int | None = None,
     ) -> Route:
         """Route ``request`` with the state known now; ``prompt_ids``: its prompt's token ids as the worker will
-        see them (for routing on the cached prefix)."""
+        see them (for routing on the cached prefix); ``lora_int_id``: its adapter's registry id, if any."""
         tier = cap_tier(request.priority, max_tier)
         topic = self.names.request_topic(request.model, tier)
         return route(
@@ -176,4 +184,5 @@ class Router:
             shares=self.shares,
             kv=self.kv,
             prompt_ids=prompt_ids,
+            lora_int_id=lora_int_id,
         )

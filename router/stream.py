@@ -262,13 +262,24 @@ class RouterProcessor:
             self.inbound.dlq_topic(record.topic), value=value, key=record.key, headers=headers
         )
 
+    async def _lora_int_id(self, request: InferenceRequest) -> int | None:
+        """The adapter's registry id (its KV chain seed), from the snapshot ``_check`` resolved it with; None (the
+        adapter rules alone decide) when there is none or Redis cannot tell."""
+        if request.adapter is None or self.adapters is None:
+            return None
+        try:
+            return await self.adapters.lora_int_id(request.adapter)
+        except (RedisError, OSError):
+            return None
+
     async def _route(
         self, record: ConsumerRecord, request: InferenceRequest, beats: list[WorkerHeartbeat]
     ) -> asyncio.Future[RecordMetadata]:
         await self.topics.ensure_model(request.model)
         self.router.set_heartbeats(request.model, beats)
         view = await self.tokenizers.get(request.model) if self.tokenizers and request.task != "embed" else None
-        route = self.router.route(request, prompt_ids=_prompt_ids(view, request))
+        prompt_ids = _prompt_ids(view, request)
+        route = self.router.route(request, prompt_ids=prompt_ids, lora_int_id=await self._lora_int_id(request))
         log.debug(
             "router.routed request_id=%s topic=%s partition=%s reason=%s",
             request.request_id,

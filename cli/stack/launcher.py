@@ -14,6 +14,7 @@ import secrets
 import signal
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +192,19 @@ def _worker_env(threads: int) -> dict[str, str]:
     return env
 
 
+def kv_disk_tier_env(state_dir: Path, worker: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """A worker's own disk-tier folder, so two workers never share one (each keeps an LRU over its folder, and a
+    restarted worker re-publishes what its folder holds as its own): ``<SLUICEGATE_KV_DISK_TIER_DIR>/<worker>``
+    where that is set, else ``<state dir>/kv-disk/<worker>``, stable across the supervisor's restarts of the
+    worker. SLUICEGATE_KV_DISK_TIER_DIR set to an empty value turns the tier off. The host and shared tiers'
+    settings reach every worker as they are (the shared tier is one store for all of them)."""
+    configured = environ.get("SLUICEGATE_KV_DISK_TIER_DIR")
+    if configured == "":
+        return {}
+    parent = Path(configured).expanduser() if configured else state_dir / "kv-disk"
+    return {"SLUICEGATE_KV_DISK_TIER_DIR": str((parent / worker).resolve())}
+
+
 def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
     """The worker environment that serves ``spec``; a dtype or quantization set in the environment
     (SLUICEGATE_DTYPE, SLUICEGATE_QUANTIZATION) wins."""
@@ -332,7 +346,14 @@ def up(
         threads = engine_threads(os.cpu_count() or 1, len(specs) * workers) if device == "cpu" else 0
         started = {
             (n, i): supervisor.start(
-                worker_name(spec.name, n, i), ["worker"], {**env, **_model_env(spec, device), **_worker_env(threads)}
+                worker_name(spec.name, n, i),
+                ["worker"],
+                {
+                    **env,
+                    **_model_env(spec, device),
+                    **_worker_env(threads),
+                    **kv_disk_tier_env(settings.state_dir, worker_name(spec.name, n, i), os.environ),
+                },
             )
             for n, spec in enumerate(specs)
             for i in range(workers)

@@ -7,6 +7,7 @@ Layout of the state folder (``.sluicegate/`` by default, git-ignored)::
     kafka-<port>/                one broker: server.properties, cluster.id, data/, logs/, kafka.pid
     redis-<port>/                one Redis: data/, redis.log, redis.pid (with TLS: tls/, users.acl,
                                  acl-passwords.json)
+    kv-disk/<worker>/            each ``up`` worker's own disk KV tier (``launcher.kv_disk_tier_env``)
 
 Instances are keyed by port, so a test session on other ports shares the jar cache but never touches a
 developer's running stack.

@@ -147,6 +147,14 @@ class AdapterResolver:
             adapters = await self.snapshot()
         return resolve_request(adapters, request)
 
+    async def lora_int_id(self, adapter: str | None) -> int | None:
+        """The registry id of ``adapter`` (None for none, or one gone from the registry): it seeds the adapter's
+        KV block hash chain in every worker's engine, so the router can hash a prompt as that engine does."""
+        if adapter is None:
+            return None
+        found = (await self.snapshot()).get(adapter)
+        return found.lora_int_id if found is not None else None
+
     async def visible(self, tenant: str) -> list[LoRAAdapter]:
         """The adapters ``tenant`` may use (public ones and its own), sorted by name."""
         adapters = await self.snapshot()

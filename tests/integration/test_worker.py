@@ -206,18 +206,17 @@ class RunningWorker:
 async def running_worker(
     kafka_bootstrap: str, redis_url: str, model_dir: Path, prefix: str, **overrides: Any
 ) -> AsyncIterator[RunningWorker]:
+    # ``overrides`` may replace any of these (a second worker's id, more partitions for two workers to share).
+    defaults: dict[str, Any] = dict(
+        topic_partitions=1, worker_id="w-int", kv_cache_gb=0.05, heartbeat_interval_s=0.3, drain_timeout_s=5.0
+    )
     settings = Settings(
         kafka_bootstrap=kafka_bootstrap,
         redis_url=redis_url,
         topic_prefix=prefix,
-        topic_partitions=1,
         model=str(model_dir),
         model_name=MODEL,
-        worker_id="w-int",
-        kv_cache_gb=0.05,
-        heartbeat_interval_s=0.3,
-        drain_timeout_s=5.0,
-        **overrides,
+        **{**defaults, **overrides},
     )
     names = Names(prefix)
     stop = asyncio.Event()
@@ -232,7 +231,7 @@ async def running_worker(
                     WorkerHeartbeat.model_validate_json(v)
                     for v in (await redis.hgetall(names.workers_key(MODEL))).values()
                 ]
-                if any(b.partitions for b in beats):
+                if any(b.partitions for b in beats if b.worker_id == settings.worker_id):
                     # The engine, in this process or its own, names the model's architecture.
                     assert all(b.architecture == "LlamaForCausalLM" for b in beats), beats
                     break

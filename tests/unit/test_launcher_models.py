@@ -220,6 +220,26 @@ def test_several_workers_share_the_cores_and_get_names_of_their_own() -> None:
     assert names == {"worker", "worker-2", "worker-b", "worker-b-2"}
 
 
+def test_each_worker_of_up_gets_a_disk_tier_folder_of_its_own(tmp_path: Path) -> None:
+    """Two workers on one disk folder would each evict the other's files and re-publish them as their own."""
+    names = [launcher.worker_name(m, n, i) for n, m in enumerate(["a", "b"]) for i in range(2)]
+    state = tmp_path / "state"
+    folders = [launcher.kv_disk_tier_env(state, name, {})["SLUICEGATE_KV_DISK_TIER_DIR"] for name in names]
+    assert len(set(folders)) == len(names)
+    assert all(Path(folder).parent == (state / "kv-disk").resolve() for folder in folders)
+    # The same worker restarted by the supervisor finds its own folder again.
+    assert launcher.kv_disk_tier_env(state, "worker-2", {})["SLUICEGATE_KV_DISK_TIER_DIR"] == folders[1]
+    chosen = tmp_path / "tiers"
+    env = launcher.kv_disk_tier_env(state, "worker", {"SLUICEGATE_KV_DISK_TIER_DIR": str(chosen)})
+    assert env == {"SLUICEGATE_KV_DISK_TIER_DIR": str((chosen / "worker").resolve())}
+    assert launcher.kv_disk_tier_env(state, "worker", {"SLUICEGATE_KV_DISK_TIER_DIR": ""}) == {}  # turned off
+    # What the worker makes of it: an engine with that disk tier.
+    from gpu_workers.worker.kv_tiers import kv_offload_config
+
+    config = kv_offload_config(Settings(kv_disk_tier_dir=folders[0]))
+    assert config is not None and config.disk_dir == folders[0] and config.disk_bytes > 0
+
+
 def test_up_takes_a_worker_count_and_refuses_none() -> None:
     parser = build_parser()
     assert parser.parse_args(["up", "--workers", "2"]).workers == 2

@@ -63,6 +63,7 @@ class Recording:
         max_tier: Tier,
         heartbeats: list[WorkerHeartbeat],
         prompt_ids: list[int] | None = None,
+        lora_int_id: int | None = None,
     ) -> Any:
         self.calls.append("route")
         self.seen.append(request.request_id)

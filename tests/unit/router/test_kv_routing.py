@@ -178,3 +178,35 @@ def test_offload_tiers_count_at_their_weight_and_a_tier_snapshot_replaces_only_t
     assert index.weighted_blocks(MODEL, "w1", keys, weights) == 2
     assert index.worker(MODEL, "w1").in_sync
     assert not index.apply(events("w1", 9, [], tier="host"))  # a gap in the worker's one sequence
+
+
+def test_an_adapter_request_routes_on_its_own_chain_among_workers_serving_adapters() -> None:
+    """The adapter's registry id seeds its chain in every engine: the router hashes the prompt with it, so the worker
+    that served the adapter's last turn gets the next; base-model blocks of the same tokens do not count for it."""
+    index, registry = KVIndex(), CollectorRegistry()
+    router = _router(index, registry)
+    turn2 = ids(60)
+    with_adapter = dict(serves_adapters=True, adapters=["pirate"])
+    beats = [
+        beat("w1", [0, 1], 0).model_copy(update=with_adapter),
+        beat("w2", [2, 3], 0).model_copy(update=with_adapter),
+        beat("w3", [], 0),
+    ]
+    index.apply(events("w1", 0, prompt_block_hashes(turn2[:40], BLOCK), snapshot=True))  # the base model's
+    index.apply(events("w2", 0, prompt_block_hashes(turn2[:40], BLOCK, lora_int_id=7), snapshot=True))
+    index.apply(events("w3", 0, [], snapshot=True))
+    router.set_heartbeats(MODEL, beats)
+    request = InferenceRequest(request_id="r", model=MODEL, adapter="pirate", prompt=turn2)
+    chosen = router.route(request, max_tier="standard", prompt_ids=turn2, lora_int_id=7)
+    assert chosen.reason == "cached_prefix" and chosen.partition in (2, 3)
+    # Another adapter's id names other blocks: none cached anywhere, the tie goes by load and id (w1).
+    other = router.route(request, max_tier="standard", prompt_ids=turn2, lora_int_id=8)
+    assert other.reason == "cached_prefix" and other.partition in (0, 1)
+    # Without the id the adapter rules decide, as before.
+    assert router.route(request, max_tier="standard", prompt_ids=turn2).reason.startswith("adapter_")
+    # A worker that must load the adapter first pays for it: w2 no longer holds it, w1 does.
+    index.apply(events("w1", 1, []))
+    router.set_heartbeats(MODEL, [beats[0], beats[1].model_copy(update={"adapters": []}), beats[2]])
+    short = ids(12)  # two blocks cached on w2: far less than an adapter load
+    index.apply(events("w2", 1, prompt_block_hashes(short, BLOCK, lora_int_id=7)))
+    assert router.route(request, max_tier="standard", prompt_ids=short, lora_int_id=7).partition in (0, 1)
