@@ -85,32 +85,41 @@ def _file_experts(expected: dict[str, np.ndarray], layer: str, proj: str) -> tor
 
 
 @pytest.mark.parametrize(
-    ("variant", "qtype"),
-    [("mixtral", T.Q4_0), ("mixtral", T.Q8_0), ("qwen3_moe", T.Q4_1), ("qwen3_moe", T.Q4_0)],
-    ids=lambda v: v if isinstance(v, str) else v.name,
+    ("variant", "qtype", "down", "per_expert"),
+    [
+        ("mixtral", T.Q4_0, T.Q4_0, False),
+        ("mixtral", T.Q8_0, T.Q8_0, False),
+        ("mixtral", T.Q4_1, T.Q4_1, True),  # an older file's one tensor per expert
+        ("qwen3_moe", T.Q4_1, T.Q4_1, False),
+        ("qwen3_moe", T.Q4_0, T.Q8_0, False),  # down in a wider type, as llama.cpp's mixes keep it
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.name if isinstance(v, T) else "per_expert" if v else "stacked",
 )
 def test_kept_moe_gguf_matches_the_dequantized_engine(
-    variant: str, qtype: T, tmp_path: Path, make_llm: Callable[..., LLM], capsys: pytest.CaptureFixture[str]
-) -> None:
+    variant: str, qtype: T, down: T, per_expert: bool, tmp_path: Path, make_llm: Callable[..., LLM],
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     hf = make_tiny_model(tmp_path / "hf", **VARIANTS[variant])
-    expected = write_gguf(hf, tmp_path / "m.gguf", qtype)
+    expected = write_gguf(hf, tmp_path / "m.gguf", qtype, types={"experts.down_proj": down}, per_expert=per_expert)
+    if per_expert:  # the file's per-expert tensors, stacked as the engine's experts hold them
+        expected = {**expected, **_stacked(expected)}
     kept = make_llm(tmp_path / "m.gguf", quantization="gguf", num_kv_blocks=48)
     ref = make_llm(tmp_path / "m.gguf", dtype="bfloat16", num_kv_blocks=48)
     layers = _experts(kept)
     assert len(layers) == len(kept.engine.loaded.model.model.layers)
-    kind = CpuInt8Linear if qtype == T.Q8_0 else CpuInt4Linear
+    kinds = {p: CpuInt8Linear if t == T.Q8_0 else CpuInt4Linear for p, t in (("gate_up", qtype), ("down", down))}
     for layer, experts in layers.items():
         assert isinstance(experts, CpuQuantizedExperts), layer
         assert not list(experts.parameters())  # no float copy of the experts is held
         for proj, held in zip(("gate_up", "down"), experts.dequantized(), strict=True):
-            assert all(isinstance(m, kind) for m in getattr(experts, f"{proj}_proj"))
+            assert all(isinstance(m, kinds[proj]) for m in getattr(experts, f"{proj}_proj"))
             want = _file_experts(expected, layer, proj)
-            if kind is CpuInt4Linear:  # the file's codes, scale and zero rounded to bfloat16 (2^-9 each)
+            if kinds[proj] is CpuInt4Linear:  # the file's codes, scale and zero rounded to bfloat16 (2^-9 each)
                 assert ((held - want).abs() <= 2.0**-7 * want.abs().amax(dim=(1, 2), keepdim=True)).all(), layer
             else:  # Q8_0's block scales as one per output channel: half the row's step
                 steps = torch.stack([m.scales.float() for m in getattr(experts, f"{proj}_proj")])[..., None]
                 assert ((held - want).abs() <= steps / 2 + 1e-6).all(), layer
-    label = f"{variant} {qtype.name} experts"
+    label = f"{variant} {qtype.name}/{down.name} experts{' per expert' if per_expert else ''}"
     got, got_routes, _ = _routed_logits(kept)
     want, want_routes, want_gaps = _routed_logits(ref)
     flipped = (got_routes != want_routes).any(-1)  # [positions, sparse layers]
@@ -120,6 +129,17 @@ def test_kept_moe_gguf_matches_the_dequantized_engine(
     compare_logits(got[alike], want[alike], capsys, label, near_tie=1.0)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert all(len(o.token_ids) == 12 for o in kept.generate(quant_prompts(), params))
+
+
+def _stacked(expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``...mlp.experts.E.proj.weight`` tensors stacked per projection, as ``...mlp.experts.proj.weight``."""
+    groups: dict[str, dict[int, np.ndarray]] = {}
+    for name, weight in expected.items():
+        head, sep, rest = name.partition(".mlp.experts.")
+        expert, _, proj = rest.partition(".")
+        if sep and expert.isdigit():
+            groups.setdefault(f"{head}.mlp.experts.{proj}", {})[int(expert)] = weight
+    return {name: np.stack([w[e] for e in sorted(w)]) for name, w in groups.items()}
 
 
 def _routed_logits(llm: LLM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
