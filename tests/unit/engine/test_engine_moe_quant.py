@@ -14,6 +14,7 @@ top-1 difference there need not be a near-tie of the logits: it must lie within 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,3 +189,21 @@ def test_a_float_moe_checkpoint_quantizes_its_experts_at_load(
             assert (gate_up[e] - want).abs().max() <= bound, (layer, e)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7, 8]], params)[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_an_int4_moe_checkpoint_is_refused_by_name(
+    method: str, tmp_path: Path, model_dir: Callable[[str], Path]
+) -> None:
+    """AWQ / GPTQ pack each expert's projections apart, and the INT4 loader does not read them into the stacked
+    experts: a Mixtral checkpoint declaring either is refused before any weight is read."""
+    source = model_dir("mixtral")
+    folder = tmp_path / method
+    folder.mkdir()
+    for file in source.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^AWQ / GPTQ quantization is not supported for MixtralForCausalLM: "):
+        LLM(str(folder), max_model_len=64, num_kv_blocks=8)
