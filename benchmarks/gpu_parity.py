@@ -211,6 +211,20 @@ def run_case(case: Case, model: str, path: Path, device: str, prompts: Prompts, 
     return result
 
 
+def run_guarded(
+    case: Case, model: str, path: Path, device: str, prompts: Prompts, refs: dict[str, Reference]
+) -> dict[str, Any]:
+    """``run_case``'s row, the reference of the case's dtype built once into ``refs``; an exception becomes the
+    row's error (one broken path must not hide the others). The row carries the dtype's tie gap."""
+    try:
+        ref = refs.get(case.dtype) or refs.setdefault(case.dtype, Reference(path, device, getattr(torch, case.dtype)))
+        row = run_case(case, model, path, device, prompts, ref).row()
+    except Exception as exc:
+        traceback.print_exc()
+        row = CaseResult(case.name, model, error=repr(exc)[:2000]).row()
+    return row | {"tie": GAP_TIE[case.dtype]}
+
+
 def write(results: dict[str, Any]) -> None:
     out = os.environ.get("OUT")
     if out:
@@ -240,15 +254,8 @@ def main() -> int:
             for case in cases(device):
                 if model != "llama3_tied" and (case.shared_prefix or case.dtype != "float32"):
                     continue  # the other architectures differ in weights and layout, not in attention paths
-                try:
-                    ref = refs.get(case.dtype) or refs.setdefault(
-                        case.dtype, Reference(path, device, getattr(torch, case.dtype))
-                    )
-                    row = run_case(case, model, path, device, prompts, ref).row()
-                except Exception as exc:  # one broken path must not hide the others
-                    traceback.print_exc()
-                    row = CaseResult(case.name, model, error=repr(exc)[:2000]).row()
-                results["cases"].append(row | {"tie": GAP_TIE[case.dtype]})
+                row = run_guarded(case, model, path, device, prompts, refs)
+                results["cases"].append(row)
                 write(results)
                 verdict = "EQUAL" if row["all_equal"] else "ERROR" if row["error"] else "DIFFERS"
                 gaps = [m["ref_gap"] for m in row["mismatches"]]

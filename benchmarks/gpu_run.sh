@@ -21,13 +21,19 @@
 #                 benchmarks/moe_gpu.py on 8 Mixtral-shaped layers (23.7 GB bf16, its own checkpoint): c=1 decode
 #                 ITL and c=64 tok/s against the floor of bytes a step reads (attention + routed experts)
 #                 -> moe_gpu.json in gpu_run_files.tar
+#   archparity 120  lowest priority, after moe, skipped the same way (alone: --only archparity):
+#                 benchmarks/arch_parity.py, greedy tokens against transformers for every architecture of the
+#                 engine's registry (tiny random checkpoints, bf16 and fp32, torch and Triton backends) -> each
+#                 architecture's pass / fail under "archparity" in summary.json, every case in arch_parity.json
+#                 in gpu_run_files.tar
 # The engine_gpu.py groups merge into one engine_gpu.json; after each, its target list (name, measured, goal,
 # met, device, date) is copied to gpu_targets.json, which is kept in the repository as docs/gpu_targets.json.
 #
 # $OUT ends with at most 8 files (what a lent machine hands back): gpu_run.log (everything printed),
-# summary.json (each phase's exit status and seconds; where the target list is), engine_gpu.json,
-# gpu_targets.json, gpu_parity.json, gpu_profile.json, gpu_profile.md, and gpu_run_files.tar (the profiler's
-# compressed chrome traces under profile_traces/, and the tests' junit reports), repacked after every phase.
+# summary.json (each phase's exit status and seconds, archparity's per-architecture verdicts; where the target
+# list is), engine_gpu.json, gpu_targets.json, gpu_parity.json, gpu_profile.json, gpu_profile.md, and
+# gpu_run_files.tar (the profiler's compressed chrome traces under profile_traces/, the tests' junit reports,
+# moe_gpu.json and arch_parity.json), repacked after every phase.
 #
 # It runs from the source tree (PYTHONPATH=.) on the GPU image's own torch, triton and transformers.
 # Missing pure-Python packages travel as wheels in .whl/ (pydantic for the tests' conftest), and
@@ -35,8 +41,8 @@
 #
 # usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]
 #   --smoke     rehearse every phase on the CPU with tiny models (tests then only collect and skip)
-#   --only      comma-separated subset of env,model,profile,tests,parity,c1,voicebot,lora,rest,moe (a later phase
-#               finds the checkpoints of an earlier run's model phase in the same place, or writes them)
+#   --only      comma-separated subset of env,model,profile,tests,parity,c1,voicebot,lora,rest,moe,archparity (a
+#               later phase finds the checkpoints of an earlier run's model phase in the same place, or writes them)
 #   --total-s   the run's deadline in seconds from its start (default 540; smoke 3600)
 #   --limit     one phase's time limit, e.g. --limit rest=450 (still cut at the deadline)
 #   --skip      passed to engine_gpu.py --skip (sweep, cascade_off, prefix_off, fp8, awq, gptq, bnb-int8, bnb-nf4,
@@ -44,9 +50,9 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-phases=env,model,profile,tests,parity,c1,voicebot,lora,rest,moe
+phases=env,model,profile,tests,parity,c1,voicebot,lora,rest,moe,archparity
 usage="usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]"
-declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480 [moe]=150)
+declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480 [moe]=150 [archparity]=120)
 declare -A chosen=()  # --limit's, applied over the defaults below
 smoke=0 only=$phases total="" skip=""
 while (($#)); do
@@ -116,10 +122,11 @@ record() {  # phase, exit status ("" when skipped), seconds, note
 import json, sys
 path, phase, rc, seconds, note = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
 data = json.load(open(path))
+mine = data.get(phase, {})  # what the phase itself wrote there (archparity: its per-architecture verdicts)
 if rc:
-    data[phase] = {"rc": int(rc), "seconds": seconds, "timed_out": int(rc) in (124, 137)}
+    data[phase] = mine | {"rc": int(rc), "seconds": seconds, "timed_out": int(rc) in (124, 137)}
 else:
-    data[phase] = {"rc": None, "seconds": 0.0, "timed_out": False, "skipped": note}
+    data[phase] = mine | {"rc": None, "seconds": 0.0, "timed_out": False, "skipped": note}
 json.dump(data, open(path, "w"), indent=1)
 EOF
 }
@@ -225,8 +232,11 @@ moe_phase() {  # its own Mixtral-shaped checkpoint, beside the dense one
     "$PY" -m benchmarks.moe_gpu $(smoke_flag) --model-dir "$(dirname "$MODEL_DIR")/sluicegate-moe-model" \
         --out "$FILES/moe_gpu.json"
 }
+archparity_phase() {  # every registered architecture against transformers; verdicts into summary.json
+    "$PY" -m benchmarks.arch_parity $(smoke_flag) --out "$FILES/arch_parity.json" --summary "$OUT/summary.json"
+}
 export -f environment smoke_flag inner_budget model_phase profile_phase tests_phase parity_phase bench_group lora_phase \
-    moe_phase
+    moe_phase archparity_phase
 
 phase env bash -c environment
 phase model bash -c model_phase
@@ -238,6 +248,7 @@ phase voicebot bash -c 'bench_group voicebot'
 phase lora bash -c lora_phase
 phase rest bash -c 'bench_group rest'
 phase moe bash -c moe_phase
+phase archparity bash -c archparity_phase
 echo "=== summary: $(tr -d '\n ' <"$summary")"
 if [[ -f $OUT/gpu_targets.json ]]; then
     echo "=== targets: $OUT/gpu_targets.json -> keep in the repository as docs/gpu_targets.json"

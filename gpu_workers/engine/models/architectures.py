@@ -24,7 +24,9 @@ FEATURES: Mapping[str, str] = MappingProxyType(
         "fp8_kv_cache": "FP8 KV cache",
         "speculative_decoding": "Speculative decoding",
         "lora": "LoRA",
-        "quantization": "Weight quantization",
+        "fp8_weights": "FP8 weight quantization",
+        "bnb_quantization": "bitsandbytes quantization",
+        "cpu_quantization": "CPU int8 / int4 weight quantization",
         "int4_checkpoints": "AWQ / GPTQ quantization",
         "tensor_parallel": "Tensor parallelism",
         "gguf_quantized": "GGUF kept-quantized weights",
@@ -61,7 +63,10 @@ class ArchitectureInfo:
 _MOE_UNSUPPORTED: Mapping[str, str] = MappingProxyType(
     {
         "lora": "its expert MLPs have no LoRA layers",
-        "quantization": "its expert weights have no quantized kernel (they would stay float); load it unquantized",
+        "fp8_weights": "its stacked experts have no FP8 kernel (they would stay float); on the CPU use cpu-int8 / "
+        "cpu-int4",
+        "bnb_quantization": "its stacked experts have no bitsandbytes layer (they would stay float)",
+        "int4_checkpoints": "the AWQ / GPTQ loader does not read packed expert tensors",
         "tensor_parallel": "its stacked experts are not sharded across ranks (no expert or tensor parallelism)",
     }
 )
@@ -106,7 +111,9 @@ def features_in_use(config: EngineConfig) -> list[str]:
         "fp8_kv_cache": str(config.kv_cache_dtype).startswith("fp8"),
         "speculative_decoding": config.speculative_config is not None,
         "lora": config.enable_lora,
-        "quantization": config.quantization is not None,
+        "fp8_weights": config.quantization == "fp8",
+        "bnb_quantization": str(config.quantization).startswith("bnb-"),
+        "cpu_quantization": config.quantization in ("cpu-int8", "cpu-int4"),
         "int4_checkpoints": False,  # known only once the checkpoint's config is read: the loader asks
         "gguf_quantized": False,  # known only once the model path is found to be a GGUF: the loader asks
         "tensor_parallel": config.tensor_parallel_size > 1,

@@ -5,7 +5,8 @@ Expert tensors come stacked per projection (``blk.N.ffn_gate_exps`` / ``ffn_up_e
 ``ffn_down_exps`` ``[E, H, I]``), or, in older Mixtral files, one per expert (``blk.N.ffn_gate.E``); the router is
 ``blk.N.ffn_gate_inp``. They keep those layouts in the converted folder, under names ``moe_checkpoint.py`` loads:
 ``mlp.experts.gate_proj.weight`` (stacked) or ``mlp.experts.E.gate_proj.weight``, and ``mlp.gate.weight``.
-The experts are always dequantized (no quantized grouped kernel keeps them), whatever ``quantization`` says.
+Under a CPU kept-quantized ``quantization`` the experts skip the folder's dequantized copies: ``gguf_quantized.py``
+fills them from the file's own blocks (``quantization/cpu_experts.py``).
 """
 
 from __future__ import annotations

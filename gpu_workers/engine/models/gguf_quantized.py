@@ -11,6 +11,12 @@ quantized. Where the bytes lie comes from the folder's ``gguf_tensors.json`` (wr
 once here, with the ``gguf`` library's reader, for a folder converted before it existed). llama.cpp's Q/K row
 permutation is undone on the codes and scales as on float rows (it moves whole rows). The pieces of a merged
 projection (q/k/v, gate/up) must all plan to the same kind, else it stays float.
+
+A mixture-of-experts layer's experts (stacked ``mlp.experts.gate_proj.weight`` ``[E, I, H]`` or one tensor per
+expert) plan as one target: its ``MoEExperts`` becomes a ``CpuQuantizedExperts``, expert ``e``'s gate/up layer
+filled from rows ``e`` of the gate and up tensors and its down layer from the down tensor's; gate and up must plan to
+one kind, down to one kind of its own (it may differ: llama.cpp's mixes keep down in a wider type), else the experts
+stay float.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from gguf.quants import dequantize
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..quantization.cpu_experts import CpuQuantizedExperts, is_stacked_experts
 from ..quantization.cpu_linear import DEFAULT_INT4_GROUP, CpuInt4Linear, CpuInt8Linear, quantize_int4
 from ..quantization.cpu_quant import gguf_layer_kind
 from ..quantization.gguf_blocks import GROUP, INT4_GGUF_TYPES, int4_parts, q8_0_float
@@ -48,6 +55,11 @@ _FUSED_IN_FILE: dict[str, tuple[str, int, int]] = {
 }
 _PARTS = MERGED_PROJECTIONS | _FUSED_IN_FILE
 _PROJECTION = re.compile(r"^(.*)\.(" + "|".join(_PARTS) + r")\.weight$")
+# Stacked (no expert number) or per-expert tensors of one MoE layer's experts.
+_EXPERTS = re.compile(
+    r"^(?P<module>.+\.mlp\.experts)\.(?:(?P<expert>\d+)\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+_EXPERT_PROJECTIONS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 KEPT_TYPES = (*INT4_GGUF_TYPES, "Q8_0")
 
 
@@ -63,6 +75,7 @@ class _Part:
     rows: int
     cols: int
     heads: int | None  # rows to un-permute per llama.cpp's Q/K layout, else None
+    experts: int = 1  # experts stacked in the tensor, ``rows / experts`` rows each
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,21 @@ class _Target:
     kind: str  # "int4" or "int8"
     parts: tuple[_Part, ...]
     skip: frozenset[str]  # checkpoint names the folder holds for it, left unread
+
+
+@dataclass(frozen=True)
+class _ExpertsTarget:
+    """A MoE layer's experts to build kept-quantized: per projection (``gate_up``, ``down``) its kind and, per
+    expert, the (tensor, expert inside it) pieces in row order (gate then up)."""
+
+    module: str
+    kinds: dict[str, str]
+    pieces: dict[str, list[tuple[tuple[_Part, int], ...]]]
+    skip: frozenset[str]
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.pieces["down"])
 
 
 def load_index(folder: Path, gguf_path: Path) -> dict[str, Any]:
@@ -104,8 +132,17 @@ class GGUFQuantizedWeights:
         permuted = ARCHITECTURES[arch][2]
         heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
         grouped: dict[str, dict[int, _Part]] = {}
+        experts: dict[str, dict[str, dict[int | None, _Part]]] = {}  # module -> projection -> expert -> tensor
         for t in index["tensors"]:
             name = t["name"]
+            expert = _EXPERTS.match(name or "")
+            if expert is not None:
+                *stack, rows, cols = t["shape"]
+                experts.setdefault(expert["module"], {}).setdefault(expert["proj"], {})[
+                    None if expert["expert"] is None else int(expert["expert"])
+                ] = _Part(name, t["gguf_name"], t["type"], t["offset"], t["n_bytes"], rows * (stack or [1])[0], cols,
+                          None, (stack or [1])[0])  # fmt: skip
+                continue
             if name is None or len(t["shape"]) != 2:
                 continue
             rows, cols = t["shape"]
@@ -127,14 +164,15 @@ class GGUFQuantizedWeights:
                 name, t["gguf_name"], t["type"], t["offset"], t["n_bytes"], rows, cols, part_heads
             )
         self.targets = self._plan(grouped)
-        if not self.targets:
+        self.expert_targets = {m: t for m, p in experts.items() if (t := self._plan_experts(m, p)) is not None}
+        if not self.targets and not self.expert_targets:
             types = sorted({t["type"] for t in index["tensors"] if len(t["shape"]) == 2})
             raise GGUFLoadError(
                 gguf_path,
                 f"quantization={method!r} keeps {', '.join(KEPT_TYPES)} projections quantized, but this file's "
                 f"matrices are {', '.join(types)}; use quantization='cpu-int8' or 'cpu-int4', or leave it empty",
             )
-        self.skip = frozenset().union(*(t.skip for t in self.targets.values()))
+        self.skip = frozenset().union(*(t.skip for t in (*self.targets.values(), *self.expert_targets.values())))
         self.layers: dict[str, nn.Module] = {}
         self.filled: set[str] = set()
         self._file: np.memmap | None = None
@@ -163,6 +201,42 @@ class GGUFQuantizedWeights:
             targets[module] = _Target(module, kind, parts, skip)
         return targets
 
+    def _plan_experts(self, module: str, projs: dict[str, dict[int | None, _Part]]) -> _ExpertsTarget | None:
+        """The experts of one MoE layer, or None where they stay float (a projection planning to no kind, or
+        to two)."""
+        pieces: dict[str, list[tuple[tuple[_Part, int], ...]]] = {}
+        kinds: dict[str, str] = {}
+        for target, names in _EXPERT_PROJECTIONS.items():
+            per_proj = [self._expert_pieces(module, name, projs.get(name, {})) for name in names]
+            pieces[target] = [tuple(row) for row in zip(*per_proj, strict=True)]
+            found = {gguf_layer_kind(self.method, p.type_name, lm_head=False) for pp in per_proj for p, _ in pp}
+            kind = next(iter(found)) if len(found) == 1 else None
+            if kind is None:
+                log.info("%s stays float: its %s tensors plan to %s", module, target, found)
+                return None
+            first = per_proj[0][0][0]
+            rows, cols = sum(pp[0][0].rows // pp[0][0].experts for pp in per_proj), first.cols
+            if kind == "int4" and (rows % 16 or cols % DEFAULT_INT4_GROUP):
+                if self.method == "gguf":
+                    log.info("%s stays float: its %s [%d, %d] does not fit the int4 kernel", module, target, rows, cols)
+                    return None
+                raise ValueError(
+                    f"quantization={self.method!r} cannot take {module}: its {target} [{rows}, {cols}] needs "
+                    f"out_features divisible by 16 and in_features by {DEFAULT_INT4_GROUP}"
+                )
+            kinds[target] = kind
+        skip = frozenset(p.hf_name for row in pieces.values() for piece in row for p, _ in piece)
+        return _ExpertsTarget(module, kinds, pieces, skip)
+
+    def _expert_pieces(self, module: str, proj: str, parts: dict[int | None, _Part]) -> list[tuple[_Part, int]]:
+        """(tensor, expert inside it) of each expert in order, from one stacked tensor or one per expert."""
+        if None in parts and len(parts) == 1:
+            stacked = parts[None]
+            return [(stacked, e) for e in range(stacked.experts)]
+        if None in parts or sorted(parts) != list(range(len(parts))) or not parts:
+            raise GGUFLoadError(self.path, f"{module}.{proj}: experts {sorted(map(str, parts))} are not 0..E-1")
+        return [(parts[e], 0) for e in range(len(parts))]
+
     def swap_in(self, model: nn.Module) -> None:
         """Replace each planned ``nn.Linear`` (on the meta device, before ``to_empty``) by its empty CPU layer."""
         for module, target in self.targets.items():
@@ -179,6 +253,20 @@ class GGUFQuantizedWeights:
             parent, _, child = module.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer)
             self.layers[module] = layer
+        for module, experts in self.expert_targets.items():
+            stacked = model.get_submodule(module)
+            if not is_stacked_experts(stacked):
+                raise ValueError(f"{module} is {type(stacked).__name__}, not a layer's stacked experts")
+            num, two_inter, hidden = stacked.gate_up_proj.shape
+            if num != experts.num_experts:
+                raise GGUFLoadError(self.path, f"{module}: the file has {experts.num_experts} experts, the model {num}")
+            kept = CpuQuantizedExperts(
+                num, hidden, two_inter // 2, experts.kinds["gate_up"], experts.kinds["down"],
+                dtype=stacked.gate_up_proj.dtype, device=stacked.gate_up_proj.device,
+            )  # fmt: skip
+            parent, _, child = module.rpartition(".")
+            setattr(model.get_submodule(parent), child, kept)
+            self.layers[module] = kept
 
     def take(self, name: str, tensor_of: Callable[[], torch.Tensor]) -> bool:
         """True for a folder tensor this plan fills from the GGUF instead (it is not read)."""
@@ -198,30 +286,49 @@ class GGUFQuantizedWeights:
                     assert isinstance(layer, CpuInt8Linear)
                     layer.set_float(torch.cat([self._float(p) for p in target.parts]))
             self.filled.add(module)
+        for module, target in self.expert_targets.items():
+            experts = self.layers.get(module)
+            if not isinstance(experts, CpuQuantizedExperts):
+                raise ValueError(f"{module}: swap_in did not run before the weights were filled")
+            with torch.no_grad():
+                for proj, rows in target.pieces.items():
+                    int4 = target.kinds[proj] == "int4"
+                    for e, piece in enumerate(rows):
+                        if int4:
+                            parts = [self._int4(part, i) for part, i in piece]
+                            experts.fill(e, proj, tuple(torch.cat([p[j] for p in parts]) for j in range(3)))
+                        else:
+                            experts.fill(e, proj, torch.cat([self._float(part, i) for part, i in piece]))
+            self.filled.add(module)
         self._file = None
 
-    def _raw(self, part: _Part) -> np.ndarray:
-        """The tensor's bytes, ``[rows, bytes per row]`` (a view of the memory-mapped file)."""
+    def _raw(self, part: _Part, expert: int = 0) -> np.ndarray:
+        """The bytes of the tensor (of its expert ``expert``, when it stacks experts), ``[rows, bytes per row]``
+        (a view of the memory-mapped file)."""
         try:
             if self._file is None:
                 self._file = np.memmap(self.path, dtype=np.uint8, mode="r")
-            return self._file[part.offset : part.offset + part.n_bytes].reshape(part.rows, -1)
+            rows = part.rows // part.experts
+            raw = self._file[part.offset : part.offset + part.n_bytes].reshape(part.rows, -1)
+            return raw[expert * rows : (expert + 1) * rows]
         except (OSError, ValueError) as exc:  # a file cut short since it was converted, and similar
             raise GGUFLoadError(self.path, f"tensor {part.gguf_name!r} cannot be read: {exc}") from exc
 
-    def _float(self, part: _Part) -> torch.Tensor:
+    def _float(self, part: _Part, expert: int = 0) -> torch.Tensor:
+        rows = part.rows // part.experts
         if part.type_name == "Q8_0":
-            weight = q8_0_float(self._raw(part), part.rows, part.cols)
+            weight = q8_0_float(self._raw(part, expert), rows, part.cols)
         else:
-            values = dequantize(self._raw(part), GGMLQuantizationType[part.type_name])
-            weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(part.rows, part.cols))
+            values = dequantize(self._raw(part, expert), GGMLQuantizationType[part.type_name])
+            weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(rows, part.cols))
         return unpermute_rows(weight, part.heads) if part.heads else weight
 
-    def _int4(self, part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _int4(self, part: _Part, expert: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if part.type_name in INT4_GGUF_TYPES:
-            codes, scale, zero = int4_parts(part.type_name, self._raw(part), part.rows, part.cols)
+            rows = part.rows // part.experts
+            codes, scale, zero = int4_parts(part.type_name, self._raw(part, expert), rows, part.cols)
         else:
-            codes, scale, zero = quantize_int4(self._float(part), GROUP)
+            codes, scale, zero = quantize_int4(self._float(part, expert), GROUP)
             return codes, scale, zero  # _float already un-permuted the rows
         if part.heads:
             codes, scale, zero = (unpermute_rows(x, part.heads) for x in (codes, scale, zero))

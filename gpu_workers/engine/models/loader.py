@@ -370,15 +370,15 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
     """Read the config, build the model on ``config.device`` in the resolved dtype, load weights,
     then quantize if asked. ``tp_group``: build and load only this tensor-parallel rank's shard."""
     device = torch.device(config.device)
-    if config.quantization is not None:
-        from ..quantization import check_quantization_supported
-
-        check_quantization_supported(config.quantization, device)
     path = resolve_model_path(config.model)
     hf_config = AutoConfig.from_pretrained(str(path))
     architecture = resolve_architecture_name(getattr(hf_config, "architectures", None))
     model_cls, info = MODEL_REGISTRY[architecture], ARCHITECTURE_INFO[architecture]
-    check_features(info, config)  # a feature it cannot run with, refused by name
+    check_features(info, config)  # a feature it cannot run with, refused by name (before whether the device can)
+    if config.quantization is not None:
+        from ..quantization import check_quantization_supported
+
+        check_quantization_supported(config.quantization, device)
     hf_config = model_cls.text_config(hf_config)
     int4 = resolve_int4(config.quantization, hf_config)  # AWQ / GPTQ checkpoints, else None
     if int4 is not None:

@@ -9,11 +9,15 @@ checkpoint tensors.
 
 Two paths compute the experts. The torch path (CPU, and CUDA without Triton) groups the ``tokens x top_k`` slots
 by expert (a stable sort by expert id), runs one gate/up and one down matmul per expert over its group, and adds
-the weighted rows back into their tokens with one ``index_add_``. The Triton path (``moe_triton.py``, on CUDA) does
+the weighted rows back into their tokens with one ``index_add_``; experts kept quantized on the CPU
+(``quantization/cpu_experts.py``) go through the same grouping, each group's matmuls their expert's int4 / int8
+kernel. The Triton path (``moe_triton.py``, on CUDA) does
 each projection as one grouped-GEMM launch over every expert, with no device-to-host sync (CUDA graphs capture it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,19 +34,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
-def experts_torch(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+ExpertProjection = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its rows [n, in]) -> [n, out]
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    gate_up: ExpertProjection,
+    down: ExpertProjection,
 ) -> torch.Tensor:
     """``x [T, H]`` through the experts ``ids [T, k]`` chosen for each token, weighted by ``weights [T, k]``:
-    slots sorted by expert, one matmul per expert group and projection, ``index_add_`` back into the tokens."""
+    slots sorted by expert, one ``gate_up`` and one ``down`` call per expert group (a float matmul, or a kept-
+    quantized expert's kernel), ``index_add_`` back into the tokens."""
     top_k = ids.shape[1]
-    inter = down.shape[2]
     flat_ids = ids.reshape(-1)
     # Stable, so a token's slots keep their order inside an expert's group, and the sum below adds each token's
     # experts in expert-id order, as transformers' per-expert loop does.
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     rows = x.index_select(0, token_of)
     out = torch.empty_like(rows)
     start = 0
@@ -50,12 +62,22 @@ def experts_torch(
         if count == 0:
             continue
         end = start + count
-        gate, up = F.linear(rows[start:end], gate_up[expert]).split(inter, dim=-1)
-        out[start:end] = F.linear(F.silu(gate) * up, down[expert])
+        gate, up = gate_up(expert, rows[start:end]).chunk(2, dim=-1)
+        out[start:end] = down(expert, F.silu(gate) * up)
         start = end
     # The weighting is in float32, as transformers' Mixtral multiplies by its float32 routing weights.
     weighted = (out.float() * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, weighted)
+
+
+def experts_torch(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The grouped experts over stacked float weights ``gate_up [E, 2I, H]`` and ``down [E, H, I]``."""
+    return experts_grouped(
+        x, weights, ids, gate_up.shape[0],
+        lambda expert, rows: F.linear(rows, gate_up[expert]), lambda expert, rows: F.linear(rows, down[expert]),
+    )  # fmt: skip
 
 
 class MoEExperts(nn.Module):
@@ -101,7 +123,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        experts = self.experts
+        if not isinstance(experts, MoEExperts):  # kept quantized on the CPU (quantization/cpu_experts.py)
+            return experts_grouped(x, weights, ids, self.num_experts, experts.gate_up, experts.down)
+        gate_up, down = experts.gate_up_proj, experts.down_proj
         if x.is_cuda:
             from .moe_triton import experts_triton
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import bnb, fp8
+from .cpu_experts import CpuQuantizedExperts, is_stacked_experts
 from .cpu_linear import CpuInt4Linear, CpuInt8Linear
 from .cpu_quant import CPU_QUANTIZATIONS, cpu_layer_from_linear, cpu_quantization_problem
 from .int4_config import INT4_METHODS
@@ -60,7 +61,7 @@ def skip_lm_head(name: str) -> bool:
 
 
 def _is_quantized(module: nn.Module) -> bool:
-    if isinstance(module, (fp8.Fp8Linear, Int4Linear, CpuInt4Linear, CpuInt8Linear)):
+    if isinstance(module, (fp8.Fp8Linear, Int4Linear, CpuInt4Linear, CpuInt8Linear, CpuQuantizedExperts)):
         return True
     return type(module).__module__.startswith("bitsandbytes")
 
@@ -76,6 +77,17 @@ def _model_dtype(linears: list[tuple[str, nn.Linear]]) -> torch.dtype:
     return dtype
 
 
+def _quantize_experts(model: nn.Module, method: str, names: list[str]) -> None:
+    """Replace each stacked experts module by its ``CpuQuantizedExperts``, one at a time (the float copy goes
+    as soon as the quantized one exists)."""
+    for name in names:
+        module = model.get_submodule(name)
+        check_quantization_supported(method, module.gate_up_proj.device)
+        new = CpuQuantizedExperts.from_stacked(method, module.gate_up_proj.data, module.down_proj.data)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+
+
 def quantize_model(
     model: nn.Module,
     method: str,
@@ -88,19 +100,31 @@ def quantize_model(
     ``skip`` defaults to ``skip_lm_head``. Biases are kept. Methods: ``"bnb-int8"`` (bitsandbytes
     ``Linear8bitLt``), ``"bnb-nf4"`` (bitsandbytes ``Linear4bit``, NF4, compute dtype = model dtype),
     ``"fp8"`` (``Fp8Linear``), ``"cpu-int8"`` / ``"cpu-int4"`` (``CpuInt8Linear`` / ``CpuInt4Linear``, groups
-    of 32). Returns ``model`` for chaining.
+    of 32; a mixture-of-experts layer's stacked experts too, one layer per expert: ``CpuQuantizedExperts``; the
+    other methods have no expert kernel and refuse them; the router beside them stays float). Returns ``model``
+    for chaining.
     """
     if method in CHECKPOINT_QUANTIZATIONS:
         raise ValueError(f"{method} weights come quantized in the checkpoint; quantize_model cannot produce them")
     skip = skip_lm_head if skip is None else skip
+    experts = [name for name, module in model.named_modules() if is_stacked_experts(module)]
+    if experts and method not in CPU_QUANTIZATIONS:
+        raise ValueError(
+            f"quantization={method!r} has no kernel for the stacked experts {experts[0]}; mixture-of-experts "
+            "weights are kept quantized by 'cpu-int8' / 'cpu-int4' (on the CPU) only"
+        )
+    # A mixture-of-experts layer's router (its ``gate`` beside the experts) stays float: it only picks experts,
+    # and its rounding would move tokens from one to another.
+    routers = {f"{name.rpartition('.')[0]}.gate" for name in experts}
     targets: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
         if _is_quantized(module):
             raise ValueError(f"model is already quantized ({name or 'root'} is {type(module).__name__})")
-        if isinstance(module, nn.Linear) and not skip(name):
+        if isinstance(module, nn.Linear) and not skip(name) and name not in routers:
             if not name:
                 raise ValueError("quantize_model needs a model holding linear layers, not a bare nn.Linear")
             targets.append((name, module))
+    _quantize_experts(model, method, experts)
     if not targets:
         # Still validate, so a typo in `method` is never silently ignored.
         check_quantization_supported(method, torch.device("cpu"))

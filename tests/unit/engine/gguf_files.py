@@ -228,7 +228,8 @@ def write_gguf(
             weight = permute(weight, heads)
         wanted = next((t for key, t in (types or {}).items() if key in name), qtype)
         block = gguf.GGML_QUANT_SIZES[wanted][0]
-        kind = wanted if weight.ndim == 2 and weight.shape[1] % block == 0 else T.F32
+        # Stacked experts [E, rows, cols] quantize along their rows as a matrix does.
+        kind = wanted if weight.ndim in (2, 3) and weight.shape[-1] % block == 0 else T.F32
         if kind in DEQUANTIZE_ONLY:
             data = _random_k_blocks(kind, weight.shape, rng)
         else:

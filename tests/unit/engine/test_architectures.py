@@ -54,7 +54,7 @@ def test_the_engine_names_its_architecture(model_dir: Callable[[str], Path], mak
     ("feature", "options"),
     [
         ("lora", {"enable_lora": True}),
-        ("quantization", {"quantization": "cpu-int8"}),
+        ("cpu_quantization", {"quantization": "cpu-int8"}),
         ("prefix_caching", {}),  # on by default
         ("fp8_kv_cache", {"kv_cache_dtype": "fp8", "enable_prefix_caching": False}),
     ],

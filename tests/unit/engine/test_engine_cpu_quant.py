@@ -65,7 +65,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return get
 
 
-def _prompts() -> list[list[int]]:
+def quant_prompts() -> list[list[int]]:
     rng = random.Random(23)
     return [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 17, 45)]
 
@@ -87,9 +87,19 @@ def _file_weight(expected: dict[str, np.ndarray], name: str, tied: bool) -> torc
 
 def _compare(kept: LLM, ref: LLM, capsys: pytest.CaptureFixture[str], label: str) -> None:
     """Teacher-forced logits of the same prompts (so one flip does not carry into every later position)."""
-    prompts = _prompts()
+    prompts = quant_prompts()
     got = torch.cat([engine_logits(kept, p) for p in prompts])
     want = torch.cat([engine_logits(ref, p) for p in prompts])
+    compare_logits(got, want, capsys, label)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert all(len(o.token_ids) == 12 for o in kept.generate(prompts, params))
+
+
+def compare_logits(
+    got: torch.Tensor, want: torch.Tensor, capsys: pytest.CaptureFixture[str], label: str, near_tie: float = 0.25
+) -> None:
+    """The kept engine's logits ``got`` against the reference's ``want``, position by position; where the top-1
+    differs the reference's margin must be below ``near_tie`` of its median top-2 margin."""
     cosine = F.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     flips = got.argmax(-1) != want.argmax(-1)
@@ -106,9 +116,7 @@ def _compare(kept: LLM, ref: LLM, capsys: pytest.CaptureFixture[str], label: str
     assert cosine >= MIN_COSINE, f"{label}: logits cosine {cosine:.6f}"
     assert top1 >= MIN_TOP1, f"{label}: top-1 agreement {top1:.3f}"
     # Every disagreement is a near-tie of the reference (measured: ties and one bf16 ulp, 0.0156).
-    assert (margins <= typical_margin / 4).all(), (label, margins.tolist(), typical_margin)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    assert all(len(o.token_ids) == 12 for o in kept.generate(prompts, params))
+    assert (margins <= typical_margin * near_tie).all(), (label, margins.tolist(), typical_margin)
 
 
 @pytest.mark.parametrize(

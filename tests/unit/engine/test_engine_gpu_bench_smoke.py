@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.arch_parity import checkpoint_args, passed
 from benchmarks.gpu_trace import STEP_MARK, analyze_trace, trimmed_trace
+from gpu_workers.engine.models import ARCHITECTURE_INFO
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -92,16 +94,31 @@ def _rehearse(out: Path, phases: str, *, timeout_s: float) -> None:
 @pytest.mark.slow
 def test_gpu_run_script_rehearses_on_cpu(tmp_path: Path) -> None:
     """The prepared GPU run (benchmarks/gpu_run.sh) in its CPU rehearsal: every phase leaves its files and its
-    exit status in summary.json, and greedy parity with transformers holds on the CPU's attention paths."""
-    _rehearse(tmp_path, "env,parity,moe", timeout_s=400)
+    exit status in summary.json, greedy parity with transformers holds on the CPU's attention paths, and every
+    registered architecture passes its own (archparity, its verdicts in summary.json)."""
+    _rehearse(tmp_path, "env,parity,moe,archparity", timeout_s=700)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary) == {"env", "parity", "moe"} and all(phase["rc"] == 0 for phase in summary.values()), summary
+    phases = {"env", "parity", "moe", "archparity"}
+    assert set(summary) == phases and all(phase["rc"] == 0 for phase in summary.values()), summary
+    assert summary["archparity"]["architectures"] == dict.fromkeys(ARCHITECTURE_INFO, "pass"), summary
     with tarfile.open(tmp_path / "gpu_run_files.tar") as tar:
-        assert "./moe_gpu.json" in tar.getnames()
+        assert {"./moe_gpu.json", "./arch_parity.json"} <= set(tar.getnames())
     parity = json.loads((tmp_path / "gpu_parity.json").read_text())
     assert parity["failures"] == [] and len(parity["cases"]) >= 4
     assert all(case["all_equal"] for case in parity["cases"]), parity["cases"]
     assert "torch" in (tmp_path / "gpu_run.log").read_text()
+
+
+def test_arch_parity_builds_every_registered_architecture_and_judges_ties() -> None:
+    """Each registry architecture has its tiny checkpoint (one registered without is refused by name), and a case
+    passes only without an error and with every differing token on a reference tie."""
+    assert all(checkpoint_args(name)["arch"] for name in ARCHITECTURE_INFO)
+    with pytest.raises(ValueError, match="XForCausalLM has no tiny checkpoint"):
+        checkpoint_args("XForCausalLM")
+    row = {"error": None, "tie": 1e-4, "mismatches": [{"ref_gap": 5e-5}]}
+    assert passed(row)
+    assert not passed(row | {"mismatches": [{"ref_gap": 0.3}]})
+    assert not passed(row | {"error": "RuntimeError()"})
 
 
 # The per-step fields of gpu_profile.json (docs/benchmarks.md's H100 section describes them).

@@ -219,7 +219,8 @@ def test_a_missing_or_extra_expert_is_a_load_error(tmp_path: Path, model_dir: Ca
     [
         (dict(enable_lora=True), "LoRA"),
         (dict(tensor_parallel_size=2), "Tensor parallelism"),
-        (dict(quantization="cpu-int8"), "Weight quantization"),
+        (dict(quantization="fp8"), "FP8 weight quantization"),
+        (dict(quantization="bnb-nf4"), "bitsandbytes quantization"),
     ],
 )
 def test_moe_refuses_features_by_name(kwargs: dict[str, object], what: str, model_dir: Callable[[str], Path]) -> None:
