@@ -7,6 +7,8 @@ from __future__ import annotations
 # ruff: noqa: E402 - the imports below follow require_import (tests/needs.py), a CI-aware importorskip
 import math
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from needs import require_import, require_triton_interpreter
 
 require_import("triton", "a dependency of torch; pip install -e '.[dev]'")
 
+from gpu_workers.engine import LLM, RequestOutput, SamplingParams
 from gpu_workers.engine.attention import triton_kernels as tk
 from gpu_workers.engine.attention.metadata import AttentionMetadata
 from gpu_workers.engine.config import EngineConfig
@@ -22,6 +25,7 @@ from gpu_workers.engine.execution.batch_invariant_triton import (
     invariant_matmul,
     invariant_paged_attention,
     invariant_rms_norm,
+    make_batch_invariant_cuda,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() and not tk.INTERPRETED else "cpu"
@@ -183,3 +187,31 @@ def _meta_one() -> AttentionMetadata:
         max_query_len=1,
         max_seq_len=1,
     )
+
+
+@pytest.mark.slow  # the whole model on interpreted kernels: about a minute on the shared 2-core box
+def test_an_engine_on_the_modes_kernels_answers_alone_as_in_a_crowd(
+    make_llm: Callable[..., LLM], model_dir: Callable[[str], Path]
+) -> None:
+    """The engine with its linears, norms and attention on this module's kernels: prompts alone equal the same
+    prompts twice at once, chunked 16 tokens a step (a CUDA engine switches itself in the mode; the interpreted
+    rehearsal switches the model the same way, since the CPU mode runs the torch path)."""
+    model = model_dir("llama")
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((3, 17, 30, 41))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
+
+    def switched(**kwargs: Any) -> LLM:
+        on_cuda = DEVICE == "cuda"
+        llm = make_llm(model, device=DEVICE, attention_backend="triton", dtype="float32", deterministic=on_cuda,
+                       enable_cascade_attention=False, **kwargs)  # fmt: skip
+        if not on_cuda:
+            assert make_batch_invariant_cuda(llm.engine.loaded.model, llm.engine.runner.backend) > 0
+        return llm
+
+    def answer(out: RequestOutput) -> tuple[list[int], list[float]]:
+        return out.token_ids, [lp.logprob for lp in out.logprobs or []]
+
+    alone_llm = switched()
+    alone = [answer(alone_llm.generate([p], params)[0]) for p in prompts]
+    together = switched(max_num_batched_tokens=16).generate(prompts + prompts, params)
+    assert [answer(out) for out in together] == alone + alone
