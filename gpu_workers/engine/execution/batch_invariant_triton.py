@@ -198,9 +198,15 @@ def make_batch_invariant_cuda(model: nn.Module, backend: AttentionBackend) -> in
     how many modules now run on this module's kernels. ``EngineConfig`` refuses what this cannot cover."""
     if not hasattr(backend, "batch_invariant") or backend.name != "triton":
         raise ValueError(f"the deterministic mode on the GPU needs the triton attention backend, not {backend.name!r}")
-    backend.batch_invariant = True
     from ..models.gemma3 import GemmaRMSNorm
     from ..models.llama import RMSNorm
+    from ..models.moe import MoEExperts
+
+    if any(isinstance(module, MoEExperts) for module in model.modules()):
+        # The routed experts' grouped matmuls take each expert's share of the batch: another kernel to make invariant.
+        raise ValueError("the deterministic mode on the GPU does not support mixture-of-experts models yet")
+    backend.batch_invariant = True
+    backend.attention = invariant_paged_attention  # type: ignore[attr-defined]  # the triton backend (checked above)
 
     switched = 0
     for module in model.modules():

@@ -177,6 +177,21 @@ def test_the_mode_runs_on_cuda_with_the_triton_backend_only(monkeypatch: pytest.
         )  # fmt: skip
 
 
+def test_switching_a_model_refuses_what_the_kernels_do_not_cover() -> None:
+    from gpu_workers.engine.attention.torch_backend import TorchAttentionBackend
+    from gpu_workers.engine.attention.triton_backend import TritonAttentionBackend
+    from gpu_workers.engine.models.moe import MoEExperts
+
+    linear = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="triton attention backend"):
+        make_batch_invariant_cuda(linear, TorchAttentionBackend())
+    backend = TritonAttentionBackend()
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_batch_invariant_cuda(torch.nn.Sequential(torch.nn.Linear(8, 8), MoEExperts(2, 8, 4)), backend)
+    assert not backend.batch_invariant
+    assert make_batch_invariant_cuda(linear, backend) == 1 and backend.attention is invariant_paged_attention
+
+
 def _meta_one() -> AttentionMetadata:
     one = torch.ones(1, dtype=torch.int32)
     return AttentionMetadata(
