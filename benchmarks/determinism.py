@@ -10,17 +10,25 @@ chunked prefill forced (a small ``max_num_batched_tokens``), prefix-cache hits (
 the two interleaved round by round so a busy machine slows them alike; best round of each.
 
     python -m benchmarks.determinism check [--dtype bfloat16 --quantization cpu-int4] [--deterministic] [--preempt]
-    python -m benchmarks.determinism cost [--rounds 3] [--tokens 48]
+    python -m benchmarks.determinism cost [--rounds 3] [--tokens 48] [--device cuda --model DIR --quantization ''
+                                           --out determinism.json]
+
+``--model`` names another checkpoint (the GPU run's random one: benchmarks/gpu_run.sh's determinism phase) and
+``--device cuda`` runs the mode's Triton kernels (execution/batch_invariant_triton.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from gpu_workers.engine import LLM, SamplingParams
 from sluicegate.models.smollm2 import fetch_smollm2
@@ -43,6 +51,8 @@ QUESTIONS = [
 
 
 def chat_ids(llm: LLM, question: str) -> list[int]:
+    if not getattr(llm.tokenizer, "chat_template", None):  # a random benchmark checkpoint's bare tokenizer
+        return [int(i) for i in llm.tokenizer.encode(question)]
     ids = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
     )
@@ -51,13 +61,16 @@ def chat_ids(llm: LLM, question: str) -> list[int]:
 
 def make_llm(args: argparse.Namespace, deterministic: bool, **overrides: Any) -> LLM:
     kwargs: dict[str, Any] = dict(
+        device=args.device,
         dtype=args.dtype,
         quantization=args.quantization or None,
         max_model_len=1024,
         deterministic=deterministic,
     )
+    if args.device == "cuda":  # two engines (mode off and on) share the GPU
+        kwargs["gpu_memory_utilization"] = 0.4
     kwargs.update(overrides)
-    return LLM(str(fetch_smollm2(REPO_MODELS)), **kwargs)
+    return LLM(args.model or str(fetch_smollm2(REPO_MODELS)), **kwargs)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -111,13 +124,22 @@ def cost(args: argparse.Namespace) -> None:
                 itl, tps = _run(llm, prompts[:c], args.tokens)
                 old = best.get((mode, c))
                 best[(mode, c)] = (min(itl, old[0]), max(tps, old[1])) if old else (itl, tps)
+    rows = []
     for c in (1, 8):
         (off_itl, off_tps), (on_itl, on_tps) = best[(False, c)], best[(True, c)]
+        rows.append(dict(c=c, itl_ms_off=off_itl, itl_ms_on=on_itl, itl_ratio=on_itl / off_itl, tok_s_off=off_tps,
+                         tok_s_on=on_tps, tok_s_ratio=off_tps / on_tps))  # fmt: skip
         print(
             f"c={c}: ITL {off_itl:.1f} -> {on_itl:.1f} ms ({on_itl / off_itl:.2f}x), "
             f"{off_tps:.1f} -> {on_tps:.1f} tok/s ({off_tps / on_tps:.2f}x slower)",
             flush=True,
         )
+    if args.out is not None:
+        machine = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+        doc = dict(device=args.device, machine=machine, dtype=args.dtype,
+                   quantization=args.quantization, tokens=args.tokens, rounds=args.rounds,
+                   date=time.strftime("%Y-%m-%d"), cost=rows)  # fmt: skip
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for llm in llms.values():
         llm.engine.close()
 
@@ -131,6 +153,9 @@ def main() -> None:
     parser.add_argument("--preempt", action="store_true")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="", help="a checkpoint folder or GGUF instead of SmolLM2's GGUF")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--out", type=Path, default=None, help="cost: write the figures here as JSON")
     args = parser.parse_args()
     (check if args.what == "check" else cost)(args)
 

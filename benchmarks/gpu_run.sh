@@ -26,6 +26,9 @@
 #                 engine's registry (tiny random checkpoints, bf16 and fp32, torch and Triton backends) -> each
 #                 architecture's pass / fail under "archparity" in summary.json, every case in arch_parity.json
 #                 in gpu_run_files.tar
+#   determinism 150  lowest priority, after archparity, skipped like it: the deterministic mode's cost on the dense
+#                 checkpoint in bfloat16 (benchmarks/determinism.py cost: ITL and tok/s at c=1 and c=8, mode on
+#                 against off, interleaved) -> determinism_gpu.json in gpu_run_files.tar
 # The engine_gpu.py groups merge into one engine_gpu.json; after each, its target list (name, measured, goal,
 # met, device, date) is copied to gpu_targets.json, which is kept in the repository as docs/gpu_targets.json.
 #
@@ -41,8 +44,9 @@
 #
 # usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]
 #   --smoke     rehearse every phase on the CPU with tiny models (tests then only collect and skip)
-#   --only      comma-separated subset of env,model,profile,tests,parity,c1,voicebot,lora,rest,moe,archparity (a
-#               later phase finds the checkpoints of an earlier run's model phase in the same place, or writes them)
+#   --only      comma-separated subset of env,model,profile,tests,parity,c1,voicebot,lora,rest,moe,archparity,
+#               determinism (a later phase finds the checkpoints of an earlier run's model phase in the same place, or
+#               writes them)
 #   --total-s   the run's deadline in seconds from its start (default 540; smoke 3600)
 #   --limit     one phase's time limit, e.g. --limit rest=450 (still cut at the deadline)
 #   --skip      passed to engine_gpu.py --skip (sweep, cascade_off, prefix_off, fp8, awq, gptq, bnb-int8, bnb-nf4,
@@ -50,9 +54,9 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-phases=env,model,profile,tests,parity,c1,voicebot,lora,rest,moe,archparity
+phases=env,model,profile,tests,parity,c1,voicebot,lora,rest,moe,archparity,determinism
 usage="usage: bash benchmarks/gpu_run.sh [--smoke] [--only PHASES] [--total-s S] [--limit PHASE=S]... [--skip P,..]"
-declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480 [moe]=150 [archparity]=120)
+declare -A limits=([env]=15 [model]=45 [profile]=120 [tests]=120 [parity]=60 [c1]=90 [voicebot]=85 [lora]=120 [rest]=480 [moe]=150 [archparity]=120 [determinism]=150)
 declare -A chosen=()  # --limit's, applied over the defaults below
 smoke=0 only=$phases total="" skip=""
 while (($#)); do
@@ -235,8 +239,14 @@ moe_phase() {  # its own Mixtral-shaped checkpoint, beside the dense one
 archparity_phase() {  # every registered architecture against transformers; verdicts into summary.json
     "$PY" -m benchmarks.arch_parity $(smoke_flag) --out "$FILES/arch_parity.json" --summary "$OUT/summary.json"
 }
+determinism_phase() {  # the mode's Triton kernels on the GPU; the rehearsal runs the script on the CPU's mode
+    local device=cuda rounds=2 tokens=48
+    ((SMOKE)) && device=cpu rounds=1 tokens=8
+    "$PY" -m benchmarks.determinism cost --device $device --model "$MODEL_DIR" --dtype bfloat16 --quantization "" \
+        --rounds $rounds --tokens $tokens --out "$FILES/determinism_gpu.json"
+}
 export -f environment smoke_flag inner_budget model_phase profile_phase tests_phase parity_phase bench_group lora_phase \
-    moe_phase archparity_phase
+    moe_phase archparity_phase determinism_phase
 
 phase env bash -c environment
 phase model bash -c model_phase
@@ -249,6 +259,7 @@ phase lora bash -c lora_phase
 phase rest bash -c 'bench_group rest'
 phase moe bash -c moe_phase
 phase archparity bash -c archparity_phase
+phase determinism bash -c determinism_phase
 echo "=== summary: $(tr -d '\n ' <"$summary")"
 if [[ -f $OUT/gpu_targets.json ]]; then
     echo "=== targets: $OUT/gpu_targets.json -> keep in the repository as docs/gpu_targets.json"

@@ -222,11 +222,23 @@ class EngineConfig:
         if not self.deterministic:
             return
         problem = None
-        if self.device.type != "cpu":
-            problem = (
-                "runs on the CPU engine only: the GPU's batch-invariant Triton kernels are not built yet (run the "
-                "mode with device='cpu')"
-            )
+        if self.device.type == "cuda":
+            # Batch-invariant Triton kernels (execution/batch_invariant_triton.py) replace the dense matmuls and
+            # RMSNorms; quantized GPU layers keep their own kernels, whose reductions follow the batch.
+            if self.attention_backend == "auto":
+                self.attention_backend = "triton"
+            self.enable_cascade_attention = False  # the fixed-split attention covers the whole context itself
+            if self.attention_backend != "triton":
+                problem = f"needs the triton attention backend on the GPU, not {self.attention_backend!r}"
+            elif self.quantization is not None:
+                problem = (
+                    f"does not support quantization={self.quantization!r} on the GPU yet (its kernels are not "
+                    "batch-invariant)"
+                )
+            elif self.enable_lora:
+                problem = "does not support LoRA on the GPU yet (its batched adapter matmuls are not batch-invariant)"
+        elif self.device.type != "cpu":
+            problem = f"runs on the CPU or CUDA, not {self.device.type!r}"
         elif self.attention_backend not in ("auto", "torch"):
             problem = f"needs the torch attention backend on the CPU, not {self.attention_backend!r}"
         elif self.tensor_parallel_size > 1:

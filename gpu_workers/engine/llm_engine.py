@@ -72,7 +72,11 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.loaded, backend, block_size, kv_dtype)
         self.runner.lora = self.lora
-        if config.deterministic:
+        if config.deterministic and self.device.type == "cuda":
+            from .execution.batch_invariant_triton import make_batch_invariant_cuda  # triton: CUDA engines only
+
+            make_batch_invariant_cuda(self.loaded.model, backend)
+        elif config.deterministic:
             make_batch_invariant(self.loaded.model, backend)
         spec = config.speculative_config
         # A draft model loads before the cache is sized: its weights count as used memory, and its own cache

@@ -67,8 +67,9 @@ class EngineSettings(SettingsBase):
         False,
         description="Batch-invariant execution: a request's greedy and seeded tokens do not depend on what it is "
         "batched with, chunk boundaries, prefix-cache hits, preemption or which worker of the same build, CPU "
-        "family and torch threads serves it, at a cost in speed (docs/benchmarks.md). CPU engines only; workers "
-        "report it in their heartbeats and /v1/models shows it per model.",
+        "family and torch threads serves it, at a cost in speed (docs/benchmarks.md). On the CPU with the torch "
+        "attention backend, or on CUDA with batch-invariant Triton kernels (the triton backend, unquantized); "
+        "workers report it in their heartbeats and /v1/models shows it per model.",
     )
 
     # --- speculative decoding ------------------------------------------------------------------------------------

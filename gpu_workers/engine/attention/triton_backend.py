@@ -29,6 +29,12 @@ class TritonAttentionBackend:
     supports_cascade = True
     cuda_graph_safe = True
 
+    def __init__(self) -> None:
+        # The deterministic mode (execution/batch_invariant_triton.py) swaps in its fixed-split attention, which
+        # covers the whole context itself: no cascade, whose prefix pass would make a row depend on the batch.
+        self.batch_invariant = False
+        self.attention = paged_attention
+
     def forward(
         self,
         q: torch.Tensor,
@@ -48,13 +54,13 @@ class TritonAttentionBackend:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         # The cascade's shared-prefix pass has no window; a sliding layer attends the plain way (the model
         # runner turns cascade off for models with sliding layers, so this is only a guard).
-        if meta.common_prefix_len > 0 and sliding_window is None:
+        if meta.common_prefix_len > 0 and sliding_window is None and not self.batch_invariant:
             device_len = meta.common_prefix_len_device
             shared = device_len if device_len is not None else meta.common_prefix_len
             return cascade_paged_attention(
                 q, k_cache, v_cache, meta, scale, shared, num_splits=None, prefix_splits=None,
                 k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
-        return paged_attention(
+        return self.attention(
             q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window
         )

@@ -311,7 +311,11 @@ def _paged_attention_kernel(
     DYNAMIC_PREFIX: tl.constexpr,
     KV_FP8: tl.constexpr,
     SLIDING: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
 ):
+    # SPLIT_TILES > 0 (the deterministic mode, batch_invariant_triton.py): KV tiles sit on a grid of absolute
+    # positions (multiples of TILE_N) and split s covers tiles [s * SPLIT_TILES, (s + 1) * SPLIT_TILES), so a query
+    # token's reduction order depends on its own position only, not on its tile's other tokens nor the batch.
     # SLIDING (MODES 0 and 1): query position p sees keys p - window < k <= p; the KV range starts at
     # the tile's first query's window, so blocks released behind every window are never read.
     # KV_FP8: the cache holds float8_e4m3fn with one scale per KV head (kv_quant.py). Tiles are only
@@ -377,10 +381,16 @@ def _paged_attention_kernel(
         kv_end = seq_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
         if SLIDING:
             kv_start = tl.maximum(kv_start, seq_len - q_len + q_block * BLOCK_Q - window + 1)
-    num_tiles = tl.cdiv(tl.maximum(kv_end - kv_start, 0), TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if SPLIT_TILES > 0:
+        kv_base = 0
+        tile_lo = tl.maximum(split * SPLIT_TILES, kv_start // TILE_N)
+        tile_hi = tl.minimum((split + 1) * SPLIT_TILES, tl.cdiv(kv_end, TILE_N))
+    else:
+        kv_base = kv_start
+        num_tiles = tl.cdiv(tl.maximum(kv_end - kv_start, 0), TILE_N)
+        tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -389,8 +399,8 @@ def _paged_attention_kernel(
     cols = tl.arange(0, TILE_N)
 
     for tile in range(tile_lo, tile_hi):
-        pos = kv_start + tile * TILE_N + cols
-        pos_valid = pos < kv_end
+        pos = kv_base + tile * TILE_N + cols
+        pos_valid = (pos < kv_end) & (pos >= kv_start)
         block = tl.load(block_row + (pos // block_size) * stride_btb, mask=pos_valid, other=0).to(tl.int64)
         offset = pos % block_size
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
@@ -911,6 +921,7 @@ def _launch(
     prefix_pass: bool = False,
     prefix_len_device: torch.Tensor | None = None,
     window: int | None = None,
+    split_tiles: int = 0,
 ) -> None:
     """One attention launch; ``out``/``lse`` are ``[splits, tokens, heads, (dim)]`` when ``lse`` is
     given (partial results for a merge), else ``out`` is the final ``[tokens, heads, dim]``.
@@ -969,5 +980,6 @@ def _launch(
         DYNAMIC_PREFIX=prefix_len_device is not None,
         KV_FP8=cfg.kv_scales is not None,
         SLIDING=window is not None,
+        SPLIT_TILES=split_tiles,
         num_warps=cfg.num_warps,
     )

@@ -26,6 +26,7 @@ answer alike run the same image on the same CPU family with the same ``SLUICEGAT
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +61,12 @@ def invariant_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], layer.out_features)
 
 
+def shadow_forward(module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+    """Run ``forward(module, x)`` for ``module(x)``: an instance attribute shadows the class's forward, so the
+    module, its weights and their ties stay as they are."""
+    module.forward = functools.partial(forward, module)  # type: ignore[method-assign]
+
+
 def make_batch_invariant(model: nn.Module, backend: AttentionBackend) -> int:
     """Switch a loaded model and its attention backend to batch-invariant execution; returns how many dense
     linears now pad their rows. The backend must be the torch one (``EngineConfig`` refuses others)."""
@@ -69,8 +76,7 @@ def make_batch_invariant(model: nn.Module, backend: AttentionBackend) -> int:
     padded = 0
     for module in model.modules():
         if type(module) is nn.Linear:
-            # An instance attribute shadows the class's forward: the module, its weights and ties stay as they are.
-            module.forward = functools.partial(invariant_linear, module)  # type: ignore[method-assign]
+            shadow_forward(module, invariant_linear)
             padded += 1
         elif isinstance(module, CpuInt4Linear):
             module.batch_invariant = True

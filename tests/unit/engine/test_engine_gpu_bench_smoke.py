@@ -121,6 +121,23 @@ def test_arch_parity_builds_every_registered_architecture_and_judges_ties() -> N
     assert not passed(row | {"error": "RuntimeError()"})
 
 
+@pytest.mark.slow
+def test_gpu_run_determinism_phase_rehearses_on_cpu(tmp_path: Path) -> None:
+    """The deterministic mode's cost phase on the model phase's checkpoint: mode off and on at c=1 and c=8, in
+    determinism_gpu.json inside gpu_run_files.tar."""
+    _rehearse(tmp_path, "model,determinism", timeout_s=600)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["determinism"]["rc"] == 0, summary
+    with tarfile.open(tmp_path / "gpu_run_files.tar") as tar:
+        member = tar.extractfile("./determinism_gpu.json")
+        assert member is not None
+        doc = json.loads(member.read())
+    assert doc["device"] == "cpu" and [row["c"] for row in doc["cost"]] == [1, 8]
+    for row in doc["cost"]:
+        assert row["itl_ms_on"] > 0 and row["itl_ms_off"] > 0
+        assert row["itl_ratio"] == row["itl_ms_on"] / row["itl_ms_off"]
+
+
 # The per-step fields of gpu_profile.json (docs/benchmarks.md's H100 section describes them).
 STEP_FIELDS = {
     "step",
