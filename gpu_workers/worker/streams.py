@@ -48,6 +48,11 @@ class _Reconnected(RedisConnectionError):
     gone with a primary that failed over, so the flush fails and re-appends them first."""
 
 
+class _ScriptLoaded(RedisConnectionError):
+    """The server lacked the fenced-write script (a restart, or a promoted replica: Redis does not replicate
+    ``SCRIPT LOAD``); it is loaded now and the flush is sent again, kept events first."""
+
+
 @dataclass(frozen=True)
 class RecordWrite:
     """A status-record SET of ``request_id`` carried in the publisher's next pipeline, in order with its appends."""
@@ -244,8 +249,8 @@ class StreamPublisher:
                             self.reappended += len(kept)
                             batch = [*kept, *batch]
                         log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
-                        if isinstance(exc, _Reconnected):
-                            continue  # nothing is down: re-append the kept events at once
+                        if isinstance(exc, _Reconnected | _ScriptLoaded):
+                            continue  # nothing is down (any more): send again at once, not after the backoff
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, self._max_retry_delay_s)
             except BaseException:
@@ -290,7 +295,7 @@ class StreamPublisher:
                 # A server that never loaded the script (restarted, or a replica promoted): load it and send the
                 # flush again, kept events first, as after any failover.
                 await self._fenced_writes.load()
-                raise RedisConnectionError("the fenced-write script was missing; loaded") from result
+                raise _ScriptLoaded("the fenced-write script was missing; loaded") from result
             if isinstance(result, ResponseError):
                 if str(result).startswith(_PASSING_REFUSALS):
                     raise RedisConnectionError(str(result)) from result
