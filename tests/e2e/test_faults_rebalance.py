@@ -13,22 +13,20 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from schemas import Names
 
 from .conftest import Pipeline
-from .test_faults_pause import PROMPTS, audit, wait_owners
+from .test_faults_pause import (  # noqa: F401  (tiny_model_dir: the paced model, a module fixture)
+    PROMPTS,
+    audit,
+    tiny_model_dir,
+    wait_owners,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(paced_model_dir: Path) -> Path:
-    """Generation lasts long enough for the join to fall mid-stream."""
-    return paced_model_dir
 
 
 @pytest.fixture(scope="module")
