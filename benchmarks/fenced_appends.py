@@ -1,6 +1,7 @@
 """What fencing costs per flush: the worker's stream flush as it was (a pipeline of plain ``XADD``\\ s) against the
-fenced flush (``StreamPublisher``: one call of the fenced-write script per request, its SHA queued on the pipeline)
-and, for comparison, redis-py's ``Script`` object called on the pipeline (``SCRIPT EXISTS`` before every pipeline).
+fenced flush (``StreamPublisher``: one call of the fenced-write script for the whole flush, its SHA queued on the
+pipeline) and, for comparison, the same call through redis-py's ``Script`` object on the pipeline (``SCRIPT EXISTS``
+before every pipeline).
 
 Each flush carries one token event for each of ``--requests`` requests (an engine step of a busy worker). The
 modes are interleaved in rounds so that the shared box's load hits each alike. Runs against the Redis at
@@ -50,14 +51,18 @@ async def _measure(client: Redis, names: Names, mode: str, flushes: int, request
             await publisher.flush()
         else:
             pipe = client.pipeline(transaction=False)
+            keys: list[str] = []
+            args: list[object] = ["bench", 60]
             for event in events:
                 key, entry_id = names.stream_key(event.request_id), stream_entry_id(event.seq)
                 if mode == "plain":
                     pipe.xadd(key, {STREAM_FIELD: event.model_dump_json()}, id=entry_id)
-                else:
-                    epoch_key = names.epoch_key(event.request_id)
-                    args = [epochs[event.request_id], "bench", 60, "a", 2, entry_id, event.model_dump_json()]
-                    await script(keys=[epoch_key, key], args=args, client=pipe)
+                else:  # the publisher's one call per flush, through redis-py's Script object
+                    keys += [names.epoch_key(event.request_id), key]
+                    args += [len(keys) - 1, epochs[event.request_id], 1, "a", len(keys), entry_id]
+                    args.append(event.model_dump_json())
+            if mode == "script_object":
+                await script(keys=keys, args=args, client=pipe)
             await pipe.execute()
         took.append(time.perf_counter() - started)
     await client.delete(*[names.stream_key(rid) for rid in ids], *[names.epoch_key(rid) for rid in ids])

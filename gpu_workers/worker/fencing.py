@@ -35,36 +35,51 @@ log = logging.getLogger(__name__)
 EPOCH_FIELD = "epoch"
 WRITER_FIELD = "w"
 
-# KEYS[1]: the request's epoch key; KEYS[2..]: the keys its ops write.
-# ARGV[1]: the writer's epoch, ARGV[2]: its worker id, ARGV[3]: the TTL of a finished stream (and of the epoch key);
-# then 4 values per op: kind ('a' append, 'e' append that ends the stream, 'r' status record), the index of its key
-# in KEYS, then for an append its entry id and event JSON, for a record its JSON and TTL.
-# Returns {0, duplicates} when written (an append whose id the stream already has is a duplicate: a replay), or
-# {1, held epoch} when a newer owner holds the request: then nothing is written.
+# One call writes a whole flush: every request's writes, each request as the owner of its epoch.
+# KEYS: every key the call reads or writes. ARGV[1]: the writer's worker id, ARGV[2]: the TTL of a finished stream
+# (and of its epoch key); then per request: the index in KEYS of its epoch key, its epoch, its number of ops, and
+# 4 values per op: kind ('a' append, 'e' append that ends the stream, 'r' status record), the index of its key in
+# KEYS, then for an append its entry id and event JSON, for a record its JSON and TTL.
+# Returns one number per request: the appends refused as duplicates (an id the stream already has: a replay) when
+# written, or minus the epoch held now when a newer owner holds the request (then none of its writes is made).
 # An epoch above the stored one (the key expired, or a failover lost it) is stored, so an older writer stays out.
+# One call per flush rather than per request: each command costs the worker's event loop its packing and reply.
+# Keys of many requests in one script: fine on one primary (Sentinel), not on Redis Cluster.
 FENCED_WRITE = """
-local held = tonumber(redis.call('GET', KEYS[1]) or '0')
-local mine = tonumber(ARGV[1])
-if held > mine then return {1, held} end
-if held < mine then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3]) end
-local duplicates = 0
-for i = 4, #ARGV, 4 do
-  local kind, key = ARGV[i], KEYS[tonumber(ARGV[i + 1])]
-  if kind == 'r' then
-    redis.call('SET', key, ARGV[i + 2], 'EX', ARGV[i + 3])
+local out = {}
+local i = 3
+while i <= #ARGV do
+  local epoch_key = KEYS[tonumber(ARGV[i])]
+  local mine = tonumber(ARGV[i + 1])
+  local ops = tonumber(ARGV[i + 2])
+  i = i + 3
+  local held = tonumber(redis.call('GET', epoch_key) or '0')
+  if held > mine then
+    out[#out + 1] = -held
   else
-    local added = redis.pcall('XADD', key, ARGV[i + 2], 'event', ARGV[i + 3], 'epoch', ARGV[1], 'w', ARGV[2])
-    if type(added) == 'table' and added.err then
-      if not string.find(added.err, 'equal or smaller', 1, true) then return added end
-      duplicates = duplicates + 1
+    if held < mine then redis.call('SET', epoch_key, ARGV[i - 2], 'EX', ARGV[2]) end
+    local duplicates = 0
+    for j = i, i + 4 * (ops - 1), 4 do
+      local kind, key = ARGV[j], KEYS[tonumber(ARGV[j + 1])]
+      if kind == 'r' then
+        redis.call('SET', key, ARGV[j + 2], 'EX', ARGV[j + 3])
+      else
+        local added = redis.pcall('XADD', key, ARGV[j + 2], 'event', ARGV[j + 3], 'epoch', ARGV[i - 2], 'w', ARGV[1])
+        if type(added) == 'table' and added.err then
+          if not string.find(added.err, 'equal or smaller', 1, true) then return added end
+          duplicates = duplicates + 1
+        end
+        if kind == 'e' then
+          redis.call('EXPIRE', key, ARGV[2])
+          redis.call('EXPIRE', epoch_key, ARGV[2])
+        end
+      end
     end
-    if kind == 'e' then
-      redis.call('EXPIRE', key, ARGV[3])
-      redis.call('EXPIRE', KEYS[1], ARGV[3])
-    end
+    out[#out + 1] = duplicates
   end
+  i = i + 4 * ops
 end
-return {0, duplicates}
+return out
 """
 
 
@@ -99,14 +114,19 @@ class FencedWrites:
         self._worker_id = worker_id
         self._ttl_s = ttl_s
 
-    def queue(self, pipe: Pipeline, epoch_key: str, epoch: int, ops: Sequence[FencedOp]) -> None:
-        """Queue one script call writing ``ops`` in order, as the owner of ``epoch``."""
-        keys = [epoch_key]
-        args: list[Any] = [epoch, self._worker_id, self._ttl_s]
-        for op in ops:
-            if op.key not in keys:
-                keys.append(op.key)
-            args += [op.kind, keys.index(op.key) + 1, op.a, op.b]
+    def queue(self, pipe: Pipeline, owners: Sequence[tuple[str, int, Sequence[FencedOp]]]) -> None:
+        """Queue one script call writing, for each ``(epoch key, epoch, ops)``, its ops in order as the owner of that
+        epoch. Its reply, read with :func:`fenced_replies`, has one number per owner."""
+        keys: dict[str, int] = {}
+
+        def index(key: str) -> int:
+            return keys.setdefault(key, len(keys) + 1)
+
+        args: list[Any] = [self._worker_id, self._ttl_s]
+        for epoch_key, epoch, ops in owners:
+            args += [index(epoch_key), epoch, len(ops)]
+            for op in ops:
+                args += [op.kind, index(op.key), op.a, op.b]
         pipe.evalsha(self._script.sha, len(keys), *keys, *args)
 
     async def load(self) -> None:
@@ -114,9 +134,10 @@ class FencedWrites:
         self._script.sha = await self._redis.script_load(FENCED_WRITE)
 
 
-def fenced_reply(reply: Any) -> tuple[bool, int]:
-    """(refused, n): refused with the epoch held now, or written with ``n`` duplicate appends."""
-    return bool(int(reply[0])), int(reply[1])
+def fenced_replies(reply: Any) -> list[tuple[bool, int]]:
+    """Per owner of a script call: (refused, n), refused with ``n`` the epoch held now, or written with ``n``
+    duplicate appends."""
+    return [(int(n) < 0, abs(int(n))) for n in reply]
 
 
 def queue_claim(pipe: Pipeline, names: Names, request_id: str, tenant: str | None, ttl_s: int) -> None:

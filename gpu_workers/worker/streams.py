@@ -30,7 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, stream_entry_id
 from sluicegate.telemetry import untraced
 
-from .fencing import FencedOp, FencedWrites, fenced_reply
+from .fencing import FencedOp, FencedWrites, fenced_replies
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +263,8 @@ class StreamPublisher:
     async def _append(
         self, batch: list[_Append | _Record], reads: Callable[[Pipeline], None] | None = None
     ) -> list[Any]:
-        """One pipeline: the batch's writes (one fenced-write call per request and epoch, its items in order),
-        ``ROLE`` with ``replica_ack``, then ``reads``; returns the replies of ``reads``. Raises when Redis is
+        """One pipeline: the batch's writes (one fenced-write call, each request's items in order as the owner of its
+        epoch), ``ROLE`` with ``replica_ack``, then ``reads``; returns the replies of ``reads``. Raises when Redis is
         unavailable for any of them (the caller retries everything)."""
         if self._on_send is not None and batch:
             self._on_send([item.write if isinstance(item, _Record) else item.event for item in batch])
@@ -273,8 +273,10 @@ class StreamPublisher:
         for item in batch:
             owners.setdefault((item.epoch_key, item.epoch), []).append(item)
         pipe = self._redis.pipeline(transaction=False)
-        for (epoch_key, epoch), items in owners.items():
-            self._fenced_writes.queue(pipe, epoch_key, epoch, [_op(item) for item in items])
+        if owners:
+            self._fenced_writes.queue(
+                pipe, [(key, epoch, [_op(i) for i in items]) for (key, epoch), items in owners.items()]
+            )
         if self.replica_ack:
             pipe.execute_command("ROLE")
         writes = len(pipe)
@@ -290,7 +292,7 @@ class StreamPublisher:
             if isinstance(reply, REDIS_UNAVAILABLE):
                 raise reply
         events: list[_Append] = []
-        for items, result in zip(owners.values(), results, strict=True):
+        for result in results:
             if isinstance(result, NoScriptError):
                 # A server that never loaded the script (restarted, or a replica promoted): load it and send the
                 # flush again, kept events first, as after any failover.
@@ -302,7 +304,8 @@ class StreamPublisher:
                 raise result
             if isinstance(result, REDIS_UNAVAILABLE):
                 raise result
-            refused, n = fenced_reply(result)
+        written = fenced_replies(results[0]) if owners else []
+        for items, (refused, n) in zip(owners.values(), written, strict=True):
             if refused:
                 self.fenced += 1
                 if self.on_fenced is not None:

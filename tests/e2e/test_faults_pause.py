@@ -6,15 +6,18 @@ Prints one ``FAULT-REPORT`` line per test (run with ``-s``) with the figures quo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from gpu_workers.worker.fencing import EPOCH_FIELD, WRITER_FIELD
 from schemas import STREAM_FIELD, DoneEvent, Names, parse_stream_event
+from sluicegate.kafka import create_consumer
 
 from .conftest import Pipeline
 
@@ -80,6 +83,24 @@ def wait_owners(pipeline: Pipeline, request_ids: list[str], by_record: bool = Fa
     raise AssertionError("not every request started")
 
 
+def records_per_request(pipeline: Pipeline, topic: str, request_ids: list[str]) -> list[int]:
+    """How many records each request has on ``topic`` (keyed by request id), read from the start."""
+
+    async def read() -> Counter[str]:
+        consumer = create_consumer(topic, group_id=None, bootstrap=pipeline.kafka_bootstrap)
+        await consumer.start()
+        counts: Counter[str] = Counter()
+        try:
+            while batch := await consumer.getmany(timeout_ms=2000):
+                counts.update(r.key.decode() for records in batch.values() for r in records if r.key)
+        finally:
+            await consumer.stop()
+        return counts
+
+    counts = asyncio.run(read())
+    return [counts[rid] for rid in request_ids]
+
+
 def test_a_worker_paused_past_its_session_is_fenced_when_it_resumes(pipeline: Pipeline) -> None:
     max_tokens = 300
     extra = pipeline.start_worker("worker-b")
@@ -108,6 +129,13 @@ def test_a_worker_paused_past_its_session_is_fenced_when_it_resumes(pipeline: Pi
     streams = {rid: audit(pipeline, rid, max_tokens) for rid in submitted}
     taken_over = sum(len({w for _, _, _, w in found}) > 1 for found in streams.values())
     # The resumed worker's buffered and next writes were refused: it says so once per request it had.
+    names = Names(pipeline.prefix)
+    for rid in submitted:
+        pipeline.wait_record(rid, "finished", timeout_s=30)  # written after the result and usage records
+    # What a fenced worker does not publish: a result or usage record of a request it lost. Each request has one of
+    # each unless an owner ended it (``done``) and lost it before its status record (the at-least-once window).
+    results = records_per_request(pipeline, names.results_topic, submitted)
+    usage = records_per_request(pipeline, names.usage_topic, submitted)
     fenced_lines = victim.log_path.read_text(errors="replace").count("msg=worker.fenced")
     retaken = victim.log_path.read_text(errors="replace").count("msg=worker.retaking_fenced")
     print(
@@ -123,6 +151,8 @@ def test_a_worker_paused_past_its_session_is_fenced_when_it_resumes(pipeline: Pi
                 "fenced_log_lines": fenced_lines,
                 "retaken_by_victim": retaken,
                 "max_epoch": max(e for found in streams.values() for _, _, e, _ in found),
+                "results_records": sum(results),
+                "usage_records": sum(usage),
                 "lost": 0,
                 "duplicated": 0,
                 "mixed": 0,
@@ -130,6 +160,7 @@ def test_a_worker_paused_past_its_session_is_fenced_when_it_resumes(pipeline: Pi
         )
     )
     assert taken_over >= 1 and fenced_lines >= 1
+    assert min(results) >= 1 and min(usage) >= 1
     pipeline.kill(extra, signal.SIGTERM)
 
 
