@@ -2,7 +2,7 @@
 
 Appends use explicit entry ids derived from ``seq``, so an append replayed after a crash or a
 retry is refused by Redis itself and a client never sees an event twice. Each flush sends every
-pending event of every request in one pipelined round trip: one call of the fenced-write script per request
+pending event of every request in one pipelined round trip: one call of the fenced-write script for all of them
 (:mod:`.fencing`), which refuses the writes of an owner whose epoch a newer owner has passed.
 
 With ``replica_ack`` on (the default for ``redis+sentinel://`` URLs) the publisher also keeps every stream
