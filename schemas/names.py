@@ -169,6 +169,11 @@ class Names:
         """Hash with a request's status, owner and final result (the tenant in it with tenants apart)."""
         return self._of_tenant("request", request_id, tenant)
 
+    def epoch_key(self, request_id: str, tenant: str | None = None) -> str:
+        """Integer: a request's owner epoch, raised by every worker that picks the request up; writes of an
+        older epoch to its stream and record are refused (``gpu_workers.worker.fencing``)."""
+        return self._of_tenant("epoch", request_id, tenant)
+
     def cancel_key(self, request_id: str, tenant: str | None = None) -> str:
         """Marker that a request was cancelled, honoured even if it is still queued in Kafka (the tenant in it
         with tenants apart)."""

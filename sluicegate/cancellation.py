@@ -5,7 +5,7 @@ Used by ingress (``DELETE /v1/requests/<id>``, client disconnect, a publish it h
 by the result service (a WebSocket ``cancel``). Each service keeps its own Kafka producer handling
 and hands this module only a way to lease a started producer; without one, cancelling sets the
 marker alone. Workers look only at whether the marker key exists (see
-``gpu_workers.worker.streams.read_pickup_state``); its value is for operators.
+``gpu_workers.worker.stream_state.read_pickup_state``); its value is for operators.
 """
 
 from __future__ import annotations

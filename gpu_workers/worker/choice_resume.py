@@ -29,7 +29,7 @@ from .choices import ChoiceTracker
 from .in_flight import Active
 from .prompts import LogprobText, sampling_params
 from .resume import Continuation
-from .streams import DeliveredChoice, StreamState
+from .stream_state import DeliveredChoice, StreamState
 
 
 class ChoiceResume:

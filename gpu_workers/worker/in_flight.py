@@ -32,6 +32,9 @@ class Active:
     offset: int
     tier: Tier = "batch"
     handed_off: bool = False  # partition revoked: the new owner continues it, emit nothing more
+    # Its owner epoch, raised by its pick-up (:mod:`.fencing`): every write for it carries it. None before.
+    epoch: int | None = None
+    fenced: bool = False  # a newer owner's epoch refused its writes (``handed_off`` is set too)
     cancelled: bool = False
     # The ingress instance relaying its output to a client that cannot resume it (``InferenceRequest.reader``).
     reader: str | None = None

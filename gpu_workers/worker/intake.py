@@ -63,16 +63,29 @@ def start_cost(request: InferenceRequest) -> int:
 
 
 class _Rebalance(ConsumerRebalanceListener):
+    """aiokafka's eager protocol revokes every partition before each rebalance and then assigns. Requests go on
+    through it (a stale owner can no longer corrupt a stream: :mod:`.fencing`): at revoke the finished offsets are
+    committed, and only the requests of partitions the assignment then gives to another member are handed off."""
+
     def __init__(self, intake: Intake) -> None:
         self._intake = intake
+        self._revoked: set[TopicPartition] = set()
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        await self._intake.hand_off(set(revoked))
+        self._revoked = set(revoked)
+        await self._intake.commit()
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        kept = self._revoked & set(assigned)
+        await self._intake.hand_off(self._revoked - kept)
+        self._intake.owned_anew(set(assigned) - kept)
+        self._revoked = set()
         log.info(
             "worker.partitions_assigned",
-            extra={"partitions": sorted(f"{p.topic}:{p.partition}" for p in assigned)},
+            extra={
+                "partitions": sorted(f"{p.topic}:{p.partition}" for p in assigned),
+                "kept": len(kept),
+            },
         )
 
 
@@ -107,6 +120,10 @@ class Intake:
         self._commit_task: asyncio.Task[None] | None = None
         self._commit_wanted = False  # a request finished since the scheduled commit took its offsets
         self.joined = False  # the group consumer has joined (readiness)
+        # Per partition, how many times it was assigned here anew (not kept through a rebalance): a fenced request
+        # is retaken only while its partition stayed here (see ``_retake_later``).
+        self._owned: dict[TopicPartition, int] = {}
+        self._retakes: set[asyncio.Task[None]] = set()
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
 
     @property
@@ -216,10 +233,14 @@ class Intake:
         return [r for records in fetch.result().values() for r in records]
 
     # --- holding and starting ----------------------------------------------------------------------------------
-    def _hold(self, record: Any) -> None:
+    def _hold(self, record: Any, again: bool = False) -> None:
         """Parse a fetched record and hold it until its tier has room and :class:`.fair_intake.FairIntake` picks
-        it; its offset counts as unfinished from now on."""
+        it; its offset counts as unfinished from now on. A record held or running here already is skipped: a
+        partition kept through a rebalance is fetched again from its committed offset. ``again``: a fenced request
+        retaken (its offset never stopped counting)."""
         tp = TopicPartition(record.topic, record.partition)
+        if not again and self.watermarks.holds(tp, record.offset):
+            return
         self.watermarks.started(tp, record.offset)
         parsed: Parsed
         try:
@@ -285,6 +306,8 @@ class Intake:
             if completed and not entry.handed_off:
                 self.watermarks.finished(tp, record.offset)
                 self._schedule_commit()
+            elif entry.fenced:
+                self._retake_later(tp, record)
             self._room.set()
 
     # --- commits and hand-off ----------------------------------------------------------------------
@@ -322,11 +345,43 @@ class Intake:
 
     async def final_commit(self) -> None:
         """The last commit of a draining worker, in place of any scheduled one."""
-        await cancel_and_wait(self._commit_task)
+        await cancel_and_wait(self._commit_task, *self._retakes)
         await self.commit()
+
+    def owned_anew(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            self._owned[tp] = self._owned.get(tp, 0) + 1
+
+    def _retake_later(self, tp: TopicPartition, record: Any) -> None:
+        """Pick a fenced request up again if its partition is still here, unmoved, a session timeout later.
+
+        The owner that fenced it took the partition while this worker was paused or cut off; this worker's
+        consumer learns of that at its next heartbeat and rebalances (the request then goes with its partition).
+        A partition still here after that was given back, with the request's offset unfinished: nobody else
+        will serve it."""
+        owned = self._owned.get(tp)
+
+        async def retake() -> None:
+            await asyncio.sleep(self.config.session_timeout_ms / 1000)
+            if (
+                tp in self.consumer.assignment()
+                and self._owned.get(tp) == owned
+                and self.watermarks.holds(tp, record.offset)
+            ):
+                log.info(
+                    "worker.retaking_fenced", extra={"partition": f"{tp.topic}:{tp.partition}", "offset": record.offset}
+                )
+                self._hold(record, again=True)
+                self._room.set()
+
+        task = asyncio.create_task(retake(), name=f"retake-{tp.topic}:{tp.partition}:{record.offset}")
+        self._retakes.add(task)
+        task.add_done_callback(self._retakes.discard)
 
     async def hand_off(self, revoked: set[TopicPartition]) -> None:
         """Partitions are being taken away: stop their requests, persist, commit, forget them."""
+        if not revoked:
+            return
         moving = [entry for entry in self.in_flight if entry.partition in revoked]
         # Held, never started: the new owner re-reads them from the commit (their offsets were never finished).
         self.held.drop(lambda item: TopicPartition(item[0].topic, item[0].partition) not in revoked)

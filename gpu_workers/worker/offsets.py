@@ -66,6 +66,11 @@ class CompletionWatermarks(Generic[P]):
             if partition in self._parts:
                 self._parts[partition].committed = offset
 
+    def holds(self, partition: P, offset: int) -> bool:
+        """Whether ``offset`` of ``partition`` was started here and has not finished."""
+        state = self._parts.get(partition)
+        return state is not None and offset in state.in_flight
+
     def in_flight(self, partition: P) -> int:
         state = self._parts.get(partition)
         return len(state.in_flight) if state else 0

@@ -65,6 +65,7 @@ class Outputs:
         producer: AIOKafkaProducer,
         observer: WorkerObserver | None = None,
         stream_redis: aioredis.Redis | None = None,
+        on_fenced: Callable[[str, int, int], None] | None = None,
     ) -> None:
         self.config = config
         self.names = names
@@ -79,6 +80,8 @@ class Outputs:
             on_send=on_send,
             replica_ack=config.replica_ack,
             max_unconfirmed=config.replica_ack_max_events,
+            worker_id=config.worker_id,
+            on_fenced=on_fenced,
         )
         self._events = asyncio.Event()
         self.dead_lettered = 0
@@ -96,7 +99,7 @@ class Outputs:
         """
         if entry.handed_off:
             return False
-        self.publisher.add(event, entry.tenant)
+        self.publisher.add(event, entry.tenant, entry.epoch or 0)
         if wake:
             self._events.set()
         return True
@@ -150,21 +153,28 @@ class Outputs:
             trace=request.trace,
         )
         key = self.names.request_key(request.request_id, request.tenant)
-        return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s)
+        return RecordWrite(key, record.model_dump_json(), self.config.stream_ttl_s, request.request_id)
 
-    async def set_record(self, request: InferenceRequest, status: str, result: FinalResult | None = None) -> None:
+    async def set_record(
+        self, request: InferenceRequest, status: str, epoch: int, result: FinalResult | None = None
+    ) -> None:
         """Write the status record in the stream publisher's next pipeline and return once Redis has it.
 
         A round trip of its own per request was a third of the worker's Redis round trips; carried by
         the publisher, it shares the pipeline of other requests' appends, waiting at most ``_RECORD_RIDE_S`` for
         one. Not through :meth:`emit`: a request handed off meanwhile still gets its record (its stream already
-        holds ``done``), as with a plain ``SET``.
+        holds ``done``), as with a plain ``SET``; fenced like every write, as the owner of ``epoch``: once a newer owner
+        took the request over, the record is its to write.
         """
-        await self.publisher.ride(self.record_write(request, status, result), _RECORD_RIDE_S)
+        write = self.record_write(request, status, result)
+        await self.publisher.ride(write, _RECORD_RIDE_S, request.tenant, epoch)
 
-    async def mark_failed(self, request_id: str, tenant: str | None, result: FinalResult | None = None) -> None:
+    async def mark_failed(
+        self, request_id: str, tenant: str | None, epoch: int, result: FinalResult | None = None
+    ) -> None:
         """Set an existing status record to ``failed`` (a request with none keeps none), with the failed ``result``
-        when known: its ``error_code`` and ``error_message`` tell a client that missed the stream why."""
+        when known: its ``error_code`` and ``error_message`` tell a client that missed the stream why. Written as
+        the owner of ``epoch``, in the publisher's next flush."""
         key = self.names.request_key(request_id, tenant)
         raw = await self.redis_call(lambda: self.redis.get(key))
         if raw is not None:
@@ -173,7 +183,8 @@ class Outputs:
             if result is not None:
                 changes |= {"result": result, "worker_id": result.worker_id}
             update = record.model_copy(update=changes)
-            await self.redis_call(lambda: self.redis.set(key, update.model_dump_json(), keepttl=True))
+            write = RecordWrite(key, update.model_dump_json(), self.config.stream_ttl_s, request_id)
+            await self.publisher.ride(write, _RECORD_RIDE_S, tenant, epoch)
 
     # --- Kafka ---------------------------------------------------------------------------------------
     async def publish_result(
@@ -184,10 +195,13 @@ class Outputs:
         text: str,
         choices: list[ChoiceResult] | None = None,
         entry: Active | None = None,
+        *,
+        epoch: int,
     ) -> None:
         """The final result to ``llm.results`` and the usage record to ``llm.usage``, then the status record; a
         record that says the request ended therefore means both went out. ``entry``: the request as this worker
-        held it, for the usage record's timings (none when a previous owner's ``done`` is published again)."""
+        held it, for the usage record's timings (none when a previous owner's ``done`` is published again);
+        ``epoch``: the owner epoch the record is written as."""
         result = FinalResult(
             request_id=request.request_id,
             model=request.model,
@@ -203,7 +217,7 @@ class Outputs:
         )
         await self._send_ending(result, self._usage_value(request, entry, done.usage, done.finish_reason))
         status = "cancelled" if done.finish_reason == "abort" else "finished"
-        await self.set_record(request, status, result)
+        await self.set_record(request, status, epoch, result)
 
     async def publish_failure(
         self, request: InferenceRequest, entry: Active | None, code: str, message: str

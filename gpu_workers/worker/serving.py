@@ -42,7 +42,7 @@ from .in_flight import Active, InFlight
 from .outputs import Outputs
 from .prompts import LogprobText, PromptError, prompt_len_or_zero, prompt_token_ids, sampling_params
 from .resume import Continuation
-from .streams import read_pickup_state, read_stream_state
+from .stream_state import read_pickup_state
 from .telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,7 @@ class Serving:
         gone = self.cancels.reader_is_gone(reader)
         lease_key = self.names.reader_key(reader) if gone and reader is not None else None
         pickup = await read_pickup_state(self.outputs.publisher, self.names, rid, lease_key, tenant=request.tenant)
+        entry.epoch = pickup.epoch  # this worker now owns the request: its writes carry the epoch (.fencing)
         if pickup.lease_exists and reader is not None:
             self.cancels.reader_back(reader)
         state, ended_before = pickup.stream, pickup.ended_before
@@ -191,7 +192,7 @@ class Serving:
             if state.done is not None and not ended_before:
                 # The previous owner died between ``done`` and its final result: publish that now
                 # (llm.results is at-least-once, keyed by request id).
-                await self.outputs.publish_result(request, state.done, state.token_ids, state.text)
+                await self.outputs.publish_result(request, state.done, state.token_ids, state.text, epoch=pickup.epoch)
             elif state.error is not None and not ended_before:  # died between ``error`` and its status record
                 await self.outputs.publish_failure(request, None, state.error.code, state.error.message)
             return True
@@ -424,7 +425,9 @@ class Serving:
             entry.watch.finished(reason, usage, entry.first_output_wall)
         # The stream must hold ``done`` before the offset can be committed.
         await self.outputs.flush()
-        await self.outputs.publish_result(request, done, tokens, text, choices, entry)
+        if entry.fenced:  # a newer owner refused the ``done``: the result is its to publish
+            return False
+        await self.outputs.publish_result(request, done, tokens, text, choices, entry, epoch=entry.epoch or 0)
         self.served += 1
         # One line per request served, as ingress's "ingress.published": an operator follows a request id across
         # the services' logs.
@@ -446,21 +449,21 @@ class Serving:
         """End the request's stream with an ``error`` event (and, given the request, its failed result and usage
         record); False when it was handed off meanwhile."""
         request_id = entry.request_id
-        if seq is None:
-            state = await self.outputs.redis_call(
-                lambda: read_stream_state(self.redis, self.names, request_id, entry.tenant)
-            )
-            seq = state.next_seq
+        if seq is None or entry.epoch is None:  # failed before (or in) its pick-up: take it over first
+            pickup = await read_pickup_state(self.outputs.publisher, self.names, request_id, tenant=entry.tenant)
+            entry.epoch, seq = pickup.epoch, pickup.stream.next_seq
         if not self.outputs.emit(entry, ErrorEvent(request_id=request_id, seq=seq, code=code, message=message[:2000])):
             return False
         if entry.watch is not None:
             entry.watch.failed(code)
         await self.outputs.flush()
+        if entry.fenced:
+            return False
         log.info("worker.failed", extra={"request_id": request_id, "code": code})
         result = None
         if request is not None:
             result = await self.outputs.publish_failure(request, entry, code, message[:2000])
-        await self.outputs.mark_failed(request_id, entry.tenant, result)
+        await self.outputs.mark_failed(request_id, entry.tenant, entry.epoch or 0, result)
         return True
 
     def _redelivered(self, request: InferenceRequest, outcome: str) -> None:

@@ -1,13 +1,14 @@
-"""Writing request events to Redis streams and reading back what a stream already holds.
+"""Writing request events and status records to Redis: one pipelined round trip per flush, every write fenced.
 
 Appends use explicit entry ids derived from ``seq``, so an append replayed after a crash or a
 retry is refused by Redis itself and a client never sees an event twice. Each flush sends every
-pending event of every request in one pipelined round trip.
+pending event of every request in one pipelined round trip: one call of the fenced-write script for all of them
+(:mod:`.fencing`), which refuses the writes of an owner whose epoch a newer owner has passed.
 
 With ``replica_ack`` on (the default for ``redis+sentinel://`` URLs) the publisher also keeps every stream
-event it flushed until a replica has acknowledged it, and after any failed flush (the primary died or was
-demoted) re-appends those before anything new: an append the old primary acknowledged but never replicated
-is restored on the promoted replica instead of leaving a gap. See :class:`StreamPublisher`.
+event it flushed until a replica has acknowledged it, and after any failed flush or new connection (the primary
+died or was demoted) re-appends those before anything new: an append the old primary acknowledged but never
+replicated is restored on the promoted replica instead of leaving a gap. See :class:`StreamPublisher`.
 """
 
 from __future__ import annotations
@@ -17,35 +18,22 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas import (
-    STREAM_FIELD,
-    DoneEvent,
-    ErrorEvent,
-    Names,
-    RequestRecord,
-    RestartEvent,
-    StreamEvent,
-    TokenEvent,
-    parse_stream_event,
-    stream_entry_id,
-)
-from schemas.events import FinishReason
+from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, stream_entry_id
 from sluicegate.telemetry import untraced
+
+from .fencing import FencedOp, FencedWrites, fenced_replies
 
 log = logging.getLogger(__name__)
 
-# Redis answers this when an explicit id is not above the stream's last one: a replayed append.
-_DUPLICATE_ID = "equal or smaller than the target stream top item"
 # Refusals that mean "not now" rather than "never": a primary short of the replicas it must write with
 # (``min-replicas-to-write``), a replica cut off from its primary. Retried as an outage is, nothing written.
 _PASSING_REFUSALS = ("NOREPLICAS", "MASTERDOWN")
@@ -55,130 +43,52 @@ _PASSING_REFUSALS = ("NOREPLICAS", "MASTERDOWN")
 REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError)
 
 
-@dataclass
-class DeliveredChoice:
-    """What one choice (``n`` > 1) already delivered, and its end if its last event carried one."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
+class _Reconnected(RedisConnectionError):
+    """The publisher's client opened a new connection while events await a replica: the old connection may have
+    gone with a primary that failed over, so the flush fails and re-appends them first."""
 
 
-@dataclass
-class StreamState:
-    """What a request's stream already holds, for continuing it after a re-delivery."""
-
-    exists: bool = False
-    next_seq: int = 0
-    token_ids: list[int] = field(default_factory=list)  # every choice's, in stream order
-    text: str = ""
-    done: DoneEvent | None = None
-    error: ErrorEvent | None = None
-    choices: dict[int, DeliveredChoice] = field(default_factory=dict)  # by index
-
-    @property
-    def finished(self) -> bool:
-        return self.done is not None or self.error is not None
-
-    @property
-    def delivered(self) -> int:
-        return len(self.token_ids)
-
-
-async def read_stream_state(
-    redis: aioredis.Redis, names: Names, request_id: str, tenant: str | None = None
-) -> StreamState:
-    """Replay the stream's events (honouring ``restart``) into the tokens a client has received."""
-    return stream_state_from_entries(await redis.xrange(names.stream_key(request_id, tenant)))
-
-
-@dataclass
-class PickupState:
-    """Everything a worker reads before it starts a request, fetched in one round trip."""
-
-    stream: StreamState
-    record: bytes | None  # the RequestRecord JSON, if any
-    cancel_marked: bool
-    # Whether the lease key asked for exists (None: none was asked for; see ``readers``).
-    lease_exists: bool | None = None
-
-    @property
-    def ended_before(self) -> bool:
-        """Whether the status record says the request ended (its stream may since have expired)."""
-        if self.record is None:
-            return False
-        try:
-            status = RequestRecord.model_validate_json(self.record).status
-        except ValidationError:
-            return False
-        return status in ("finished", "cancelled", "failed")
-
-
-async def read_pickup_state(
-    publisher: StreamPublisher, names: Names, request_id: str, lease_key: str | None = None, tenant: str | None = None
-) -> PickupState:
-    """The stream, the status record and the cancel marker (and ``lease_key``'s existence, when given), read in one
-    round trip that also carries everything the publisher holds (other requests' appends and status records: a
-    round trip fewer for them).
-
-    Three sequential reads cost about 10 ms p50 of pickup latency on a loaded box (benchmarks/pipeline.py).
-    """
-
-    def reads(pipe: Pipeline) -> None:
-        pipe.xrange(names.stream_key(request_id, tenant))
-        pipe.get(names.request_key(request_id, tenant))
-        pipe.exists(names.cancel_key(request_id, tenant))
-        if lease_key is not None:
-            pipe.exists(lease_key)
-
-    replies = await publisher.flush_reading(reads)
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    entries, record, cancel, *lease = replies
-    return PickupState(stream_state_from_entries(entries), record, bool(cancel), bool(lease[0]) if lease else None)
-
-
-def stream_state_from_entries(entries: list[Any]) -> StreamState:
-    """Fold XRANGE entries into what the client has received."""
-    state = StreamState(exists=bool(entries))
-    tokens: list[TokenEvent] = []
-    for _entry_id, fields in entries:
-        event = parse_stream_event(fields[STREAM_FIELD.encode()])
-        state.next_seq = event.seq + 1
-        if isinstance(event, TokenEvent):
-            tokens.append(event)
-        elif isinstance(event, RestartEvent):
-            tokens = [t for t in tokens if t.seq <= event.discard_after_seq]
-        elif isinstance(event, DoneEvent):
-            state.done = event
-        elif isinstance(event, ErrorEvent):
-            state.error = event
-    state.token_ids = [tid for t in tokens for tid in t.token_ids]
-    state.text = "".join(t.text for t in tokens)
-    for token in tokens:
-        choice = state.choices.setdefault(token.index, DeliveredChoice())
-        choice.token_ids += token.token_ids
-        choice.text += token.text
-        choice.finish_reason = token.finish_reason or choice.finish_reason
-    return state
+class _ScriptLoaded(RedisConnectionError):
+    """The server lacked the fenced-write script (a restart, or a promoted replica: Redis does not replicate
+    ``SCRIPT LOAD``); it is loaded now and the flush is sent again, kept events first."""
 
 
 @dataclass(frozen=True)
 class RecordWrite:
-    """A status-record SET carried in the publisher's next pipeline, in order with the stream appends."""
+    """A status-record SET of ``request_id`` carried in the publisher's next pipeline, in order with its appends."""
 
     key: str
     value: str
     ttl_s: int
+    request_id: str
 
 
 @dataclass(frozen=True)
 class _Append:
-    """A stream event and the stream it goes to, named when it was added (the key may carry its tenant)."""
+    """A stream event and the stream it goes to, named when it was added (the keys may carry its tenant), and the
+    owner epoch it is written as."""
 
     key: str
     event: StreamEvent
+    epoch_key: str
+    epoch: int
+
+    @property
+    def request_id(self) -> str:
+        return self.event.request_id
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A status record and the owner epoch it is written as."""
+
+    write: RecordWrite
+    epoch_key: str
+    epoch: int
+
+    @property
+    def request_id(self) -> str:
+        return self.write.request_id
 
 
 @dataclass
@@ -194,7 +104,9 @@ class StreamPublisher:
     """Buffers events from all active requests and appends them in one pipeline per flush.
 
     A lost Redis connection is retried with backoff while events stay buffered, so a Redis
-    restart delays tokens but loses none.
+    restart delays tokens but loses none. Each item is written as the owner of an epoch (:mod:`.fencing`); the
+    writes of a request whose epoch was passed are refused, counted in ``fenced`` and reported to ``on_fenced``
+    (request id, its epoch, the epoch held now).
 
     ``replica_ack``: each flush's pipeline ends with ``ROLE``, which answers the primary's replication offset
     after the appends and each replica's acknowledged offset (replicas acknowledge about once a second); the
@@ -203,7 +115,9 @@ class StreamPublisher:
     from ``seq`` refuse the ones it has. This costs no extra round trip and never waits for a replica (``WAIT``
     would add the replication round trip to every flush, and its whole timeout while no replica is connected).
     The client given must not retry pipelines itself (``create_redis(retries=0)``): a retry that reached the
-    promoted replica would append past the gap before the kept events could fill it. Status-record writes are not
+    promoted replica would append past the gap before the kept events could fill it. A new connection of that client
+    while events are kept fails the flush the same way: redis-py replaces a connection dropped while idle without
+    an error, and it may have gone with a primary that failed over. Status-record writes are not
     kept: a ``SET`` replayed late could overwrite a newer record. At most ``max_unconfirmed`` events are kept
     (the oldest go first, counted in ``unconfirmed_dropped``) for a primary left without replicas.
     """
@@ -218,38 +132,52 @@ class StreamPublisher:
         on_send: Callable[[list[StreamEvent | RecordWrite]], None] | None = None,
         replica_ack: bool = False,
         max_unconfirmed: int = 50_000,
+        worker_id: str = "",
+        on_fenced: Callable[[str, int, int], None] | None = None,
     ):
         self._redis = redis
+        self._fenced_writes = FencedWrites(redis, worker_id, ttl_s)
+        self.on_fenced = on_fenced
         # Called with each batch as its pipeline goes out (see ``observer.WorkerObserver.events_sending``).
         self._on_send = on_send
         self._names = names
-        self._ttl_s = ttl_s
+        self.ttl_s = ttl_s
         self._max_retry_delay_s = max_retry_delay_s
-        self._pending: list[_Append | RecordWrite] = []
+        self._pending: list[_Append | _Record] = []
         self._riders: list[asyncio.Future[None]] = []  # of :meth:`ride`, resolved by the flush carrying them
         # Items added so far, and how many of the first of them Redis holds: a flush that finds what it was
         # called for already sent by another leaves the items added since to the next flush.
         self._added = 0
         self._sent = 0
         self._lock = asyncio.Lock()
-        self._replica_ack = replica_ack
+        self.replica_ack = replica_ack
+        self.replicas = 0  # replicas the primary listed in the last ROLE (replica_ack only)
+        if replica_ack:
+            # Every connection the pool opens from now on tells the publisher first (see ``_connected``).
+            redis.connection_pool.connection_kwargs["redis_connect_func"] = self._connected
         self._max_unconfirmed = max_unconfirmed
         self._unconfirmed: deque[_Unconfirmed] = deque()
         self._unconfirmed_events = 0  # their total, kept as they come and go (no sum on the hot path)
         self.appended = 0
         self.duplicates = 0
         self.retries = 0
-        self.reappended = 0  # unconfirmed events sent again after a failed flush
+        self.reappended = 0  # unconfirmed events sent again after a failed flush or a new connection
         self.unconfirmed_dropped = 0
+        self.fenced = 0  # script calls refused for a stale epoch
 
-    def add(self, item: StreamEvent | RecordWrite, tenant: str | None = None) -> None:
-        """Queue a stream event (of ``tenant``'s request) or a status-record write for the next flush."""
-        if not isinstance(item, RecordWrite):
-            item = _Append(self._names.stream_key(item.request_id, tenant), item)
-        self._pending.append(item)
+    def add(self, item: StreamEvent | RecordWrite, tenant: str | None = None, epoch: int = 0) -> None:
+        """Queue a stream event or a status-record write of ``tenant``'s request for the next flush, written as the
+        owner of ``epoch`` (0: never picked up, refused once any worker has picked the request up)."""
+        epoch_key = self._names.epoch_key(item.request_id, tenant)
+        if isinstance(item, RecordWrite):
+            self._pending.append(_Record(item, epoch_key, epoch))
+        else:
+            self._pending.append(_Append(self._names.stream_key(item.request_id, tenant), item, epoch_key, epoch))
         self._added += 1
 
-    async def ride(self, item: StreamEvent | RecordWrite, max_wait_s: float) -> None:
+    async def ride(
+        self, item: StreamEvent | RecordWrite, max_wait_s: float, tenant: str | None = None, epoch: int = 0
+    ) -> None:
         """Queue ``item`` and return once Redis has it: carried by the next flush anyone makes (the flush loop's,
         for other requests' appends), or by a flush of its own after ``max_wait_s``.
 
@@ -257,7 +185,7 @@ class StreamPublisher:
         while other requests keep the flush loop busy (a request's final status record).
         """
         carried: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.add(item)
+        self.add(item, tenant, epoch)
         mine = self._added
         self._riders.append(carried)
         with contextlib.suppress(TimeoutError):
@@ -321,6 +249,8 @@ class StreamPublisher:
                             self.reappended += len(kept)
                             batch = [*kept, *batch]
                         log.warning("redis append failed; retrying", extra={"error": str(exc), "n": len(batch)})
+                        if isinstance(exc, _Reconnected | _ScriptLoaded):
+                            continue  # nothing is down (any more): send again at once, not after the backoff
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, self._max_retry_delay_s)
             except BaseException:
@@ -331,21 +261,23 @@ class StreamPublisher:
                 raise
 
     async def _append(
-        self, batch: list[_Append | RecordWrite], reads: Callable[[Pipeline], None] | None = None
+        self, batch: list[_Append | _Record], reads: Callable[[Pipeline], None] | None = None
     ) -> list[Any]:
-        """One pipeline: the batch's writes, ``ROLE`` with ``replica_ack``, then ``reads``; returns the replies of
-        ``reads``. Raises when Redis is unavailable for any of them (the caller retries everything)."""
+        """One pipeline: the batch's writes (one fenced-write call, each request's items in order as the owner of its
+        epoch), ``ROLE`` with ``replica_ack``, then ``reads``; returns the replies of ``reads``. Raises when Redis is
+        unavailable for any of them (the caller retries everything)."""
         if self._on_send is not None and batch:
-            self._on_send([item if isinstance(item, RecordWrite) else item.event for item in batch])
-        pipe = self._redis.pipeline(transaction=False)
+            self._on_send([item.write if isinstance(item, _Record) else item.event for item in batch])
+        # Items of different requests commute (other keys); each request's keep their order.
+        owners: dict[tuple[str, int], list[_Append | _Record]] = {}
         for item in batch:
-            if isinstance(item, RecordWrite):
-                pipe.set(item.key, item.value, ex=item.ttl_s)
-                continue
-            pipe.xadd(item.key, {STREAM_FIELD: item.event.model_dump_json()}, id=stream_entry_id(item.event.seq))
-            if isinstance(item.event, DoneEvent | ErrorEvent):
-                pipe.expire(item.key, self._ttl_s)
-        if self._replica_ack:
+            owners.setdefault((item.epoch_key, item.epoch), []).append(item)
+        pipe = self._redis.pipeline(transaction=False)
+        if owners:
+            self._fenced_writes.queue(
+                pipe, [(key, epoch, [_op(i) for i in items]) for (key, epoch), items in owners.items()]
+            )
+        if self.replica_ack:
             pipe.execute_command("ROLE")
         writes = len(pipe)
         if reads is not None:
@@ -355,25 +287,43 @@ class StreamPublisher:
         with untraced() if reads is None else contextlib.nullcontext():
             results = await pipe.execute(raise_on_error=False)
         results, replies = results[:writes], results[writes:]
-        role = results.pop() if self._replica_ack else None
+        role = results.pop() if self.replica_ack else None
         for reply in replies:
             if isinstance(reply, REDIS_UNAVAILABLE):
                 raise reply
+        events: list[_Append] = []
         for result in results:
+            if isinstance(result, NoScriptError):
+                # A server that never loaded the script (restarted, or a replica promoted): load it and send the
+                # flush again, kept events first, as after any failover.
+                await self._fenced_writes.load()
+                raise _ScriptLoaded("the fenced-write script was missing; loaded") from result
             if isinstance(result, ResponseError):
-                if _DUPLICATE_ID in str(result):
-                    self.duplicates += 1
-                    continue
                 if str(result).startswith(_PASSING_REFUSALS):
                     raise RedisConnectionError(str(result)) from result
                 raise result
             if isinstance(result, REDIS_UNAVAILABLE):
                 raise result
-        events = [item for item in batch if not isinstance(item, RecordWrite)]
+        written = fenced_replies(results[0]) if owners else []
+        for items, (refused, n) in zip(owners.values(), written, strict=True):
+            if refused:
+                self.fenced += 1
+                if self.on_fenced is not None:
+                    self.on_fenced(items[0].request_id, items[0].epoch, n)
+                continue
+            self.duplicates += n
+            events += [item for item in items if isinstance(item, _Append)]
         self.appended += len(events)
         if role is not None:
             self._track_replicas(role, events)
         return replies
+
+    async def _connected(self, connection: Any) -> None:
+        """Each new connection of the publisher's client: the usual set-up, then a failed flush if events await a
+        replica (:class:`_Reconnected`); the retry re-appends them first and connects again."""
+        await connection.on_connect()
+        if self._unconfirmed:
+            raise _Reconnected("a new Redis connection while stream events await a replica")
 
     def _track_replicas(self, role: Any, events: list[_Append]) -> None:
         """Keep this flush's events until a replica acknowledges them; forget those it now has."""
@@ -383,6 +333,7 @@ class StreamPublisher:
             # A replica answering (the appends failed READONLY and raised above) or no ROLE: keep everything.
             raise ReadOnlyError(f"stream appends went to a server that is not a primary: {role!r}")
         offset = int(role[1])
+        self.replicas = len(role[2])
         acked = max((int(replica[2]) for replica in role[2]), default=-1)
         if events:
             self._unconfirmed.append(_Unconfirmed(offset, events))
@@ -394,3 +345,10 @@ class StreamPublisher:
             self._unconfirmed_events -= len(dropped.events)
             self.unconfirmed_dropped += len(dropped.events)
             log.warning("stream events no replica acknowledged were dropped", extra={"n": len(dropped.events)})
+
+
+def _op(item: _Append | _Record) -> FencedOp:
+    if isinstance(item, _Record):
+        return FencedOp.record(item.write.key, item.write.value, item.write.ttl_s)
+    ends = isinstance(item.event, DoneEvent | ErrorEvent)  # a finished stream expires after the TTL
+    return FencedOp.append(item.key, stream_entry_id(item.event.seq), item.event.model_dump_json(), ends)

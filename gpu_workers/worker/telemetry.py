@@ -142,6 +142,12 @@ class WorkerTelemetry:
             [*_MT, "outcome"],
             registry=r,
         )
+        self.fenced = Counter(
+            "sluicegate_worker_fenced",
+            "Requests this worker stopped because a newer owner's epoch refused its writes (a zombie's requests).",
+            _MT,
+            registry=r,
+        )
         self.dead_letters = Counter(
             "sluicegate_dead_letters",
             "Records sent to llm.dlq, by process and reason.",
@@ -188,6 +194,9 @@ class WorkerTelemetry:
 
     def redelivered(self, tier: str, outcome: str) -> None:
         self.redeliveries.labels(self.model, tier, outcome).inc()
+
+    def fenced_request(self, tier: str) -> None:
+        self.fenced.labels(self.model, tier).inc()
 
     def dead_lettered(self, reason: str) -> None:
         self.dead_letters.labels("worker", reason_kind(reason)).inc()

@@ -24,6 +24,8 @@
   (:mod:`sluicegate.record_check`, :mod:`.serving`);
 * final results (``llm.results``) and dead letters are retried until Kafka takes them (at-least-once)
   (:mod:`.outputs`);
+* one owner at a time writes a request's stream: every pick-up raises the request's owner epoch and every write
+  is refused once a newer owner has taken over; a fenced request stops at once (:mod:`.fencing`);
 * every event of one flush goes to Redis in one pipelined round trip, with entry ids from ``seq``;
   Redis outages are waited out with backoff, never turned into lost or failed requests
   (:mod:`.streams`, :mod:`.outputs`).
@@ -48,6 +50,7 @@ from sluicegate.task_stop import cancel_and_wait
 from .adapters import Adapters
 from .config import WorkerConfig
 from .control import Cancels, control_topics
+from .fencing import Fence
 from .heartbeat import Heartbeats
 from .in_flight import InFlight
 from .intake import Intake
@@ -88,7 +91,8 @@ class Worker:
         self.names = names
         self._stopping = asyncio.Event()
         self.in_flight = InFlight()
-        self.outputs = Outputs(config, names, redis, producer, observer, stream_redis)
+        self.fence = Fence(engine, self.in_flight, config.worker_id)
+        self.outputs = Outputs(config, names, redis, producer, observer, stream_redis, self.fence.refused)
         self.cancels = Cancels(control_consumer, engine, self.in_flight, control_topics(names, config.tenants))
         self.serving = Serving(engine, names, redis, self.outputs, self.in_flight, self.cancels, adapters)
         self.intake = Intake(
@@ -104,6 +108,7 @@ class Worker:
         if telemetry is not None:
             telemetry.set_topics({names.request_topic(config.model_name, t): t for t in TIERS})
         self.outputs.telemetry = self.serving.telemetry = self.intake.telemetry = self.heartbeats.telemetry = telemetry
+        self.fence.telemetry = telemetry
 
     def readiness(self) -> tuple[bool, str]:
         """Ready to serve: the engine runs, the consumer has joined its group and the last heartbeat write

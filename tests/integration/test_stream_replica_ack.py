@@ -87,6 +87,35 @@ async def test_a_failed_flush_re_appends_what_no_replica_acknowledged(
     assert await lose_tail_and_drop_connection(False, redis_url, redis, names) == [0, 1, 5]
 
 
+async def test_a_connection_dropped_while_idle_re_appends_what_no_replica_acknowledged(
+    redis_url: str, redis: Redis, unique_prefix: str
+) -> None:
+    # redis-py replaces a connection killed while idle before the next command, without an error: the publisher
+    # learns of the new connection from its client's connect hook and re-appends the kept events first.
+    names = Names(unique_prefix)
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    client = create_redis(url=redis_url, socket_timeout=5, retries=0, client_name=name)
+    publisher = StreamPublisher(client, names, ttl_s=60, replica_ack=True)
+    request_id = uuid.uuid4().hex
+    key = names.stream_key(request_id)
+    try:
+        for seq in range(5):
+            publisher.add(token(request_id, seq))
+        await publisher.flush()
+        await redis.delete(key)
+        for seq in range(2):
+            await redis.xadd(key, {STREAM_FIELD: token(request_id, seq).model_dump_json()}, id=stream_entry_id(seq))
+        (victim,) = [entry["id"] for entry in await redis.client_list() if entry.get("name") == name]
+        await redis.execute_command("CLIENT", "KILL", "ID", victim)
+        publisher.add(token(request_id, 5))
+        await publisher.flush()
+        assert publisher.reappended == 5
+        assert await stream_seqs(redis, names, request_id) == [0, 1, 2, 3, 4, 5]
+    finally:
+        await redis.delete(key)
+        await client.aclose()
+
+
 async def test_events_kept_for_a_replica_are_bounded(redis_url: str, unique_prefix: str) -> None:
     client = create_redis(url=redis_url, socket_timeout=5, retries=0)
     publisher = StreamPublisher(client, Names(unique_prefix), ttl_s=60, replica_ack=True, max_unconfirmed=3)

@@ -34,7 +34,8 @@ from gpu_workers.worker.main import run_worker
 from gpu_workers.worker.outputs import Outputs
 from gpu_workers.worker.reader_leases import ReaderWatch
 from gpu_workers.worker.resume import Continuation
-from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_stream_state
+from gpu_workers.worker.stream_state import read_stream_state
+from gpu_workers.worker.streams import RecordWrite, StreamPublisher
 from schemas import (
     STREAM_FIELD,
     CancelRequest,
@@ -339,9 +340,9 @@ async def test_publisher_carries_record_writes_in_order_with_appends(redis_url: 
     key = names.request_key(rid)
     publisher = StreamPublisher(redis, names, ttl_s=600)
     try:
-        publisher.add(RecordWrite(key, "running", 60))
+        publisher.add(RecordWrite(key, "running", 60, rid))
         publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
-        publisher.add(RecordWrite(key, "finished", 60))
+        publisher.add(RecordWrite(key, "finished", 60, rid))
         assert publisher.pending == 3
         await publisher.flush()
         assert await redis.get(key) == b"finished"  # the later write wins: one pipeline, in order
@@ -364,7 +365,7 @@ async def test_a_riding_record_goes_with_the_next_flush_or_alone_after_its_wait(
     publisher = StreamPublisher(redis, names, ttl_s=600, on_send=lambda batch: batches.append(list(batch)))
     try:
         # Another request's flush within the wait carries the record: one pipeline for both.
-        riding = asyncio.create_task(publisher.ride(RecordWrite(key, "finished", 60), max_wait_s=30))
+        riding = asyncio.create_task(publisher.ride(RecordWrite(key, "finished", 60, rid), max_wait_s=30))
         await asyncio.sleep(0.05)
         assert not riding.done() and await redis.get(key) is None  # nothing flushed yet: it waits
         publisher.add(TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))
@@ -374,7 +375,7 @@ async def test_a_riding_record_goes_with_the_next_flush_or_alone_after_its_wait(
         assert await redis.get(key) == b"finished"
         # Nothing else flushes: the record goes alone once its wait is over, and is stored when ride returns.
         started = time.monotonic()
-        await publisher.ride(RecordWrite(key, "cancelled", 60), max_wait_s=0.1)
+        await publisher.ride(RecordWrite(key, "cancelled", 60, rid), max_wait_s=0.1)
         assert time.monotonic() - started >= 0.1
         assert len(batches) == 2 and await redis.get(key) == b"cancelled"
         assert publisher.pending == 0
@@ -392,7 +393,7 @@ async def test_a_flush_whose_items_went_with_another_leaves_later_ones_for_the_n
     key = names.request_key(rid)
     batches: list[list[Any]] = []
     token = TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1])
-    late = RecordWrite(key, "running", 60)
+    late = RecordWrite(key, "running", 60, rid)
 
     def sending(batch: Any) -> None:
         batches.append(list(batch))
@@ -436,7 +437,7 @@ async def test_a_record_emitted_without_waking_goes_with_the_next_woken_flush(
     entry = Active(request_id=rid, partition=TopicPartition(names.inbound_topic, 0), offset=0)
     loop = asyncio.create_task(outputs.flush_loop())
     try:
-        assert outputs.emit(entry, RecordWrite(key, "running", 60), wake=False)
+        assert outputs.emit(entry, RecordWrite(key, "running", 60, rid), wake=False)
         await asyncio.sleep(0.1)
         assert batches == [] and await redis.get(key) is None  # the flush loop slept on
         assert outputs.emit(entry, TokenEvent(request_id=rid, seq=0, text="a", token_ids=[1]))

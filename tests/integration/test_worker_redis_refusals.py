@@ -16,7 +16,8 @@ from redis.asyncio import Redis
 from gpu_workers.engine.outputs import EngineStats
 from gpu_workers.worker.config import WorkerConfig
 from gpu_workers.worker.heartbeat import Heartbeats
-from gpu_workers.worker.streams import StreamPublisher, read_stream_state
+from gpu_workers.worker.stream_state import read_stream_state
+from gpu_workers.worker.streams import StreamPublisher
 from schemas import Names, TokenEvent, WorkerHeartbeat
 from sluicegate.task_stop import cancel_and_wait
 

@@ -20,7 +20,8 @@ from test_worker import (  # noqa: F401  (module fixtures: model_dir, engine)
 )
 
 from gpu_workers.engine import AsyncEngine, SamplingParams
-from gpu_workers.worker.streams import RecordWrite, StreamPublisher, read_pickup_state
+from gpu_workers.worker.stream_state import read_pickup_state
+from gpu_workers.worker.streams import RecordWrite, StreamPublisher
 from schemas import Names, TokenEvent
 
 
@@ -34,7 +35,7 @@ async def test_pickup_reads_carry_the_buffered_writes_in_one_round_trip(redis_ur
         await redis.set(names.request_key(picked), b'{"status": "queued"}')
         await redis.set(names.cancel_key(picked), b"1")
         publisher.add(TokenEvent(request_id=picked, seq=0, text="a", token_ids=[7]))
-        publisher.add(RecordWrite(names.request_key(other), "finished", 60))
+        publisher.add(RecordWrite(names.request_key(other), "finished", 60, other))
         state = await read_pickup_state(publisher, names, picked)
         # The reads come after the writes of the same pipeline: they see the append made with them.
         assert state.stream.token_ids == [7] and state.stream.next_seq == 1

@@ -51,3 +51,12 @@ def test_random_interleavings_match_a_brute_force_model() -> None:
             marks.finished(0, done)
         expected = min(running) if running else seen + 1
         assert marks.watermark(0) == expected
+
+
+def test_holds_says_whether_an_offset_is_started_and_unfinished() -> None:
+    marks: CompletionWatermarks[str] = CompletionWatermarks()
+    assert not marks.holds("p", 3)
+    marks.started("p", 3)
+    assert marks.holds("p", 3) and not marks.holds("p", 4) and not marks.holds("q", 3)
+    marks.finished("p", 3)
+    assert not marks.holds("p", 3)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_workers.worker.streams import stream_state_from_entries
+from gpu_workers.worker.stream_state import stream_state_from_entries
 from schemas import STREAM_FIELD, RestartEvent, StreamEvent, TokenEvent
 
 
