@@ -275,6 +275,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "threads": args.threads,
+        # The vector ISA torch dispatches to (ATEN_CPU_CAPABILITY=avx2 forces AVX2 on an AVX-512 machine).
+        "isa": torch.backends.cpu.get_cpu_capability(),
         "prompt_tokens": len(prompt),
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_step": weights,
@@ -315,7 +317,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "forward_by_kind_ms_hooked": by_kind,
         }
         if args.profile_dir:
-            name = f"engine_step_{args.dtype}{'_' + args.quantization if args.quantization else ''}_b{batch}.txt"
+            quant = f"_{args.quantization}" if args.quantization else ""
+            name = f"engine_step_{args.dtype}{quant}_{result['isa'].lower()}_t{args.threads}_b{batch}.txt"
             profile_table(llm, prompt, batch, min(args.steps, 16), Path(args.profile_dir) / name)
         print(
             f"batch {batch}: {1e3 * step_s:.1f} ms/step (host {result['batches'][batch]['host_ms']:.2f} ms), "
@@ -327,7 +330,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     lines = [
-        f"dtype {result['dtype']}, quantization {result['quantization']}, {result['threads']} threads, "
+        f"dtype {result['dtype']}, quantization {result['quantization']}, {result['isa']}, "
+        f"{result['threads']} threads, "
         f"{result['prompt_tokens']}-token prompt; read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s; "
         f"weights read per step {result['weight_bytes_per_step'] / 1e6:.0f} MB -> floor {result['floor_ms']:.1f} ms",
         f"host ms ({result['device']}): {result['host_ms_method']}",

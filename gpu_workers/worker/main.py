@@ -136,6 +136,17 @@ def engine_in_process(settings: WorkerSettings) -> bool:
     return settings.engine_mode != "thread"
 
 
+def engine_process_env(settings: WorkerSettings) -> dict[str, str]:
+    """What a CPU engine's process adds to its environment: the OpenMP wait policy (``engine_cpu_wait_policy``)
+    unless the environment sets one. With torch's default (spinning) two threads on two cores shared with the
+    worker, Kafka and Redis stall at every parallel op whose peer was preempted; on a busy 2-core box a passive
+    wait took a batch-1 step of the default model from 797-1,791 ms to 24-29 ms (docs/benchmarks.md)."""
+    policy = settings.engine_cpu_wait_policy
+    if settings.device != "cpu" or policy == "inherit" or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": policy.upper()}
+
+
 def build_engine(settings: WorkerSettings) -> EngineFront:
     """The worker's engine, not started: a child process or a thread of this process (see ``engine_in_process``)."""
     if engine_in_process(settings):
@@ -146,7 +157,12 @@ def build_engine(settings: WorkerSettings) -> EngineFront:
         prepare = partial(
             prepare_engine_process, settings.log_level, settings.log_format, settings.torch_threads, niceness
         )
-        return ProcessEngine(settings.model, initializer=prepare, **engine_arguments(settings))  # type: ignore[arg-type]
+        return ProcessEngine(
+            settings.model,
+            initializer=prepare,
+            env=engine_process_env(settings),
+            **engine_arguments(settings),  # type: ignore[arg-type]
+        )
     set_torch_threads(settings.torch_threads)
     return AsyncEngine(settings.model, **engine_arguments(settings))  # type: ignore[arg-type]
 

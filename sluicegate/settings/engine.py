@@ -107,6 +107,13 @@ class EngineSettings(SettingsBase):
         description="Niceness of a CPU engine's process, so that the worker's I/O, Redis and the relay (tokens "
         "already made) run first on shared cores; 0 keeps the worker's priority. CUDA engines are never niced.",
     )
+    engine_cpu_wait_policy: Literal["passive", "active", "inherit"] = Field(
+        "passive",
+        description="OMP_WAIT_POLICY of a CPU engine's process (engine_mode process): passive puts a torch thread "
+        "that waits for its peers to sleep at once rather than spin, so a preempted peer (the worker, Kafka or "
+        "another engine on the same cores) does not stall every parallel op; inherit leaves the environment's. "
+        "An OMP_WAIT_POLICY set in the environment wins.",
+    )
 
     # --- LoRA slots ------------------------------------------------------------------------------------------------
     enable_lora: bool = Field(

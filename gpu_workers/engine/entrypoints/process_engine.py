@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -58,13 +58,23 @@ class ProcessEngine(EngineFront):
 
     Same arguments as ``AsyncEngine(model, ...)`` (``EngineConfig`` fields, validated here at once), plus
     ``initializer``: a picklable callable the engine process runs before it loads the model (logging, torch
-    threads). ``start()`` returns once the model is loaded; a model that cannot load raises there.
+    threads). ``env``: variables added to the engine process's environment, in place before it imports torch (the
+    OpenMP runtime reads its own, such as ``OMP_WAIT_POLICY``, only when it loads). ``start()`` returns once the
+    model is loaded; a model that cannot load raises there.
     """
 
-    def __init__(self, model: str, *, initializer: Callable[[], None] | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        initializer: Callable[[], None] | None = None,
+        env: Mapping[str, str] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
         super().__init__()
         self.config = EngineConfig(model=model, **engine_kwargs)
         self._initializer = initializer
+        self._extra_env = dict(env or {})
         self._process: asyncio.subprocess.Process | None = None
         self._transport: asyncio.Transport | None = None
         self._tokenizer: Any = None
@@ -137,7 +147,7 @@ class ProcessEngine(EngineFront):
                 "--fd",
                 str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),),
-                env=_child_env(),
+                env=_child_env() | self._extra_env,
             )
         except BaseException:
             ours.close()

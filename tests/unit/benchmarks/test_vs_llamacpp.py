@@ -164,6 +164,9 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
         # No quiet wait in a smoke run; the other processes' load while it ran is still recorded.
         assert measured[key]["busy_cores_before"] == [None] and measured[key]["busy_cores_during"][0] >= 0, key
     assert all(t["met"] is None for t in results["targets"])
+    # The run names the ISA torch dispatched to, in the JSON and in the table.
+    isa = results["machine"]["isa"]
+    assert isa and f"torch's ISA {isa}" in done.stdout
     # Greedy float32 output of the engine equals transformers', and does not depend on the batch.
     assert results["outputs_equal"]["float32"]["ours c1 vs hf_generate float32 c1"]["equal"] == 8
     assert results["outputs_equal"]["float32"]["ours c1 vs ours c8"]["equal"] == 8

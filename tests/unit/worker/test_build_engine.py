@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from gpu_workers.engine import AsyncEngine, EngineConfig, ProcessEngine
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.engine.spec_decode import SpeculativeConfig
-from gpu_workers.worker.main import build_engine
+from gpu_workers.worker.main import build_engine, engine_process_env
 from sluicegate.settings import Settings
 
 
@@ -40,6 +40,7 @@ async def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.M
         "SPECULATIVE_PROMPT_LOOKUP_MAX": "2",
     }.items():
         monkeypatch.setenv(f"SLUICEGATE_{name}", value)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     process = build_engine(Settings())
     assert isinstance(process, ProcessEngine)  # the default (SLUICEGATE_ENGINE_MODE=auto)
     monkeypatch.setenv("SLUICEGATE_ENGINE_MODE", "thread")
@@ -51,8 +52,14 @@ async def test_engine_knobs_come_from_settings(tiny: Path, monkeypatch: pytest.M
         assert process.pid is not None
         # A CPU engine's process runs niced (SLUICEGATE_ENGINE_CPU_NICE, 10 by default).
         assert os.getpriority(os.PRIO_PROCESS, process.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        # ... and its OpenMP threads wait passively (SLUICEGATE_ENGINE_CPU_WAIT_POLICY), set before torch loads.
+        assert b"OMP_WAIT_POLICY=PASSIVE" in _environ_of(process.pid)
     for config in (process.config, thread.engine.config):
         _assert_knobs(config)
+
+
+def _environ_of(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
 
 
 def _assert_knobs(config: EngineConfig) -> None:
@@ -101,3 +108,15 @@ def test_bad_engine_settings_are_refused_by_name(name: str, value: str, monkeypa
     monkeypatch.setenv(f"SLUICEGATE_{name}", value)
     with pytest.raises(ValidationError, match=name.lower()):
         Settings()
+
+
+def test_the_engine_wait_policy_yields_to_the_environment_and_spares_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert engine_process_env(Settings()) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert engine_process_env(Settings(engine_cpu_wait_policy="active")) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert engine_process_env(Settings(engine_cpu_wait_policy="inherit")) == {}
+    assert engine_process_env(Settings(device="cuda")) == {}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert engine_process_env(Settings()) == {}
+    with pytest.raises(ValidationError, match="engine_cpu_wait_policy"):
+        Settings(engine_cpu_wait_policy="spin")
