@@ -44,6 +44,9 @@ FEATURES: dict[str, Feature] = {
     "stream_write": Feature(
         commands=("xadd", "xrange", "expire", "multi", "exec", "role", "wait", *_SCRIPTS), keys=("llm:stream:*",)
     ),
+    # gpu_workers/worker/fencing.py: the owner epoch raised at pick-up (INCR, EXPIRE) and checked, raised or kept
+    # alive by the fenced-write script (GET, SET, EXPIRE run as the calling user).
+    "ownership": Feature(commands=("incr", "get", "set", "expire", *_SCRIPTS), keys=("llm:epoch:*",)),
     # The request's status record and cancel marker (ingress/service.py, sluicegate/cancellation.py, the worker).
     "request_state": Feature(
         commands=("get", "set", "del", "expire"), keys=("llm:request:*", "llm:cancel:*", "llm:reader:*")
@@ -196,7 +199,7 @@ SERVICES: dict[str, tuple[str, ...]] = {
         "celery_send",
     ),
     "result-service": ("stream_read", "request_state"),
-    "worker": ("stream_write", "request_state", "heartbeat_write", "heartbeat_read", "lora"),
+    "worker": ("stream_write", "ownership", "request_state", "heartbeat_write", "heartbeat_read", "lora"),
     "router": (
         "stream_write",
         "request_state",

@@ -270,6 +270,18 @@ async def consume(consumer: AIOKafkaConsumer, count: int, timeout_s: float = 20.
     return records
 
 
+async def consume_cancels(consumer: AIOKafkaConsumer, count: int, timeout_s: float = 20.0) -> list[ConsumerRecord]:
+    """``count`` cancels from a control topic, past the KV-snapshot requests that share it (a router or ingress
+    following the fleet's KV events asks for snapshots there when it starts)."""
+    records: list[ConsumerRecord] = []
+    deadline = time.monotonic() + timeout_s
+    while len(records) < count and time.monotonic() < deadline:
+        for batch in (await consumer.getmany(timeout_ms=200)).values():
+            records.extend(r for r in batch if b'"kind":"kv_snapshot"' not in (r.value or b""))
+    assert len(records) >= count, f"expected {count} cancels, got {len(records)}"
+    return records[:count]
+
+
 @contextlib.asynccontextmanager
 async def reader(settings: Settings, *topics: str, partitions: int) -> AsyncIterator[AIOKafkaConsumer]:
     """A group-less consumer on every partition of ``topics``, from the beginning."""

@@ -27,6 +27,7 @@ from ingress_support import (
     MODEL,
     FakeWorker,
     consume,
+    consume_cancels,
     eventually,
     heartbeat,
     reader,
@@ -331,7 +332,7 @@ async def test_a_record_redis_refuses_turns_the_published_request_into_a_cancell
             assert response.json()["error"]["message"].startswith("Redis is unavailable: ")
             rid = response.headers["x-request-id"]
             (published,) = await consume(requests, 1)
-            (message,) = await consume(control, 1)
+            (message,) = await consume_cancels(control, 1)
         assert InferenceRequest.model_validate_json(published.value).request_id == rid
         cancel = CancelRequest.model_validate_json(message.value)
         assert (cancel.request_id, cancel.reason) == (rid, "record_failed")
@@ -356,7 +357,7 @@ async def test_status_is_per_tenant_and_delete_cancels(ingress: str, settings: S
         response = await owner.delete(f"/v1/requests/{rid}")
         assert response.status_code == 202 and response.json() == {"request_id": rid, "status": "cancelling"}
         assert CancelRequest.model_validate_json(await redis.get(names.cancel_key(rid))).reason == "client_cancelled"
-        (message,) = await consume(control, 1)
+        (message,) = await consume_cancels(control, 1)
     cancel = CancelRequest.model_validate_json(message.value)
     assert (cancel.request_id, cancel.reason) == (rid, "client_cancelled")
     assert message.key == rid.encode()
@@ -535,7 +536,7 @@ async def test_client_disconnect_mid_stream_cancels(ingress: str, settings: Sett
         # The connection is closed now, with the worker still generating.
         await eventually(lambda: redis.exists(names.cancel_key(rid)))
         assert CancelRequest.model_validate_json(await redis.get(names.cancel_key(rid))).reason == "client_disconnected"
-        (message,) = await consume(control, 1)
+        (message,) = await consume_cancels(control, 1)
         assert CancelRequest.model_validate_json(message.value).reason == "client_disconnected"
         assert [r.request_id for _, r in worker.seen] == [rid]
 
