@@ -119,7 +119,14 @@ def _template_kwargs_free(value: dict[str, Any] | None) -> dict[str, Any] | None
 #: Extra variables for the chat template (vLLM's ``chat_template_kwargs``), e.g. Qwen3's ``enable_thinking``.
 ChatTemplateKwargs = Annotated[
     dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")], JsonValue],
-    Field(max_length=32),
+    # The document says what the validators enforce: only the pattern's names, none of the reserved ones.
+    Field(
+        max_length=32,
+        json_schema_extra={
+            "additionalProperties": False,
+            "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_NAMES)}},
+        },
+    ),
     AfterValidator(_template_kwargs_free),
 ]
 

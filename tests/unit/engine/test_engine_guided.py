@@ -54,7 +54,15 @@ def test_regex_choice_and_json_object(make_llm, model_dir) -> None:
         r, c, o = llm.generate([PROMPT] * 3, [regex, choice, obj])
         assert re.fullmatch(r"[a-c]{3}-\d{2}", r.text), r.text
         assert c.text in ("yes", "no")
-        assert isinstance(json.loads(o.text), dict)
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+        else:
+            # A random model at temperature 1 may wander inside a string past max_tokens: what it wrote must
+            # still be a prefix the grammar accepts, token by token.
+            assert o.finish_reason == "length", o.finish_reason
+            matcher = xgr.GrammarMatcher(llm.engine.sequences.grammar_compiler.compile(obj.guided))
+            assert all(matcher.accept_token(t) for t in o.token_ids), o.text
+            assert o.text.startswith("{"), o.text
 
 
 def test_greedy_with_grammar_equals_greedy_over_allowed_tokens(make_llm, model_dir) -> None:
