@@ -200,7 +200,7 @@ async def admit(
         if cache_key is not None:
             service.cache.fill_later(inference, cache_key)
         if version is not None:
-            service.routes.observe(version, inference.request_id, accepted_at)
+            service.routes.observe(version, inference.request_id, inference.tenant, accepted_at)
         if span is not None:
             span.set_attributes({"messaging.destination.name": route.topic, "sluicegate.route_reason": route.reason})
     return Accepted(inference, tool_call_format, rate, counted, reasoning_parser)

@@ -16,17 +16,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from ingress.stream_follow import Follow
 from router.canary import CanaryJudge, Outcome, Rollback
 from router.rollbacks import share_rollback
 from router.route_table import RouteTable, Table
 from router.routes import RoutesFile, RouteSpec
 from router.versions import VersionChoice
-from schemas import DoneEvent, ErrorEvent, Names, StreamEvent, TokenEvent
+from schemas import DoneEvent, ErrorEvent, Names, TokenEvent
 from sluicegate.api.bodies import AnyBody, ChatCompletionBody, NativeRequestBody
 from sluicegate.settings import IngressSettings
 from sluicegate.task_stop import cancel_and_wait
@@ -34,8 +34,6 @@ from sluicegate.task_stop import cancel_and_wait
 from .telemetry import IngressMetrics
 
 log = logging.getLogger(__name__)
-
-Follow = Callable[..., AsyncIterator[StreamEvent]]
 
 
 def prompt_of(body: AnyBody) -> str | list[int]:
@@ -95,22 +93,25 @@ class ModelRoutes:
         return choice
 
     # --- canary watch -----------------------------------------------------------------------------
-    def observe(self, choice: VersionChoice, request_id: str, accepted_at: float) -> None:
+    def observe(self, choice: VersionChoice, request_id: str, tenant: str, accepted_at: float) -> None:
         """Follow a routed request of a route with a canary in the background and judge its outcome."""
         spec = self.table.routes.routes.get(choice.route)
         if spec is None or spec.canary is None or choice.reason != "split":
             return
-        task = asyncio.create_task(self._watch_request(choice, spec, request_id, accepted_at))
+        task = asyncio.create_task(self._watch_request(choice, spec, request_id, tenant, accepted_at))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
 
-    async def _watch_request(self, choice: VersionChoice, spec: RouteSpec, request_id: str, started: float) -> None:
+    async def _watch_request(
+        self, choice: VersionChoice, spec: RouteSpec, request_id: str, tenant: str, started: float
+    ) -> None:
         assert spec.canary is not None
         ttft: float | None = None
         ok = False
+        follow = self._follow(request_id, tenant, timeout_s=self._settings.request_timeout_s)
         try:
             async with (
-                contextlib.aclosing(self._follow(request_id, timeout_s=self._settings.request_timeout_s)) as events,
+                contextlib.aclosing(follow) as events,
                 asyncio.timeout(spec.canary.first_token_timeout_s) as scope,
             ):
                 async for event in events:

@@ -28,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from ingress.stream_follow import Follow
 from schemas import (
     STREAM_FIELD,
     DoneEvent,
@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 #: The fields of a request that decide its reply (with the tenant, unless shared).
 _KEYED_FIELDS = frozenset({"model", "prompt", "messages", "sampling", "guided", "tools"})
 _CACHE_WORKER_ID = "response-cache"
-
-Follow = Callable[..., AsyncIterator[StreamEvent]]
 
 
 def deterministic(request: InferenceRequest) -> bool:
@@ -176,14 +174,15 @@ class ResponseCache:
 
     def fill_later(self, request: InferenceRequest, key: str) -> None:
         """Follow the published request's stream in the background and keep its reply under ``key``."""
-        task = asyncio.create_task(self._fill(request.request_id, request.model, key))
+        task = asyncio.create_task(self._fill(request, key))
         self._fills.add(task)
         task.add_done_callback(self._fills.discard)
 
-    async def _fill(self, request_id: str, model: str, key: str) -> None:
+    async def _fill(self, request: InferenceRequest, key: str) -> None:
+        request_id, model = request.request_id, request.model
         events: list[StreamEvent] = []
         try:
-            async for event in self._follow(request_id, timeout_s=self._settings.request_timeout_s):
+            async for event in self._follow(request_id, request.tenant, timeout_s=self._settings.request_timeout_s):
                 if not isinstance(event, TokenEvent | DoneEvent):
                     return  # a restart or an error: not a reply worth repeating
                 events.append(event)
