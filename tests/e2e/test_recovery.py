@@ -48,7 +48,9 @@ def tiny_model_dir(paced_model_dir: Path) -> Path:
 def pipeline_env() -> dict[str, str]:
     # One intra-op thread per worker: several processes share two cores, and oversubscribed OpenMP threads
     # spin rather than compute.
-    return {"OMP_NUM_THREADS": "1"}
+    # The prompt-prefix key alone places requests: these tests need two concurrent same-prompt requests on one
+    # worker, which cached-prefix routing would spread over both before either has cached the prompt.
+    return {"OMP_NUM_THREADS": "1", "SLUICEGATE_KV_EVENTS": "false"}
 
 
 @pytest.fixture(scope="module")
