@@ -44,9 +44,9 @@ FEATURES: dict[str, Feature] = {
     "stream_write": Feature(
         commands=("xadd", "xrange", "expire", "multi", "exec", "role", "wait", *_SCRIPTS), keys=("llm:stream:*",)
     ),
-    # gpu_workers/worker/fencing.py: the owner epoch raised at pick-up (INCR, EXPIRE) and checked, raised or kept
-    # alive by the fenced-write script (GET, SET, EXPIRE run as the calling user).
-    "ownership": Feature(commands=("incr", "get", "set", "expire", *_SCRIPTS), keys=("llm:epoch:*",)),
+    # gpu_workers/worker/fencing.py: the owner epoch raised at pick-up (INCR, which redis-py sends as INCRBY, and
+    # EXPIRE) and checked, raised or kept alive by the fenced-write script (GET, SET, EXPIRE run as the calling user).
+    "ownership": Feature(commands=("incr", "incrby", "get", "set", "expire", *_SCRIPTS), keys=("llm:epoch:*",)),
     # The request's status record and cancel marker (ingress/service.py, sluicegate/cancellation.py, the worker).
     "request_state": Feature(
         commands=("get", "set", "del", "expire"), keys=("llm:request:*", "llm:cancel:*", "llm:reader:*")
