@@ -18,17 +18,12 @@ from transformers import (
     Qwen3Config,
 )
 
-ARCH_CONFIGS: dict[str, type] = {
-    "llama": LlamaConfig,
-    "mistral": MistralConfig,
-    "qwen2": Qwen2Config,
-    "qwen3": Qwen3Config,
-}
-ARCH_NAMES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+# Each ``arch``: transformers' config class and the ``architectures`` name its checkpoints carry.
+ARCHS: dict[str, tuple[type, str]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "mistral": (MistralConfig, "MistralForCausalLM"),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
 }
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -121,8 +116,8 @@ def make_tiny_model(
     ``max_shard_size`` (e.g. ``"200KB"``) splits the weights into an indexed, sharded checkpoint.
     ``head_dim`` defaults to ``hidden_size // num_heads`` (Qwen3 and Gemma set it apart from the hidden size).
     """
-    if arch not in ARCH_CONFIGS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
     if head_dim is None and hidden_size % num_heads:
@@ -155,8 +150,9 @@ def make_tiny_model(
     kwargs["rope_parameters"] = rope_parameters
     if arch == "mistral":
         kwargs["sliding_window"] = None
-    config = ARCH_CONFIGS[arch](**kwargs)
-    config.architectures = [ARCH_NAMES[arch]]
+    config_class, architecture = ARCHS[arch]
+    config = config_class(**kwargs)
+    config.architectures = [architecture]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
