@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_parity import Case, CaseResult, Reference, make_prompts, run_guarded
 from gpu_workers.engine.models import ARCHITECTURE_INFO
-from gpu_workers.engine.models.random_checkpoint import ARCH_NAMES, make_tiny_model
+from gpu_workers.engine.models.random_checkpoint import ARCHS, make_tiny_model
 
 # Per registered architecture, its tiny checkpoint's arguments beyond ``make_tiny_model``'s arch (the one whose
 # name it writes): sliding windows where the architecture has them, Qwen3's and Gemma's own head size, Qwen3-MoE's
@@ -56,9 +56,9 @@ BACKENDS = ("torch", "triton")
 
 def checkpoint_args(architecture: str) -> dict[str, Any]:
     """``make_tiny_model``'s arguments for a registered architecture; an architecture it cannot write is refused."""
-    arch = next((a for a, name in ARCH_NAMES.items() if name == architecture), None)
+    arch = next((a for a, (_, name) in ARCHS.items() if name == architecture), None)
     if arch is None:
-        raise ValueError(f"{architecture} has no tiny checkpoint in random_checkpoint.ARCH_NAMES")
+        raise ValueError(f"{architecture} has no tiny checkpoint in random_checkpoint.ARCHS")
     return dict(arch=arch, seed=11) | EXTRA.get(architecture, {})
 
 

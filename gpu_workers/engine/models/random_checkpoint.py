@@ -24,28 +24,18 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-ARCH_CONFIGS: dict[str, type] = {
-    "llama": LlamaConfig,
-    "mistral": MistralConfig,
-    "qwen2": Qwen2Config,
-    "qwen3": Qwen3Config,
-    "phi3": Phi3Config,
-    "mixtral": MixtralConfig,
-    "qwen3_moe": Qwen3MoeConfig,
-    "gemma3": Gemma3TextConfig,
+# Each ``arch``: transformers' config class and the ``architectures`` name its checkpoints carry.
+ARCHS: dict[str, tuple[type, str]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "mistral": (MistralConfig, "MistralForCausalLM"),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+    "phi3": (Phi3Config, "Phi3ForCausalLM"),
+    "mixtral": (MixtralConfig, "MixtralForCausalLM"),
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM"),
     # Gemma 3's vision-language layout (a tiny vision tower beside the language model), served text-only.
-    "gemma3_mm": Gemma3Config,
-}
-ARCH_NAMES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "gemma3_mm": "Gemma3ForConditionalGeneration",
+    "gemma3_mm": (Gemma3Config, "Gemma3ForConditionalGeneration"),
 }
 # Config fields an architecture gets unless ``config_overrides`` sets them: small expert counts for the MoE models
 # (their library defaults are Mixtral-8x7B's and Qwen3-30B-A3B's).
@@ -198,8 +188,8 @@ def make_tiny_model(
     ``chat_template`` replaces the tokenizer's (e.g. ``THINKING_CHAT_TEMPLATE``).
     ``config_overrides``: more fields of the architecture's config (e.g. ``num_experts``), over ``ARCH_DEFAULTS``.
     """
-    if arch not in ARCH_CONFIGS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCH_CONFIGS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
     if head_dim is None and hidden_size % num_heads:
@@ -248,7 +238,7 @@ def make_tiny_model(
         raise ValueError(f"sliding_window is not supported for arch {arch!r}")
     if arch == "phi3":
         # Phi3Config's own original_max_position_embeddings (4096) overrides the one given with the RoPE parameters.
-        default_original = ARCH_CONFIGS[arch]().original_max_position_embeddings
+        default_original = ARCHS[arch][0]().original_max_position_embeddings
         kwargs["original_max_position_embeddings"] = rope_parameters.get(
             "original_max_position_embeddings", default_original
         )
@@ -259,8 +249,8 @@ def make_tiny_model(
             image_token_index=vocab_size - 1,  # inside the tiny vocabulary, so refusing it is what a test sees
         )  # fmt: skip
     else:
-        config = ARCH_CONFIGS[arch](**kwargs)
-    config.architectures = [ARCH_NAMES[arch]]
+        config = ARCHS[arch][0](**kwargs)
+    config.architectures = [ARCHS[arch][1]]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
