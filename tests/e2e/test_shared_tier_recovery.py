@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 from private_redis import RedisServer, private_redis
 
+from gpu_workers.engine.config import EngineConfig
 from schemas import DoneEvent, TokenEvent
 
 from .conftest import Pipeline
@@ -27,7 +28,7 @@ from .test_recovery import (  # the paced model and the greedy reference of test
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 __all__ = ["llm", "reference", "tiny_model_dir"]  # module fixtures shared with test_recovery
 
-BLOCK_SIZE = 16  # the workers' KV block size (the engine's default)
+BLOCK_SIZE = EngineConfig.block_size  # the workers' KV block size: the engine's default
 
 
 @pytest.fixture(scope="module")
