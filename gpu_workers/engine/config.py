@@ -74,6 +74,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Decode steps replay CUDA graphs on CUDA unless True (on CPU graphs are never used).
     enforce_eager: bool = False
+    # On the CPU, pure decode steps run as one graph compiled by torch.compile (execution/cpu_decode_compile.py):
+    # the layers' small ops fused, at the cost of compiling at start (cached on disk). Needs a C++ compiler.
+    compile_cpu_decode: bool = False
     # Decode batches sharing a long prefix attend it once (backends with a cascade path: triton).
     enable_cascade_attention: bool = True
     # Models mixing full and sliding-window layers (Gemma 3) keep one block table and pool per layer group, so
@@ -165,6 +168,7 @@ class EngineConfig:
         self._check_lora()
         for flag in (
             "enforce_eager",
+            "compile_cpu_decode",
             "enable_cascade_attention",
             "enable_hybrid_kv_cache",
             "enable_lora",

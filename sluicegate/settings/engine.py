@@ -59,6 +59,13 @@ class EngineSettings(SettingsBase):
         True, description="Read a prefix shared by the whole decode batch once per step (CUDA, triton backend)."
     )
     enforce_eager: bool = Field(False, description="Run decode eagerly instead of through CUDA graphs.")
+    compile_cpu_decode: bool = Field(
+        False,
+        description="On the CPU, run pure decode steps as one graph compiled by torch.compile (the layers' small "
+        "ops fused; 1.2-1.4x the eager step on the default model). Compiles at start (about 1.5 min on two cores "
+        "the first time, seconds once TORCHINDUCTOR_CACHE_DIR holds it) and needs a C++ compiler; without one "
+        "the engine stays eager. `sluicegate up` turns it on for CPU workers.",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of GPU memory the engine may use (weights, activations, KV cache)."
     )

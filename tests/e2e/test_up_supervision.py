@@ -93,6 +93,8 @@ def up(
         "SLUICEGATE_BATCH_METRICS_PORT": "0",
         "SLUICEGATE_HEARTBEAT_INTERVAL_S": "0.5",
         "SLUICEGATE_KV_CACHE_GB": "0.05",
+        # Supervision is under test, not the engine: no minute of compiling per worker start.
+        "SLUICEGATE_COMPILE_CPU_DECODE": "false",
         "SLUICEGATE_FILES_URL": str(state / "files"),
         "PYTHONUNBUFFERED": "1",
     }

@@ -246,3 +246,14 @@ def test_up_takes_a_worker_count_and_refuses_none() -> None:
     assert parser.parse_args(["up"]).workers == 1
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--workers", "0"])
+
+
+def test_up_compiles_cpu_decode_with_its_cache_in_the_state_dir_unless_told_otherwise(tmp_path: Path) -> None:
+    env = launcher.compile_env(tmp_path, "cpu", {})
+    assert env == {
+        "SLUICEGATE_COMPILE_CPU_DECODE": "true",
+        "TORCHINDUCTOR_CACHE_DIR": str((tmp_path / "compile-cache").resolve()),
+    }
+    assert launcher.compile_env(tmp_path, "cuda", {}) == {}
+    told = {"SLUICEGATE_COMPILE_CPU_DECODE": "false", "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}
+    assert launcher.compile_env(tmp_path, "cpu", told) == {}

@@ -57,6 +57,9 @@ class AttentionMetadata:
     kv_groups: tuple[AttentionMetadata, ...] = ()
     # Which KV group this metadata describes (backends that plan per step keep one plan per group).
     kv_group: int = 0
+    # The step runs as one compiled graph (``execution/cpu_decode_compile.py``): decode rows only, full attention,
+    # attended with tensor operations alone (``gathered_decode.py``): no host lists, no per-step plans.
+    compiled_decode: bool = False
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV group ``group`` (0: this one)."""

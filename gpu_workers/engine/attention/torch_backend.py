@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .gathered_decode import attend_decode_gathered
 from .kv_quant import FP8_AS_FP16_FACTOR, calibrate_scales, fp8_codes_as, is_fp8_cache, quantize_rows
 from .metadata import AttentionMetadata
 from .per_token import attend_per_token
@@ -173,6 +174,8 @@ class TorchAttentionBackend:
         v_scale: torch.Tensor | None = None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if meta.compiled_decode:
+            return attend_decode_gathered(q, k, v, k_cache, v_cache, meta, scale)
         fp8 = is_fp8_cache(k_cache)
         if fp8 and meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
             calibrate_scales(k, v, k_scale, v_scale)

@@ -39,6 +39,7 @@ from ..core.kv_groups import KVGroupLayout
 from ..core.scheduler import ScheduledBatch
 from ..core.sequence import Sequence
 from ..models.loader import LoadedModel
+from .cpu_decode_compile import CompiledCpuDecode, compiled_decode_for
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
 from .kv_group_cache import allocate_group_caches, group_metadata
 from .pooler import PoolSpan, pool
@@ -101,6 +102,8 @@ class ModelRunner:
         self.cascade_min_seqs = CASCADE_MIN_SEQS
         self._common_prefix_len: CommonPrefixFn | None = None
         self.decode_graphs: DecodeGraphRunner | None = None
+        # On the CPU: pure decode steps as one compiled graph (cpu_decode_compile.py), set by setup_decode.
+        self.compiled_decode: CompiledCpuDecode | None = None
         # The engine's adapters when LoRA is enabled (set by LLMEngine).
         self.lora: LoRAManager | None = None
         # Set by allocate_hybrid_kv_cache: the layer groups, and every group's cache (group 0's is kv_cache).
@@ -124,6 +127,8 @@ class ModelRunner:
             from ..attention.triton_kernels import common_prefix_len
 
             self._common_prefix_len = common_prefix_len
+        if self.device.type == "cpu":
+            self.compiled_decode = compiled_decode_for(self, config)
         reason = self.decode_graphs_unsupported(config)
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
@@ -421,8 +426,12 @@ class ModelRunner:
         prepared.meta.calibrate_kv_scales = calibrate
         lora = self.lora
         step_lora = lora.context.active(lora.batch_for(prepared.runs)) if lora is not None else nullcontext()
+        compiled = self.compiled_decode
         with torch.inference_mode(), step_lora:
-            hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
+            if compiled is not None and decode_only and not calibrate and compiled.fits(len(batch.seqs)):
+                hidden = compiled.run(prepared)
+            else:
+                hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
             if calibrate and self.kv_scales is not None:
                 self.kv_scales.fixed = True
                 logger.info("FP8 KV cache scales set from the first step's %d tokens", prepared.input_ids.shape[0])

@@ -1,0 +1,142 @@
+"""Decode steps on the CPU as one compiled graph: the decoder's small operations fused, no Python between them.
+
+On a CPU the decode step of a small model is dominated by dispatch, not arithmetic: some 40 small operations a
+layer (norms, residual adds, rotary, casts, the KV store, activation and gating) around the projections, each a
+trip through Python and the dispatcher (docs/benchmarks.md, "Where a CPU decode step goes"). Compiling the whole
+forward with ``torch.compile`` (Inductor) fuses those into a few C++ loops a layer and, with its C++ wrapper, calls
+them without Python; the projections' kernels (torch's int4 / int8 / dense matmuls) are called as they are.
+
+What makes one graph possible is attention: the torch backend plans each step on the host, which would break the
+graph at every layer, so a compiled step's metadata says ``compiled_decode`` and the backend attends in tensor
+operations alone (``attention/gathered_decode.py``). Only pure decode steps go through the graph; prefill chunks,
+mixed steps and anything this module refuses (``unsupported``) run eagerly, as before.
+
+Shapes: a step of one row is compiled on its own (Inductor specializes size 1), steps of 2 to ``MAX_ROWS`` rows
+share one graph with the row count and the block-table width dynamic, so a server compiles twice, at start
+(``warm_up``), and Inductor's on-disk cache makes a restart cheap. The C++ compiler Inductor calls (``g++`` unless
+``CXX`` says otherwise) must be installed; without it, or if compiling fails, the engine logs why and stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from .model_runner import ModelRunner, PreparedBatch
+
+logger = logging.getLogger(__name__)
+
+# The largest decode batch run through the graph; larger ones run eagerly (where the projections' kernels change
+# with the row count: quantization/cpu_linear.py's DENSE_MIN_ROWS).
+MAX_ROWS = 64
+# Inductor's C++ wrapper calls the fused kernels from C++ rather than from generated Python (1.4 ms of a 17 ms
+# step on one thread). Built apart from the kernels, the wrapper (one long function for all the layers) compiles
+# at a lower optimization level: 29 s instead of 117 s of a cold start on two cores, the step no slower.
+INDUCTOR_OPTIONS: dict[str, object] = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler Inductor will call, if it is installed."""
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def unsupported(runner: ModelRunner, config: EngineConfig) -> str | None:
+    """Why decode steps cannot run compiled here, or None when they can."""
+    if not config.compile_cpu_decode:
+        return "compile_cpu_decode is off"
+    if runner.device.type != "cpu":
+        return f"device {runner.device} is not the CPU"
+    if runner.backend.name != "torch":
+        return f"the {runner.backend.name!r} attention backend has no compiled decode path"
+    if config.deterministic:
+        return "the deterministic mode attends every row alone (its batch-invariant path)"
+    if runner.kv_layout is not None or any(w is not None for w in runner.loaded.sliding_windows):
+        return "sliding-window layers attend with the eager planner"
+    if runner.kv_cache_dtype != runner.loaded.dtype:
+        return "an FP8 KV cache is widened by the eager planner"
+    if runner.lora is not None:
+        return "LoRA adapters are applied eagerly"
+    if config.tensor_parallel_size > 1:
+        return "tensor-parallel ranks exchange activations between the pieces"
+    if config.speculative_config is not None:
+        return "speculative decoding verifies drafts in mixed steps"
+    if cxx_compiler() is None:
+        return "no C++ compiler for Inductor (install g++ or set CXX)"
+    return None
+
+
+def _mark(tensor: torch.Tensor, dim: int, min_size: int, max_size: int | None = None) -> None:
+    torch._dynamo.mark_dynamic(tensor, dim, min=min_size, max=max_size)
+
+
+class CompiledCpuDecode:
+    """The model's forward compiled for decode steps of 1 to ``MAX_ROWS`` rows; call ``warm_up`` once the KV
+    cache exists, then ``run`` with prepared decode batches (``fits`` says which)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        # Guards on the model's modules are skipped: its weights never change shape while the engine lives, and
+        # checking every module and parameter of every layer on each call costs more than the fused ops save.
+        options = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self._forward = torch.compile(model, fullgraph=True, dynamic=False, options=options)
+        self.compile_seconds = 0.0
+
+    @staticmethod
+    def fits(rows: int) -> bool:
+        return 1 <= rows <= MAX_ROWS
+
+    def run(self, prepared: PreparedBatch) -> torch.Tensor:
+        """Hidden states of a prepared pure-decode batch (its metadata is marked for the compiled path)."""
+        meta = prepared.meta
+        rows = prepared.input_ids.shape[0]
+        tables = meta.block_tables
+        if tables.shape[1] < 2:
+            # A table one block wide would be specialized (Inductor treats sizes 0 and 1 apart): pad it with a
+            # block the mask hides, so every width shares the graph.
+            tables = torch.nn.functional.pad(tables, (0, 1))
+        meta.block_tables = tables
+        meta.compiled_decode = True
+        _mark(tables, 1, 2)
+        if rows > 1:
+            for tensor in (prepared.input_ids, prepared.positions, meta.slot_mapping, meta.seq_lens, tables):
+                _mark(tensor, 0, 2, MAX_ROWS)
+        with torch.inference_mode():
+            return self._forward(prepared.input_ids, prepared.positions, meta)
+
+    def warm_up(self, runner: ModelRunner) -> None:
+        """Compile the one-row and the many-row graphs now, with steps over block 0 (free at start: a sequence
+        writes its slots before it reads them), so no request waits for the compiler."""
+        started = time.perf_counter()
+        bs = runner.block_size
+        for rows in (1, 2):
+            positions = [bs + 1] * rows
+            prepared = runner._build(
+                [0] * rows, positions, list(range(rows)), list(range(rows + 1)), [p + 1 for p in positions],
+                [[0, 0]] * rows, list(range(rows)), [], 1,
+            )  # fmt: skip
+            self.run(prepared)
+        self.compile_seconds = time.perf_counter() - started
+        logger.info("decode steps compiled for the CPU in %.1f s (1 and 2-%d rows)", self.compile_seconds, MAX_ROWS)
+
+
+def compiled_decode_for(runner: ModelRunner, config: EngineConfig) -> CompiledCpuDecode | None:
+    """A warmed-up compiled decode for this runner, or None (the reason logged) when it cannot have one."""
+    reason = unsupported(runner, config)
+    if reason is not None:
+        if config.compile_cpu_decode:
+            logger.info("compiled CPU decode off: %s", reason)
+        return None
+    compiled = CompiledCpuDecode(runner.model)
+    try:
+        compiled.warm_up(runner)
+    except Exception as exc:  # any compiler failure leaves the eager path, which always works
+        logger.warning("compiled CPU decode off: compiling failed (%s: %s)", type(exc).__name__, exc)
+        return None
+    return compiled

@@ -1,0 +1,111 @@
+"""Compiled CPU decode steps (execution/cpu_decode_compile.py): the same greedy tokens as transformers in float32,
+one row and many, prompts across block boundaries; what it refuses, by name; eager when it cannot compile."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_workers.engine import LLM, SamplingParams
+from gpu_workers.engine.execution import cpu_decode_compile
+from gpu_workers.engine.execution.cpu_decode_compile import CompiledCpuDecode, cxx_compiler
+
+from .conftest import HFReference, random_prompts
+
+needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="Inductor needs a C++ compiler")
+
+
+class CountingRuns:
+    """Counts the decode steps that went through the compiled graph."""
+
+    def __init__(self, compiled: CompiledCpuDecode) -> None:
+        self.rows: list[int] = []
+        inner = compiled.run
+
+        def run(prepared: Any) -> Any:
+            self.rows.append(int(prepared.input_ids.shape[0]))
+            return inner(prepared)
+
+        compiled.run = run  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(model_dir: Callable[[str], Path]) -> LLM:
+    # One engine for the module: compiling the two graphs is the slow part (seconds once Inductor's cache is warm).
+    return LLM(str(model_dir("llama3_tied")), dtype="float32", max_model_len=512, compile_cpu_decode=True)
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_decode_gives_transformers_tokens_alone_and_batched(
+    compiled_llm: LLM, model_dir: Callable[[str], Path], hf_reference: HFReference
+) -> None:
+    compiled = compiled_llm.engine.runner.compiled_decode
+    assert compiled is not None, "the tiny Llama should compile on the CPU"
+    counter = CountingRuns(compiled)
+    path = model_dir("llama3_tied")
+    # Lengths 1..300 straddle the 16-token blocks, so block tables grow while the batch decodes.
+    cases = random_prompts(seed=11)[::3]
+    expected = [hf_reference.greedy(path, prompt, n) for prompt, n in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in cases]
+    together = compiled_llm.generate([p for p, _ in cases], params)
+    assert [out.token_ids for out in together] == expected
+    alone = compiled_llm.generate([cases[0][0]], params[0])
+    assert alone[0].token_ids == expected[0]
+    assert 1 in counter.rows and max(counter.rows) > 1, counter.rows
+
+
+@needs_compiler
+def test_what_the_compiled_path_refuses_is_named(
+    make_llm: Callable[..., LLM], model_dir: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=cpu_decode_compile.__name__)
+    deterministic = make_llm(model_dir("llama"), dtype="float32", compile_cpu_decode=True, deterministic=True)
+    assert deterministic.engine.runner.compiled_decode is None
+    sliding = make_llm(model_dir("mistral_sliding"), dtype="float32", compile_cpu_decode=True)
+    assert sliding.engine.runner.compiled_decode is None
+    fp8 = make_llm(model_dir("llama"), dtype="float32", compile_cpu_decode=True, kv_cache_dtype="fp8")
+    assert fp8.engine.runner.compiled_decode is None
+    reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled CPU decode off")]
+    assert any("deterministic" in r for r in reasons), reasons
+    assert any("sliding-window" in r for r in reasons), reasons
+    assert any("FP8" in r for r in reasons), reasons
+    off = make_llm(model_dir("llama"), dtype="float32")
+    assert off.engine.runner.compiled_decode is None
+
+
+def test_without_a_compiler_the_engine_stays_eager(
+    make_llm: Callable[..., LLM],
+    model_dir: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    caplog.set_level(logging.INFO, logger=cpu_decode_compile.__name__)
+    llm = make_llm(model_dir("llama"), dtype="float32", compile_cpu_decode=True)
+    assert llm.engine.runner.compiled_decode is None
+    assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+@needs_compiler
+def test_a_failed_compile_leaves_the_eager_path(
+    make_llm: Callable[..., LLM],
+    model_dir: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(self: CompiledCpuDecode, runner: Any) -> None:
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(CompiledCpuDecode, "warm_up", broken)
+    llm = make_llm(model_dir("llama"), dtype="float32", compile_cpu_decode=True)
+    assert llm.engine.runner.compiled_decode is None
+    assert any("compiler exploded" in r.getMessage() for r in caplog.records)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
