@@ -260,7 +260,9 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         path = str(make_tiny_model(tmp / "model", num_layers=2, hidden_size=64, vocab_size=512))
     else:
         path = str(fetch_smollm2(REPO / ".sluicegate" / "models"))
-    kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 512, "num_kv_blocks": 32 * max(args.batch) + 64}
+    blocks = args.kv_blocks or 32 * max(args.batch) + 64
+    kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 512, "num_kv_blocks": blocks}
+    kwargs["compile_cpu_decode"] = args.compile_cpu_decode
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(path, **kwargs)
@@ -274,6 +276,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     result: dict[str, Any] = {
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "compiled_decode": llm.engine.runner.compiled_decode is not None,
+        "kv_blocks": blocks,
         "threads": args.threads,
         # The vector ISA torch dispatches to (ATEN_CPU_CAPABILITY=avx2 forces AVX2 on an AVX-512 machine).
         "isa": torch.backends.cpu.get_cpu_capability(),
@@ -295,7 +299,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         step_s = min(decode_steps(llm, prompt, batch, args.steps, None, None) for _ in range(args.rounds))
         decode_steps(llm, prompt, batch, args.steps, coarse, coarse_phases)
         kinds = Timer()
-        decode_steps(llm, prompt, batch, args.steps, kinds, lambda e, t: layer_kinds(e.runner.model, t))
+        if not result["compiled_decode"]:  # a compiled step runs no module hooks: its layers are one graph
+            decode_steps(llm, prompt, batch, args.steps, kinds, lambda e, t: layer_kinds(e.runner.model, t))
         phases = {k: 1e3 * v / args.steps for k, v in coarse.seconds.items()}
         timed_total = 1e3 * sum(coarse.seconds.values()) / args.steps
         phases["bookkeeping (rest of step)"] = max(0.0, 1e3 * step_s - timed_total)
@@ -318,7 +323,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         }
         if args.profile_dir:
             quant = f"_{args.quantization}" if args.quantization else ""
-            name = f"engine_step_{args.dtype}{quant}_{result['isa'].lower()}_t{args.threads}_b{batch}.txt"
+            compiled = "_compiled" if result["compiled_decode"] else ""
+            name = f"engine_step_{args.dtype}{quant}{compiled}_{result['isa'].lower()}_t{args.threads}_b{batch}.txt"
             profile_table(llm, prompt, batch, min(args.steps, 16), Path(args.profile_dir) / name)
         print(
             f"batch {batch}: {1e3 * step_s:.1f} ms/step (host {result['batches'][batch]['host_ms']:.2f} ms), "
@@ -345,6 +351,9 @@ def report(result: dict[str, Any]) -> str:
             f"| {batch} | {row['step_ms']:.2f} | {row['host_ms']:.2f} | {row['tok_s']:.1f} | {row['over_floor']:.2f}x "
             f"| {cells} |"
         )
+    if result.get("compiled_decode"):
+        lines += ["", "Decode steps compiled: one graph a step, so no split by layer kind (see the profile table)."]
+        return "\n".join(lines)
     lines += ["", "Forward by layer kind (ms per step, with hooks; shares, not timings):", ""]
     kinds = list(next(iter(result["batches"].values()))["forward_by_kind_ms_hooked"])
     lines.append("| batch | " + " | ".join(kinds) + " |")
@@ -366,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--model", default=None, help="a checkpoint directory instead of the default model")
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (2 layers, hidden 64) instead")
+    parser.add_argument(
+        "--compile-cpu-decode", action="store_true", help="decode steps compiled, as `sluicegate up` serves them"
+    )
+    parser.add_argument(
+        "--kv-blocks", type=int, default=0, help="KV cache blocks (default: what the batches need; a server has more)"
+    )
     args = parser.parse_args(argv)
     result = run(args)
     print(report(result))

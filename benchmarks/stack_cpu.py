@@ -35,14 +35,14 @@ class Streams:
     decode_tok_s: list[float] = field(default_factory=list)
 
 
-async def stream_one(client: Any, model: str, output_len: int, seen: Streams) -> None:
+async def stream_one(client: Any, model: str, output_len: int, seen: Streams, prompt: str = PROMPT) -> None:
     """One streamed completion; decode tok/s counts the chunks after the first over the time after it."""
     start = time.perf_counter()
     first = last = 0.0
     chunks = 0
     stream = await client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": PROMPT}],
+        messages=[{"role": "user", "content": prompt}],
         max_tokens=output_len,
         temperature=0.0,
         stream=True,

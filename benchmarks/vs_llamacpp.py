@@ -60,6 +60,8 @@ CONCURRENCY = 8
 # The targets hold on AVX2 and on AVX-512 alike (``machine()["isa"]`` says which one a run had).
 TARGET_C1 = 0.8  # ours / llama-cpp-python at concurrency 1
 TARGET_C8 = 1.5  # ours / llama-server with 8 slots, 8 concurrent requests
+TARGET_E2E_DECODE = 0.8  # up's decode tok/s / llama-server's, through the openai SDK at concurrency 1
+TARGET_E2E_VS_ALONE = 0.85  # up's decode tok/s / the engine alone at concurrency 1
 
 # Eight ordinary chat questions, as a person would type them into a chat box.
 PROMPTS = (
@@ -280,7 +282,9 @@ def wait_quiet(max_wait_s: float, busy_max: float = 0.3) -> float:
 class Ours:
     """The engine, one ``LLM`` per weight configuration."""
 
-    def __init__(self, model: str, dtype: str, quantization: str | None, max_len: int, kv_blocks: int) -> None:
+    def __init__(
+        self, model: str, dtype: str, quantization: str | None, max_len: int, kv_blocks: int, compile_decode: bool
+    ) -> None:
         from gpu_workers.engine import LLM, SamplingParams
 
         self.sampling_params = SamplingParams
@@ -292,6 +296,7 @@ class Ours:
             max_model_len=max_len,
             num_kv_blocks=kv_blocks,
             max_num_seqs=CONCURRENCY,
+            compile_cpu_decode=compile_decode,
         )
         self.load_s = time.perf_counter() - started
 
@@ -593,7 +598,8 @@ def _measure(
     ours: dict[str, Ours] = {}
     for dtype in dtypes:
         progress(f"loading the engine ({label(dtype, args.quantization)}) ...")
-        ours[dtype] = Ours(str(model_path), dtype, args.quantization, max_len=1024, kv_blocks=512)
+        compile_decode = args.compile_cpu_decode
+        ours[dtype] = Ours(str(model_path), dtype, args.quantization, 1024, 512, compile_decode=compile_decode)
     prompts = chat_prompts(next(iter(ours.values())).llm.tokenizer)
     prompts_len = max(map(len, prompts))
     results["workload"]["prompt_tokens"] = [len(p) for p in prompts]
@@ -724,6 +730,40 @@ def _measure(
         )
     ]
     results["sample_texts"] = _sample_texts(ours, measured, dtypes)
+    if args.e2e and not args.skip_peers:
+        _measure_e2e(args, results, model_path, measured, dtypes)
+
+
+def _measure_e2e(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    model_path: Path,
+    measured: dict[str, Measured],
+    dtypes: list[str],
+) -> None:
+    """The whole stack against llama-server through the openai SDK (``vs_llamacpp_e2e.py``), after the engine's
+    rounds (whose processes are gone by then), with its targets: decode >= 0.8x llama-server's, TTFT no worse, and
+    decode >= 0.85x the engine alone at c=1 (its best round, prompt evaluation included)."""
+    from benchmarks.vs_llamacpp_e2e import run_pair
+
+    try:
+        e2e = run_pair(model_path, args.threads, list(PROMPTS), args.tokens, args.e2e_passes)
+    except Exception as exc:
+        results["peer_errors"]["e2e"] = f"{type(exc).__name__}: {exc}"
+        progress(f"e2e pair failed: {results['peer_errors']['e2e']}")
+        return
+    ours = e2e["runs"][1]["decode_tok_s_p50"]
+    alone = ratio(ours, measured[f"ours {dtypes[-1]} c1"].best)
+    e2e["decode_vs_engine_alone"] = alone
+    results["e2e"] = e2e
+    results["targets"] += [
+        {"name": "e2e: up decode / llama-server decode", "value": e2e["decode_vs_llama_server"],
+         "target": TARGET_E2E_DECODE, "met": e2e["decode_vs_llama_server"] >= TARGET_E2E_DECODE},
+        {"name": f"e2e: up decode / engine alone c=1 ({dtypes[-1]})", "value": alone,
+         "target": TARGET_E2E_VS_ALONE, "met": None if alone is None else alone >= TARGET_E2E_VS_ALONE},
+        {"name": "e2e: llama-server TTFT p50 / up TTFT p50", "value": round(1 / e2e["ttft_vs_llama_server"], 3),
+         "target": 1.0, "met": e2e["ttft_vs_llama_server"] <= 1.0},
+    ]  # fmt: skip
 
 
 def _target(name: str, ratios: dict[str, Any], which: str, target: float) -> dict[str, Any]:
@@ -813,6 +853,18 @@ def report(results: dict[str, Any]) -> str:
         verdict = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
         value = "n/a" if t["value"] is None else f"{t['value']:.2f}x"
         lines.append(f"- {t['name']}: {value} (target >= {t['target']}x): {verdict}")
+    e2e = results.get("e2e")
+    if e2e:
+        lines += ["", f"End to end through the openai SDK, c=1 (`up` started in {e2e['up_start_s']} s):"]
+        lines.append(
+            markdown_table(
+                ["system", "streams", "decode tok/s p50", "TTFT p50 ms"],
+                [
+                    [r["system"], str(r["streams"]), fmt(r["decode_tok_s_p50"]), fmt(r["ttft_ms_p50"])]
+                    for r in e2e["runs"]
+                ],
+            )
+        )
     lines += ["", "Greedy outputs, prompts with all ids equal (mean length of the equal beginning):"]
     for dtype, eq in results["outputs_equal"].items():
         pairs = {dtype: eq} if "equal" in eq else {f"{dtype}, {name}": c for name, c in eq.items()}
@@ -855,6 +907,17 @@ def main(argv: list[str] | None = None) -> int:
         "smoke 0)",
     )
     parser.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2 Q4_1 the project fetches)")
+    parser.add_argument(
+        "--compile-cpu-decode",
+        action="store_true",
+        help="the engine's decode steps compiled (LLM(compile_cpu_decode=True), as `sluicegate up` serves)",
+    )
+    parser.add_argument(
+        "--e2e",
+        action="store_true",
+        help="then the whole stack (`sluicegate up`) against llama-server through the openai SDK, c=1",
+    )
+    parser.add_argument("--e2e-passes", type=int, default=2, help="passes over the prompts per e2e system")
     parser.add_argument("--out", default="vs_llamacpp.json", help="where the JSON results go")
     args = parser.parse_args(argv)
     # A stop by signal unwinds like Ctrl-C, so the peer subprocesses are closed (a background job ignores SIGINT).

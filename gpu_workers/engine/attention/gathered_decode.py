@@ -3,13 +3,15 @@
 The torch backend's eager decode path plans each step on the host (block tables as Python lists, runs of
 consecutive slots, a padded gather worked out once per step). A compiled graph cannot call back into such
 Python per layer without paying the call each time, so a compiled decode step (``execution/cpu_decode_compile.py``)
-attends here instead: the step's block tables expand into every row's slots inside the graph, the rows' contexts
-are gathered to ``[rows, kv_heads, blocks * block_size, head_dim]`` with the padding masked, and the query heads
-sharing a KV head fold into the query-length axis (no K/V copies for grouped-query attention), as the eager
-decode batch does. Arithmetic is float32 on the CPU, like the eager path.
+attends here instead: the step's block tables expand into every row's slots inside the graph, the rows' cached
+contexts are gathered to ``[rows, kv_heads, blocks * block_size, head_dim]`` with the padding masked, the new token's
+own key and value join as one more column, and the query heads sharing a KV head fold into the query-length axis
+(no K/V copies for grouped-query attention), as the eager decode batch does. Arithmetic is float32 on the CPU,
+like the eager path.
 
-The new tokens' K/V are stored at their slots first (in place: the compiled graph mutates the cache it is given),
-then read back with the rest of the context, so the cache holds exactly what an eager step writes.
+The graph never writes the cache: an in-place store into a view of the engine's one big cache tensor is
+functionalized by the compiler into a copy of the whole cache per step (287 ms a step with a 1.8 GB cache). The
+layers' new K/V are handed out instead (``meta.new_kv``, in layer order) and stored by the caller after the graph.
 """
 
 from __future__ import annotations
@@ -29,21 +31,22 @@ def attend_decode_gathered(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """``[rows, heads, head_dim]`` attention of one query row per sequence over its whole cached context."""
+    """``[rows, heads, head_dim]`` attention of one query row per sequence over its cached context and itself."""
+    if meta.new_kv is None:
+        raise RuntimeError("a compiled decode step needs meta.new_kv to hand its K/V out")
+    meta.new_kv.append((k, v))
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
     offsets = torch.arange(block_size, device=q.device, dtype=torch.int64)
     slots = (meta.block_tables.to(torch.int64).unsqueeze(-1) * block_size + offsets).flatten(1)  # [rows, ctx]
-    visible = torch.arange(slots.shape[1], device=q.device)
-    mask = (visible.unsqueeze(0) < meta.seq_lens.to(torch.int64).unsqueeze(-1))[:, None, None, :]
+    cached = torch.arange(slots.shape[1], device=q.device).unsqueeze(0) < (meta.seq_lens.to(torch.int64) - 1)[:, None]
+    mask = torch.cat([cached, cached.new_ones(rows, 1)], dim=1)[:, None, None, :]
     work = torch.float32 if q.device.type == "cpu" else q.dtype
-    keys = flat_k[slots].transpose(1, 2).to(work)  # [rows, kv_heads, ctx, head_dim]
-    values = flat_v[slots].transpose(1, 2).to(work)
+    keys = torch.cat([flat_k[slots], k.unsqueeze(1)], dim=1).transpose(1, 2).to(work)  # [rows, kv_heads, ctx+1, d]
+    values = torch.cat([flat_v[slots], v.unsqueeze(1)], dim=1).transpose(1, 2).to(work)
     query = q.reshape(rows, num_kv_heads, group, head_dim).to(work)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(rows, num_heads, head_dim).to(q.dtype)

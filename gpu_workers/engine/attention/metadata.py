@@ -58,8 +58,10 @@ class AttentionMetadata:
     # Which KV group this metadata describes (backends that plan per step keep one plan per group).
     kv_group: int = 0
     # The step runs as one compiled graph (``execution/cpu_decode_compile.py``): decode rows only, full attention,
-    # attended with tensor operations alone (``gathered_decode.py``): no host lists, no per-step plans.
+    # attended with tensor operations alone (``gathered_decode.py``): no host lists, no per-step plans, and no cache
+    # writes: each layer appends its new (K, V) to ``new_kv``, which the caller stores after the graph.
     compiled_decode: bool = False
+    new_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV group ``group`` (0: this one)."""

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention.metadata import AttentionMetadata
+
 if TYPE_CHECKING:
     from ..config import EngineConfig
     from .model_runner import ModelRunner, PreparedBatch
@@ -77,15 +79,24 @@ def _mark(tensor: torch.Tensor, dim: int, min_size: int, max_size: int | None = 
 
 
 class CompiledCpuDecode:
-    """The model's forward compiled for decode steps of 1 to ``MAX_ROWS`` rows; call ``warm_up`` once the KV
-    cache exists, then ``run`` with prepared decode batches (``fits`` says which)."""
+    """The model's forward compiled for decode steps of 1 to ``MAX_ROWS`` rows over ``kv_cache`` (the runner's
+    ``[2, layers, blocks, block_size, kv_heads, head_dim]`` tensor); call ``warm_up`` once, then ``run`` with
+    prepared decode batches (``fits`` says which)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
         self.model = model
+        self.kv_cache = kv_cache
+
+        def step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+            hidden = model(input_ids, positions, meta)
+            new_kv = meta.new_kv or []
+            # Stacked inside the graph: the caller stores every layer's new K (and V) with one indexed copy.
+            return hidden, torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv])
+
         # Guards on the model's modules are skipped: its weights never change shape while the engine lives, and
         # checking every module and parameter of every layer on each call costs more than the fused ops save.
         options = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._forward = torch.compile(model, fullgraph=True, dynamic=False, options=options)
+        self._step = torch.compile(step, fullgraph=True, dynamic=False, options=options)
         self.compile_seconds = 0.0
 
     @staticmethod
@@ -93,7 +104,8 @@ class CompiledCpuDecode:
         return 1 <= rows <= MAX_ROWS
 
     def run(self, prepared: PreparedBatch) -> torch.Tensor:
-        """Hidden states of a prepared pure-decode batch (its metadata is marked for the compiled path)."""
+        """Hidden states of a prepared pure-decode batch (its metadata is marked for the compiled path); the
+        step's new K/V are in the cache when it returns."""
         meta = prepared.meta
         rows = prepared.input_ids.shape[0]
         tables = meta.block_tables
@@ -103,12 +115,18 @@ class CompiledCpuDecode:
             tables = torch.nn.functional.pad(tables, (0, 1))
         meta.block_tables = tables
         meta.compiled_decode = True
+        meta.new_kv = []
         _mark(tables, 1, 2)
         if rows > 1:
             for tensor in (prepared.input_ids, prepared.positions, meta.slot_mapping, meta.seq_lens, tables):
                 _mark(tensor, 0, 2, MAX_ROWS)
         with torch.inference_mode():
-            return self._forward(prepared.input_ids, prepared.positions, meta)
+            hidden, keys, values = self._step(prepared.input_ids, prepared.positions, meta)
+            layers, _, _, heads, head_dim = self.kv_cache.shape[1:]
+            slots = self.kv_cache.view(2, layers, -1, heads, head_dim)
+            slots[0].index_copy_(1, meta.slot_mapping, keys)
+            slots[1].index_copy_(1, meta.slot_mapping, values)
+        return hidden
 
     def warm_up(self, runner: ModelRunner) -> None:
         """Compile the one-row and the many-row graphs now, with steps over block 0 (free at start: a sequence
@@ -133,7 +151,9 @@ def compiled_decode_for(runner: ModelRunner, config: EngineConfig) -> CompiledCp
         if config.compile_cpu_decode:
             logger.info("compiled CPU decode off: %s", reason)
         return None
-    compiled = CompiledCpuDecode(runner.model)
+    if runner.kv_cache is None:
+        return None
+    compiled = CompiledCpuDecode(runner.model, runner.kv_cache)
     try:
         compiled.warm_up(runner)
     except Exception as exc:  # any compiler failure leaves the eager path, which always works

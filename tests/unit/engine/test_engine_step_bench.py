@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks import engine_step
+from gpu_workers.engine.execution.cpu_decode_compile import cxx_compiler
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 
 
@@ -31,3 +34,15 @@ def test_engine_step_breaks_a_decode_step_down(tmp_path: Path) -> None:
     profile = tmp_path / "profiles" / f"engine_step_float32_{isa.lower()}_t2_b3.txt"
     assert profile.read_text().count("aten::") > 3
     # The engine is left as it was: no wrapper stays behind.
+
+
+@pytest.mark.skipif(cxx_compiler() is None, reason="Inductor needs a C++ compiler")
+def test_engine_step_times_compiled_decode_steps(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model", num_layers=2, hidden_size=64, vocab_size=512)
+    out = tmp_path / "step.json"
+    argv = ["--model", str(model), "--batch", "1", "3", "--steps", "3", "--rounds", "1", "--dtype", "float32"]
+    argv += ["--compile-cpu-decode", "--kv-blocks", "300", "--profile-dir", "", "--out", str(out)]
+    assert engine_step.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["compiled_decode"] is True and result["kv_blocks"] == 300
+    assert all(result["batches"][b]["step_ms"] > 0 for b in ("1", "3"))
