@@ -17,6 +17,8 @@ missing=()
 command -v java >/dev/null 2>&1 || missing+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# The C++ compiler torch.compile's Inductor calls for the worker's compiled CPU decode steps.
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
 # Sentinel for the Redis failover test (a primary, a replica and three sentinels started by the test).
 [[ "$action" == test ]] && ! command -v redis-sentinel >/dev/null 2>&1 && missing+=(redis-sentinel)
 if ((${#missing[@]})); then
@@ -54,6 +56,17 @@ if [[ ! -x "$venv/bin/python" ]]; then
     rm -f .sluicegate/installed.pyproject
 fi
 venv=$(cd "$venv" && pwd)
+# Inductor's compiled code includes Python's headers, which Debian and Ubuntu ship as python3.X-dev.
+if ! "$venv/bin/python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    pkg=python$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-dev
+    if [[ "$(id -u)" -ne 0 ]]; then
+        echo "note: no Python headers ($pkg): the worker serves eagerly, without compiled CPU decode steps" >&2
+    else
+        echo "setup: installing $pkg"
+        DEBIAN_FRONTEND=noninteractive apt-get update -q
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$pkg"
+    fi
+fi
 PY=$venv/bin/python
 # Reinstall only when pyproject.toml changed since the last install (pip is slow even when idle).
 stamp=.sluicegate/installed.pyproject

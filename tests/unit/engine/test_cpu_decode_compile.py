@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from needs import needs
 
 from gpu_workers.engine import LLM, SamplingParams
 from gpu_workers.engine.execution import cpu_decode_compile
@@ -16,7 +17,7 @@ from gpu_workers.engine.execution.cpu_decode_compile import CompiledCpuDecode, c
 
 from .conftest import HFReference, random_prompts
 
-needs_compiler = pytest.mark.skipif(cxx_compiler() is None, reason="Inductor needs a C++ compiler")
+needs_compiler = needs(cxx_compiler() is not None, "a C++ compiler for Inductor", "apt-get install g++")
 
 
 class CountingRuns:

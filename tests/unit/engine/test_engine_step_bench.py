@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from needs import needs
 
 from benchmarks import engine_step
 from gpu_workers.engine.execution.cpu_decode_compile import cxx_compiler
@@ -36,7 +36,7 @@ def test_engine_step_breaks_a_decode_step_down(tmp_path: Path) -> None:
     # The engine is left as it was: no wrapper stays behind.
 
 
-@pytest.mark.skipif(cxx_compiler() is None, reason="Inductor needs a C++ compiler")
+@needs(cxx_compiler() is not None, "a C++ compiler for Inductor", "apt-get install g++")
 def test_engine_step_times_compiled_decode_steps(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "model", num_layers=2, hidden_size=64, vocab_size=512)
     out = tmp_path / "step.json"
