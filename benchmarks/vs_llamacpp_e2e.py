@@ -49,7 +49,9 @@ class E2EMeasure:
 async def _drive(base_url: str, api_key: str, prompts: list[str], tokens: int, passes: int) -> Streams:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    # llama-server closes idle keep-alive connections, and a request sent on one just closed fails with no response:
+    # the SDK's own retry sends it again (nothing was answered, so nothing is counted twice).
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=600)
     try:
         model = (await client.models.list()).data[0].id
         await stream_one(client, model, tokens, Streams(), prompts[0])

@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         metavar="N",
-        help="workers per model (each its own engine; on the CPU each gets cores / engines torch threads unless "
+        help="workers per model (each its own engine; on the CPU each gets (cores - 1) / engines torch threads, at "
+        "least one, unless "
         "SLUICEGATE_TORCH_THREADS says otherwise): requests are routed among them on their cached prefixes",
     )
     up.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running on exit")

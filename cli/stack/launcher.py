@@ -171,10 +171,14 @@ def _demo_model(settings: Settings) -> Path:
 
 
 def engine_threads(cores: int, engines: int) -> int:
-    """Torch threads for each of ``engines`` CPU engines on ``cores`` cores: an equal share, at least one, so
-    several workers never oversubscribe the machine (two engines of two threads on two cores ran 24 streams
-    3-4x slower than one engine)."""
-    return max(1, cores // max(1, engines))
+    """Torch threads for each of ``engines`` CPU engines on ``cores`` cores: an equal share of all but one core,
+    at least one. The core left over runs the rest of the stack (Kafka, Redis, the worker's I/O, ingress: 13-17 %
+    of the stack's CPU with one stream), so it never preempts an engine thread whose peers then wait at every
+    parallel op. On two cores that is one thread an engine, which no peer ever waits for: through ``up`` with
+    compiled decode, 61.1 decode tok/s at c=1 against 41.8 with two threads waiting passively, and 158.3 against
+    109.5-135.5 out tok/s at c=8 (docs/benchmarks.md). Two engines of two threads on two cores ran 24 streams 3-4x
+    slower than one engine."""
+    return max(1, (cores - 1) // max(1, engines))
 
 
 def worker_name(model: str, model_index: int, worker_index: int) -> str:

@@ -213,9 +213,11 @@ def test_the_stack_tells_its_router_and_ingress_which_models_it_serves() -> None
 
 
 def test_several_workers_share_the_cores_and_get_names_of_their_own() -> None:
-    assert launcher.engine_threads(16, 2) == 8
+    assert launcher.engine_threads(16, 2) == 7  # one core is left to the rest of the stack
+    assert launcher.engine_threads(2, 1) == 1  # one engine on two cores: one thread, no peer to wait for
     assert launcher.engine_threads(2, 2) == 1  # two workers on two cores: one thread each, not two
     assert launcher.engine_threads(2, 3) == 1  # never none
+    assert launcher.engine_threads(1, 1) == 1
     names = {launcher.worker_name(m, n, i) for n, m in enumerate(["a", "b"]) for i in range(2)}
     assert names == {"worker", "worker-2", "worker-b", "worker-b-2"}
 
