@@ -746,8 +746,12 @@ def _measure_e2e(
     decode >= 0.85x the engine alone at c=1 (its best round, prompt evaluation included)."""
     from benchmarks.vs_llamacpp_e2e import run_pair
 
+    def start_peer() -> LlamaServer:
+        return LlamaServer(model_path, args.threads, 1, 2048)
+
+    note = f"llama-server -t {args.threads}; up's engine threads as up sets them (SLUICEGATE_TORCH_THREADS wins)"
     try:
-        e2e = run_pair(model_path, args.threads, list(PROMPTS), args.tokens, args.e2e_passes)
+        e2e = run_pair(start_peer, ENV_DIR, note, list(PROMPTS), args.tokens, args.e2e_passes)
     except Exception as exc:
         results["peer_errors"]["e2e"] = f"{type(exc).__name__}: {exc}"
         progress(f"e2e pair failed: {results['peer_errors']['e2e']}")

@@ -20,9 +20,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from benchmarks.common import REPO_ROOT, free_port, progress
 from benchmarks.stack_cpu import Streams, stream_one
@@ -128,13 +129,23 @@ class UpStack:
         self._log.close()
 
 
-def run_pair(model_path: Path, threads: int, prompts: list[str], tokens: int, passes: int) -> dict[str, Any]:
-    """llama-server, then ``up``, then llama-server again; the ratios use the peer's mean of its two runs."""
-    from benchmarks.vs_llamacpp import ENV_DIR, LlamaServer
+class PeerServer(Protocol):
+    """What the pair needs of llama-server: its port while it runs, and a way to stop it."""
+
+    port: int
+
+    def close(self) -> None: ...
+
+
+def run_pair(
+    start_peer: Callable[[], PeerServer], log_dir: Path, threads_note: str, prompts: list[str], tokens: int, passes: int
+) -> dict[str, Any]:
+    """llama-server (``start_peer`` starts one), then ``up``, then llama-server again; the ratios use the peer's mean
+    of its two runs. ``up``'s log goes to ``log_dir``."""
 
     def peer(label: str) -> E2EMeasure:
         progress(f"e2e: llama-server ({label}) ...")
-        server = LlamaServer(model_path, threads, 1, 2048)
+        server = start_peer()
         try:
             url = f"http://127.0.0.1:{server.port}/v1"
             return measure(f"llama-server ({label})", url, "none", prompts, tokens, passes)
@@ -144,7 +155,7 @@ def run_pair(model_path: Path, threads: int, prompts: list[str], tokens: int, pa
     before = peer("before")
     progress("e2e: sluicegate up ...")
     started = time.perf_counter()
-    stack = UpStack(ENV_DIR / "up-e2e.log")
+    stack = UpStack(log_dir / "up-e2e.log")
     up_s = time.perf_counter() - started
     try:
         ours = measure("sluicegate up", stack.base_url, stack.api_key, prompts, tokens, passes)
@@ -155,6 +166,7 @@ def run_pair(model_path: Path, threads: int, prompts: list[str], tokens: int, pa
     peer_ttft = (before.ttft_ms_p50 + after.ttft_ms_p50) / 2
     return {
         "up_start_s": round(up_s, 1),
+        "threads": threads_note,
         "runs": [m.as_json() for m in (before, ours, after)],
         "decode_vs_llama_server": round(ours.decode_tok_s_p50 / peer_decode, 3),
         "ttft_vs_llama_server": round(ours.ttft_ms_p50 / peer_ttft, 3),

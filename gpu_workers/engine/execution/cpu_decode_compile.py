@@ -23,7 +23,9 @@ import logging
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,7 +33,6 @@ from ..attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
-    from .model_runner import ModelRunner, PreparedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +50,48 @@ def cxx_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
-def unsupported(runner: ModelRunner, config: EngineConfig) -> str | None:
+class DecodeBatch(Protocol):
+    """A prepared pure-decode batch (the model runner's ``PreparedBatch``)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """What the compiled path needs of a model runner, which owns the model, its cache and how batches are built."""
+
+    model: torch.nn.Module
+    # ``[2, layers, blocks, block_size, kv_heads, head_dim]``; None before it is allocated.
+    kv_cache: torch.Tensor | None
+    device: torch.device
+    backend_name: str
+    block_size: int
+    # A sliding-window layer or a hybrid (per layer group) cache; an FP8 cache; LoRA adapters.
+    sliding: bool
+    fp8_cache: bool
+    lora: bool
+    # The runner's batch builder: (input ids, positions, slots, query starts, sequence lengths, block tables,
+    # logits rows, sampling sequences, max query length) -> a batch.
+    build: Callable[..., DecodeBatch]
+
+
+def unsupported(target: DecodeTarget, config: EngineConfig) -> str | None:
     """Why decode steps cannot run compiled here, or None when they can."""
     if not config.compile_cpu_decode:
         return "compile_cpu_decode is off"
-    if runner.device.type != "cpu":
-        return f"device {runner.device} is not the CPU"
-    if runner.backend.name != "torch":
-        return f"the {runner.backend.name!r} attention backend has no compiled decode path"
+    if target.device.type != "cpu":
+        return f"device {target.device} is not the CPU"
+    if target.backend_name != "torch":
+        return f"the {target.backend_name!r} attention backend has no compiled decode path"
     if config.deterministic:
         return "the deterministic mode attends every row alone (its batch-invariant path)"
-    if runner.kv_layout is not None or any(w is not None for w in runner.loaded.sliding_windows):
+    if target.sliding:
         return "sliding-window layers attend with the eager planner"
-    if runner.kv_cache_dtype != runner.loaded.dtype:
+    if target.fp8_cache:
         return "an FP8 KV cache is widened by the eager planner"
-    if runner.lora is not None:
+    if target.lora:
         return "LoRA adapters are applied eagerly"
     if config.tensor_parallel_size > 1:
         return "tensor-parallel ranks exchange activations between the pieces"
@@ -103,7 +131,7 @@ class CompiledCpuDecode:
     def fits(rows: int) -> bool:
         return 1 <= rows <= MAX_ROWS
 
-    def run(self, prepared: PreparedBatch) -> torch.Tensor:
+    def run(self, prepared: DecodeBatch) -> torch.Tensor:
         """Hidden states of a prepared pure-decode batch (its metadata is marked for the compiled path); the
         step's new K/V are in the cache when it returns."""
         meta = prepared.meta
@@ -128,14 +156,14 @@ class CompiledCpuDecode:
             slots[1].index_copy_(1, meta.slot_mapping, values)
         return hidden
 
-    def warm_up(self, runner: ModelRunner) -> None:
+    def warm_up(self, target: DecodeTarget) -> None:
         """Compile the one-row and the many-row graphs now, with steps over block 0 (free at start: a sequence
         writes its slots before it reads them), so no request waits for the compiler."""
         started = time.perf_counter()
-        bs = runner.block_size
+        bs = target.block_size
         for rows in (1, 2):
             positions = [bs + 1] * rows
-            prepared = runner._build(
+            prepared = target.build(
                 [0] * rows, positions, list(range(rows)), list(range(rows + 1)), [p + 1 for p in positions],
                 [[0, 0]] * rows, list(range(rows)), [], 1,
             )  # fmt: skip
@@ -144,18 +172,18 @@ class CompiledCpuDecode:
         logger.info("decode steps compiled for the CPU in %.1f s (1 and 2-%d rows)", self.compile_seconds, MAX_ROWS)
 
 
-def compiled_decode_for(runner: ModelRunner, config: EngineConfig) -> CompiledCpuDecode | None:
+def compiled_decode_for(target: DecodeTarget, config: EngineConfig) -> CompiledCpuDecode | None:
     """A warmed-up compiled decode for this runner, or None (the reason logged) when it cannot have one."""
-    reason = unsupported(runner, config)
+    reason = unsupported(target, config)
     if reason is not None:
         if config.compile_cpu_decode:
             logger.info("compiled CPU decode off: %s", reason)
         return None
-    if runner.kv_cache is None:
+    if target.kv_cache is None:
         return None
-    compiled = CompiledCpuDecode(runner.model, runner.kv_cache)
+    compiled = CompiledCpuDecode(target.model, target.kv_cache)
     try:
-        compiled.warm_up(runner)
+        compiled.warm_up(target)
     except Exception as exc:  # any compiler failure leaves the eager path, which always works
         logger.warning("compiled CPU decode off: compiling failed (%s: %s)", type(exc).__name__, exc)
         return None

@@ -39,7 +39,7 @@ from ..core.kv_groups import KVGroupLayout
 from ..core.scheduler import ScheduledBatch
 from ..core.sequence import Sequence
 from ..models.loader import LoadedModel
-from .cpu_decode_compile import CompiledCpuDecode, compiled_decode_for
+from .cpu_decode_compile import CompiledCpuDecode, DecodeTarget, compiled_decode_for
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
 from .kv_group_cache import allocate_group_caches, group_metadata
 from .pooler import PoolSpan, pool
@@ -128,12 +128,26 @@ class ModelRunner:
 
             self._common_prefix_len = common_prefix_len
         if self.device.type == "cpu":
-            self.compiled_decode = compiled_decode_for(self, config)
+            self.compiled_decode = compiled_decode_for(self._decode_target(sliding), config)
         reason = self.decode_graphs_unsupported(config)
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
             return
         self.enable_decode_graphs(config.max_num_seqs, max_model_len)
+
+    def _decode_target(self, sliding: bool) -> DecodeTarget:
+        """This runner as the compiled CPU decode sees it."""
+        return DecodeTarget(
+            model=self.model,
+            kv_cache=self.kv_cache,
+            device=self.device,
+            backend_name=self.backend.name,
+            block_size=self.block_size,
+            sliding=sliding or self.kv_layout is not None,
+            fp8_cache=self.kv_cache_dtype != self.loaded.dtype,
+            lora=self.lora is not None,
+            build=self._build,
+        )
 
     def decode_graphs_unsupported(self, config: EngineConfig) -> str | None:
         """Why decode steps cannot use CUDA graphs here, or None when they can."""
