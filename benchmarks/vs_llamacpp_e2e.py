@@ -1,8 +1,9 @@
 """The end-to-end pair of ``vs_llamacpp.py``: Sluicegate's whole stack (``sluicegate up``: ingress, Kafka, the
 worker and its engine, Redis, the result service) against llama.cpp's own ``llama-server`` on the same GGUF, both
 driven by the official ``openai`` SDK exactly alike: the benchmark's chat prompts one stream at a time, greedy,
-``tokens`` tokens each past end-of-text, with as many threads (``up`` gives its one engine every core; the server
-gets ``-t``/``-tb`` of the same count and one slot). The peer runs before and after ours, so a box whose load
+``tokens`` tokens each past end-of-text. Each system runs as it would for a user: ``up`` gives its engine all cores
+but one (the rest of the stack runs on that one; ``SLUICEGATE_TORCH_THREADS`` overrides it), the server gets
+``-t``/``-tb`` of the benchmark's thread count and one slot. The peer runs before and after ours, so a box whose load
 drifts shows it; each system's first stream is a warm-up and not counted.
 
 Per system: decode tok/s after the first token (median over streams) and TTFT (median), as ``stack_cpu.py``
