@@ -78,7 +78,7 @@ def measure(system: str, base_url: str, api_key: str, prompts: list[str], tokens
 class UpStack:
     """``sluicegate up`` in a subprocess on private ports; ``base_url`` and ``api_key`` once it says it is up."""
 
-    def __init__(self, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_path: Path) -> None:
         self.ingress_port = free_port()
         env = {
             **os.environ,
@@ -90,7 +90,6 @@ class UpStack:
             "SLUICEGATE_ROUTER_METRICS_PORT": "0",
             "SLUICEGATE_BATCH_METRICS_PORT": "0",
             "PYTHONUNBUFFERED": "1",
-            **(extra_env or {}),
         }
         self.log_path = log_path
         self._log = log_path.open("w")

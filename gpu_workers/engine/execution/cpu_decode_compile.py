@@ -63,8 +63,8 @@ class DecodeTarget:
     """What the compiled path needs of a model runner, which owns the model, its cache and how batches are built."""
 
     model: torch.nn.Module
-    # ``[2, layers, blocks, block_size, kv_heads, head_dim]``; None before it is allocated.
-    kv_cache: torch.Tensor | None
+    # ``[2, layers, blocks, block_size, kv_heads, head_dim]``.
+    kv_cache: torch.Tensor
     device: torch.device
     backend_name: str
     block_size: int
@@ -112,8 +112,9 @@ class CompiledCpuDecode:
     prepared decode batches (``fits`` says which)."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
+        layers, _, _, heads, head_dim = kv_cache.shape[1:]
+        # K and V as ``[layers, slots, kv_heads, head_dim]`` views of the cache: where a step's new rows go.
+        self._k_slots, self._v_slots = kv_cache.view(2, layers, -1, heads, head_dim).unbind(0)
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
             hidden = model(input_ids, positions, meta)
@@ -125,7 +126,6 @@ class CompiledCpuDecode:
         # checking every module and parameter of every layer on each call costs more than the fused ops save.
         options = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._step = torch.compile(step, fullgraph=True, dynamic=False, options=options)
-        self.compile_seconds = 0.0
 
     @staticmethod
     def fits(rows: int) -> bool:
@@ -150,10 +150,8 @@ class CompiledCpuDecode:
                 _mark(tensor, 0, 2, MAX_ROWS)
         with torch.inference_mode():
             hidden, keys, values = self._step(prepared.input_ids, prepared.positions, meta)
-            layers, _, _, heads, head_dim = self.kv_cache.shape[1:]
-            slots = self.kv_cache.view(2, layers, -1, heads, head_dim)
-            slots[0].index_copy_(1, meta.slot_mapping, keys)
-            slots[1].index_copy_(1, meta.slot_mapping, values)
+            self._k_slots.index_copy_(1, meta.slot_mapping, keys)
+            self._v_slots.index_copy_(1, meta.slot_mapping, values)
         return hidden
 
     def warm_up(self, target: DecodeTarget) -> None:
@@ -168,8 +166,8 @@ class CompiledCpuDecode:
                 [[0, 0]] * rows, list(range(rows)), [], 1,
             )  # fmt: skip
             self.run(prepared)
-        self.compile_seconds = time.perf_counter() - started
-        logger.info("decode steps compiled for the CPU in %.1f s (1 and 2-%d rows)", self.compile_seconds, MAX_ROWS)
+        seconds = time.perf_counter() - started
+        logger.info("decode steps compiled for the CPU in %.1f s (1 and 2-%d rows)", seconds, MAX_ROWS)
 
 
 def compiled_decode_for(target: DecodeTarget, config: EngineConfig) -> CompiledCpuDecode | None:
@@ -178,8 +176,6 @@ def compiled_decode_for(target: DecodeTarget, config: EngineConfig) -> CompiledC
     if reason is not None:
         if config.compile_cpu_decode:
             logger.info("compiled CPU decode off: %s", reason)
-        return None
-    if target.kv_cache is None:
         return None
     compiled = CompiledCpuDecode(target.model, target.kv_cache)
     try:

@@ -128,18 +128,18 @@ class ModelRunner:
 
             self._common_prefix_len = common_prefix_len
         if self.device.type == "cpu":
-            self.compiled_decode = compiled_decode_for(self._decode_target(sliding), config)
+            self.compiled_decode = compiled_decode_for(self._decode_target(self.kv_cache, sliding), config)
         reason = self.decode_graphs_unsupported(config)
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
             return
         self.enable_decode_graphs(config.max_num_seqs, max_model_len)
 
-    def _decode_target(self, sliding: bool) -> DecodeTarget:
-        """This runner as the compiled CPU decode sees it."""
+    def _decode_target(self, kv_cache: torch.Tensor, sliding: bool) -> DecodeTarget:
+        """This runner, with its allocated cache, as the compiled CPU decode sees it."""
         return DecodeTarget(
             model=self.model,
-            kv_cache=self.kv_cache,
+            kv_cache=kv_cache,
             device=self.device,
             backend_name=self.backend.name,
             block_size=self.block_size,

@@ -20,6 +20,12 @@ from .conftest import HFReference, random_prompts
 needs_compiler = needs(cxx_compiler() is not None, "a C++ compiler for Inductor", "apt-get install g++")
 
 
+def assert_serves_eagerly(llm: LLM) -> None:
+    assert llm.engine.runner.compiled_decode is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
 class CountingRuns:
     """Counts the decode steps that went through the compiled graph."""
 
@@ -88,10 +94,8 @@ def test_without_a_compiler_the_engine_stays_eager(
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     caplog.set_level(logging.INFO, logger=cpu_decode_compile.__name__)
     llm = make_llm(model_dir("llama"), dtype="float32", compile_cpu_decode=True)
-    assert llm.engine.runner.compiled_decode is None
     assert any("no C++ compiler" in r.getMessage() for r in caplog.records)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert len(out[0].token_ids) == 4
+    assert_serves_eagerly(llm)
 
 
 @needs_compiler
@@ -106,7 +110,5 @@ def test_a_failed_compile_leaves_the_eager_path(
 
     monkeypatch.setattr(CompiledCpuDecode, "warm_up", broken)
     llm = make_llm(model_dir("llama"), dtype="float32", compile_cpu_decode=True)
-    assert llm.engine.runner.compiled_decode is None
     assert any("compiler exploded" in r.getMessage() for r in caplog.records)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    assert len(out[0].token_ids) == 4
+    assert_serves_eagerly(llm)
