@@ -58,7 +58,8 @@ def read_bandwidth(threads: int, megabytes: int = 512, repeats: int = 5) -> floa
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of parameters and buffers a decode step reads: all of them but an untied embedding table."""
+    """Bytes of parameters and buffers a decode step reads: all of them but an untied embedding table, plus weights
+    packed outside tensors (``packed_bytes``: the W8A8 LM head)."""
     embed = model.model.embed_tokens.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     seen: set[int] = set()
@@ -70,6 +71,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         if tensor is embed and head is not embed:
             continue  # only indexed: a few rows per step
         total += tensor.numel() * tensor.element_size()
+    total += sum(int(getattr(m, "packed_bytes", 0)) for m in model.modules())
     rope = model.model.rotary_emb
     return total - sum(t.numel() * t.element_size() for t in (rope.cos_cache, rope.sin_cache))
 
@@ -263,6 +265,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     blocks = args.kv_blocks or 32 * max(args.batch) + 64
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 512, "num_kv_blocks": blocks}
     kwargs["compile_cpu_decode"] = args.compile_cpu_decode
+    kwargs["lm_head_quantization"] = args.lm_head_quantization or None
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(path, **kwargs)
@@ -277,6 +280,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "dtype": args.dtype,
         "quantization": args.quantization,
         "compiled_decode": llm.engine.runner.compiled_decode is not None,
+        "lm_head_quantization": args.lm_head_quantization or None,
         "kv_blocks": blocks,
         "threads": args.threads,
         # The vector ISA torch dispatches to (ATEN_CPU_CAPABILITY=avx2 forces AVX2 on an AVX-512 machine).
@@ -377,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (2 layers, hidden 64) instead")
     parser.add_argument(
         "--compile-cpu-decode", action="store_true", help="decode steps compiled, as `sluicegate up` serves them"
+    )
+    parser.add_argument(
+        "--lm-head-quantization", default="", help="w8a8: the LM head in int8 weights and activations, as `up` serves"
     )
     parser.add_argument(
         "--kv-blocks", type=int, default=0, help="KV cache blocks (default: what the batches need; a server has more)"

@@ -283,7 +283,14 @@ class Ours:
     """The engine, one ``LLM`` per weight configuration."""
 
     def __init__(
-        self, model: str, dtype: str, quantization: str | None, max_len: int, kv_blocks: int, compile_decode: bool
+        self,
+        model: str,
+        dtype: str,
+        quantization: str | None,
+        max_len: int,
+        kv_blocks: int,
+        compile_decode: bool,
+        lm_head: str | None = None,
     ) -> None:
         from gpu_workers.engine import LLM, SamplingParams
 
@@ -297,6 +304,7 @@ class Ours:
             num_kv_blocks=kv_blocks,
             max_num_seqs=CONCURRENCY,
             compile_cpu_decode=compile_decode,
+            lm_head_quantization=lm_head,
         )
         self.load_s = time.perf_counter() - started
 
@@ -581,6 +589,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": [1, CONCURRENCY],
         },
         "quantization": args.quantization,
+        "lm_head_quantization": args.lm_head_quantization or None,
+        "compile_cpu_decode": args.compile_cpu_decode,
     }
     try:
         _measure(args, results, model_path, hf_folder, dtypes)
@@ -598,8 +608,10 @@ def _measure(
     ours: dict[str, Ours] = {}
     for dtype in dtypes:
         progress(f"loading the engine ({label(dtype, args.quantization)}) ...")
-        compile_decode = args.compile_cpu_decode
-        ours[dtype] = Ours(str(model_path), dtype, args.quantization, 1024, 512, compile_decode=compile_decode)
+        ours[dtype] = Ours(
+            str(model_path), dtype, args.quantization, 1024, 512, args.compile_cpu_decode,
+            args.lm_head_quantization or None,
+        )  # fmt: skip
     prompts = chat_prompts(next(iter(ours.values())).llm.tokenizer)
     prompts_len = max(map(len, prompts))
     results["workload"]["prompt_tokens"] = [len(p) for p in prompts]
@@ -915,6 +927,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compile-cpu-decode",
         action="store_true",
         help="the engine's decode steps compiled (LLM(compile_cpu_decode=True), as `sluicegate up` serves)",
+    )
+    parser.add_argument(
+        "--lm-head-quantization",
+        default="",
+        help="the engine's LM head: w8a8 (int8 weights and per-row int8 activations, as `sluicegate up` serves "
+        "a kept-quantized model on the CPU) or empty (as the quantization leaves it)",
     )
     parser.add_argument(
         "--e2e",

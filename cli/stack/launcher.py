@@ -235,7 +235,23 @@ def _model_env(spec: ModelSpec, device: str) -> dict[str, str]:
         env["SLUICEGATE_DTYPE"] = spec.dtype
     if spec.quantization and device == "cpu" and "SLUICEGATE_QUANTIZATION" not in os.environ:
         env["SLUICEGATE_QUANTIZATION"] = spec.quantization
+    env.update(lm_head_env(device, os.environ.get("SLUICEGATE_QUANTIZATION", env.get("SLUICEGATE_QUANTIZATION", "")),
+                           os.environ))  # fmt: skip
     return env
+
+
+# The engine's CPU kept-quantized methods (gpu_workers/engine/quantization/cpu_quant.py), named here so the
+# launcher does not import torch.
+_KEPT_QUANTIZED = frozenset({"cpu-int8", "cpu-int4", "gguf"})
+
+
+def lm_head_env(device: str, quantization: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """A CPU model whose weights are kept quantized gets the W8A8 LM head (``SLUICEGATE_LM_HEAD_QUANTIZATION``,
+    unless set): the head is a third of a decode step's time in bfloat16 (docs/benchmarks.md). A float model keeps
+    its exact head."""
+    if device != "cpu" or quantization not in _KEPT_QUANTIZED or "SLUICEGATE_LM_HEAD_QUANTIZATION" in environ:
+        return {}
+    return {"SLUICEGATE_LM_HEAD_QUANTIZATION": "w8a8"}
 
 
 def served_models(configured: str, specs: list[ModelSpec]) -> str:

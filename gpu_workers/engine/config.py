@@ -77,6 +77,10 @@ class EngineConfig:
     # On the CPU, pure decode steps run as one graph compiled by torch.compile (execution/cpu_decode_compile.py):
     # the layers' small ops fused, at the cost of compiling at start (cached on disk). Needs a C++ compiler.
     compile_cpu_decode: bool = False
+    # On the CPU, "w8a8": the LM head as int8 weights times int8 activations quantized per row, one integer GEMM
+    # (quantization/cpu_w8a8.py; several times faster than a bfloat16 head at decode). None: the head stays as the
+    # weights' method leaves it (float; a GGUF's own blocks under "gguf").
+    lm_head_quantization: str | None = None
     # Decode batches sharing a long prefix attend it once (backends with a cascade path: triton).
     enable_cascade_attention: bool = True
     # Models mixing full and sliding-window layers (Gemma 3) keep one block table and pool per layer group, so
@@ -126,6 +130,7 @@ class EngineConfig:
         self.kv_offload = KVOffloadConfig.from_value(self.kv_offload)
         self.device = torch.device(self.device)
         self._check_cpu_quantization()
+        self._check_lm_head()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         if self.device.type not in ("cpu", "cuda"):
@@ -196,6 +201,26 @@ class EngineConfig:
             problem = cpu_quantization_problem(self.quantization, self.device)
             if problem is not None:
                 raise ValueError(problem)
+
+    def _check_lm_head(self) -> None:
+        """``lm_head_quantization`` is known and can run here, checked before anything loads."""
+        if self.lm_head_quantization is None:
+            return
+        from .quantization.cpu_w8a8 import LM_HEAD_QUANTIZATIONS, w8a8_problem
+
+        method = self.lm_head_quantization
+        if method not in LM_HEAD_QUANTIZATIONS:
+            raise ValueError(f"unknown lm_head_quantization {method!r}; use one of {LM_HEAD_QUANTIZATIONS} or None")
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"lm_head_quantization={method!r} runs torch's CPU integer GEMM and needs device='cpu', "
+                f"not {str(self.device)!r}"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size > 1 does not support lm_head_quantization={method!r} yet")
+        problem = w8a8_problem()
+        if problem is not None:
+            raise ValueError(f"lm_head_quantization={method!r} cannot run: {problem}")
 
     def _check_tensor_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

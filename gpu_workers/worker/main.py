@@ -92,6 +92,7 @@ def engine_arguments(settings: WorkerSettings) -> dict[str, object]:
         enable_cascade_attention=settings.enable_cascade_attention,
         enforce_eager=settings.enforce_eager,
         compile_cpu_decode=settings.compile_cpu_decode,
+        lm_head_quantization=settings.lm_head_quantization or None,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len or None,
         deterministic=settings.deterministic,

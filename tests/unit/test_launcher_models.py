@@ -134,12 +134,14 @@ def test_the_default_model_is_smollm2_once_fetched(monkeypatch: pytest.MonkeyPat
         f.truncate(GGUF_SIZE)  # the size marks a complete file: fetch_smollm2 reuses it
     monkeypatch.delenv("SLUICEGATE_DTYPE", raising=False)
     monkeypatch.delenv("SLUICEGATE_QUANTIZATION", raising=False)
+    monkeypatch.delenv("SLUICEGATE_LM_HEAD_QUANTIZATION", raising=False)
     spec = default_model(Settings(state_dir=tmp_path / "state"))
     assert (spec.path, spec.name, spec.description) == (str(cached), DEFAULT_MODEL_NAME, "")
     assert spec.quantization == default_model_quantization(spec.dtype)
     cpu_env = launcher._model_env(spec, "cpu")
     assert cpu_env["SLUICEGATE_DTYPE"] == spec.dtype
     assert cpu_env.get("SLUICEGATE_QUANTIZATION", "") == spec.quantization
+    assert cpu_env.get("SLUICEGATE_LM_HEAD_QUANTIZATION") == ("w8a8" if spec.quantization else None)
     gpu_env = launcher._model_env(spec, "cuda")  # a GPU keeps the checkpoint's dtype and dequantizes
     assert "SLUICEGATE_DTYPE" not in gpu_env and "SLUICEGATE_QUANTIZATION" not in gpu_env
     monkeypatch.setenv("SLUICEGATE_QUANTIZATION", "cpu-int8")  # the operator's choice wins
@@ -259,3 +261,11 @@ def test_up_compiles_cpu_decode_with_its_cache_in_the_state_dir_unless_told_othe
     assert launcher.compile_env(tmp_path, "cuda", {}) == {}
     told = {"SLUICEGATE_COMPILE_CPU_DECODE": "false", "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}
     assert launcher.compile_env(tmp_path, "cpu", told) == {}
+
+
+def test_up_gives_kept_quantized_cpu_models_the_w8a8_lm_head_unless_told_otherwise() -> None:
+    assert launcher.lm_head_env("cpu", "cpu-int4", {}) == {"SLUICEGATE_LM_HEAD_QUANTIZATION": "w8a8"}
+    assert launcher.lm_head_env("cpu", "gguf", {}) == {"SLUICEGATE_LM_HEAD_QUANTIZATION": "w8a8"}
+    assert launcher.lm_head_env("cpu", "", {}) == {}  # a float model keeps its exact head
+    assert launcher.lm_head_env("cuda", "cpu-int4", {}) == {}
+    assert launcher.lm_head_env("cpu", "cpu-int4", {"SLUICEGATE_LM_HEAD_QUANTIZATION": ""}) == {}

@@ -28,6 +28,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ..config import EngineConfig
 from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
+from ..quantization.cpu_w8a8 import quantize_lm_head
 from ..quantization.int4_config import Int4Config
 from ..quantization.int4_load import Int4WeightReader, resolve_int4, swap_in_int4_layers
 from . import ARCHITECTURE_INFO, MODEL_REGISTRY, ArchitectureInfo, check_features, resolve_architecture_name
@@ -415,6 +416,8 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)
+    if config.lm_head_quantization is not None:
+        quantize_lm_head(model, config.lm_head_quantization)
     return LoadedModel(
         model=model,
         hf_config=hf_config,

@@ -1,7 +1,8 @@
 """Weight memory accounting that sees quantised storage: parameters and buffers plus the scale
 tensors bitsandbytes keeps outside them (int8 row scales, NF4 block absmax and code tables).
 
-Each storage is counted once, so tied weights (embedding = LM head) and views are not double counted.
+Each storage is counted once, so tied weights (embedding = LM head) and views are not double counted. A module
+whose weights live outside tensors (fbgemm's packed int8, ``cpu_w8a8.py``) says how many bytes in ``packed_bytes``.
 """
 
 from __future__ import annotations
@@ -61,4 +62,5 @@ def weight_memory_bytes(model: nn.Module) -> int:
                 continue
             # A view may not cover its whole storage; the storage is what occupies memory.
             seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        unkeyed += int(getattr(module, "packed_bytes", 0))
     return sum(seen.values()) + unkeyed

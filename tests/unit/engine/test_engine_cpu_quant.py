@@ -33,6 +33,7 @@ from gpu_workers.engine.models.gguf_convert import TENSOR_INDEX
 from gpu_workers.engine.models.gguf_errors import GGUFLoadError
 from gpu_workers.engine.models.random_checkpoint import make_tiny_model
 from gpu_workers.engine.quantization import CpuInt4Linear, CpuInt8Linear, cpu_linear
+from gpu_workers.engine.quantization.cpu_w8a8 import CpuW8A8Linear
 
 from .gguf_files import DEQUANTIZE_ONLY, write_gguf
 from .int4_packer import write_int4_checkpoint
@@ -192,6 +193,28 @@ def test_kept_q8_0_gguf_is_int8_per_channel(
         want = _file_weight(expected, name, tied=False)
         assert ((layer.dequantized_weight() - want).abs() <= step / 2 + 1e-6).all(), name
     _compare(kept, ref, capsys, "llama Q8_0")
+
+
+@pytest.mark.parametrize(("method", "qtype"), [("cpu-int4", T.Q4_1), ("gguf", T.Q4_1)])
+def test_the_w8a8_lm_head_matches_the_dequantized_engine(
+    method: str,
+    qtype: T,
+    tiny: Callable[[str], Path],
+    tmp_path: Path,
+    make_llm: Callable[..., LLM],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``lm_head_quantization="w8a8"`` over kept weights: the head (the tied embedding's float weight, or under
+    ``gguf`` its 4-bit blocks dequantized) multiplies in integers, the embedding stays float, and the logits stay
+    the dequantized engine's within the same bounds as the kept layers'. (A Q8_0 head's codes taken as they are:
+    ``quantization/test_cpu_w8a8.py``.)"""
+    write_gguf(tiny("llama_tied"), tmp_path / "m.gguf", qtype)
+    kept = make_llm(tmp_path / "m.gguf", quantization=method, lm_head_quantization="w8a8", num_kv_blocks=48)
+    ref = make_llm(tmp_path / "m.gguf", dtype="bfloat16", num_kv_blocks=48)
+    model = kept.engine.loaded.model
+    assert isinstance(model.lm_head, CpuW8A8Linear)
+    assert type(model.model.embed_tokens) is nn.Embedding
+    _compare(kept, ref, capsys, f"w8a8 head over {method} {qtype.name}")
 
 
 def test_merged_pieces_of_different_types(

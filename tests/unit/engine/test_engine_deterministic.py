@@ -91,11 +91,15 @@ def _crowd(make_llm: Callable[..., LLM], model: Path, params: SamplingParams, **
     return [_answer(o) for o in outs]
 
 
-SETUPS = [dict(dtype="bfloat16", quantization="cpu-int4"), dict(dtype="float32")]
+SETUPS = [
+    dict(dtype="bfloat16", quantization="cpu-int4"),
+    dict(dtype="bfloat16", quantization="cpu-int4", lm_head_quantization="w8a8"),  # as `up` serves on the CPU
+    dict(dtype="float32"),
+]
 
 
 @pytest.mark.slow  # 13-33 s each on the shared 2-core box
-@pytest.mark.parametrize("setup", SETUPS, ids=["bf16-int4", "fp32"])
+@pytest.mark.parametrize("setup", SETUPS, ids=["bf16-int4", "bf16-int4-w8a8", "fp32"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["mode", "no-mode"])
 def test_answers_alone_equal_answers_in_a_crowd_only_in_the_mode(
     setup: dict[str, str], deterministic: bool, make_llm: Callable[..., LLM], model_dir: Callable[[str], Path]
