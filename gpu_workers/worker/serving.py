@@ -112,7 +112,13 @@ class Serving:
             if entry.request_id != provisional:
                 message = f"the worker failed to serve the request: {exc!r}"
                 failed = parsed if isinstance(parsed, InferenceRequest) else None
-                await self._fail(entry, "internal_error", message, None, failed)
+                try:
+                    await self._fail(entry, "internal_error", message, None, failed)
+                except Exception as fail_exc:  # the same Redis fault, most often: the dead letter still goes out
+                    log.error(
+                        "worker.failure_unrecorded",
+                        extra={"request_id": entry.request_id, "error": repr(fail_exc), "cause": repr(exc)},
+                    )
             rid = request_id_of(record.value, record.headers)
             rejection = Rejection("processing_failed", repr(exc), rid, entry.tenant)
             await self.outputs.dead_letter(record, rejection)
