@@ -66,6 +66,9 @@ def make_llm(args: argparse.Namespace, deterministic: bool, **overrides: Any) ->
         quantization=args.quantization or None,
         max_model_len=1024,
         deterministic=deterministic,
+        lm_head_quantization=args.lm_head_quantization or None,
+        # The mode keeps its steps eager (compiled decode refuses it by name): off, it runs as `up` serves.
+        compile_cpu_decode=args.compile_cpu_decode,
     )
     if args.device == "cuda":  # two engines (mode off and on) share the GPU
         kwargs["gpu_memory_utilization"] = 0.4
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--model", default="", help="a checkpoint folder or GGUF instead of SmolLM2's GGUF")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out", type=Path, default=None, help="cost: write the figures here as JSON")
+    parser.add_argument("--compile-cpu-decode", action="store_true", help="decode steps compiled, as `up` serves")
+    parser.add_argument("--lm-head-quantization", default="", help="w8a8: the LM head as `up` serves it on the CPU")
     args = parser.parse_args()
     (check if args.what == "check" else cost)(args)
 
