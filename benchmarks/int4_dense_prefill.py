@@ -49,23 +49,25 @@ def main(argv: list[str] | None = None) -> int:
         for layer, x in zip(layers, xs, strict=True):
             torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group_size, layer.scales_and_zeros)
 
-    def unpacked(xs: list[torch.Tensor]) -> None:
+    def unpacked(xs: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
         for layer, x in zip(layers, xs, strict=True):
-            layer._dense_mm(x).to(KERNEL_DTYPE)
+            layer._dense_mm(x, dtype).to(KERNEL_DTYPE)
 
     one_row = [torch.randn(1, k).to(KERNEL_DTYPE) for _, k in SHAPES]
     unpack_ms = best_ms(lambda: unpacked(one_row), args.rounds)
     print(f"torch {torch.__version__}, {args.threads} threads; unpacking one layer's weights: {unpack_ms:.2f} ms")
     capability = torch.backends.cpu.get_cpu_capability()
     print(f"DENSE_MIN_ROWS = {DENSE_MIN_ROWS}, dense path {'on' if DENSE_PATH else 'off'} ({capability})\n")
-    print("| rows | int4 kernel ms | unpacked + float32 GEMM ms | kernel / unpacked |")
-    print("|---:|---:|---:|---:|")
+    print("| rows | int4 kernel ms | unpacked + float32 GEMM ms | kernel / unpacked | unpacked + bfloat16 GEMM ms "
+          "| kernel / unpacked bf16 |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
         for rows in args.rows:
             xs = [torch.randn(rows, k).to(KERNEL_DTYPE) for _, k in SHAPES]
             k_ms = best_ms(lambda xs=xs: kernel(xs), args.rounds)
             u_ms = best_ms(lambda xs=xs: unpacked(xs), args.rounds)
-            print(f"| {rows} | {k_ms:.2f} | {u_ms:.2f} | {k_ms / u_ms:.2f} |")
+            b_ms = best_ms(lambda xs=xs: unpacked(xs, torch.bfloat16), args.rounds)
+            print(f"| {rows} | {k_ms:.2f} | {u_ms:.2f} | {k_ms / u_ms:.2f} | {b_ms:.2f} | {k_ms / b_ms:.2f} |")
     return 0
 
 

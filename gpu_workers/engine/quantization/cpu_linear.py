@@ -16,11 +16,12 @@ and only their bfloat16 path is vectorized: float32 runs a scalar loop, measured
 bfloat16 whatever the model's dtype: a float32 model's activations are rounded to bfloat16 on the way in and the
 result is widened back.
 
-Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel is slower on AVX2 than unpacking the codes into a
-float32 weight and running a float32 GEMM, so ``CpuInt4Linear`` does that instead (not on AVX512, where the kernel
-is faster at any size: ``DENSE_PATH``): the weight is unpacked per call into a
-scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's own, exactly (a
-test pins the unpacking against the kernel's float32 path). ``benchmarks/int4_dense_prefill.py`` measured the
+Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel, compute-bound, is slower than unpacking the codes and
+running a dense GEMM, so ``CpuInt4Linear`` does that instead: into float32 on AVX2, into bfloat16 where the CPU has
+bf16 dot products (``DENSE_DTYPE``; on AVX512 without them the kernel stays: ``DENSE_PATH``). The weight is unpacked
+per call into a scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's
+own, exactly, before a bfloat16 product rounds it once (a test pins the unpacking against the kernel's float32
+path). ``benchmarks/int4_dense_prefill.py`` measured the
 crossing point. The packer's layout depends on the instruction set torch dispatches to (:class:`PackLayout`): blocks
 of 64 rows on AVX512, 32 on AVX2 and without vector instructions. The layout is checked once against the kernel
 itself; where it is not the one expected (an instruction set not described here), the kernel multiplies every call.
@@ -41,13 +42,18 @@ INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 INT4_OUT_MULTIPLE = 16  # the packer's tile along N
 # Group size of 4-bit weights quantized from float (GGUF Q4_0 / Q4_1 / Q4_K blocks are groups of 32 too).
 DEFAULT_INT4_GROUP = 32
-# Rows from which an int4 layer multiplies by an unpacked float32 weight instead of calling the kernel: unpacking
-# costs about as much as the kernel's 128-row product on the measured AVX2 CPU (benchmarks/int4_dense_prefill.py).
-DENSE_MIN_ROWS = 128
-# Whether that path is taken at all. On AVX512 the kernel's bfloat16 loop is vectorized with AVX512_BF16 and beats
-# unpacking plus a float32 GEMM at every size measured (16 to 4096 rows, 0.16-0.58x its time, docs/benchmarks.md),
-# so long prefills stay on the kernel there.
-DENSE_PATH = not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+# Rows from which an int4 layer multiplies by an unpacked weight instead of calling the kernel: unpacking costs about
+# as much as the kernel's 128-row product on the measured AVX2 CPU into float32, and 130-140 rows' on the AVX512_BF16
+# one into bfloat16 (benchmarks/int4_dense_prefill.py).
+DENSE_MIN_ROWS = 160 if torch.cpu._is_avx512_bf16_supported() else 128
+# The unpacked weight's dtype: bfloat16 where the CPU has bf16 dot products (AVX512_BF16), float32 elsewhere (a
+# bfloat16 GEMM without them is several times slower than float32).
+DENSE_DTYPE = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+# Whether that path is taken at all. With AVX512_BF16 the kernel's own loop is vectorized too: unpacking into float32
+# lost to it at every size (0.16-0.58x its time), unpacking into bfloat16 wins from about 130 rows (1.2x at 192
+# rows, 1.7-2.0x at 512-1,024; benchmarks/int4_dense_prefill.py, docs/benchmarks.md). On AVX512 without bf16 dot
+# products the bfloat16 product is not native and the float32 one was not measured to win: the kernel stays.
+DENSE_PATH = DENSE_DTYPE == torch.bfloat16 or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # Floats of unpacked weight held at a time (64 MiB): one buffer per thread, reused by every layer; a layer
 # larger than this unpacks a piece of its output columns at a time.
 _SCRATCH_FLOATS = 16 * 2**20
@@ -129,11 +135,13 @@ class _ScratchBuffers(threading.local):
 _scratch_buffers = _ScratchBuffers()
 
 
-def _scratch(numel: int) -> torch.Tensor:
-    """``numel`` float32 of this thread's scratch buffer, grown as needed (up to ``_SCRATCH_FLOATS``)."""
-    buffer = _scratch_buffers.buffer
+def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``numel`` elements of this thread's scratch buffer of ``dtype``, grown as needed (up to ``_SCRATCH_FLOATS``)."""
+    name = f"buffer_{dtype}".replace(".", "_")
+    buffer = getattr(_scratch_buffers, name, None)
     if buffer is None or buffer.numel() < numel:
-        buffer = _scratch_buffers.buffer = torch.empty(numel, dtype=torch.float32)
+        buffer = torch.empty(numel, dtype=dtype)
+        setattr(_scratch_buffers, name, buffer)
     return buffer[:numel]
 
 
@@ -290,19 +298,25 @@ class CpuInt4Linear(nn.Module):
         ]
         return torch.cat(pieces, dim=1)
 
-    def _dense_mm(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat @ W^T`` in float32 through the unpacked weight, a piece of columns at a time in the scratch
-        buffer (a fresh ``[K, N]`` tensor per call costs page faults that more than double the unpacking)."""
-        x = flat.float()
+    def _dense_mm(self, flat: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``flat @ W^T`` through the unpacked weight in ``dtype`` (``DENSE_DTYPE`` by default: float32, or
+        bfloat16 where the CPU multiplies it natively), a piece of columns at a time in the scratch buffers (a fresh
+        ``[K, N]`` tensor per call costs page faults that more than double the unpacking). The weight is unpacked in
+        float32, exactly the kernel's, and rounded to bfloat16 once for a bfloat16 product."""
+        dtype = DENSE_DTYPE if dtype is None else dtype
+        x = flat.to(dtype)
         k = self.in_features
 
         def unpacked(start: int, stop: int) -> torch.Tensor:
-            return self._unpack(start, stop, _scratch(k * (stop - start)).view(k, -1))
+            weight = self._unpack(start, stop, _scratch(k * (stop - start)).view(k, -1))
+            if dtype == torch.float32:
+                return weight
+            return _scratch(k * (stop - start), dtype).view(k, -1).copy_(weight)
 
         pieces = self._column_pieces()
         if len(pieces) == 1:  # the common case: no copy into a separate output
             return torch.mm(x, unpacked(*pieces[0]))
-        out = torch.empty(x.shape[0], self.out_features, device=x.device)
+        out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=dtype)
         for start, stop in pieces:
             out[:, start:stop] = torch.mm(x, unpacked(start, stop))
         return out

@@ -105,8 +105,27 @@ def test_int4_codes_unpack_into_the_kernels_own_weight(n: int, k: int, group: in
 
 @pytest.fixture
 def dense_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The unpacked path on, as on AVX2, whatever this machine is (on AVX512 it is off: the kernel is faster)."""
+    """The unpacked float32 path on, as on AVX2, whatever this machine is (with bf16 dot products it unpacks into
+    bfloat16; on AVX512 without them it is off)."""
     monkeypatch.setattr(cpu_linear, "DENSE_PATH", True)
+    monkeypatch.setattr(cpu_linear, "DENSE_DTYPE", torch.float32)
+
+
+@pytest.mark.usefixtures("dense_path")
+def test_the_bfloat16_dense_path_is_the_kernels_weight_rounded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has bf16 dot products the weight is unpacked exactly, rounded to bfloat16 once, and multiplied
+    by the bfloat16 input: a bfloat16 GEMM by the dequantized weight, in pieces or whole."""
+    monkeypatch.setattr(cpu_linear, "DENSE_DTYPE", torch.bfloat16)
+    torch.manual_seed(9)
+    layer = CpuInt4Linear.from_float(torch.randn(112, 256) * 0.05, group_size=32)
+    w = layer.dequantized_weight()
+    x = torch.randn(DENSE_MIN_ROWS, 256).bfloat16()
+    want = (x @ w.bfloat16().t()).float()
+    torch.testing.assert_close(layer(x).float(), want, rtol=1e-2, atol=1e-2)
+    monkeypatch.setattr(cpu_linear, "_SCRATCH_FLOATS", 64 * 256)  # two pieces and the partial block
+    torch.testing.assert_close(layer(x).float(), want, rtol=1e-2, atol=1e-2)
+    exact = x.float() @ w.t()  # within the two bfloat16 roundings of the float32 product
+    assert float((layer(x).float() - exact).norm() / exact.norm()) < 2**-7
 
 
 @pytest.mark.usefixtures("dense_path")
@@ -276,6 +295,10 @@ def test_the_unpacking_follows_the_packers_layout_on_other_instruction_sets(capa
     assert done.stdout.startswith(capability.upper()), done.stdout
 
 
-def test_long_prefills_stay_on_the_kernel_on_avx512_only() -> None:
-    """Measured here: on AVX512 the kernel beats unpacking at every size, on AVX2 it loses from 128 rows."""
-    assert cpu_linear.DENSE_PATH == (not torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+def test_long_prefills_unpack_into_bfloat16_where_the_cpu_has_bf16_dot_products() -> None:
+    """Measured: on AVX2 the kernel loses to an unpacked float32 weight from 128 rows; with AVX512_BF16 it beats
+    the float32 one at every size and loses to a bfloat16 one from about 130 rows; AVX512 without bf16 keeps it."""
+    bf16 = torch.cpu._is_avx512_bf16_supported()
+    assert cpu_linear.DENSE_DTYPE == (torch.bfloat16 if bf16 else torch.float32)
+    assert cpu_linear.DENSE_PATH == (bf16 or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    assert cpu_linear.DENSE_MIN_ROWS == (160 if bf16 else 128)
