@@ -187,12 +187,21 @@ def worker_name(model: str, model_index: int, worker_index: int) -> str:
     return base if worker_index == 0 else f"{base}-{worker_index + 1}"
 
 
-def _worker_env(threads: int) -> dict[str, str]:
-    """A worker's share of the cores (unless SLUICEGATE_TORCH_THREADS is set); 0 threads: torch's default. A
-    condition of this machine, like the CPU dtype in ``_model_env``: not a setting every child gets."""
+def prefill_threads(cores: int, engines: int) -> int:
+    """Torch threads for each CPU engine's prompt-taking steps: an equal share of all cores, at least one. A prefill
+    is a few long products, which a passive wait does not stall the way it does a decode step's many short ones."""
+    return max(1, cores // max(1, engines))
+
+
+def _worker_env(threads: int, prefill: int = 0) -> dict[str, str]:
+    """A worker's share of the cores (unless SLUICEGATE_TORCH_THREADS / SLUICEGATE_CPU_PREFILL_THREADS are set); 0
+    threads: torch's default. A condition of this machine, like the CPU dtype in ``_model_env``: not a setting every
+    child gets."""
     env: dict[str, str] = {}
     if threads and "SLUICEGATE_TORCH_THREADS" not in os.environ:
         env["SLUICEGATE_TORCH_THREADS"] = str(threads)
+    if prefill > threads > 0 and "SLUICEGATE_CPU_PREFILL_THREADS" not in os.environ:
+        env["SLUICEGATE_CPU_PREFILL_THREADS"] = str(prefill)
     return env
 
 
@@ -249,9 +258,10 @@ def lm_head_env(device: str, quantization: str, environ: Mapping[str, str]) -> d
     """A CPU model whose weights are kept quantized gets the W8A8 LM head (``SLUICEGATE_LM_HEAD_QUANTIZATION``,
     unless set): the head is a third of a decode step's time in bfloat16 (docs/benchmarks.md). A float model keeps
     its exact head."""
-    if device != "cpu" or quantization not in _KEPT_QUANTIZED or "SLUICEGATE_LM_HEAD_QUANTIZATION" in environ:
-        return {}
-    return {"SLUICEGATE_LM_HEAD_QUANTIZATION": "w8a8"}
+    env: dict[str, str] = {}
+    if device == "cpu" and quantization in _KEPT_QUANTIZED and "SLUICEGATE_LM_HEAD_QUANTIZATION" not in environ:
+        env["SLUICEGATE_LM_HEAD_QUANTIZATION"] = "w8a8"
+    return env
 
 
 def served_models(configured: str, specs: list[ModelSpec]) -> str:
@@ -378,6 +388,7 @@ def up(
         # ``workers`` workers per model (one consumer group and its topics per model); the first keeps the plain
         # name "worker". Engines on the CPU share its cores rather than each taking all of them.
         threads = engine_threads(os.cpu_count() or 1, len(specs) * workers) if device == "cpu" else 0
+        prefill = prefill_threads(os.cpu_count() or 1, len(specs) * workers) if device == "cpu" else 0
         started = {
             (n, i): supervisor.start(
                 worker_name(spec.name, n, i),
@@ -385,7 +396,7 @@ def up(
                 {
                     **env,
                     **_model_env(spec, device),
-                    **_worker_env(threads),
+                    **_worker_env(threads, prefill),
                     **compile_env(settings.state_dir, device, os.environ),
                     **kv_disk_tier_env(settings.state_dir, worker_name(spec.name, n, i), os.environ),
                 },
