@@ -81,6 +81,9 @@ class EngineConfig:
     # (quantization/cpu_w8a8.py; several times faster than a bfloat16 head at decode). None: the head stays as the
     # weights' method leaves it (float; a GGUF's own blocks under "gguf").
     lm_head_quantization: str | None = None
+    # On the CPU, torch threads for steps that take in prompt tokens (prefill, mixed); decode steps keep the
+    # process's count (execution/cpu_step_threads.py). 0: the same count for every step.
+    cpu_prefill_threads: int = 0
     # Decode batches sharing a long prefix attend it once (backends with a cascade path: triton).
     enable_cascade_attention: bool = True
     # Models mixing full and sliding-window layers (Gemma 3) keep one block table and pool per layer group, so
@@ -131,6 +134,10 @@ class EngineConfig:
         self.device = torch.device(self.device)
         self._check_cpu_quantization()
         self._check_lm_head()
+        if isinstance(self.cpu_prefill_threads, bool) or not isinstance(self.cpu_prefill_threads, int):
+            raise ValueError(f"cpu_prefill_threads must be an int, got {self.cpu_prefill_threads!r}")
+        if self.cpu_prefill_threads < 0:
+            raise ValueError(f"cpu_prefill_threads must be >= 0 (0: as decode steps), got {self.cpu_prefill_threads}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         if self.device.type not in ("cpu", "cuda"):

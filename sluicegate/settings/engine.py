@@ -114,6 +114,14 @@ class EngineSettings(SettingsBase):
         "or a thread of the worker (thread).",
     )
     torch_threads: int = Field(0, ge=0, description="CPU threads for the engine's torch ops; 0 keeps torch's default.")
+    cpu_prefill_threads: int = Field(
+        0,
+        ge=0,
+        description="On the CPU, torch threads for the engine's steps that take in prompt tokens (prefill, mixed); "
+        "decode steps keep SLUICEGATE_TORCH_THREADS. A prefill is a few long products that a second thread nearly "
+        "halves, where a decode step's many short ones lose to waiting on shared cores. 0: the same for every step. "
+        "`sluicegate up` gives prefills each engine's share of all cores.",
+    )
     engine_cpu_nice: int = Field(
         10,
         ge=0,

@@ -269,3 +269,15 @@ def test_up_gives_kept_quantized_cpu_models_the_w8a8_lm_head_unless_told_otherwi
     assert launcher.lm_head_env("cpu", "", {}) == {}  # a float model keeps its exact head
     assert launcher.lm_head_env("cuda", "cpu-int4", {}) == {}
     assert launcher.lm_head_env("cpu", "cpu-int4", {"SLUICEGATE_LM_HEAD_QUANTIZATION": ""}) == {}
+
+
+def test_prefills_get_each_engines_share_of_all_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert launcher.prefill_threads(2, 1) == 2  # one engine on two cores: decode on one thread, prefill on two
+    assert launcher.prefill_threads(2, 2) == 1
+    assert launcher.prefill_threads(16, 2) == 8
+    monkeypatch.delenv("SLUICEGATE_TORCH_THREADS", raising=False)
+    monkeypatch.delenv("SLUICEGATE_CPU_PREFILL_THREADS", raising=False)
+    assert launcher._worker_env(1, 2) == {"SLUICEGATE_TORCH_THREADS": "1", "SLUICEGATE_CPU_PREFILL_THREADS": "2"}
+    assert launcher._worker_env(1, 1) == {"SLUICEGATE_TORCH_THREADS": "1"}  # nothing more to give
+    monkeypatch.setenv("SLUICEGATE_CPU_PREFILL_THREADS", "1")
+    assert launcher._worker_env(1, 2) == {"SLUICEGATE_TORCH_THREADS": "1"}

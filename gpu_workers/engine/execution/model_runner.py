@@ -40,6 +40,7 @@ from ..core.scheduler import ScheduledBatch
 from ..core.sequence import Sequence
 from ..models.loader import LoadedModel
 from .cpu_decode_compile import CompiledCpuDecode, DecodeTarget, compiled_decode_for
+from .cpu_step_threads import CpuStepThreads
 from .cuda_graphs import DecodeGraphRunner, DecodeRows, graph_batch_sizes
 from .kv_group_cache import allocate_group_caches, group_metadata
 from .pooler import PoolSpan, pool
@@ -104,6 +105,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         # On the CPU: pure decode steps as one compiled graph (cpu_decode_compile.py), set by setup_decode.
         self.compiled_decode: CompiledCpuDecode | None = None
+        # With cpu_prefill_threads: prompt-taking CPU steps on more threads than decode steps (set by setup_decode).
+        self.step_threads: CpuStepThreads | None = None
         # The engine's adapters when LoRA is enabled (set by LLMEngine).
         self.lora: LoRAManager | None = None
         # Set by allocate_hybrid_kv_cache: the layer groups, and every group's cache (group 0's is kv_cache).
@@ -129,6 +132,7 @@ class ModelRunner:
             self._common_prefix_len = common_prefix_len
         if self.device.type == "cpu":
             self.compiled_decode = compiled_decode_for(self._decode_target(self.kv_cache, sliding), config)
+        self.step_threads = CpuStepThreads.from_config(config.cpu_prefill_threads, self.device)
         reason = self.decode_graphs_unsupported(config)
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
@@ -436,6 +440,8 @@ class ModelRunner:
         fits = graphs is not None and len(batch.seqs) <= graphs.max_batch
         if graphs is not None and fits and not calibrate and decode_only:
             return self._execute_decode_graph(graphs, batch.seqs)
+        if self.step_threads is not None:
+            self.step_threads.enter(decode_only)
         prepared = self.prepare(batch)
         prepared.meta.calibrate_kv_scales = calibrate
         lora = self.lora
