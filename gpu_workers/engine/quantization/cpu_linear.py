@@ -45,15 +45,16 @@ DEFAULT_INT4_GROUP = 32
 # Rows from which an int4 layer multiplies by an unpacked weight instead of calling the kernel: unpacking costs about
 # as much as the kernel's 128-row product on the measured AVX2 CPU into float32, and 130-140 rows' on the AVX512_BF16
 # one into bfloat16 (benchmarks/int4_dense_prefill.py).
-DENSE_MIN_ROWS = 160 if torch.cpu._is_avx512_bf16_supported() else 128
+_BF16_DOT = torch.cpu._is_avx512_bf16_supported()
+DENSE_MIN_ROWS = 160 if _BF16_DOT else 128
 # The unpacked weight's dtype: bfloat16 where the CPU has bf16 dot products (AVX512_BF16), float32 elsewhere (a
 # bfloat16 GEMM without them is several times slower than float32).
-DENSE_DTYPE = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+DENSE_DTYPE = torch.bfloat16 if _BF16_DOT else torch.float32
 # Whether that path is taken at all. With AVX512_BF16 the kernel's own loop is vectorized too: unpacking into float32
 # lost to it at every size (0.16-0.58x its time), unpacking into bfloat16 wins from about 130 rows (1.2x at 192
 # rows, 1.7-2.0x at 512-1,024; benchmarks/int4_dense_prefill.py, docs/benchmarks.md). On AVX512 without bf16 dot
 # products the bfloat16 product is not native and the float32 one was not measured to win: the kernel stays.
-DENSE_PATH = DENSE_DTYPE == torch.bfloat16 or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+DENSE_PATH = _BF16_DOT or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # Floats of unpacked weight held at a time (64 MiB): one buffer per thread, reused by every layer; a layer
 # larger than this unpacks a piece of its output columns at a time.
 _SCRATCH_FLOATS = 16 * 2**20
@@ -129,7 +130,8 @@ def _unpack_codes(
 
 
 class _ScratchBuffers(threading.local):
-    buffer: torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.by_dtype: dict[torch.dtype, torch.Tensor] = {}
 
 
 _scratch_buffers = _ScratchBuffers()
@@ -137,11 +139,10 @@ _scratch_buffers = _ScratchBuffers()
 
 def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``numel`` elements of this thread's scratch buffer of ``dtype``, grown as needed (up to ``_SCRATCH_FLOATS``)."""
-    name = f"buffer_{dtype}".replace(".", "_")
-    buffer = getattr(_scratch_buffers, name, None)
+    buffers = _scratch_buffers.by_dtype
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < numel:
-        buffer = torch.empty(numel, dtype=dtype)
-        setattr(_scratch_buffers, name, buffer)
+        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 
 

@@ -94,7 +94,8 @@ class CpuW8A8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuW8A8Linear:
-        """Symmetric int8 per output channel from a float ``[N, K]`` weight."""
+        """Symmetric int8 per output channel from a float ``[N, K]`` weight. Unlike ``quantize_int8`` (whose kernel
+        takes bfloat16 scales) the scales stay float32: fbgemm applies them in float32."""
         w = weight.detach().float()
         scales = w.abs().amax(dim=1) / 127
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
