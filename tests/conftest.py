@@ -182,6 +182,26 @@ def _torch_seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _logging_state() -> Iterator[None]:
+    """Undo what a test leaves in the logging tree: a service run in-process calls ``configure_logging``, which
+    installs its own root handler and quiets aiokafka to WARNING for the rest of the worker's life, so a later test
+    that read aiokafka's lines from ``caplog`` passed or failed by which tests shared its pytest-xdist worker.
+    pytest installs fresh capture handlers for every phase, so only handlers of other origin are removed."""
+    root = logging.getLogger()
+    handlers, level = set(root.handlers), root.level
+    loggers = logging.Logger.manager.loggerDict
+    levels = {name: log.level for name, log in loggers.items() if isinstance(log, logging.Logger)}
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    root.setLevel(level)
+    for name, log in list(loggers.items()):
+        if isinstance(log, logging.Logger):
+            log.setLevel(levels.get(name, logging.NOTSET))
+
+
 @pytest.fixture(scope="session")
 def backbone() -> Iterator[Backbone]:
     """The session's Kafka/Redis provider; starts nothing until an address is asked for."""

@@ -32,6 +32,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def capture_all_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """Capture DEBUG from every logger, aiokafka's included: ``configure_logging`` (run by any in-process service an
+    earlier test in this worker started) leaves aiokafka at WARNING, which would hide both the line this test looks
+    for and any secret it must not find."""
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="aiokafka")
+
+
 @pytest.fixture
 def wrong_password_file(tmp_path: Path) -> Path:
     path = tmp_path / "wrong.password"
@@ -57,7 +65,7 @@ def foreign_ca(tmp_path: Path) -> Path:
 async def test_produce_consume_and_create_topics_over_sasl_ssl(
     secure_kafka: SecureKafka, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG)
+    capture_all_logs(caplog)
     settings = secure_kafka.settings()
     cluster = await wait_for_kafka(secure_kafka.bootstrap, 30, settings=settings)
     assert cluster["brokers"]
@@ -94,7 +102,7 @@ async def test_produce_consume_and_create_topics_over_sasl_ssl(
 async def test_a_wrong_password_is_named_at_once(
     secure_kafka: SecureKafka, wrong_password_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG)
+    capture_all_logs(caplog)
     settings = secure_kafka.settings(kafka_sasl_password_file=wrong_password_file)
     expected = f"Kafka at {secure_kafka.bootstrap} refused the SASL credentials for user 'sluicegate' (SCRAM-SHA-512)"
     started = time.monotonic()
