@@ -67,7 +67,7 @@ def make_llm(args: argparse.Namespace, deterministic: bool, **overrides: Any) ->
         max_model_len=1024,
         deterministic=deterministic,
         lm_head_quantization=args.lm_head_quantization or None,
-        # The mode keeps its steps eager (compiled decode refuses it by name): off, it runs as `up` serves.
+        # As `up` serves on the CPU; under the mode every step, prompt tokens too, then runs through the graph.
         compile_cpu_decode=args.compile_cpu_decode,
     )
     if args.device == "cuda":  # two engines (mode off and on) share the GPU

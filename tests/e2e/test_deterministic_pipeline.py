@@ -1,5 +1,5 @@
-"""The deterministic mode through the real pipeline, in ``up``'s default precision on the CPU (bfloat16 with the
-weights kept 4-bit, ``cpu-int4``), two workers:
+"""The deterministic mode through the real pipeline, as ``up`` serves on the CPU (bfloat16 with the weights kept
+4-bit, ``cpu-int4``, the W8A8 LM head, steps compiled), two workers:
 
 - ``kill -9`` of the worker generating a greedy and a seeded sampled request: the next owner re-runs prompt +
   delivered tokens, and both requests end with exactly the tokens of a clean run (the mode prefills the delivered
@@ -30,7 +30,7 @@ __all__ = ["tiny_model_dir"]  # the paced model, shared with test_recovery
 
 MAX_TOKENS = 200
 # ``up``'s default on a CPU with bfloat16 instructions (cli/stack/launcher.py), with the mode on.
-PRECISION = {"dtype": "bfloat16", "quantization": "cpu-int4"}
+PRECISION = {"dtype": "bfloat16", "quantization": "cpu-int4", "lm_head_quantization": "w8a8"}
 SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 7}
 CROWD_PROMPTS = [f"Item {i}: the {word} of the river" for i, word in enumerate("abcdefghijkl")]
 CROWD_TOKENS = 24
@@ -43,6 +43,8 @@ def pipeline_env() -> dict[str, str]:
         "SLUICEGATE_DETERMINISTIC": "true",
         "SLUICEGATE_DTYPE": PRECISION["dtype"],
         "SLUICEGATE_QUANTIZATION": PRECISION["quantization"],
+        "SLUICEGATE_LM_HEAD_QUANTIZATION": PRECISION["lm_head_quantization"],
+        "SLUICEGATE_COMPILE_CPU_DECODE": "true",
     }
 
 
@@ -51,7 +53,7 @@ def llm(tiny_model_dir: Path) -> Iterator[LLM]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield LLM(model=str(tiny_model_dir), device="cpu", deterministic=True, **PRECISION)
+        yield LLM(model=str(tiny_model_dir), device="cpu", deterministic=True, compile_cpu_decode=True, **PRECISION)
     finally:
         torch.set_num_threads(threads)
 
@@ -76,6 +78,9 @@ def _finished_tokens(pipeline: Pipeline, request_id: str, timeout_s: float = 120
 def test_the_pipeline_reports_the_mode(pipeline: Pipeline) -> None:
     ensure_workers(pipeline)
     assert all(beat.deterministic for beat in pipeline.heartbeats().values())
+    for service in pipeline.services:
+        if service.name.startswith("worker"):  # the mode's steps compiled, as `up` runs them, not the eager fallback
+            assert "steps compiled for the CPU" in service.log_path.read_text(errors="replace"), service.name
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])

@@ -22,6 +22,17 @@ import torch.nn.functional as F
 from .metadata import AttentionMetadata
 
 
+def gathered_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The caches as ``[slots, kv_heads, head_dim]`` views, and each row's context slots ``[rows, width *
+    block_size]`` from its block table (padding blocks included: the caller masks them)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    offsets = torch.arange(block_size, device=k_cache.device, dtype=torch.int64)
+    slots = (meta.block_tables.to(torch.int64).unsqueeze(-1) * block_size + offsets).flatten(1)
+    return k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim), slots
+
+
 def attend_decode_gathered(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,12 +47,9 @@ def attend_decode_gathered(
         raise RuntimeError("a compiled decode step needs meta.new_kv to hand its K/V out")
     meta.new_kv.append((k, v))
     rows, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    offsets = torch.arange(block_size, device=q.device, dtype=torch.int64)
-    slots = (meta.block_tables.to(torch.int64).unsqueeze(-1) * block_size + offsets).flatten(1)  # [rows, ctx]
+    flat_k, flat_v, slots = gathered_slots(k_cache, v_cache, meta)
     cached = torch.arange(slots.shape[1], device=q.device).unsqueeze(0) < (meta.seq_lens.to(torch.int64) - 1)[:, None]
     mask = torch.cat([cached, cached.new_ones(rows, 1)], dim=1)[:, None, None, :]
     work = torch.float32 if q.device.type == "cpu" else q.dtype

@@ -62,6 +62,9 @@ class AttentionMetadata:
     # writes: each layer appends its new (K, V) to ``new_kv``, which the caller stores after the graph.
     compiled_decode: bool = False
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # A compiled step of the deterministic mode (``gathered_invariant.py``): every token is a row, and this is, per
+    # row, the position of the first key this step computes for the row's sequence (earlier keys are in the cache).
+    fresh_from: torch.Tensor | None = None
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV group ``group`` (0: this one)."""

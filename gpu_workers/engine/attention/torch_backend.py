@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .gathered_decode import attend_decode_gathered
+from .gathered_invariant import attend_rows_invariant
 from .kv_quant import FP8_AS_FP16_FACTOR, calibrate_scales, fp8_codes_as, is_fp8_cache, quantize_rows
 from .metadata import AttentionMetadata
 from .per_token import attend_per_token
@@ -175,7 +176,8 @@ class TorchAttentionBackend:
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         if meta.compiled_decode:
-            return attend_decode_gathered(q, k, v, k_cache, v_cache, meta, scale)
+            attend = attend_decode_gathered if meta.fresh_from is None else attend_rows_invariant
+            return attend(q, k, v, k_cache, v_cache, meta, scale)
         fp8 = is_fp8_cache(k_cache)
         if fp8 and meta.calibrate_kv_scales and k_scale is not None and v_scale is not None:
             calibrate_scales(k, v, k_scale, v_scale)

@@ -19,6 +19,12 @@ its own context read from the cache (``attention/per_token.py``), so a prefill t
 decode step at its position. RMSNorm, rotary, the MLP's activations and sampling are per row already. Seeded
 sampling's draws are keyed by position whatever the mode (``core/counter_rng.py``).
 
+Where CPU steps are compiled (``compile_cpu_decode``), the mode runs every step, prompt tokens included, through the
+one compiled graph instead (``cpu_decode_compile.py``, ``invariant_rows.py``, ``attention/gathered_invariant.py``):
+same per-token attention, fused ops, one arithmetic for every token. Its numbers are not the eager mode's, so workers
+that should answer alike also share that setting. The mode holds one thread count for every step (no
+``cpu_prefill_threads``).
+
 What stays fixed is a build's reduction order on one instruction set with one thread count: workers that should
 answer alike run the same image on the same CPU family with the same ``SLUICEGATE_TORCH_THREADS``.
 """
@@ -53,10 +59,15 @@ def invariant_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` with at least ``min_rows`` rows multiplied (zero rows padded, then dropped)."""
     flat = x.reshape(-1, layer.in_features)
     rows, least = flat.shape[0], min_rows(layer.weight.dtype)
-    if rows >= least:
+    if torch.compiler.is_compiling():
+        # A compiled step's row count is symbolic: a branch on it would split the graph (or break its declared
+        # range), so the padding is always there. ``least`` more rows, never fewer than ``least`` in all.
+        padded = F.pad(flat, (0, 0, 0, least))
+    elif rows >= least:
         return F.linear(x, layer.weight, layer.bias)
-    padded = flat.new_zeros(least, layer.in_features)
-    padded[:rows] = flat
+    else:
+        padded = flat.new_zeros(least, layer.in_features)
+        padded[:rows] = flat
     out = F.linear(padded, layer.weight, layer.bias)[:rows]
     return out.reshape(*x.shape[:-1], layer.out_features)
 

@@ -13,8 +13,15 @@ mixed steps and anything this module refuses (``unsupported``) run eagerly, as b
 
 Shapes: a step of one row is compiled on its own (Inductor specializes size 1), steps of 2 to ``MAX_ROWS`` rows
 share one graph with the row count and the block-table width dynamic, so a server compiles twice, at start
-(``warm_up``), and Inductor's on-disk cache makes a restart cheap. The C++ compiler Inductor calls (``g++`` unless
-``CXX`` says otherwise) must be installed; without it, or if compiling fails, the engine logs why and stays eager.
+(``warm_up``), and Inductor's on-disk cache makes a restart cheap.
+
+Under the deterministic mode (``invariant``) every step runs through the graph, prompt tokens as rows of their own
+(``invariant_rows.py``), attended alone over their own contexts (``attention/gathered_invariant.py``), so a token's
+numbers are those of one compiled arithmetic whatever the step holds. That mode compiles only the many-row graph (a
+lone row gets a throwaway companion): a second graph would be a second arithmetic.
+
+The C++ compiler Inductor calls (``g++`` unless ``CXX`` says otherwise) must be installed; without it, or if
+compiling fails, the engine logs why and stays eager.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import logging
 import os
 import shutil
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -30,6 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..attention.metadata import AttentionMetadata
+from .invariant_rows import TokenRows, token_rows
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -39,6 +48,9 @@ logger = logging.getLogger(__name__)
 # The largest decode batch run through the graph; larger ones run eagerly (where the projections' kernels change
 # with the row count: quantization/cpu_linear.py's DENSE_MIN_ROWS).
 MAX_ROWS = 64
+# The deterministic mode's longest block table: its attention sums a context block by block, and the compiler cuts a
+# float sum longer than 4096 its own way (gathered_invariant.py). 4096 blocks of 16: 65,536 tokens.
+MAX_INVARIANT_BLOCKS = 4096
 # Inductor's C++ wrapper calls the fused kernels from C++ rather than from generated Python (1.4 ms of a 17 ms
 # step on one thread). Built apart from the kernels, the wrapper (one long function for all the layers) compiles
 # at a lower optimization level: 29 s instead of 117 s of a cold start on two cores, the step no slower.
@@ -72,6 +84,8 @@ class DecodeTarget:
     sliding: bool
     fp8_cache: bool
     lora: bool
+    # The longest block table a sequence can have (max_model_len over the block size, rounded up).
+    max_blocks: int
     # The runner's batch builder: (input ids, positions, slots, query starts, sequence lengths, block tables,
     # logits rows, sampling sequences, max query length) -> a batch.
     build: Callable[..., DecodeBatch]
@@ -85,8 +99,8 @@ def unsupported(target: DecodeTarget, config: EngineConfig) -> str | None:
         return f"device {target.device} is not the CPU"
     if target.backend_name != "torch":
         return f"the {target.backend_name!r} attention backend has no compiled decode path"
-    if config.deterministic:
-        return "the deterministic mode attends every row alone (its batch-invariant path)"
+    if config.deterministic and target.max_blocks > MAX_INVARIANT_BLOCKS:
+        return f"the deterministic mode compiles contexts up to {MAX_INVARIANT_BLOCKS} blocks, not {target.max_blocks}"
     if target.sliding:
         return "sliding-window layers attend with the eager planner"
     if target.fp8_cache:
@@ -102,6 +116,14 @@ def unsupported(target: DecodeTarget, config: EngineConfig) -> str | None:
     return None
 
 
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a code object of its own. Dynamo keeps its compiled graphs on the code object, and with the
+    guards on modules skipped, a second engine in the process (its own model and cache, the same ``step`` source)
+    would be handed the first engine's graph: a shape error at best, the other engine's weights and cache at worst."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def _mark(tensor: torch.Tensor, dim: int, min_size: int, max_size: int | None = None) -> None:
     torch._dynamo.mark_dynamic(tensor, dim, min=min_size, max=max_size)
 
@@ -111,7 +133,8 @@ class CompiledCpuDecode:
     ``[2, layers, blocks, block_size, kv_heads, head_dim]`` tensor); call ``warm_up`` once, then ``run`` with
     prepared decode batches (``fits`` says which)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, invariant: bool = False) -> None:
+        self.invariant = invariant
         layers, _, _, heads, head_dim = kv_cache.shape[1:]
         # K and V as ``[layers, slots, kv_heads, head_dim]`` views of the cache: where a step's new rows go.
         self._k_slots, self._v_slots = kv_cache.view(2, layers, -1, heads, head_dim).unbind(0)
@@ -125,17 +148,30 @@ class CompiledCpuDecode:
         # Guards on the model's modules are skipped: its weights never change shape while the engine lives, and
         # checking every module and parameter of every layer on each call costs more than the fused ops save.
         options = {**INDUCTOR_OPTIONS, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._step = torch.compile(step, fullgraph=True, dynamic=False, options=options)
+        if invariant:
+            # Fused, Inductor keeps a bfloat16 value in float32 from the op that makes it to the op that uses it:
+            # a prompt token's fresh key (used in the step that computes it) would then carry bits that the same
+            # key read back from the bfloat16 cache by a later step does not. Rounding at every op as eager does
+            # keeps one value per key.
+            options["emulate_precision_casts"] = True
+        self._step = torch.compile(_own_code(step), fullgraph=True, dynamic=False, options=options)
 
     @staticmethod
     def fits(rows: int) -> bool:
         return 1 <= rows <= MAX_ROWS
 
+    def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The deterministic mode: hidden states of any step (prefill, mixed or decode), every token a row."""
+        hidden = [self.run(rows) for rows in token_rows(input_ids, positions, meta, MAX_ROWS)]
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+
     def run(self, prepared: DecodeBatch) -> torch.Tensor:
         """Hidden states of a prepared pure-decode batch (its metadata is marked for the compiled path); the
         step's new K/V are in the cache when it returns."""
-        meta = prepared.meta
         rows = prepared.input_ids.shape[0]
+        if self.invariant and rows == 1:
+            prepared = _with_companion(prepared)
+        meta = prepared.meta
         tables = meta.block_tables
         if tables.shape[1] < 2:
             # A table one block wide would be specialized (Inductor treats sizes 0 and 1 apart): pad it with a
@@ -144,30 +180,58 @@ class CompiledCpuDecode:
         meta.block_tables = tables
         meta.compiled_decode = True
         meta.new_kv = []
-        _mark(tables, 1, 2)
-        if rows > 1:
-            for tensor in (prepared.input_ids, prepared.positions, meta.slot_mapping, meta.seq_lens, tables):
+        _mark(tables, 1, 2, MAX_INVARIANT_BLOCKS if self.invariant else None)
+        if prepared.input_ids.shape[0] > 1:
+            marked = [prepared.input_ids, prepared.positions, meta.slot_mapping, meta.seq_lens, tables]
+            for tensor in marked if meta.fresh_from is None else [*marked, meta.fresh_from]:
                 _mark(tensor, 0, 2, MAX_ROWS)
         with torch.inference_mode():
             hidden, keys, values = self._step(prepared.input_ids, prepared.positions, meta)
-            self._k_slots.index_copy_(1, meta.slot_mapping, keys)
-            self._v_slots.index_copy_(1, meta.slot_mapping, values)
-        return hidden
+            slots = meta.slot_mapping[:rows]
+            self._k_slots.index_copy_(1, slots, keys[:, :rows])
+            self._v_slots.index_copy_(1, slots, values[:, :rows])
+        return hidden[:rows]
 
     def warm_up(self, target: DecodeTarget) -> None:
         """Compile the one-row and the many-row graphs now, with steps over block 0 (free at start: a sequence
         writes its slots before it reads them), so no request waits for the compiler."""
         started = time.perf_counter()
         bs = target.block_size
-        for rows in (1, 2):
+        for rows in (2,) if self.invariant else (1, 2):
             positions = [bs + 1] * rows
             prepared = target.build(
                 [0] * rows, positions, list(range(rows)), list(range(rows + 1)), [p + 1 for p in positions],
                 [[0, 0]] * rows, list(range(rows)), [], 1,
             )  # fmt: skip
+            if self.invariant:
+                prepared.meta.fresh_from = prepared.positions.clone()
             self.run(prepared)
         seconds = time.perf_counter() - started
-        logger.info("decode steps compiled for the CPU in %.1f s (1 and 2-%d rows)", seconds, MAX_ROWS)
+        shapes = f"every step as rows, 2-{MAX_ROWS} a call" if self.invariant else f"1 and 2-{MAX_ROWS} rows"
+        logger.info("decode steps compiled for the CPU in %.1f s (%s)", seconds, shapes)
+
+
+def _with_companion(prepared: DecodeBatch) -> TokenRows:
+    """A lone row with a throwaway second one, so the deterministic mode keeps to its one many-row graph: the
+    companion attends only to its own key, and ``run`` drops its hidden state and never stores its K/V."""
+    meta = prepared.meta
+    if meta.fresh_from is None:
+        raise RuntimeError("the deterministic mode's rows carry fresh_from")
+
+    def twice(tensor: torch.Tensor, other: int | float) -> torch.Tensor:
+        return torch.cat([tensor, torch.full_like(tensor[:1], other)])
+
+    companion = AttentionMetadata(
+        slot_mapping=twice(meta.slot_mapping, 0),
+        query_start_loc=torch.arange(3, dtype=torch.int32, device=meta.slot_mapping.device),
+        seq_lens=twice(meta.seq_lens, 1),
+        block_tables=twice(meta.block_tables, 0),
+        max_query_len=1,
+        max_seq_len=meta.max_seq_len,
+        is_decode_only=True,
+        fresh_from=twice(meta.fresh_from, 0),
+    )
+    return TokenRows(twice(prepared.input_ids, 0), twice(prepared.positions, 0), companion)
 
 
 def compiled_decode_for(target: DecodeTarget, config: EngineConfig) -> CompiledCpuDecode | None:
@@ -177,7 +241,7 @@ def compiled_decode_for(target: DecodeTarget, config: EngineConfig) -> CompiledC
         if config.compile_cpu_decode:
             logger.info("compiled CPU decode off: %s", reason)
         return None
-    compiled = CompiledCpuDecode(target.model, target.kv_cache)
+    compiled = CompiledCpuDecode(target.model, target.kv_cache, invariant=config.deterministic)
     try:
         compiled.warm_up(target)
     except Exception as exc:  # any compiler failure leaves the eager path, which always works

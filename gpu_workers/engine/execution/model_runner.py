@@ -131,15 +131,19 @@ class ModelRunner:
 
             self._common_prefix_len = common_prefix_len
         if self.device.type == "cpu":
-            self.compiled_decode = compiled_decode_for(self._decode_target(self.kv_cache, sliding), config)
-        self.step_threads = CpuStepThreads.from_config(config.cpu_prefill_threads, self.device)
+            target = self._decode_target(self.kv_cache, sliding, max_model_len)
+            self.compiled_decode = compiled_decode_for(target, config)
+        # The deterministic mode holds one thread count: a kernel may split its sums by thread, and a prompt token
+        # must be computed as its decode step would be.
+        prefill_threads = 0 if config.deterministic else config.cpu_prefill_threads
+        self.step_threads = CpuStepThreads.from_config(prefill_threads, self.device)
         reason = self.decode_graphs_unsupported(config)
         if reason is not None:
             logger.info("decode CUDA graphs off: %s", reason)
             return
         self.enable_decode_graphs(config.max_num_seqs, max_model_len)
 
-    def _decode_target(self, kv_cache: torch.Tensor, sliding: bool) -> DecodeTarget:
+    def _decode_target(self, kv_cache: torch.Tensor, sliding: bool, max_model_len: int) -> DecodeTarget:
         """This runner, with its allocated cache, as the compiled CPU decode sees it."""
         return DecodeTarget(
             model=self.model,
@@ -150,6 +154,7 @@ class ModelRunner:
             sliding=sliding or self.kv_layout is not None,
             fp8_cache=self.kv_cache_dtype != self.loaded.dtype,
             lora=self.lora is not None,
+            max_blocks=-(-max_model_len // self.block_size),
             build=self._build,
         )
 
@@ -448,7 +453,9 @@ class ModelRunner:
         step_lora = lora.context.active(lora.batch_for(prepared.runs)) if lora is not None else nullcontext()
         compiled = self.compiled_decode
         with torch.inference_mode(), step_lora:
-            if compiled is not None and decode_only and not calibrate and compiled.fits(len(batch.seqs)):
+            if compiled is not None and compiled.invariant:
+                hidden = compiled.run_step(prepared.input_ids, prepared.positions, prepared.meta)
+            elif compiled is not None and decode_only and not calibrate and compiled.fits(len(batch.seqs)):
                 hidden = compiled.run(prepared)
             else:
                 hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)

@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from needs import needs
 
 from gpu_workers.engine import LLM, RequestOutput, SamplingParams
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.core.counter_rng import SeededStream, Stream, draw_key
 from gpu_workers.engine.core.scheduler import ScheduledBatch
 from gpu_workers.engine.execution.batch_invariant import invariant_linear, min_rows
+from gpu_workers.engine.execution.cpu_decode_compile import cxx_compiler
 from gpu_workers.engine.quantization.cpu_linear import CpuInt4Linear
 
 from .conftest import random_prompts
+
+needs_compiler = needs(cxx_compiler() is not None, "a C++ compiler for Inductor", "apt-get install g++")
 
 # Logprobs too: tokens of a random model rarely flip, but a logprob shows any difference in the logits, bit for bit.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
@@ -114,6 +118,29 @@ def test_answers_alone_equal_answers_in_a_crowd_only_in_the_mode(
             assert differ == [], f"{len(differ)} of {len(together)} differ ({params.temperature=})"
         else:  # what the mode is for: without it the crowd's logits are not the lone prompt's
             assert len(differ) > len(together) // 2, f"only {len(differ)} of {len(together)} differ"
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_steps_in_a_crowd_answer_as_alone_in_the_mode(
+    make_llm: Callable[..., LLM], model_dir: Callable[[str], Path]
+) -> None:
+    """Every step through the one compiled graph, prompt tokens as rows attending alone (as `up` serves on the
+    CPU, with the mode on): alone, in a crowd and resumed from delivered tokens, the same tokens and logprobs."""
+    model = model_dir("llama")
+    setup = dict(SETUPS[1], compile_cpu_decode=True, deterministic=True)
+    alone = make_llm(model, **setup)
+    compiled = alone.engine.runner.compiled_decode
+    assert compiled is not None and compiled.invariant, "the mode should compile its steps here"
+    for params in (GREEDY, SEEDED):
+        expected = [_answer(alone.generate([p], params)[0]) for p in PROMPTS]
+        together = _crowd(make_llm, model, params, **setup)
+        differ = [i for i, out in enumerate(together) if out != expected[i % len(PROMPTS)]]
+        assert differ == [], f"{len(differ)} of {len(together)} differ ({params.temperature=})"
+        for prompt, (clean, logprobs) in list(zip(PROMPTS, expected, strict=True))[2:5]:
+            cut = len(clean) // 3
+            rest = dataclasses.replace(params, max_tokens=len(clean) - cut)
+            assert _answer(alone.generate([prompt + clean[:cut]], rest)[0]) == (clean[cut:], logprobs[cut:])
 
 
 @pytest.mark.slow
