@@ -25,7 +25,8 @@ from transformers import AutoConfig
 
 from ..attention import get_attention_backend
 from ..config import EngineConfig
-from ..execution.model_runner import ModelRunner, PreparedBatch
+from ..execution.model_runner import ModelRunner
+from ..execution.step_inputs import PreparedBatch
 from ..models import ARCHITECTURE_INFO, check_features, resolve_architecture_name
 from ..models.loader import LoadedModel, load_model, resolve_model_path
 from .group import TPGroup, free_port
