@@ -31,6 +31,7 @@ os.environ.setdefault("SLUICEGATE_STREAM_INTERVAL_MS", "0")
 import contextlib
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -180,6 +181,16 @@ def _torch_seed() -> None:
     changes from run to run, and a test whose unseeded draws once met a tolerance one seed in 60 missed failed
     CI only now and then. Seeded, a test passes or fails the same way every run, and a failure replays alone."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _recursion_limit() -> Iterator[None]:
+    """Put back the interpreter's recursion limit: Inductor raises it to 2000 for good on its first compile, and a
+    later test on the same pytest-xdist worker that sends JSON nested 1100 deep to an in-process service (which
+    must refuse it by name) then saw it parsed."""
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
 
 
 @pytest.fixture(autouse=True)
