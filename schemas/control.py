@@ -76,6 +76,13 @@ class WorkerHeartbeat(Message):
         description="Whether the worker's engine runs batch-invariant: a request's greedy and seeded tokens do not "
         "depend on its batch, chunking, prefix-cache hits or preemption (SLUICEGATE_DETERMINISTIC).",
     )
+    arithmetic: str | None = Field(
+        None,
+        max_length=300,
+        description="What the worker's numbers depend on besides the model's files (device, how steps run, thread "
+        "count, precision, torch version). Deterministic workers give a request the same bits only where this is "
+        "the same.",
+    )
 
     @property
     def serves_adapters(self) -> bool:

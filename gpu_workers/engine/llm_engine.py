@@ -151,6 +151,23 @@ class LLMEngine:
     def attention_backend_name(self) -> str:
         return self.runner.backend.name
 
+    @property
+    def arithmetic(self) -> str:
+        """What this engine's numbers depend on besides the model's files: device, how steps run, thread count,
+        precision, torch. Two deterministic engines give a request the same bits only when these are equal."""
+        config, device = self.config, self.device
+        if device.type == "cpu":
+            steps = "compiled" if self.runner.compiled_decode is not None else "eager"
+            place = f"cpu {steps} steps, {torch.get_num_threads()} threads"
+        else:
+            place = f"{device.type} {self.attention_backend_name} attention"
+        precision = f"{self.loaded.dtype}".removeprefix("torch.")
+        if config.quantization:
+            precision += f" {config.quantization}"
+        if config.lm_head_quantization:
+            precision += f", {config.lm_head_quantization} head"
+        return f"{place}, {precision}, torch {torch.__version__}"
+
     # ------------------------------------------------------------------ adapters
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check and load a LoRA adapter into the CPU pool; True when newly loaded. ``LoRAError`` (a ValueError)

@@ -73,6 +73,7 @@ class Heartbeats:
             prefix_cache_hit_rate=min(1.0, max(0.0, stats.prefix_cache_hit_rate)),
             device=self.config.device,
             deterministic=self.config.deterministic,
+            arithmetic=self.engine.arithmetic,
             draining=self.stopping.is_set(),
             max_model_len=self.engine.max_model_len,
             tool_call_format=self._tool_call_format,

@@ -152,9 +152,15 @@ def _model_card(name: str, beats: list[Any]) -> dict[str, Any]:
     deterministic = sum(b.deterministic for b in beats)
     card["deterministic"] = bool(beats) and deterministic == len(beats)
     card["deterministic_workers"] = deterministic
+    arithmetics = sorted({b.arithmetic for b in beats if b.deterministic and b.arithmetic})
     if 0 < deterministic < len(beats):
         card["warning"] = (
             f"{deterministic} of {len(beats)} workers run deterministic (SLUICEGATE_DETERMINISTIC): "
+            "a request's answer depends on which worker serves it"
+        )
+    elif len(arithmetics) > 1:
+        card["warning"] = (
+            f"the deterministic workers compute differently ({'; '.join(arithmetics)}): "
             "a request's answer depends on which worker serves it"
         )
     return card

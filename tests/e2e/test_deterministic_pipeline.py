@@ -77,7 +77,11 @@ def _finished_tokens(pipeline: Pipeline, request_id: str, timeout_s: float = 120
 
 def test_the_pipeline_reports_the_mode(pipeline: Pipeline) -> None:
     ensure_workers(pipeline)
-    assert all(beat.deterministic for beat in pipeline.heartbeats().values())
+    beats = pipeline.heartbeats().values()
+    assert all(beat.deterministic for beat in beats)
+    # Both say how they compute, alike, so /v1/models has nothing to warn of.
+    assert len({beat.arithmetic for beat in beats}) == 1, [beat.arithmetic for beat in beats]
+    assert all((beat.arithmetic or "").startswith("cpu compiled steps, 1 threads, ") for beat in beats)
     for service in pipeline.services:
         if service.name.startswith("worker"):  # the mode's steps compiled, as `up` runs them, not the eager fallback
             assert "steps compiled for the CPU" in service.log_path.read_text(errors="replace"), service.name

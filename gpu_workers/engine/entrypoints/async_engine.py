@@ -78,6 +78,10 @@ class AsyncEngine(EngineFront):
         return self.engine.architecture
 
     @property
+    def arithmetic(self) -> str | None:
+        return self.engine.arithmetic
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -107,6 +107,12 @@ class EngineFront(ABC):
         return None
 
     @property
+    def arithmetic(self) -> str | None:
+        """What the engine's numbers depend on besides the model (``LLMEngine.arithmetic``); None before it is
+        known."""
+        return None
+
+    @property
     @abstractmethod
     def is_running(self) -> bool: ...
 

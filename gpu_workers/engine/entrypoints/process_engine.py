@@ -113,6 +113,10 @@ class ProcessEngine(EngineFront):
         return self._spec.architecture if self._spec is not None else None
 
     @property
+    def arithmetic(self) -> str | None:
+        return (self._spec.arithmetic or None) if self._spec is not None else None
+
+    @property
     def spec(self) -> EngineSpec | None:
         return self._spec
 

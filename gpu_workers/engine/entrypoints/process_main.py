@@ -142,6 +142,7 @@ def serve(sock: socket.socket) -> int:
         stats=engine.stats(),
         refused_tokens=engine.validator.refused_tokens,
         architecture=engine.architecture,
+        arithmetic=engine.arithmetic,
     )
     channel.send(("ready", spec))
     try:

@@ -38,6 +38,7 @@ class EngineSpec:
     # Prompt tokens the model refuses, with the reason (``RequestValidator.refused_tokens``).
     refused_tokens: dict[int, str] = field(default_factory=dict)
     architecture: str = ""
+    arithmetic: str = ""
 
 
 def frame(message: tuple[Any, ...]) -> bytes:

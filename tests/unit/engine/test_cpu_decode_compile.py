@@ -22,6 +22,7 @@ needs_compiler = needs(cxx_compiler() is not None, "a C++ compiler for Inductor"
 
 def assert_serves_eagerly(llm: LLM) -> None:
     assert llm.engine.runner.compiled_decode is None
+    assert llm.engine.arithmetic.startswith("cpu eager steps, ")  # what the heartbeat tells the fleet
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 
@@ -78,6 +79,7 @@ def test_in_the_deterministic_mode_every_step_is_compiled_and_gives_transformers
     llm = make_llm(path, dtype="float32", compile_cpu_decode=True, deterministic=True, num_kv_blocks=96)
     compiled = llm.engine.runner.compiled_decode
     assert compiled is not None and compiled.invariant
+    assert llm.engine.arithmetic.startswith("cpu compiled steps, ")
     steps: list[int] = []
     run_step = compiled.run_step
 

@@ -6,7 +6,7 @@ from ingress.routes.openai import _model_card
 from schemas import WorkerHeartbeat
 
 
-def _beat(worker: str, deterministic: bool) -> WorkerHeartbeat:
+def _beat(worker: str, deterministic: bool, arithmetic: str | None = None) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         worker_id=worker,
         model="m",
@@ -16,6 +16,7 @@ def _beat(worker: str, deterministic: bool) -> WorkerHeartbeat:
         total_kv_blocks=1,
         prefix_cache_hit_rate=0.0,
         deterministic=deterministic,
+        arithmetic=arithmetic,
     )
 
 
@@ -36,3 +37,13 @@ def test_a_fleet_that_mixes_modes_says_so() -> None:
 def test_an_older_worker_without_the_field_counts_as_not_deterministic() -> None:
     beat = WorkerHeartbeat.model_validate_json(_beat("a", True).model_dump_json(exclude={"deterministic"}))
     assert _model_card("m", [beat])["deterministic"] is False
+
+
+def test_deterministic_workers_that_compute_differently_say_so() -> None:
+    """Both in the mode, but one compiles its CPU steps and the other runs them eagerly: not the same bits."""
+    compiled, eager = "cpu compiled steps, 1 threads, bfloat16", "cpu eager steps, 1 threads, bfloat16"
+    card = _model_card("m", [_beat("a", True, compiled), _beat("b", True, eager), _beat("c", True, compiled)])
+    assert card["deterministic"] is True
+    assert "compute differently" in card["warning"] and compiled in card["warning"] and eager in card["warning"]
+    alike = _model_card("m", [_beat("a", True, compiled), _beat("b", True, compiled), _beat("c", True)])
+    assert "warning" not in alike  # a worker that does not say (an older one) is not counted against the rest
