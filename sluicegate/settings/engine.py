@@ -81,9 +81,11 @@ class EngineSettings(SettingsBase):
         False,
         description="Batch-invariant execution: a request's greedy and seeded tokens do not depend on what it is "
         "batched with, chunk boundaries, prefix-cache hits, preemption or which worker of the same build, CPU "
-        "family and torch threads serves it, at a cost in speed (docs/benchmarks.md). On the CPU with the torch "
-        "attention backend, or on CUDA with batch-invariant Triton kernels (the triton backend, unquantized); "
-        "workers report it in their heartbeats and /v1/models shows it per model.",
+        "family, torch threads and SLUICEGATE_COMPILE_CPU_DECODE serves it, at a cost in speed "
+        "(docs/benchmarks.md). On the CPU with the torch attention backend (with compiled steps, every step "
+        "through the compiled graph), or on CUDA with batch-invariant Triton kernels (the triton backend, "
+        "unquantized); workers report it in their heartbeats and /v1/models shows it per model, warning when "
+        "a model's workers mix modes or compute differently.",
     )
 
     # --- speculative decoding ------------------------------------------------------------------------------------
@@ -120,7 +122,8 @@ class EngineSettings(SettingsBase):
         description="On the CPU, torch threads for the engine's steps that take in prompt tokens (prefill, mixed); "
         "decode steps keep SLUICEGATE_TORCH_THREADS. A prefill is a few long products that a second thread nearly "
         "halves, where a decode step's many short ones lose to waiting on shared cores. 0: the same for every step. "
-        "`sluicegate up` gives prefills each engine's share of all cores.",
+        "`sluicegate up` gives prefills each engine's share of all cores. Ignored under SLUICEGATE_DETERMINISTIC, "
+        "which keeps one thread count for every step.",
     )
     engine_cpu_nice: int = Field(
         10,
