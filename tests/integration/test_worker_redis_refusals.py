@@ -44,7 +44,12 @@ def _engine() -> Any:
     )
     tokenizer = SimpleNamespace(chat_template=None)  # not a fast tokenizer: nothing to publish
     return SimpleNamespace(
-        stats=lambda: stats, tokenizer=tokenizer, is_running=True, max_model_len=512, architecture="LlamaForCausalLM"
+        stats=lambda: stats,
+        tokenizer=tokenizer,
+        is_running=True,
+        max_model_len=512,
+        architecture="LlamaForCausalLM",
+        arithmetic="cpu eager steps, 1 threads, float32, torch 2",
     )
 
 
