@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..attention.metadata import AttentionMetadata
-from .invariant_rows import TokenRows, token_rows
+from .invariant_rows import token_rows, with_companion
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -170,7 +170,7 @@ class CompiledCpuDecode:
         step's new K/V are in the cache when it returns."""
         rows = prepared.input_ids.shape[0]
         if self.invariant and rows == 1:
-            prepared = _with_companion(prepared)
+            prepared = with_companion(prepared.input_ids, prepared.positions, prepared.meta)
         meta = prepared.meta
         tables = meta.block_tables
         if tables.shape[1] < 2:
@@ -209,29 +209,6 @@ class CompiledCpuDecode:
         seconds = time.perf_counter() - started
         shapes = f"every step as rows, 2-{MAX_ROWS} a call" if self.invariant else f"1 and 2-{MAX_ROWS} rows"
         logger.info("decode steps compiled for the CPU in %.1f s (%s)", seconds, shapes)
-
-
-def _with_companion(prepared: DecodeBatch) -> TokenRows:
-    """A lone row with a throwaway second one, so the deterministic mode keeps to its one many-row graph: the
-    companion attends only to its own key, and ``run`` drops its hidden state and never stores its K/V."""
-    meta = prepared.meta
-    if meta.fresh_from is None:
-        raise RuntimeError("the deterministic mode's rows carry fresh_from")
-
-    def twice(tensor: torch.Tensor, other: int | float) -> torch.Tensor:
-        return torch.cat([tensor, torch.full_like(tensor[:1], other)])
-
-    companion = AttentionMetadata(
-        slot_mapping=twice(meta.slot_mapping, 0),
-        query_start_loc=torch.arange(3, dtype=torch.int32, device=meta.slot_mapping.device),
-        seq_lens=twice(meta.seq_lens, 1),
-        block_tables=twice(meta.block_tables, 0),
-        max_query_len=1,
-        max_seq_len=meta.max_seq_len,
-        is_decode_only=True,
-        fresh_from=twice(meta.fresh_from, 0),
-    )
-    return TokenRows(twice(prepared.input_ids, 0), twice(prepared.positions, 0), companion)
 
 
 def compiled_decode_for(target: DecodeTarget, config: EngineConfig) -> CompiledCpuDecode | None:

@@ -30,6 +30,23 @@ class TokenRows:
     meta: AttentionMetadata
 
 
+def _rows_meta(
+    slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, fresh_from: torch.Tensor
+) -> AttentionMetadata:
+    """Metadata of a batch whose every row is one query token with its own context."""
+    rows = slot_mapping.shape[0]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=slot_mapping.device),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        is_decode_only=True,
+        fresh_from=fresh_from,
+    )
+
+
 def token_rows(
     input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, max_rows: int
 ) -> Iterator[TokenRows]:
@@ -43,16 +60,22 @@ def token_rows(
     for lo in range(0, total, max_rows):
         hi = min(lo + max_rows, total)
         first = positions[seq_first[lo:hi].clamp(min=lo)]
-        rows = hi - lo
         seq_lens = (positions[lo:hi] + 1).to(torch.int32)
-        batch_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[lo:hi],
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=input_ids.device),
-            seq_lens=seq_lens,
-            block_tables=meta.block_tables[sequence[lo:hi]],
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-            is_decode_only=True,
-            fresh_from=first,
-        )
+        batch_meta = _rows_meta(meta.slot_mapping[lo:hi], seq_lens, meta.block_tables[sequence[lo:hi]], first)
         yield TokenRows(input_ids[lo:hi], positions[lo:hi], batch_meta)
+
+
+def with_companion(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> TokenRows:
+    """A lone row with a throwaway second one, so that the deterministic mode keeps to its one many-row graph: the
+    companion (token 0 at position 0) attends only to its own key; the caller drops its hidden state and never
+    stores its K/V."""
+    if meta.fresh_from is None:
+        raise RuntimeError("the deterministic mode's rows carry fresh_from")
+
+    def twice(tensor: torch.Tensor, other: int) -> torch.Tensor:
+        return torch.cat([tensor, torch.full_like(tensor[:1], other)])
+
+    companion = _rows_meta(
+        twice(meta.slot_mapping, 0), twice(meta.seq_lens, 1), twice(meta.block_tables, 0), twice(meta.fresh_from, 0)
+    )
+    return TokenRows(twice(input_ids, 0), twice(positions, 0), companion)
