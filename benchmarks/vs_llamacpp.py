@@ -17,15 +17,15 @@ seconds at most) for a second in which other processes keep less than a third of
 saw then and how many cores other processes kept busy while the measurement ran. Whether greedy outputs equal
 llama.cpp's is reported for information (the engine runs dequantized weights, llama.cpp the Q4_1 ones).
 
-    python -m benchmarks.vs_llamacpp --setup              # once: the peers' environment (.bench-env/llamacpp)
+    python -m benchmarks.vs_llamacpp --setup [--isa avx2]  # once: the peers' environment (.bench-env/llamacpp)
     python -m benchmarks.vs_llamacpp [--dtype float32,bfloat16] [--quantization Q] [--tokens 64] [--threads 2]
         [--rounds 3] [--quiet-wait 60] [--skip-peers] [--hf-dtype float32 | --skip-hf] [--out vs_llamacpp.json]
     python -m benchmarks.vs_llamacpp --smoke               # tiny random model, no peers, seconds (CI)
 
-``--setup`` builds llama-cpp-python 0.3.36 from its sdist with pip (cmake compiles llama.cpp;
-``CMAKE_BUILD_PARALLEL_LEVEL`` is the core count) into the virtual environment ``.bench-env/llamacpp`` and
-``llama-server`` from that sdist's ``vendor/llama.cpp`` into ``.bench-env/llamacpp/bin``; it needs the package
-index (PyPI) once, and never touches the project's own environment.
+``--setup`` builds the peers (``benchmarks/llamacpp_setup.py``): llama-cpp-python 0.3.36 from its sdist into the
+virtual environment ``.bench-env/llamacpp`` and ``llama-server`` from the same source, for this CPU's own
+instructions, or with ``--isa avx2`` for AVX2 alone. ``--isa avx2`` on a run pairs that build with the engine capped
+at AVX2, so an AVX-512 machine measures what an AVX2 laptop would.
 """
 
 from __future__ import annotations
@@ -37,11 +37,9 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.error
@@ -52,9 +50,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, fmt, free_port, markdown_table, process_cpu_seconds, progress
+from benchmarks.llamacpp_setup import (
+    ENV_DIR,
+    ISA_ENVIRONMENT,
+    ISAS,
+    apply_isa,
+    env_python,
+    peer_library_env,
+    server_binary,
+    setup,
+)
 
-LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-ENV_DIR = REPO_ROOT / ".bench-env" / "llamacpp"
 PEER_SCRIPT = Path(__file__).resolve().with_name("vs_llamacpp_peer.py")
 CONCURRENCY = 8
 # The targets hold on AVX2 and on AVX-512 alike (``machine()["isa"]`` says which one a run had).
@@ -74,110 +80,6 @@ PROMPTS = (
     "Why is the sky blue during the day but red at sunset?",
     "Suggest a name for a small coffee shop near the sea.",
 )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Setup: the peers' own environment
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def env_python(env_dir: Path = ENV_DIR) -> Path:
-    return env_dir / "bin" / "python"
-
-
-def server_binary(env_dir: Path = ENV_DIR) -> Path:
-    return env_dir / "bin" / "llama-server"
-
-
-def installed_llama_cpp_version(env_dir: Path = ENV_DIR) -> str | None:
-    """llama-cpp-python's version in the benchmark environment, None when it is not there or does not import."""
-    python = env_python(env_dir)
-    if not python.exists():
-        return None
-    done = subprocess.run(
-        [str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def server_cmake_args(build_type: str = "Release") -> list[str]:
-    """cmake options for ``llama-server`` alone: CPU only, native instructions, no curl/openssl, no web UI (its
-    prebuilt assets would be downloaded from Hugging Face), static so the binary stands alone."""
-    return [
-        f"-DCMAKE_BUILD_TYPE={build_type}",
-        "-DLLAMA_BUILD_SERVER=ON",
-        "-DLLAMA_BUILD_TOOLS=ON",
-        "-DLLAMA_BUILD_COMMON=ON",
-        "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF",
-        "-DLLAMA_CURL=OFF",
-        "-DLLAMA_OPENSSL=OFF",
-        "-DLLAMA_BUILD_UI=OFF",
-        "-DLLAMA_USE_PREBUILT_UI=OFF",
-        "-DGGML_NATIVE=ON",
-        "-DBUILD_SHARED_LIBS=OFF",
-    ]
-
-
-def setup(env_dir: Path = ENV_DIR, jobs: int | None = None) -> dict[str, Any]:
-    """Build the peers into ``env_dir`` (idempotent: a step whose result is there already is skipped). Returns the
-    commands run and their seconds; raises ``subprocess.CalledProcessError`` when one fails."""
-    jobs = jobs or os.cpu_count() or 2
-    steps: list[dict[str, Any]] = []
-    build_env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
-
-    def run(name: str, command: Sequence[str | Path], env: dict[str, str] | None = None, **extra: str) -> None:
-        command = [str(c) for c in command]
-        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
-        progress(f"[setup] {name}: {(shown + ' ') if shown else ''}{shlex.join(command)}")
-        started = time.perf_counter()
-        subprocess.run(command, check=True, env={**(env or os.environ), **extra})
-        seconds = time.perf_counter() - started
-        steps.append({"step": name, "command": shlex.join(command), "env": extra, "seconds": round(seconds, 1)})
-        progress(f"[setup] {name}: {seconds:.0f} s")
-
-    python = env_python(env_dir)
-    if not python.exists():
-        run("venv", [sys.executable, "-m", "venv", env_dir])
-    src = env_dir / "src"
-    sdist = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
-    if not sdist.exists():
-        src.mkdir(parents=True, exist_ok=True)
-        pip_download = [python, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps"]
-        run(
-            "download sdist",
-            [*pip_download, "--no-binary", ":all:", "-d", src, f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"],
-        )
-    if installed_llama_cpp_version(env_dir) != LLAMA_CPP_PYTHON_VERSION:
-        # Multimodal (llava/mtmd) is not used: not building it saves a third of the compile.
-        run(
-            "llama-cpp-python",
-            [python, "-m", "pip", "install", "--disable-pip-version-check", sdist],
-            env=build_env,
-            CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON",
-        )
-    if not server_binary(env_dir).exists():
-        source = src / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
-        if not (source / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
-            with tarfile.open(sdist) as archive:
-                archive.extractall(src, filter="data")
-        build = env_dir / "server-build"
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        run(
-            "llama-server configure",
-            ["cmake", "-S", source / "vendor" / "llama.cpp", "-B", build, *generator, *server_cmake_args()],
-        )
-        run("llama-server build", ["cmake", "--build", build, "--target", "llama-server", "-j", str(jobs)])
-        shutil.copy2(build / "bin" / "llama-server", server_binary(env_dir))
-    return {
-        "env_dir": str(env_dir),
-        "llama_cpp_python": installed_llama_cpp_version(env_dir),
-        "llama_server": str(server_binary(env_dir)),
-        "steps": steps,
-    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,16 +265,20 @@ class HFGenerate:
 class LlamaCppPython:
     """llama-cpp-python in the benchmark environment's Python, over ``vs_llamacpp_peer.py``'s JSON lines."""
 
-    def __init__(self, model: Path, threads: int, n_ctx: int, env_dir: Path = ENV_DIR) -> None:
+    def __init__(self, model: Path, threads: int, n_ctx: int, env_dir: Path = ENV_DIR, isa: str = "native") -> None:
         python = env_python(env_dir)
         if not python.exists():
             raise RuntimeError(f"{python} is missing: run `python -m benchmarks.vs_llamacpp --setup` first")
+        library = peer_library_env(env_dir, isa)
+        if library and not Path(library["LLAMA_CPP_LIB_PATH"]).is_dir():
+            setup_command = f"python -m benchmarks.vs_llamacpp --setup --isa {isa}"
+            raise RuntimeError(f"no {isa} build of llama.cpp: run `{setup_command}` first")
         self.process = subprocess.Popen(
             [str(python), str(PEER_SCRIPT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+            env={**os.environ, "OMP_NUM_THREADS": str(threads), **library},
         )
         loaded = self._ask({"op": "load", "model": str(model), "threads": threads, "n_ctx": n_ctx})
         self.version, self.system_info = loaded["version"], loaded.get("system_info")
@@ -435,10 +341,13 @@ def server_command(binary: Path, model: Path, port: int, threads: int, slots: in
 class LlamaServer:
     """``llama-server`` as a subprocess, driven over HTTP by the standard library."""
 
-    def __init__(self, model: Path, threads: int, slots: int, ctx: int, env_dir: Path = ENV_DIR) -> None:
-        binary = server_binary(env_dir)
+    def __init__(
+        self, model: Path, threads: int, slots: int, ctx: int, env_dir: Path = ENV_DIR, isa: str = "native"
+    ) -> None:
+        binary = server_binary(env_dir, isa)
         if not binary.exists():
-            raise RuntimeError(f"{binary} is missing: run `python -m benchmarks.vs_llamacpp --setup` first")
+            flag = "" if isa == "native" else f" --isa {isa}"
+            raise RuntimeError(f"{binary} is missing: run `python -m benchmarks.vs_llamacpp --setup{flag}` first")
         self.port = free_port()
         self.log_path = env_dir / "llama-server.log"
         self.command = server_command(binary, model, self.port, threads, slots, ctx)
@@ -591,6 +500,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": args.quantization,
         "lm_head_quantization": args.lm_head_quantization or None,
         "compile_cpu_decode": args.compile_cpu_decode,
+        "isa_requested": args.isa,
+        "isa_environment": ISA_ENVIRONMENT[args.isa],
     }
     try:
         _measure(args, results, model_path, hf_folder, dtypes)
@@ -638,7 +549,7 @@ def _measure(
         n_ctx = 256 * -(-(prompts_len + args.tokens + 16) // 256)
         try:
             progress("starting llama-cpp-python ...")
-            peer_c1 = LlamaCppPython(model_path, args.threads, n_ctx)
+            peer_c1 = LlamaCppPython(model_path, args.threads, n_ctx, isa=args.isa)
             peer_c1.warm_up(prompts)
         except Exception as exc:
             peer_errors["llama_cpp_python"] = f"{type(exc).__name__}: {exc}"
@@ -646,7 +557,7 @@ def _measure(
             peer_c1 = None
         try:
             progress("starting llama-server ...")
-            server = LlamaServer(model_path, args.threads, CONCURRENCY, CONCURRENCY * n_ctx)
+            server = LlamaServer(model_path, args.threads, CONCURRENCY, CONCURRENCY * n_ctx, isa=args.isa)
             server.warm_up(prompts)
         except Exception as exc:
             peer_errors["llama_server"] = f"{type(exc).__name__}: {exc}"
@@ -759,7 +670,7 @@ def _measure_e2e(
     from benchmarks.vs_llamacpp_e2e import run_pair
 
     def start_peer() -> LlamaServer:
-        return LlamaServer(model_path, args.threads, 1, 2048)
+        return LlamaServer(model_path, args.threads, 1, 2048, isa=args.isa)
 
     note = f"llama-server -t {args.threads}; up's engine threads as up sets them (SLUICEGATE_TORCH_THREADS wins)"
     try:
@@ -815,6 +726,11 @@ def report(results: dict[str, Any]) -> str:
         f"{results['machine'].get('isa', '?')}; load average (1, 5, 15 min) "
         f"before {results['load_before']}, after {results.get('load_after')}.",
     ]
+    if results.get("isa_environment"):
+        capped = f"{results['isa_requested']} ({results['isa_environment']})"
+        lines.append(f"ISA capped for the engine and the peers' build: {capped}.")
+    if results.get("llama_cpp_system_info"):
+        lines.append(f"llama.cpp: {results['llama_cpp_system_info']}")
     if results["smoke"]:
         lines.append("Smoke run: tiny random-weight model, no peers; the figures mean nothing.")
     lines.append("")
@@ -940,13 +856,20 @@ def main(argv: list[str] | None = None) -> int:
         help="then the whole stack (`sluicegate up`) against llama-server through the openai SDK, c=1",
     )
     parser.add_argument("--e2e-passes", type=int, default=2, help="passes over the prompts per e2e system")
+    parser.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="native",
+        help="avx2: both sides at AVX2 on a newer CPU: the engine (and `up` under --e2e) with every kernel library "
+        "capped at AVX2, the peers from llama.cpp built without native flags (`--setup --isa avx2` builds them)",
+    )
     parser.add_argument("--out", default="vs_llamacpp.json", help="where the JSON results go")
     args = parser.parse_args(argv)
     # A stop by signal unwinds like Ctrl-C, so the peer subprocesses are closed (a background job ignores SIGINT).
     for stop in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(stop, _raise_interrupt)
     if args.setup:
-        done = setup()
+        done = setup(isa=args.isa)
         print(json.dumps(done, indent=2))
         return 0
     if args.smoke:
@@ -957,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
     args.tokens = args.tokens or 64
     args.rounds = args.rounds or 3
     args.quiet_wait = 60.0 if args.quiet_wait is None else args.quiet_wait
+    apply_isa(args.isa)  # before torch is imported: ATen reads its capability once
     results = run(args)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(report(results))

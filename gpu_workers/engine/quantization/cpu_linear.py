@@ -45,7 +45,9 @@ DEFAULT_INT4_GROUP = 32
 # Rows from which an int4 layer multiplies by an unpacked weight instead of calling the kernel: unpacking costs about
 # as much as the kernel's 128-row product on the measured AVX2 CPU into float32, and 130-140 rows' on the AVX512_BF16
 # one into bfloat16 (benchmarks/int4_dense_prefill.py).
-_BF16_DOT = torch.cpu._is_avx512_bf16_supported()
+# Only where torch dispatches to AVX-512 at all: under ``ATEN_CPU_CAPABILITY=avx2`` (and oneDNN capped alike) an
+# AVX512_BF16 CPU behaves as an AVX2 one, so choosing as on AVX2 keeps such a run what an AVX2 machine would do.
+_BF16_DOT = torch.cpu._is_avx512_bf16_supported() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 DENSE_MIN_ROWS = 160 if _BF16_DOT else 128
 # The unpacked weight's dtype: bfloat16 where the CPU has bf16 dot products (AVX512_BF16), float32 elsewhere (a
 # bfloat16 GEMM without them is several times slower than float32).

@@ -17,14 +17,17 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import vs_llamacpp  # noqa: E402
+from benchmarks import llamacpp_setup, vs_llamacpp  # noqa: E402
 
 FAKE_LLAMA_CPP = """
+import os
+
 __version__ = "0.0-fake"
 
 
 def llama_print_system_info():
-    return b"CPU : AVX512 = 1 | "
+    # The real bindings load libllama from LLAMA_CPP_LIB_PATH when it is set: say which one this would be.
+    return ("CPU : AVX512 = 1 | lib=" + os.environ.get("LLAMA_CPP_LIB_PATH", "own")).encode()
 
 
 class Llama:
@@ -135,9 +138,70 @@ def test_outputs_are_compared_by_their_equal_beginning() -> None:
 
 
 def test_the_server_build_leaves_out_network_and_ui() -> None:
-    args = vs_llamacpp.server_cmake_args()
-    for option in ("-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"):
-        assert option in args
+    for isa in llamacpp_setup.ISAS:
+        args = llamacpp_setup.server_cmake_args(isa=isa)
+        for option in ("-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"):
+            assert option in args
+
+
+def test_the_avx2_build_has_no_native_or_avx512_instructions() -> None:
+    args = llamacpp_setup.server_cmake_args(isa="avx2")
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX2=ON" in args and "-DGGML_AVX512=OFF" in args
+    # Shared, so that llama-cpp-python's bindings can load this build's libllama.
+    assert "-DBUILD_SHARED_LIBS=ON" in args and "-DGGML_NATIVE=ON" not in args
+    assert "-DGGML_NATIVE=ON" in llamacpp_setup.server_cmake_args(isa="native")
+    with pytest.raises(ValueError, match="unknown ISA 'avx3'"):
+        llamacpp_setup.server_cmake_args(isa="avx3")
+
+
+def test_the_avx2_peers_run_the_avx2_build(fake_env: Path, tmp_path: Path) -> None:
+    prompts = [[1, 2, 3], [4, 5]]
+    with pytest.raises(RuntimeError, match="--setup --isa avx2"):
+        vs_llamacpp.LlamaCppPython(tmp_path / "model.gguf", threads=2, n_ctx=256, env_dir=fake_env, isa="avx2")
+    with pytest.raises(RuntimeError, match="--setup --isa avx2"):
+        vs_llamacpp.LlamaServer(tmp_path / "m.gguf", threads=2, slots=8, ctx=2048, env_dir=fake_env, isa="avx2")
+    avx2_bin = fake_env / "avx2-build" / "bin"
+    avx2_bin.mkdir(parents=True)
+    (avx2_bin / "llama-server").symlink_to(fake_env / "bin" / "llama-server")
+
+    peer = vs_llamacpp.LlamaCppPython(tmp_path / "model.gguf", threads=2, n_ctx=256, env_dir=fake_env, isa="avx2")
+    try:
+        assert peer.system_info.endswith(f"lib={avx2_bin}")
+    finally:
+        peer.close()
+    server = vs_llamacpp.LlamaServer(tmp_path / "m.gguf", threads=2, slots=8, ctx=2048, env_dir=fake_env, isa="avx2")
+    try:
+        assert server.command[0] == str(avx2_bin / "llama-server")
+        assert server.concurrent(prompts, 3)[1] == [[(sum(p) + i + 1) % 100 for i in range(3)] for p in prompts]
+    finally:
+        server.close()
+
+
+def test_the_avx2_cap_reaches_torch_and_the_engine_choices() -> None:
+    """In a fresh interpreter (ATen reads its capability once): torch dispatches to AVX2, and the int4 layers choose
+    as on an AVX2 machine (no bfloat16 unpacking even where the CPU has AVX512_BF16)."""
+    code = (
+        "from benchmarks.llamacpp_setup import apply_isa; apply_isa('avx2'); import os, torch; "
+        "from gpu_workers.engine.quantization import cpu_linear as c; "
+        "print(torch.backends.cpu.get_cpu_capability(), c.DENSE_DTYPE, c.DENSE_MIN_ROWS, "
+        "os.environ['FBGEMM_ENABLE_INSTRUCTIONS'], os.environ['ONEDNN_MAX_CPU_ISA'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in llamacpp_setup.ISA_ENVIRONMENT["avx2"]}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env={**env, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["AVX2", "torch.float32", "128", "AVX2", "AVX2"]
+
+
+def test_the_isa_cannot_change_under_a_loaded_torch() -> None:
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() == "AVX2":
+        pytest.skip("this CPU runs AVX2 already")
+    with pytest.raises(RuntimeError, match="already loaded"):
+        llamacpp_setup.apply_isa("avx2")
 
 
 def test_smoke_run_end_to_end(tmp_path: Path) -> None:
