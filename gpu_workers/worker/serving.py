@@ -1,5 +1,5 @@
 """One request's life on a worker: claim it, start the engine early, read its pickup state, then skip,
-resume, generate or refuse it, and finish it with ``done`` (or ``error``) and a final result.
+resume, generate or refuse it, and finish it with ``done`` (or ``error``) and a final result (:mod:`.endings`).
 
 :meth:`Serving.serve` answers whether the request reached an outcome, which is what lets its offset be
 committed (:mod:`.intake`); a request handed to another owner mid-way has none.
@@ -19,15 +19,10 @@ import redis.asyncio as aioredis
 
 from gpu_workers.engine import EngineFront, RequestStream
 from schemas import (
-    ChoiceResult,
-    DoneEvent,
-    ErrorEvent,
     InferenceRequest,
     Names,
     RestartEvent,
     TokenEvent,
-    Usage,
-    encode_embedding,
     tier_rank,
 )
 from schemas.events import FinishReason
@@ -38,6 +33,7 @@ from .adapters import AdapterError, Adapters, lora_kwargs, resolve_adapter
 from .choice_resume import ChoiceResume
 from .choices import ChoiceTracker
 from .control import Cancels
+from .endings import Endings
 from .in_flight import Active, InFlight
 from .outputs import Outputs
 from .prompts import LogprobText, PromptError, prompt_len_or_zero, prompt_token_ids, sampling_params
@@ -72,11 +68,16 @@ class Serving:
         self._logprob_text = LogprobText(engine.tokenizer)
         # Set when the engine itself failed: the fetch loop stops the worker rather than take more work.
         self.fatal: BaseException | None = None
+        self.endings = Endings(outputs, names)
         # Counters for logs and tests.
-        self.served = 0
         self.resumed = 0
         self.cancelled_before_start = 0
         self.telemetry: WorkerTelemetry | None = None  # set by the Worker
+
+    @property
+    def served(self) -> int:
+        """Requests that reached ``done`` here."""
+        return self.endings.served
 
     async def serve(self, record: Any, entry: Active, parsed: InferenceRequest | Rejection | Exception) -> bool:
         """Serve one record; True once it reached an outcome (``done``/``error`` in its stream, a dead letter,
@@ -113,7 +114,7 @@ class Serving:
                 message = f"the worker failed to serve the request: {exc!r}"
                 failed = parsed if isinstance(parsed, InferenceRequest) else None
                 try:
-                    await self._fail(entry, "internal_error", message, None, failed)
+                    await self.endings.fail(entry, "internal_error", message, None, failed)
                 except Exception as fail_exc:  # the same Redis fault, most often: the dead letter still goes out
                     log.error(
                         "worker.failure_unrecorded",
@@ -212,13 +213,13 @@ class Serving:
                 "worker.cancelled_before_start", extra={"request_id": rid, "delivered": state.delivered, "reason": why}
             )
             prompt_len = prompt_len_or_zero(request, self.engine.tokenizer)
-            return await self._finish(entry, request, seq, "abort", state.token_ids, state.text, prompt_len, 0)
+            return await self.endings.finish(entry, request, seq, "abort", state.token_ids, state.text, prompt_len, 0)
         if not state.exists and request.expired():
             # Checked here, not when the record was parsed: the deadline is about starting, and only the
             # stream tells whether a re-delivered request already started (then it is continued).
             assert request.deadline is not None
             detail = f"deadline {request.deadline.isoformat()} passed before the request started"
-            if not await self._fail(
+            if not await self.endings.fail(
                 entry, "deadline_exceeded", "the request's deadline passed before it started", seq, request
             ):
                 return False
@@ -227,13 +228,13 @@ class Serving:
         try:
             prompt = entry.prompt if entry.prompt is not None else prompt_token_ids(request, self.engine.tokenizer)
         except PromptError as exc:
-            if not await self._fail(entry, "invalid_request", str(exc), seq, request):
+            if not await self.endings.fail(entry, "invalid_request", str(exc), seq, request):
                 return False
             await self.outputs.dead_letter(record, Rejection("invalid_prompt", str(exc), rid, request.tenant))
             return True
         unservable = await self._use_adapter(request, entry) if request.adapter is not None else None
         if unservable is not None:  # unknown here, or its files would not load: this request fails, nothing else
-            if not await self._fail(entry, unservable.code, str(unservable), seq, request):
+            if not await self.endings.fail(entry, unservable.code, str(unservable), seq, request):
                 return False
             await self.outputs.dead_letter(record, Rejection(unservable.code, str(unservable), rid, request.tenant))
             return True
@@ -267,7 +268,7 @@ class Serving:
                         if not self.outputs.emit(entry, TokenEvent(request_id=rid, seq=seq, text=tail, token_ids=[])):
                             return False
                         seq += 1
-                    return await self._finish(
+                    return await self.endings.finish(
                         entry, request, seq, ended, resumed.token_ids, resumed.text, len(prompt), 0
                     )
         return await self._generate(request, entry, record, prompt, seq, resumed)
@@ -309,7 +310,7 @@ class Serving:
             if end is None or entry.handed_off:
                 return False
             reason, tokens, text, results = resumed.outcome(request.sampling.logprobs is not None)
-            return await self._finish(entry, request, end, reason, tokens, text, len(prompt), 0, results)
+            return await self.endings.finish(entry, request, end, reason, tokens, text, len(prompt), 0, results)
         delivered = list(resumed.token_ids) if resumed is not None else []
         tokens, text = list(delivered), resumed.text[: resumed.sent] if resumed is not None else ""
         finish: FinishReason = "stop"
@@ -321,7 +322,7 @@ class Serving:
         # No await between this check and the engine taking the request (an early start has it already;
         # ``add_request`` queues it at once), so a cancel is either seen here or reaches the engine.
         if entry.cancelled:
-            return await self._finish(entry, request, seq, "abort", tokens, text, len(prompt), 0)
+            return await self.endings.finish(entry, request, seq, "abort", tokens, text, len(prompt), 0)
         try:
             deltas, entry.early = entry.early, None
             if deltas is None:
@@ -387,7 +388,7 @@ class Serving:
                 raise
             # The engine refused the request outright (e.g. prompt + max_tokens over the context length).
             code = "context_length_exceeded" if "max_model_len" in str(exc) else "invalid_request"
-            if not await self._fail(entry, code, str(exc), seq, request):
+            if not await self.endings.fail(entry, code, str(exc), seq, request):
                 return False
             await self.outputs.dead_letter(record, Rejection("rejected_by_engine", str(exc), rid, request.tenant))
             return True
@@ -398,79 +399,9 @@ class Serving:
             choices = tracker.results(finish, opts.logprobs is not None)
             if opts.n > 1:
                 tokens, text = tracker.first()
-        return await self._finish(
+        return await self.endings.finish(
             entry, request, seq, finish, list(tokens), text, len(prompt), cached, choices, embedding
         )
-
-    async def _finish(
-        self,
-        entry: Active,
-        request: InferenceRequest,
-        seq: int,
-        reason: FinishReason,
-        tokens: list[int],
-        text: str,
-        prompt_tokens: int,
-        cached: int,
-        choices: list[ChoiceResult] | None = None,
-        embedding: list[float] | None = None,
-    ) -> bool:
-        completion = sum(len(c.token_ids) for c in choices) if choices else len(tokens)
-        usage = Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=prompt_tokens + completion,
-            cached_tokens=cached,
-        )
-        entry.used_tokens = usage.total_tokens  # what the intake's fair queue settles the tenant's start to
-        vector = encode_embedding(embedding) if embedding is not None else None
-        done = DoneEvent(request_id=request.request_id, seq=seq, finish_reason=reason, usage=usage, embedding=vector)
-        if not self.outputs.emit(entry, done):
-            return False
-        if entry.watch is not None:
-            entry.watch.finished(reason, usage, entry.first_output_wall)
-        # The stream must hold ``done`` before the offset can be committed.
-        await self.outputs.flush()
-        if entry.fenced:  # a newer owner refused the ``done``: the result is its to publish
-            return False
-        await self.outputs.publish_result(request, done, tokens, text, choices, entry, epoch=entry.epoch or 0)
-        self.served += 1
-        # One line per request served, as ingress's "ingress.published": an operator follows a request id across
-        # the services' logs.
-        log.info(
-            "worker.finished",
-            extra={
-                "request_id": request.request_id,
-                "finish_reason": reason,
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "cached_tokens": cached,
-            },
-        )
-        return True
-
-    async def _fail(
-        self, entry: Active, code: str, message: str, seq: int | None = None, request: InferenceRequest | None = None
-    ) -> bool:
-        """End the request's stream with an ``error`` event (and, given the request, its failed result and usage
-        record); False when it was handed off meanwhile."""
-        request_id = entry.request_id
-        if seq is None or entry.epoch is None:  # failed before (or in) its pick-up: take it over first
-            pickup = await read_pickup_state(self.outputs.publisher, self.names, request_id, tenant=entry.tenant)
-            entry.epoch, seq = pickup.epoch, pickup.stream.next_seq
-        if not self.outputs.emit(entry, ErrorEvent(request_id=request_id, seq=seq, code=code, message=message[:2000])):
-            return False
-        if entry.watch is not None:
-            entry.watch.failed(code)
-        await self.outputs.flush()
-        if entry.fenced:
-            return False
-        log.info("worker.failed", extra={"request_id": request_id, "code": code})
-        result = None
-        if request is not None:
-            result = await self.outputs.publish_failure(request, entry, code, message[:2000])
-        await self.outputs.mark_failed(request_id, entry.tenant, entry.epoch or 0, result)
-        return True
 
     def _redelivered(self, request: InferenceRequest, outcome: str) -> None:
         if self.telemetry is not None:
