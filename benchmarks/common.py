@@ -14,7 +14,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,17 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
+
+
+def best_ms(call: Callable[[], object], rounds: int) -> float:
+    """The fastest of ``rounds`` timed calls after one untimed warm-up call, in milliseconds."""
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
 
 
 def fmt(value: Any, digits: int = 1) -> str:

@@ -67,6 +67,7 @@ def make_llm(args: argparse.Namespace, deterministic: bool, **overrides: Any) ->
         max_model_len=1024,
         deterministic=deterministic,
         lm_head_quantization=args.lm_head_quantization or None,
+        cpu_int4_activations=args.cpu_int4_activations,
         # As `up` serves on the CPU; under the mode every step, prompt tokens too, then runs through the graph.
         compile_cpu_decode=args.compile_cpu_decode,
     )
@@ -161,6 +162,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="cost: write the figures here as JSON")
     parser.add_argument("--compile-cpu-decode", action="store_true", help="decode steps compiled, as `up` serves")
     parser.add_argument("--lm-head-quantization", default="", help="w8a8: the LM head as `up` serves it on the CPU")
+    parser.add_argument(
+        "--cpu-int4-activations",
+        default="auto",
+        help="the 4-bit layers' activations: auto (int8 where torch dispatches to AVX2, as `up` serves), int8, "
+        "bfloat16",
+    )
     args = parser.parse_args()
     (check if args.what == "check" else cost)(args)
 

@@ -63,6 +63,8 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     embed = model.model.embed_tokens.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     seen: set[int] = set()
+    on_int8 = [m for m in model.modules() if getattr(m, "int8_activations", False)]
+    unread = {id(t) for m in on_int8 for t in (m.packed, m.scales_and_zeros)}
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in seen or tensor.dim() == 0:
@@ -70,6 +72,8 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         seen.add(id(tensor))
         if tensor is embed and head is not embed:
             continue  # only indexed: a few rows per step
+        if id(tensor) in unread:
+            continue  # torch's packed codes and scales of a layer whose steps read the int8 kernel's copy instead
         total += tensor.numel() * tensor.element_size()
     total += sum(int(getattr(m, "packed_bytes", 0)) for m in model.modules())
     rope = model.model.rotary_emb
@@ -266,6 +270,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": 512, "num_kv_blocks": blocks}
     kwargs["compile_cpu_decode"] = args.compile_cpu_decode
     kwargs["lm_head_quantization"] = args.lm_head_quantization or None
+    kwargs["cpu_int4_activations"] = args.cpu_int4_activations
     if args.quantization:
         kwargs["quantization"] = args.quantization
     llm = LLM(path, **kwargs)
@@ -281,6 +286,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "quantization": args.quantization,
         "compiled_decode": llm.engine.runner.compiled_decode is not None,
         "lm_head_quantization": args.lm_head_quantization or None,
+        "cpu_int4_activations": args.cpu_int4_activations,
         "kv_blocks": blocks,
         "threads": args.threads,
         # The vector ISA torch dispatches to (ATEN_CPU_CAPABILITY=avx2 forces AVX2 on an AVX-512 machine).
@@ -384,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--lm-head-quantization", default="", help="w8a8: the LM head in int8 weights and activations, as `up` serves"
+    )
+    parser.add_argument(
+        "--cpu-int4-activations",
+        default="auto",
+        help="the 4-bit layers' activations: auto (int8 where torch dispatches to AVX2, as `up` serves), int8, "
+        "bfloat16",
     )
     parser.add_argument(
         "--kv-blocks", type=int, default=0, help="KV cache blocks (default: what the batches need; a server has more)"

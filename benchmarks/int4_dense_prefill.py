@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
+from benchmarks.common import best_ms
 from gpu_workers.engine.quantization.cpu_linear import DENSE_MIN_ROWS, DENSE_PATH, KERNEL_DTYPE, CpuInt4Linear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 ROWS = (16, 32, 64, 96, 128, 192, 256, 400, 512)
-
-
-def best_ms(call: Callable[[], object], rounds: int) -> float:
-    call()
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

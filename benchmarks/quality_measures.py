@@ -193,6 +193,11 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "gguf kept, fp32 model (bf16 kernel inputs)": {"dtype": "float32", "quantization": "gguf"},
     "cpu-int4: Q4_1 blocks int4, LM head bf16": {"quantization": "cpu-int4"},
     "cpu-int4, W8A8 LM head (as `up` serves on the CPU)": {"quantization": "cpu-int4", "lm_head_quantization": "w8a8"},
+    "cpu-int4 on int8 activations, W8A8 LM head (as `up` serves on AVX2)": {
+        "quantization": "cpu-int4",
+        "lm_head_quantization": "w8a8",
+        "cpu_int4_activations": "int8",
+    },
     "cpu-int8: per-channel int8 from the Q4_1 weights": {"quantization": "cpu-int8"},
 }
 # The transformers variant beside each engine variant, where one runs on a CPU.

@@ -193,6 +193,7 @@ class Ours:
         kv_blocks: int,
         compile_decode: bool,
         lm_head: str | None = None,
+        int4_activations: str = "auto",
     ) -> None:
         from gpu_workers.engine import LLM, SamplingParams
 
@@ -207,6 +208,7 @@ class Ours:
             max_num_seqs=CONCURRENCY,
             compile_cpu_decode=compile_decode,
             lm_head_quantization=lm_head,
+            cpu_int4_activations=int4_activations,
         )
         self.load_s = time.perf_counter() - started
 
@@ -499,6 +501,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "quantization": args.quantization,
         "lm_head_quantization": args.lm_head_quantization or None,
+        "cpu_int4_activations": args.cpu_int4_activations,
         "compile_cpu_decode": args.compile_cpu_decode,
         "isa_requested": args.isa,
         "isa_environment": ISA_ENVIRONMENT[args.isa],
@@ -521,7 +524,7 @@ def _measure(
         progress(f"loading the engine ({label(dtype, args.quantization)}) ...")
         ours[dtype] = Ours(
             str(model_path), dtype, args.quantization, 1024, 512, args.compile_cpu_decode,
-            args.lm_head_quantization or None,
+            args.lm_head_quantization or None, args.cpu_int4_activations,
         )  # fmt: skip
     prompts = chat_prompts(next(iter(ours.values())).llm.tokenizer)
     prompts_len = max(map(len, prompts))
@@ -849,6 +852,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="the engine's LM head: w8a8 (int8 weights and per-row int8 activations, as `sluicegate up` serves "
         "a kept-quantized model on the CPU) or empty (as the quantization leaves it)",
+    )
+    parser.add_argument(
+        "--cpu-int4-activations",
+        default="auto",
+        help="the 4-bit layers' activations: auto (int8 where torch dispatches to AVX2, as `up` serves), int8, "
+        "bfloat16",
     )
     parser.add_argument(
         "--e2e",

@@ -81,6 +81,10 @@ class EngineConfig:
     # (quantization/cpu_w8a8.py; several times faster than a bfloat16 head at decode). None: the head stays as the
     # weights' method leaves it (float; a GGUF's own blocks under "gguf").
     lm_head_quantization: str | None = None
+    # On the CPU, what the kept 4-bit layers multiply by (quantization/cpu_int4_q8.py): "bfloat16" (torch's int4
+    # kernel), "int8" (activations quantized per group of 32, integer dot products; half torch's kernel's time at
+    # one row on AVX2), or "auto" (int8 where torch dispatches to AVX2, where it was measured faster; else bfloat16).
+    cpu_int4_activations: str = "bfloat16"
     # On the CPU, torch threads for steps that take in prompt tokens (prefill, mixed); decode steps keep the
     # process's count (execution/cpu_step_threads.py). 0: the same count for every step.
     cpu_prefill_threads: int = 0
@@ -134,6 +138,7 @@ class EngineConfig:
         self.device = torch.device(self.device)
         self._check_cpu_quantization()
         self._check_lm_head()
+        self._check_int4_activations()
         if isinstance(self.cpu_prefill_threads, bool) or not isinstance(self.cpu_prefill_threads, int):
             raise ValueError(f"cpu_prefill_threads must be an int, got {self.cpu_prefill_threads!r}")
         if self.cpu_prefill_threads < 0:
@@ -228,6 +233,21 @@ class EngineConfig:
         problem = w8a8_problem()
         if problem is not None:
             raise ValueError(f"lm_head_quantization={method!r} cannot run: {problem}")
+
+    def _check_int4_activations(self) -> None:
+        """``cpu_int4_activations`` is known, and "int8" can run here (its kernel built once, before loading)."""
+        from .quantization import cpu_int4_q8
+
+        value = self.cpu_int4_activations
+        if value not in cpu_int4_q8.ACTIVATIONS:
+            raise ValueError(f"unknown cpu_int4_activations {value!r}; use one of {cpu_int4_q8.ACTIVATIONS}")
+        if value != "int8":
+            return
+        if self.device.type != "cpu":
+            raise ValueError(f"cpu_int4_activations='int8' runs a CPU kernel and needs device='cpu', not {self.device}")
+        problem = cpu_int4_q8.problem()
+        if problem is not None:
+            raise ValueError(f"cpu_int4_activations='int8' cannot run: {problem}")
 
     def _check_tensor_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -93,6 +93,7 @@ def engine_arguments(settings: WorkerSettings) -> dict[str, object]:
         enforce_eager=settings.enforce_eager,
         compile_cpu_decode=settings.compile_cpu_decode,
         lm_head_quantization=settings.lm_head_quantization or None,
+        cpu_int4_activations=settings.cpu_int4_activations,
         cpu_prefill_threads=settings.cpu_prefill_threads,  # the engine ignores it off the CPU
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len or None,

@@ -15,6 +15,7 @@ each a scalar or one per KV head, as vLLM and llm-compressor write them) are rea
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from ..config import EngineConfig
+from ..quantization import cpu_int4_q8
+from ..quantization.cpu_linear import use_int8_activations
 from ..quantization.cpu_quant import CPU_QUANTIZATIONS, repack_int4_layers
 from ..quantization.cpu_w8a8 import quantize_lm_head
 from ..quantization.int4_config import Int4Config
@@ -36,6 +39,8 @@ from .gguf_checkpoint import converted_folder, find_gguf
 from .llama import LlamaForCausalLM, head_dim_of
 from .moe_checkpoint import expert_shards, expert_slot, router_name
 from .rotary import RotaryEmbedding, rope_type_of
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..distributed.group import TPGroup
@@ -416,6 +421,9 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)
+    if config.device.type == "cpu" and cpu_int4_q8.wanted(config.cpu_int4_activations):
+        layers = use_int8_activations(model)
+        log.info("int4 layers on int8 activations", extra={"layers": layers, "isa": cpu_int4_q8.isa_name()})
     if config.lm_head_quantization is not None:
         quantize_lm_head(model, config.lm_head_quantization)
     return LoadedModel(

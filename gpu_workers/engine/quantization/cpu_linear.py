@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import cpu_int4_q8
+
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 INT4_OUT_MULTIPLE = 16  # the packer's tile along N
@@ -212,9 +214,48 @@ class CpuInt4Linear(nn.Module):
         self.bias = _bias(None, out_features, dtype, device) if bias else None
         # The deterministic mode keeps every input on the kernel: a row's sums must not depend on the row count.
         self.batch_invariant = False
+        # With int8 activations (``use_int8_activations``): the codes again in the int4 x int8 kernel's form.
+        self.register_buffer("q4", None)
+        self.register_buffer("q4_d", None)
+        self.register_buffer("q4_m", None)
+        self.q4_isa = 0
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
+        act = ", int8 activations" if self.q4 is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}{act}"
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.q4 is not None
+
+    def codes(self) -> torch.Tensor:
+        """The codes ``[N, K]`` (0..15, uint8) read back from the packed layout."""
+        layout = pack_layout()
+        if layout is None:
+            raise ValueError("int4 CPU layer: torch's packed layout here is not the expected one; codes unreadable")
+        n, k = self.out_features, self.in_features
+        codes = torch.empty(n, k, dtype=torch.uint8, device=self.packed.device)
+        for start, stop in self._column_pieces():
+            into = torch.empty(k, stop - start, device=self.packed.device)
+            _unpack_codes(self.packed.view(-1), layout, n, k, start, stop, into)
+            codes[start:stop] = into.t().to(torch.uint8)
+        return codes
+
+    def use_int8_activations(self) -> bool:
+        """From now on multiply what torch's int4 kernel would (up to ``DENSE_MIN_ROWS`` rows, every row under the
+        deterministic mode) by the int4 x int8 kernel instead (``cpu_int4_q8.py``: activations quantized per group
+        of 32, as llama.cpp does). False, and nothing changes, where it cannot run: a group size other than 32, a
+        shape the kernel does not take, no kernel built here."""
+        n, k = self.out_features, self.in_features
+        if self.group_size != cpu_int4_q8.GROUP or k % cpu_int4_q8.K_MULTIPLE or n % cpu_int4_q8.ROW_BLOCK:
+            return False
+        if not cpu_int4_q8.available() or pack_layout() is None:
+            return False
+        sz = self.scales_and_zeros.float()
+        self.q4, self.q4_d, self.q4_m = cpu_int4_q8.pack(self.codes(), sz[..., 0].t(), sz[..., 1].t())
+        # Fixed here, a plain int: a compiled step cannot ask torch for its ISA, and it does not change.
+        self.q4_isa = cpu_int4_q8.kernel_isa()
+        return True
 
     def set_codes(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Fill from codes ``[N, K]`` in 0..15 and ``scale`` / ``zero`` ``[N, K / group]``, standing for
@@ -231,6 +272,9 @@ class CpuInt4Linear(nn.Module):
         codes = codes.to(device=device, dtype=torch.int32).contiguous()
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(device, KERNEL_DTYPE).contiguous()
+        if self.q4 is not None:  # on int8 activations already: the kernel's copy of the codes follows them
+            self.q4 = self.q4_d = self.q4_m = None
+            self.use_int8_activations()
 
     @classmethod
     def from_codes(
@@ -329,10 +373,17 @@ class CpuInt4Linear(nn.Module):
         dense = DENSE_PATH and not self.batch_invariant and flat.shape[0] >= DENSE_MIN_ROWS
         if dense and flat.device.type == "cpu" and pack_layout() is not None:
             out = self._dense_mm(flat)
+        elif self.q4 is not None:
+            out = cpu_int4_q8.mm(flat, self.q4, self.q4_d, self.q4_m, self.q4_isa)
         else:
             flat = flat.to(KERNEL_DTYPE).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
         return _finish(x, out, self.bias, self.out_features)
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Put every ``CpuInt4Linear`` of ``model`` that the int4 x int8 kernel takes on it; returns how many."""
+    return sum(1 for module in model.modules() if isinstance(module, CpuInt4Linear) and module.use_int8_activations())
 
 
 class CpuInt8Linear(nn.Module):

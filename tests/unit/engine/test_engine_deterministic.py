@@ -18,11 +18,13 @@ from gpu_workers.engine.core.counter_rng import SeededStream, Stream, draw_key
 from gpu_workers.engine.core.scheduler import ScheduledBatch
 from gpu_workers.engine.execution.batch_invariant import invariant_linear, min_rows
 from gpu_workers.engine.execution.cpu_decode_compile import cxx_compiler
+from gpu_workers.engine.quantization import cpu_int4_q8
 from gpu_workers.engine.quantization.cpu_linear import CpuInt4Linear
 
 from .conftest import random_prompts
 
 needs_compiler = needs(cxx_compiler() is not None, "a C++ compiler for Inductor", "apt-get install g++")
+needs_int4_q8 = needs(cpu_int4_q8.available(), "the int4 x int8 kernel (AVX2, a C++ compiler)", "apt-get install g++")
 
 # Logprobs too: tokens of a random model rarely flip, but a logprob shows any difference in the logits, bit for bit.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
@@ -141,6 +143,28 @@ def test_compiled_steps_in_a_crowd_answer_as_alone_in_the_mode(
             cut = len(clean) // 3
             rest = dataclasses.replace(params, max_tokens=len(clean) - cut)
             assert _answer(alone.generate([prompt + clean[:cut]], rest)[0]) == (clean[cut:], logprobs[cut:])
+
+
+@pytest.mark.slow
+@needs_int4_q8
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_int8_activations_in_a_crowd_answer_as_alone_in_the_mode(
+    compiled: bool, make_llm: Callable[..., LLM], model_dir: Callable[[str], Path]
+) -> None:
+    """The 4-bit layers on the int4 x int8 kernel (as `up` serves on AVX2): each row is quantized and summed alone,
+    so the mode keeps it for every row, prompt tokens included."""
+    if compiled and cxx_compiler() is None:
+        pytest.skip("no C++ compiler for Inductor")
+    model = model_dir("llama")
+    setup = dict(SETUPS[1], cpu_int4_activations="int8", compile_cpu_decode=compiled, deterministic=True)
+    alone = make_llm(model, **setup)
+    assert "int4 layers on int8 activations" in alone.engine.arithmetic
+    assert (alone.engine.runner.compiled_decode is not None) is compiled
+    for params in (GREEDY, SEEDED):
+        expected = [_answer(alone.generate([p], params)[0]) for p in PROMPTS]
+        together = _crowd(make_llm, model, params, **setup)
+        differ = [i for i, out in enumerate(together) if out != expected[i % len(PROMPTS)]]
+        assert differ == [], f"{len(differ)} of {len(together)} differ ({params.temperature=})"
 
 
 @pytest.mark.slow

@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from needs import require_import, require_triton_interpreter
+from needs import needs, require_import, require_triton_interpreter
 from transformers import AutoTokenizer
 
 from benchmarks import quality_measures as qm
+from gpu_workers.engine.quantization import cpu_int4_q8
 
 pytestmark = pytest.mark.slow
 
 GREEDY_TOKENS = 12
+
+needs_int4_q8 = needs(cpu_int4_q8.available(), "the int4 x int8 kernel (AVX2, a C++ compiler)", "apt-get install g++")
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +93,30 @@ def test_int8_at_least_as_good_as_transformers(gguf: Path, reference: qm.Referen
 # Measured (docs/quality.md): gguf 0.9734 / -0.13%, cpu-int4 0.9652 / -0.23%, cpu-int8 0.9468 / -0.14%; the
 # dequantized model in bf16 scores 0.9693 / -0.46%: keeping the Q4_1 blocks costs no more than bf16 itself.
 # The W8A8 LM head over cpu-int4 (`up`'s CPU default): 0.955 / -0.68% (its activations' rounding flips a few
-# near-ties; the perplexity stays).
+# near-ties; the perplexity stays). With the 4-bit layers on int8 activations too (`up` on AVX2; llama.cpp's own
+# arithmetic): 0.914 / +2.0% here, 0.937 / +2.6% with every kernel capped at AVX2.
 @pytest.mark.parametrize(
-    ("quantization", "lm_head", "min_agreement"),
-    [("gguf", None, 0.95), ("cpu-int4", None, 0.95), ("cpu-int4", "w8a8", 0.94), ("cpu-int8", None, 0.93)],
+    ("quantization", "lm_head", "activations", "min_agreement", "max_perplexity_change"),
+    [
+        ("gguf", None, "bfloat16", 0.95, 0.01),
+        ("cpu-int4", None, "bfloat16", 0.95, 0.01),
+        ("cpu-int4", "w8a8", "bfloat16", 0.94, 0.01),
+        ("cpu-int8", None, "bfloat16", 0.93, 0.01),
+        pytest.param("cpu-int4", "w8a8", "int8", 0.89, 0.035, marks=needs_int4_q8),
+    ],
 )
 def test_kept_quantized_stays_close(
-    quantization: str, lm_head: str | None, min_agreement: float, gguf: Path, reference: qm.Reference, text: list[int]
+    quantization: str,
+    lm_head: str | None,
+    activations: str,
+    min_agreement: float,
+    max_perplexity_change: float,
+    gguf: Path,
+    reference: qm.Reference,
+    text: list[int],
 ) -> None:
-    result = qm.measure_engine(gguf, reference, text, quantization=quantization, lm_head_quantization=lm_head)
+    result = qm.measure_engine(
+        gguf, reference, text, quantization=quantization, lm_head_quantization=lm_head, cpu_int4_activations=activations
+    )
     assert result.top1_agreement >= min_agreement, result
-    assert abs(result.perplexity_change) <= 0.01, result
+    assert abs(result.perplexity_change) <= max_perplexity_change, result
