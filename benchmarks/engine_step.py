@@ -63,8 +63,6 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     embed = model.model.embed_tokens.weight
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     seen: set[int] = set()
-    on_int8 = [m for m in model.modules() if getattr(m, "int8_activations", False)]
-    unread = {id(t) for m in on_int8 for t in (m.packed, m.scales_and_zeros)}
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in seen or tensor.dim() == 0:
@@ -72,8 +70,6 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         seen.add(id(tensor))
         if tensor is embed and head is not embed:
             continue  # only indexed: a few rows per step
-        if id(tensor) in unread:
-            continue  # torch's packed codes and scales of a layer whose steps read the int8 kernel's copy instead
         total += tensor.numel() * tensor.element_size()
     total += sum(int(getattr(m, "packed_bytes", 0)) for m in model.modules())
     rope = model.model.rotary_emb

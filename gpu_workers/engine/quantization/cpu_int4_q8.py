@@ -129,6 +129,30 @@ def pack(
     return q4, d_blocked, (z - 8 * d).contiguous()
 
 
+def codes_of(q4: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The codes ``[stop - start, K]`` (uint8) of output rows ``start:stop`` (multiples of four), read back from
+    the kernel's layout."""
+    n, k = q4.shape[0], 2 * q4.shape[1]
+    pairs = k // K_MULTIPLE
+    blocks = q4.view(n // ROW_BLOCK, pairs, ROW_BLOCK, GROUP)[start // ROW_BLOCK : stop // ROW_BLOCK].transpose(1, 2)
+    return torch.stack([blocks & 15, blocks >> 4], dim=3).reshape(stop - start, k)
+
+
+def weight_t(
+    q4: torch.Tensor, d: torch.Tensor, m: torch.Tensor, start: int, stop: int, into: torch.Tensor
+) -> torch.Tensor:
+    """Columns ``start:stop`` of ``W^T`` in float32, ``d * code + m``, written into ``into`` ``[K, stop - start]``
+    (contiguous): what a long prefill multiplies by, unpacked from this layout alone."""
+    k, width = 2 * q4.shape[1], stop - start
+    groups = k // GROUP
+    into.copy_(codes_of(q4, start, stop).t())
+    n = q4.shape[0]
+    scale = d.view(n // ROW_BLOCK, groups // 2, ROW_BLOCK, 2).transpose(1, 2).reshape(n, groups)[start:stop]
+    view = into.view(groups, GROUP, width)
+    view.mul_(scale.t().unsqueeze(1)).add_(m[start:stop].t().unsqueeze(1))
+    return into
+
+
 def mm(x: torch.Tensor, q4: torch.Tensor, d: torch.Tensor, m: torch.Tensor, isa: int | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` as float32 ``[M, N]`` through the kernel (``isa`` forces a loop, for the tests)."""
     if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads float32 or bfloat16 (a float16 model)

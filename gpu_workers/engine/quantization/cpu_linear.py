@@ -229,7 +229,9 @@ class CpuInt4Linear(nn.Module):
         return self.q4 is not None
 
     def codes(self) -> torch.Tensor:
-        """The codes ``[N, K]`` (0..15, uint8) read back from the packed layout."""
+        """The codes ``[N, K]`` (0..15, uint8) read back from the packed layout (or the int8 kernel's)."""
+        if self.q4 is not None:
+            return cpu_int4_q8.codes_of(self.q4, 0, self.out_features)
         layout = pack_layout()
         if layout is None:
             raise ValueError("int4 CPU layer: torch's packed layout here is not the expected one; codes unreadable")
@@ -246,6 +248,8 @@ class CpuInt4Linear(nn.Module):
         deterministic mode) by the int4 x int8 kernel instead (``cpu_int4_q8.py``: activations quantized per group
         of 32, as llama.cpp does). False, and nothing changes, where it cannot run: a group size other than 32, a
         shape the kernel does not take, no kernel built here."""
+        if self.q4 is not None:
+            return True
         n, k = self.out_features, self.in_features
         if self.group_size != cpu_int4_q8.GROUP or k % cpu_int4_q8.K_MULTIPLE or n % cpu_int4_q8.ROW_BLOCK:
             return False
@@ -255,6 +259,9 @@ class CpuInt4Linear(nn.Module):
         self.q4, self.q4_d, self.q4_m = cpu_int4_q8.pack(self.codes(), sz[..., 0].t(), sz[..., 1].t())
         # Fixed here, a plain int: a compiled step cannot ask torch for its ISA, and it does not change.
         self.q4_isa = cpu_int4_q8.kernel_isa()
+        # Nothing reads torch's packed form any more (long prefills unpack the kernel's): one copy of the weights.
+        self.packed = self.packed.new_empty(0)
+        self.scales_and_zeros = self.scales_and_zeros.new_empty(0)
         return True
 
     def set_codes(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
@@ -308,6 +315,9 @@ class CpuInt4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float ``[N, K]`` weight the kernel multiplies by (run through the kernel's exact float32 path;
         slow, for checks)."""
+        if self.q4 is not None:
+            into = torch.empty(self.in_features, self.out_features, device=self.q4.device)
+            return cpu_int4_q8.weight_t(self.q4, self.q4_d, self.q4_m, 0, self.out_features, into).t().to(dtype)
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.packed.device)
         sz = self.scales_and_zeros.float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).t().to(dtype)
@@ -327,6 +337,8 @@ class CpuInt4Linear(nn.Module):
         """Columns ``start:stop`` of the kernel's weight transposed, ``(q - 8) * scale + zero`` in float32,
         written into ``into`` (``[K, stop - start]``, contiguous); each group's scale and zero broadcast along its
         rows."""
+        if self.q4 is not None:
+            return cpu_int4_q8.weight_t(self.q4, self.q4_d, self.q4_m, start, stop, into)
         layout = pack_layout()
         assert layout is not None
         k, g, width = self.in_features, self.group_size, stop - start

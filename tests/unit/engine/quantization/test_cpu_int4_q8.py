@@ -106,9 +106,14 @@ def test_a_layer_on_int8_activations_stays_close_to_its_float_weight() -> None:
     bias = (torch.randn(96) * 0.01).bfloat16()  # the model's dtype, as loaded
     layer = CpuInt4Linear.from_float(weight, bias)
     kernel_only = CpuInt4Linear.from_float(weight, bias)
-    exact = layer.dequantized_weight()
+    exact, codes = layer.dequantized_weight(), layer.codes()
     assert use_int8_activations(torch.nn.Sequential(layer)) == 1 and layer.int8_activations
     assert "int8 activations" in repr(layer)
+    # One copy of the weights: torch's packed form is dropped, and everything reads the kernel's.
+    assert layer.packed.numel() == 0 and layer.scales_and_zeros.numel() == 0
+    assert torch.equal(layer.codes(), codes)
+    torch.testing.assert_close(layer.dequantized_weight(), exact, rtol=0, atol=1e-6)
+    assert layer.use_int8_activations()  # again: nothing to do
     for rows in (1, 5, 64):
         x = torch.randn(2, rows, 128).bfloat16()
         out = layer(x)
@@ -116,9 +121,12 @@ def test_a_layer_on_int8_activations_stays_close_to_its_float_weight() -> None:
         ref = x.float() @ exact.t() + bias.float()
         assert ((out.float() - ref).norm() / ref.norm()).item() < 0.03
         assert not torch.equal(out, kernel_only(x))  # it did take the new path
-    if DENSE_MIN_ROWS < 1000:  # a long prefill keeps the unpacked weight's GEMM, as before
-        x = torch.randn(DENSE_MIN_ROWS, 128).bfloat16()
-        assert torch.equal(layer(x), kernel_only(x))
+    # A long prefill keeps the unpacked weight's GEMM, the weight unpacked from the kernel's layout now.
+    x = torch.randn(DENSE_MIN_ROWS, 128).bfloat16()
+    torch.testing.assert_close(layer(x).float(), kernel_only(x).float(), rtol=0.02, atol=0.02)
+    # New codes reach the kernel's copy.
+    layer.set_codes(codes.flip(0).int(), torch.full((96, 4), 0.01), torch.zeros(96, 4))
+    assert layer.int8_activations and torch.equal(layer.codes(), codes.flip(0))
 
 
 def test_shapes_the_kernel_does_not_take_stay_on_torchs_kernel() -> None:
