@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -34,13 +35,28 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free ports (a multi-broker stack derives its ports from one)."""
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_port_run(count: int, within: range | None = None) -> int:
+    """The first of ``count`` consecutive free ports (a multi-broker stack derives its ports from one), from
+    ``within`` (by default the ports below the kernel's ephemeral range). Never ephemeral ports: any outgoing
+    connection (the brokers' own, to each other) can take one of them between this check and the listener's bind,
+    and the broker then dies at start."""
+    ports = within if within is not None else range(10_000, ephemeral_ports()[0])
+    if len(ports) <= count:
+        raise RuntimeError(f"no room for {count} ports in {ports.start}-{ports.stop - 1}")
     for _ in range(200):
-        base = free_port()
-        if base + count < 65535 and all(bindable(base + i) for i in range(count)):
+        base = random.randrange(ports.start, ports.stop - count)
+        if all(bindable(base + i) for i in range(count)):
             return base
-    raise RuntimeError(f"no run of {count} free ports found")
+    raise RuntimeError(f"no run of {count} free ports found in {ports.start}-{ports.stop - 1}")
 
 
 def bindable(port: int) -> bool:

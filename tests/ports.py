@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 from benchmarks.common import bindable
+from benchmarks.common import free_port_run as _free_port_run
 
 #: Ports this process already handed out: two services given ports before either binds must not get the same one
 #: (it happened: both workers of a test took one metrics port, and one ran unobserved).
@@ -53,3 +54,15 @@ def free_port(exclude: tuple[int, ...] = (), *, with_successor: bool = False) ->
         _HANDED_OUT.update(taken)
         return port
     raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports of :func:`port_range`, none handed out before (a multi-broker
+    stack derives all its ports from one)."""
+    for _ in range(100):
+        base = _free_port_run(count, port_range())
+        run = set(range(base, base + count))
+        if not run & _HANDED_OUT:
+            _HANDED_OUT.update(run)
+            return base
+    raise RuntimeError(f"no run of {count} ports in {port_range()} that was not handed out already")

@@ -30,8 +30,8 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from ingress_support import KEY, MODEL, running_ingress
 from needs import require
+from ports import free_port_run
 
-from benchmarks.common import free_port_run
 from cli.backbone import devstack
 from cli.backbone.kafka_cluster import node_layouts
 from cli.stack.layout import StackLayout

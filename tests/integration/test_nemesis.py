@@ -17,8 +17,8 @@ import shutil
 
 import pytest
 from needs import require
+from ports import free_port_run
 
-from benchmarks.common import free_port_run
 from benchmarks.nemesis import parser, run
 from benchmarks.nemesis_faults import FAULT_KINDS, can_isolate
 from benchmarks.redis_failover import have_binaries
