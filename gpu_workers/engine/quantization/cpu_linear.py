@@ -145,7 +145,9 @@ def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``numel`` elements of this thread's scratch buffer of ``dtype``, grown as needed (up to ``_SCRATCH_FLOATS``)."""
     buffers = _scratch_buffers.by_dtype
     buffer = buffers.get(dtype)
-    if buffer is None or buffer.numel() < numel:
+    # A buffer made under inference mode (the engine's steps) cannot be written outside it (a check, a test): anew.
+    stale = buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
+    if buffer is None or buffer.numel() < numel or stale:
         buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buffer[:numel]
 

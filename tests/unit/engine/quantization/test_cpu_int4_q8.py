@@ -121,9 +121,13 @@ def test_a_layer_on_int8_activations_stays_close_to_its_float_weight() -> None:
         ref = x.float() @ exact.t() + bias.float()
         assert ((out.float() - ref).norm() / ref.norm()).item() < 0.03
         assert not torch.equal(out, kernel_only(x))  # it did take the new path
-    # A long prefill keeps the unpacked weight's GEMM, the weight unpacked from the kernel's layout now.
+    # A long prefill keeps the unpacked weight's GEMM, the weight unpacked from the kernel's layout now; in and out
+    # of inference mode in either order (its scratch buffers are shared by every layer of the thread).
     x = torch.randn(DENSE_MIN_ROWS, 128).bfloat16()
+    with torch.inference_mode():
+        served = layer(x)
     torch.testing.assert_close(layer(x).float(), kernel_only(x).float(), rtol=0.02, atol=0.02)
+    assert torch.equal(layer(x), served)
     # New codes reach the kernel's copy.
     layer.set_codes(codes.flip(0).int(), torch.full((96, 4), 0.01), torch.zeros(96, 4))
     assert layer.int8_activations and torch.equal(layer.codes(), codes.flip(0))
