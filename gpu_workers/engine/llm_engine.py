@@ -164,7 +164,7 @@ class LLMEngine:
         precision = f"{self.loaded.dtype}".removeprefix("torch.")
         if config.quantization:
             precision += f" {config.quantization}"
-        if any(getattr(m, "int8_activations", False) for m in self.loaded.model.modules()):
+        if self.loaded.int8_activation_layers:
             precision += ", int4 layers on int8 activations"
         if config.lm_head_quantization:
             precision += f", {config.lm_head_quantization} head"

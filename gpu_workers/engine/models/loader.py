@@ -71,6 +71,8 @@ class LoadedModel:
     local_kv_heads: int | None = None
     # The registry's name of the architecture (``MODEL_REGISTRY``), e.g. "Qwen3ForCausalLM".
     architecture: str = ""
+    # 4-bit layers that multiply int8 activations (quantization/cpu_int4_q8.py); part of the engine's arithmetic.
+    int8_activation_layers: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -421,9 +423,10 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         from ..quantization import quantize_model
 
         model = quantize_model(model, config.quantization)
+    int8_layers = 0
     if config.device.type == "cpu" and cpu_int4_q8.wanted(config.cpu_int4_activations):
-        layers = use_int8_activations(model)
-        log.info("int4 layers on int8 activations", extra={"layers": layers, "isa": cpu_int4_q8.isa_name()})
+        int8_layers = use_int8_activations(model)
+        log.info("int4 layers on int8 activations", extra={"layers": int8_layers, "isa": cpu_int4_q8.isa_name()})
     if config.lm_head_quantization is not None:
         quantize_lm_head(model, config.lm_head_quantization)
     return LoadedModel(
@@ -435,4 +438,5 @@ def load_model(config: EngineConfig, tp_group: TPGroup | None = None) -> LoadedM
         kv_scales=kv_scales,
         local_kv_heads=shard.num_kv_heads if shard is not None else None,
         architecture=architecture,
+        int8_activation_layers=int8_layers,
     )

@@ -223,7 +223,7 @@ class CpuInt4Linear(nn.Module):
         self.q4_isa = 0
 
     def extra_repr(self) -> str:
-        act = ", int8 activations" if self.q4 is not None else ""
+        act = ", int8 activations" if self.int8_activations else ""
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}{act}"
 
     @property
