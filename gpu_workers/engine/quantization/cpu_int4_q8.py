@@ -32,9 +32,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_int4_q8.cpp")
 GROUP = 32
-# The kernel takes groups in pairs: K a multiple of 64 (every shipped model's is).
-K_MULTIPLE = 2 * GROUP
-ROW_BLOCK = 4  # output rows stored and computed together (N a multiple of it: every int4 layer's is 16)
+K_MULTIPLE = GROUP
+ROW_BLOCK = 8  # output rows interleaved and computed together (N a multiple of it: every shipped model's is)
 ISA_SCALAR, ISA_AVX2, ISA_VNNI = 0, 1, 2
 ACTIVATIONS = ("bfloat16", "int8", "auto")
 _ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "AVX2", ISA_VNNI: "AVX-512 VNNI"}
@@ -65,7 +64,9 @@ def build_problem() -> str | None:
             sources=[str(SOURCE)],
             # OpenMP, as torch's own ops: at::parallel_for is an OpenMP pragma in ATen's headers, serial without it.
             # The libgomp.so.1 it needs is the one torch already loaded (same soname), so there is one thread pool.
-            extra_cflags=["-O3", "-fopenmp"],
+            # No contraction of a * b + c into one rounding beyond the fma calls written out: every loop must give
+            # the scalar reference's bits.
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -105,7 +106,7 @@ def wanted(setting: str) -> bool:
 
 def _register_fake() -> None:
     @torch.library.register_fake("sluicegate_cpu::int4_q8_mm")
-    def _(x: torch.Tensor, q4: torch.Tensor, d: torch.Tensor, m: torch.Tensor, isa: int) -> torch.Tensor:
+    def _(x: torch.Tensor, q4: torch.Tensor, d: torch.Tensor, z: torch.Tensor, isa: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], q4.shape[0]), dtype=torch.float32)
 
 
@@ -113,48 +114,59 @@ def pack(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's form of codes ``[N, K]`` in 0..15 standing for ``(codes - 8) * scale + zero`` per group of 32:
-    ``q4`` ``[N, K / 2]`` (byte j of a group pair: code j of the first group, low nibble; of the second, high), and
-    ``d``, ``m`` ``[N, K / 32]`` float32 with ``w = d * code + m``; codes and ``d`` stored by blocks of four rows
-    (shapes kept, contents reordered: see the kernel's ``Problem``)."""
+    ``q4`` ``[N, K / 2]`` bytes and ``d``, ``z`` ``[N, K / 32]``, the scale and zero in bfloat16 (as the layers keep
+    them), shapes kept and contents reordered by blocks of eight rows (see the kernel's ``Problem``): per block and
+    group, four runs of 32 bytes, run ``c`` holding for each row in turn its codes ``4c..4c+3`` in the low nibbles
+    and ``16+4c..16+4c+3`` in the high ones; the block's eight scales and eight zeros per group."""
     n, k = codes.shape
     if k % K_MULTIPLE or n % ROW_BLOCK:
         raise ValueError(f"int4 x int8 kernel: [N, K] multiples of [{ROW_BLOCK}, {K_MULTIPLE}], got {[n, k]}")
-    blocks, pairs = n // ROW_BLOCK, k // K_MULTIPLE
-    split = codes.to(torch.uint8).reshape(n, pairs, 2, GROUP)
-    q4 = split[:, :, 0] | (split[:, :, 1] << 4)  # [N, pairs, 32]
-    # By blocks of four rows, in the order the kernel reads them: [N / 4, pairs, 4, 32] bytes, [N / 4, pairs, 4, 2].
-    q4 = q4.reshape(blocks, ROW_BLOCK, pairs, GROUP).transpose(1, 2).reshape(n, k // 2).contiguous()
-    d, z = scale.float(), zero.float()
-    d_blocked = d.reshape(blocks, ROW_BLOCK, pairs, 2).transpose(1, 2).reshape(n, k // GROUP).contiguous()
-    return q4, d_blocked, (z - 8 * d).contiguous()
+    blocks, groups = n // ROW_BLOCK, k // GROUP
+    # [block, row, group, half, run, byte]: the code at K = 32 group + 16 half + 4 run + byte.
+    split = codes.to(torch.uint8).reshape(blocks, ROW_BLOCK, groups, 2, 4, 4)
+    q4 = (split[:, :, :, 0] | (split[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(n, k // 2).contiguous()
+    return q4, _blocked(scale.to(torch.bfloat16)), _blocked(zero.to(torch.bfloat16))
+
+
+def _blocked(per_group: torch.Tensor) -> torch.Tensor:
+    """``[N, G]`` stored as ``[N / 8, G, 8]`` (shape kept)."""
+    n, groups = per_group.shape
+    return per_group.reshape(n // ROW_BLOCK, ROW_BLOCK, groups).transpose(1, 2).reshape(n, groups).contiguous()
+
+
+def _unblocked(blocked: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` (multiples of eight) of a ``_blocked`` tensor, as ``[stop - start, G]``."""
+    n, groups = blocked.shape
+    rows = blocked.view(n // ROW_BLOCK, groups, ROW_BLOCK)[start // ROW_BLOCK : stop // ROW_BLOCK]
+    return rows.transpose(1, 2).reshape(stop - start, groups)
 
 
 def codes_of(q4: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """The codes ``[stop - start, K]`` (uint8) of output rows ``start:stop`` (multiples of four), read back from
+    """The codes ``[stop - start, K]`` (uint8) of output rows ``start:stop`` (multiples of eight), read back from
     the kernel's layout."""
     n, k = q4.shape[0], 2 * q4.shape[1]
-    pairs = k // K_MULTIPLE
-    blocks = q4.view(n // ROW_BLOCK, pairs, ROW_BLOCK, GROUP)[start // ROW_BLOCK : stop // ROW_BLOCK].transpose(1, 2)
-    return torch.stack([blocks & 15, blocks >> 4], dim=3).reshape(stop - start, k)
+    runs = q4.view(n // ROW_BLOCK, k // GROUP, 4, ROW_BLOCK, 4)[start // ROW_BLOCK : stop // ROW_BLOCK]
+    # [block, group, half, run, row, byte] -> [block, row, group, half, run, byte]
+    halves = torch.stack([runs & 15, runs >> 4], dim=2)
+    return halves.permute(0, 4, 1, 2, 3, 5).reshape(stop - start, k)
 
 
 def weight_t(
-    q4: torch.Tensor, d: torch.Tensor, m: torch.Tensor, start: int, stop: int, into: torch.Tensor
+    q4: torch.Tensor, d: torch.Tensor, z: torch.Tensor, start: int, stop: int, into: torch.Tensor
 ) -> torch.Tensor:
-    """Columns ``start:stop`` of ``W^T`` in float32, ``d * code + m``, written into ``into`` ``[K, stop - start]``
-    (contiguous): what a long prefill multiplies by, unpacked from this layout alone."""
+    """Columns ``start:stop`` of ``W^T`` in float32, ``d * code + (z - 8 d)``, written into ``into``
+    ``[K, stop - start]`` (contiguous): what a long prefill multiplies by, unpacked from this layout alone."""
     k, width = 2 * q4.shape[1], stop - start
-    groups = k // GROUP
     into.copy_(codes_of(q4, start, stop).t())
-    n = q4.shape[0]
-    scale = d.view(n // ROW_BLOCK, groups // 2, ROW_BLOCK, 2).transpose(1, 2).reshape(n, groups)[start:stop]
-    view = into.view(groups, GROUP, width)
-    view.mul_(scale.t().unsqueeze(1)).add_(m[start:stop].t().unsqueeze(1))
+    view = into.view(k // GROUP, GROUP, width)
+    scale = _unblocked(d, start, stop).float()
+    shift = _unblocked(z, start, stop).float() - 8 * scale
+    view.mul_(scale.t().unsqueeze(1)).add_(shift.t().unsqueeze(1))
     return into
 
 
-def mm(x: torch.Tensor, q4: torch.Tensor, d: torch.Tensor, m: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+def mm(x: torch.Tensor, q4: torch.Tensor, d: torch.Tensor, z: torch.Tensor, isa: int | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` as float32 ``[M, N]`` through the kernel (``isa`` forces a loop, for the tests)."""
     if x.dtype not in (torch.float32, torch.bfloat16):  # the kernel reads float32 or bfloat16 (a float16 model)
         x = x.float()
-    return torch.ops.sluicegate_cpu.int4_q8_mm(x, q4, d, m, kernel_isa() if isa is None else isa)
+    return torch.ops.sluicegate_cpu.int4_q8_mm(x, q4, d, z, kernel_isa() if isa is None else isa)

@@ -219,7 +219,7 @@ class CpuInt4Linear(nn.Module):
         # With int8 activations (``use_int8_activations``): the codes again in the int4 x int8 kernel's form.
         self.register_buffer("q4", None)
         self.register_buffer("q4_d", None)
-        self.register_buffer("q4_m", None)
+        self.register_buffer("q4_z", None)
         self.q4_isa = 0
 
     def extra_repr(self) -> str:
@@ -258,7 +258,7 @@ class CpuInt4Linear(nn.Module):
         if not cpu_int4_q8.available() or pack_layout() is None:
             return False
         sz = self.scales_and_zeros.float()
-        self.q4, self.q4_d, self.q4_m = cpu_int4_q8.pack(self.codes(), sz[..., 0].t(), sz[..., 1].t())
+        self.q4, self.q4_d, self.q4_z = cpu_int4_q8.pack(self.codes(), sz[..., 0].t(), sz[..., 1].t())
         # Fixed here, a plain int: a compiled step cannot ask torch for its ISA, and it does not change.
         self.q4_isa = cpu_int4_q8.kernel_isa()
         # Nothing reads torch's packed form any more (long prefills unpack the kernel's): one copy of the weights.
@@ -282,7 +282,7 @@ class CpuInt4Linear(nn.Module):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(device, KERNEL_DTYPE).contiguous()
         if self.q4 is not None:  # on int8 activations already: the kernel's copy of the codes follows them
-            self.q4 = self.q4_d = self.q4_m = None
+            self.q4 = self.q4_d = self.q4_z = None
             self.use_int8_activations()
 
     @classmethod
@@ -319,7 +319,7 @@ class CpuInt4Linear(nn.Module):
         slow, for checks)."""
         if self.q4 is not None:
             into = torch.empty(self.in_features, self.out_features, device=self.q4.device)
-            return cpu_int4_q8.weight_t(self.q4, self.q4_d, self.q4_m, 0, self.out_features, into).t().to(dtype)
+            return cpu_int4_q8.weight_t(self.q4, self.q4_d, self.q4_z, 0, self.out_features, into).t().to(dtype)
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.packed.device)
         sz = self.scales_and_zeros.float()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, sz).t().to(dtype)
@@ -340,7 +340,7 @@ class CpuInt4Linear(nn.Module):
         written into ``into`` (``[K, stop - start]``, contiguous); each group's scale and zero broadcast along its
         rows."""
         if self.q4 is not None:
-            return cpu_int4_q8.weight_t(self.q4, self.q4_d, self.q4_m, start, stop, into)
+            return cpu_int4_q8.weight_t(self.q4, self.q4_d, self.q4_z, start, stop, into)
         layout = pack_layout()
         assert layout is not None
         k, g, width = self.in_features, self.group_size, stop - start
@@ -388,7 +388,7 @@ class CpuInt4Linear(nn.Module):
         if dense and flat.device.type == "cpu" and pack_layout() is not None:
             out = self._dense_mm(flat)
         elif self.q4 is not None:
-            out = cpu_int4_q8.mm(flat, self.q4, self.q4_d, self.q4_m, self.q4_isa)
+            out = cpu_int4_q8.mm(flat, self.q4, self.q4_d, self.q4_z, self.q4_isa)
         else:
             flat = flat.to(KERNEL_DTYPE).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)

@@ -52,17 +52,19 @@ def _reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: 
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])
-def test_every_loop_computes_the_reference(rows: int) -> None:
-    n, k = 48, 192
+@pytest.mark.parametrize(("rows", "k"), [(1, 192), (3, 160), (8, 192), (17, 96)])
+def test_every_loop_computes_the_reference(rows: int, k: int) -> None:
+    n = 48
     codes, scale, zero = _layer(n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)).bfloat16()
     q4, d, m = cpu_int4_q8.pack(codes, scale, zero)
     expected = _reference(x, codes, scale, zero)
     dequantized = x.double() @ ((codes.double() - 8) * scale.double().repeat_interleave(32, 1)
                                 + zero.double().repeat_interleave(32, 1)).t()  # fmt: skip
+    scalar = cpu_int4_q8.mm(x, q4, d, m, cpu_int4_q8.ISA_SCALAR)
     for isa in _isas():
         out = cpu_int4_q8.mm(x, q4, d, m, isa)
+        assert torch.equal(out, scalar), f"isa {isa}: every loop gives the scalar loop's bits"
         assert out.dtype == torch.float32 and out.shape == (rows, n)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5, msg=f"isa {isa}")
         # What the 8-bit activations cost against the exact float product: a few per mille to about 1 %.
@@ -134,10 +136,12 @@ def test_a_layer_on_int8_activations_stays_close_to_its_float_weight() -> None:
 
 
 def test_shapes_the_kernel_does_not_take_stay_on_torchs_kernel() -> None:
-    odd = CpuInt4Linear.from_float(torch.randn(32, 96))  # K = 96: not whole group pairs
-    assert not odd.use_int8_activations() and not odd.int8_activations
+    wide = CpuInt4Linear.from_float(torch.randn(32, 128), group_size=64)  # the kernel's groups are 32
+    assert not wide.use_int8_activations() and not wide.int8_activations
     with pytest.raises(ValueError, match="multiples of"):
-        cpu_int4_q8.pack(torch.zeros(32, 96, dtype=torch.int32), torch.ones(32, 3), torch.zeros(32, 3))
+        cpu_int4_q8.pack(torch.zeros(12, 96, dtype=torch.int32), torch.ones(12, 3), torch.zeros(12, 3))
+    with pytest.raises(ValueError, match="multiples of"):
+        cpu_int4_q8.pack(torch.zeros(16, 80, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
 
 
 def test_settings_are_checked_before_anything_loads(tmp_path: Path) -> None:
