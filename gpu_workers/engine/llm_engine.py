@@ -17,10 +17,8 @@ from . import kv_journal
 from .attention import get_attention_backend
 from .config import EngineConfig
 from .core.admission import RequestValidator
-from .core.block_manager import KVBlockManager
 from .core.choices import fork_choices
 from .core.deltas import check_stop, delta_due, make_delta
-from .core.kv_groups import HybridKVBlockManager, kv_group_layout, split_kv_pool
 from .core.request import EngineRequest, PromptInput
 from .core.scheduler import Scheduler
 from .core.sequence import RequestStatus, Sequence
@@ -29,7 +27,7 @@ from .distributed.ranks import TensorParallelRanks, TPModelRunner
 from .execution.batch_invariant import make_batch_invariant
 from .execution.model_runner import ModelRunner
 from .execution.sampler import Sampler
-from .kv_offload import build_offloader
+from .kv_cache_setup import attach_offloader, build_kv_cache
 from .lora.manager import LoRAManager
 from .lora.peft_files import AdapterSpec, load_adapter
 from .lora.request import LoRARequest
@@ -82,44 +80,11 @@ class LLMEngine:
         # A draft model loads before the cache is sized: its weights count as used memory, and its own cache
         # takes one block for each of the target's (the same token capacity), so the budget is split per block.
         draft = build_draft_model(spec, config, self.max_model_len, self.vocab_size, self.tokenizer)
-        num_blocks = config.num_kv_blocks or self.runner.profile_num_blocks(
-            config, self.max_model_len, extra_bytes_per_block=draft.bytes_per_block if draft else 0
-        )
-        if num_blocks * block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache ({num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens) "
-                f"cannot hold one request of max_model_len={self.max_model_len} tokens; give it more blocks "
-                "(num_kv_blocks, cpu_kv_cache_gb or gpu_memory_utilization) or lower max_model_len"
-            )
-        # A draft model's cache and tensor-parallel followers mirror one block table: they keep one group.
-        layout = kv_group_layout(self.loaded.sliding_windows) if config.enable_hybrid_kv_cache else None
-        if layout is not None and (draft is not None or self.tp_ranks is not None):
-            logger.info("hybrid KV cache off: speculative drafts and tensor parallelism mirror one block table")
-            layout = None
-        self.block_manager: KVBlockManager | HybridKVBlockManager
-        if layout is None:
-            self.runner.allocate_kv_cache(num_blocks)
-            self.block_manager = KVBlockManager(
-                num_blocks, block_size, config.enable_prefix_caching, sliding_window=self.loaded.release_window
-            )
-        else:
-            split = split_kv_pool(num_blocks, layout, block_size, config.max_num_seqs, config.max_num_batched_tokens)
-            self.runner.allocate_hybrid_kv_cache(layout, split)
-            self.block_manager = HybridKVBlockManager(*split, block_size, config.enable_prefix_caching, layout.window)
-        if draft is not None:
-            draft.allocate_kv_cache(num_blocks)
+        self.block_manager = build_kv_cache(config, self.loaded, self.runner, draft, self.tp_ranks is not None)
         # Cascade attention and decode CUDA graphs (captured here: they bind the cache's addresses).
         self.runner.setup_decode(config, self.max_model_len)
         self.block_manager.record_kv_events = config.enable_kv_events and config.enable_prefix_caching
-        self.offloader = build_offloader(config, self.runner, self.loaded.dtype, self.block_manager.record_kv_events)
-        if self.offloader is not None and isinstance(self.block_manager, HybridKVBlockManager):
-            # The tiers copy one block table's rows of one set of KV tensors; a hybrid cache has a table and tensors
-            # per layer group.
-            raise ValueError(
-                "KV offload tiers are not supported with the hybrid KV cache of a model mixing sliding and global "
-                "layers; turn the tiers off, or the hybrid cache (enable_hybrid_kv_cache=False)"
-            )
-        self.block_manager.tier = self.offloader
+        self.offloader = attach_offloader(config, self.runner, self.loaded.dtype, self.block_manager)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,

@@ -22,22 +22,17 @@ bf16 dot products (``DENSE_DTYPE``; on AVX512 without them the kernel stays: ``D
 per call into a scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's
 own, exactly, before a bfloat16 product rounds it once (a test pins the unpacking against the kernel's float32
 path). ``benchmarks/int4_dense_prefill.py`` measured the
-crossing point. The packer's layout depends on the instruction set torch dispatches to (:class:`PackLayout`): blocks
-of 64 rows on AVX512, 32 on AVX2 and without vector instructions. The layout is checked once against the kernel
-itself; where it is not the one expected (an instruction set not described here), the kernel multiplies every call.
+crossing point. Reading the packer's layout back is ``cpu_int4_unpack.py``'s job; where that layout is not the one
+expected, the kernel multiplies every call.
 """
 
 from __future__ import annotations
-
-import functools
-import logging
-import threading
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import cpu_int4_q8
+from .cpu_int4_unpack import pack_layout, scratch, unpack_codes
 
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
@@ -63,93 +58,6 @@ DENSE_PATH = _BF16_DOT or not torch.backends.cpu.get_cpu_capability().startswith
 # larger than this unpacks a piece of its output columns at a time.
 _SCRATCH_FLOATS = 16 * 2**20
 
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PackLayout:
-    """How ``_convert_weight_to_int4pack_for_cpu`` lays out rows (``N``): blocks of ``block_n`` rows, each stored
-    K-major as ``[K, block_n / 2]`` bytes. In a whole block of a vectorized build (``split``) the low nibbles of a
-    ``k``'s bytes are the block's first half of rows in order and the high nibbles its second half (AVX512 pairs
-    rows ``d`` / ``d + 32`` and ``d + 16`` / ``d + 48`` in bytes ``d`` and ``16 + d``, AVX2 rows ``d`` / ``d + 16``
-    in byte ``d``). A last, partial block (16, 32 or 48 rows), and every block of the plain build, pairs rows
-    ``2 j`` and ``2 j + 1`` in byte ``j``."""
-
-    block_n: int
-    split: bool
-
-
-def _expected_layout() -> PackLayout:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        return PackLayout(64, split=True)
-    if capability.startswith("AVX2"):
-        return PackLayout(32, split=True)
-    return PackLayout(32, split=False)
-
-
-@functools.cache
-def pack_layout() -> PackLayout | None:
-    """The packer's layout on this machine, once checked against the packer itself (whole and partial blocks);
-    None when it is not the expected one, and then no layer unpacks (the kernel multiplies every call)."""
-    layout = _expected_layout()
-    n, k = 2 * layout.block_n + 16, 32
-    codes = torch.arange(n * k, dtype=torch.int32).reshape(n, k) * 7 % 16
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).view(-1)
-    unpacked = torch.empty(k, n)
-    for start, stop in ((0, 2 * layout.block_n), (2 * layout.block_n, n)):
-        _unpack_codes(packed, layout, n, k, start, stop, unpacked[:, start:stop])
-    if torch.equal(unpacked.t(), codes.float()):
-        return layout
-    log.warning(
-        "int4 CPU layers: torch's packed layout on %s is not the expected one; long prefills use the int4 kernel",
-        torch.backends.cpu.get_cpu_capability(),
-    )
-    return None
-
-
-def _unpack_codes(
-    packed: torch.Tensor, layout: PackLayout, n: int, k: int, start: int, stop: int, into: torch.Tensor
-) -> None:
-    """Codes of rows ``start:stop`` (whole blocks, or the last partial block) into ``into`` ``[K, stop - start]``
-    (contiguous), as floats 0..15: laid out K-major, the codes are ``W^T`` with no transpose copy."""
-    block, half, width = layout.block_n, layout.block_n // 2, stop - start
-    whole = n // block
-    if start < whole * block:
-        blocks = packed[: whole * k * half].view(whole, k, half)[start // block : stop // block].permute(1, 0, 2)
-        if layout.split:
-            dense = into.view(k, width // block, block)
-            dense[..., :half] = blocks & 15
-            dense[..., half:] = blocks >> 4
-        else:
-            pairs = into.view(k, width // block, half, 2)
-            pairs[..., 0] = blocks & 15
-            pairs[..., 1] = blocks >> 4
-    else:
-        tail = packed[whole * k * half :].view(k, width // 2)
-        pairs = into.view(k, width // 2, 2)
-        pairs[..., 0] = tail & 15
-        pairs[..., 1] = tail >> 4
-
-
-class _ScratchBuffers(threading.local):
-    def __init__(self) -> None:
-        self.by_dtype: dict[torch.dtype, torch.Tensor] = {}
-
-
-_scratch_buffers = _ScratchBuffers()
-
-
-def _scratch(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``numel`` elements of this thread's scratch buffer of ``dtype``, grown as needed (up to ``_SCRATCH_FLOATS``)."""
-    buffers = _scratch_buffers.by_dtype
-    buffer = buffers.get(dtype)
-    # A buffer made under inference mode (the engine's steps) cannot be written outside it (a check, a test): anew.
-    stale = buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
-    if buffer is None or buffer.numel() < numel or stale:
-        buffer = buffers[dtype] = torch.empty(numel, dtype=dtype)
-    return buffer[:numel]
 
 
 _OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm")
@@ -241,7 +149,7 @@ class CpuInt4Linear(nn.Module):
         codes = torch.empty(n, k, dtype=torch.uint8, device=self.packed.device)
         for start, stop in self._column_pieces():
             into = torch.empty(k, stop - start, device=self.packed.device)
-            _unpack_codes(self.packed.view(-1), layout, n, k, start, stop, into)
+            unpack_codes(self.packed.view(-1), layout, n, k, start, stop, into)
             codes[start:stop] = into.t().to(torch.uint8)
         return codes
 
@@ -344,7 +252,7 @@ class CpuInt4Linear(nn.Module):
         layout = pack_layout()
         assert layout is not None
         k, g, width = self.in_features, self.group_size, stop - start
-        _unpack_codes(self.packed.view(-1), layout, self.out_features, k, start, stop, into)
+        unpack_codes(self.packed.view(-1), layout, self.out_features, k, start, stop, into)
         sz = self.scales_and_zeros[:, start:stop].float().unsqueeze(1)
         # (q - 8) * s + z, fused as the kernel's float32 path computes it (bit for bit: the tests compare).
         codes = into.view(k // g, g, width).sub_(8)
@@ -369,10 +277,10 @@ class CpuInt4Linear(nn.Module):
         k = self.in_features
 
         def unpacked(start: int, stop: int) -> torch.Tensor:
-            weight = self._unpack(start, stop, _scratch(k * (stop - start)).view(k, -1))
+            weight = self._unpack(start, stop, scratch(k * (stop - start)).view(k, -1))
             if dtype == torch.float32:
                 return weight
-            return _scratch(k * (stop - start), dtype).view(k, -1).copy_(weight)
+            return scratch(k * (stop - start), dtype).view(k, -1).copy_(weight)
 
         pieces = self._column_pieces()
         if len(pieces) == 1:  # the common case: no copy into a separate output
