@@ -59,7 +59,6 @@ DENSE_PATH = _BF16_DOT or not torch.backends.cpu.get_cpu_capability().startswith
 _SCRATCH_FLOATS = 16 * 2**20
 
 
-
 _OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm")
 
 
