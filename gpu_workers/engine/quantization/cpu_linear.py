@@ -18,7 +18,9 @@ result is widened back.
 
 Past ``DENSE_MIN_ROWS`` rows (a long prefill) the int4 kernel, compute-bound, is slower than unpacking the codes and
 running a dense GEMM, so ``CpuInt4Linear`` does that instead: into float32 on AVX2, into bfloat16 where the CPU has
-bf16 dot products (``DENSE_DTYPE``; on AVX512 without them the kernel stays: ``DENSE_PATH``). The weight is unpacked
+bf16 dot products (``DENSE_DTYPE``; on AVX512 without them the kernel stays: ``DENSE_PATH``). Layers on int8
+activations (``cpu_int4_q8.py``) keep their kernel longer: on AVX2 always, with bf16 dot products up to
+``INT8_DENSE_MIN_ROWS``. The weight is unpacked
 per call into a scratch buffer shared by every layer, so the weights stay 4-bit in memory, and it is the kernel's
 own, exactly, before a bfloat16 product rounds it once (a test pins the unpacking against the kernel's float32
 path). ``benchmarks/int4_dense_prefill.py`` measured the
@@ -46,6 +48,10 @@ DEFAULT_INT4_GROUP = 32
 # AVX512_BF16 CPU behaves as an AVX2 one, so choosing as on AVX2 keeps such a run what an AVX2 machine would do.
 _BF16_DOT = torch.cpu._is_avx512_bf16_supported() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 DENSE_MIN_ROWS = 160 if _BF16_DOT else 128
+# The same crossing for layers on int8 activations (the int4 x int8 kernel), None where it never comes: on AVX2 that
+# kernel beat the unpacked float32 weight at every size up to 2,048 rows (0.12-0.76x its time), with AVX512_BF16 it
+# loses to the unpacked bfloat16 one from about 1,024 (1.08x at 1,024, 1.26x at 2,048; 0.87x at 512).
+INT8_DENSE_MIN_ROWS = 768 if _BF16_DOT else None
 # The unpacked weight's dtype: bfloat16 where the CPU has bf16 dot products (AVX512_BF16), float32 elsewhere (a
 # bfloat16 GEMM without them is several times slower than float32).
 DENSE_DTYPE = torch.bfloat16 if _BF16_DOT else torch.float32
@@ -153,8 +159,8 @@ class CpuInt4Linear(nn.Module):
         return codes
 
     def use_int8_activations(self) -> bool:
-        """From now on multiply what torch's int4 kernel would (up to ``DENSE_MIN_ROWS`` rows, every row under the
-        deterministic mode) by the int4 x int8 kernel instead (``cpu_int4_q8.py``: activations quantized per group
+        """From now on multiply what torch's int4 kernel would (up to ``INT8_DENSE_MIN_ROWS`` rows, every row under
+        the deterministic mode) by the int4 x int8 kernel instead (``cpu_int4_q8.py``: activations quantized per group
         of 32, as llama.cpp does). False, and nothing changes, where it cannot run: a group size other than 32, a
         shape the kernel does not take, no kernel built here."""
         if self.q4 is not None:
@@ -291,7 +297,8 @@ class CpuInt4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        dense = DENSE_PATH and not self.batch_invariant and flat.shape[0] >= DENSE_MIN_ROWS
+        dense_from = DENSE_MIN_ROWS if self.q4 is None else INT8_DENSE_MIN_ROWS
+        dense = DENSE_PATH and not self.batch_invariant and dense_from is not None and flat.shape[0] >= dense_from
         if dense and flat.device.type == "cpu" and pack_layout() is not None:
             out = self._dense_mm(flat)
         elif self.q4 is not None:

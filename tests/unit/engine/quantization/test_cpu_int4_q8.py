@@ -14,7 +14,13 @@ from needs import needs
 
 from gpu_workers.engine.config import EngineConfig
 from gpu_workers.engine.quantization import cpu_int4_q8
-from gpu_workers.engine.quantization.cpu_linear import DENSE_MIN_ROWS, CpuInt4Linear, use_int8_activations
+from gpu_workers.engine.quantization.cpu_linear import (
+    DENSE_MIN_ROWS,
+    DENSE_PATH,
+    INT8_DENSE_MIN_ROWS,
+    CpuInt4Linear,
+    use_int8_activations,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[4]
 needs_kernel = needs(cpu_int4_q8.build_problem() is None, "the int4 x int8 kernel built", "apt-get install g++")
@@ -123,13 +129,18 @@ def test_a_layer_on_int8_activations_stays_close_to_its_float_weight() -> None:
         ref = x.float() @ exact.t() + bias.float()
         assert ((out.float() - ref).norm() / ref.norm()).item() < 0.03
         assert not torch.equal(out, kernel_only(x))  # it did take the new path
-    # A long prefill keeps the unpacked weight's GEMM, the weight unpacked from the kernel's layout now; in and out
-    # of inference mode in either order (its scratch buffers are shared by every layer of the thread).
+    # Past torch's kernel's crossing (DENSE_MIN_ROWS) the int8 kernel still serves: it beats the unpacked weight.
     x = torch.randn(DENSE_MIN_ROWS, 128).bfloat16()
-    with torch.inference_mode():
-        served = layer(x)
-    torch.testing.assert_close(layer(x).float(), kernel_only(x).float(), rtol=0.02, atol=0.02)
-    assert torch.equal(layer(x), served)
+    through_kernel = cpu_int4_q8.mm(x, layer.q4, layer.q4_d, layer.q4_z).bfloat16() + bias
+    assert torch.equal(layer(x), through_kernel)
+    if INT8_DENSE_MIN_ROWS is not None and DENSE_PATH:
+        # Its own crossing takes the unpacked weight's GEMM, unpacked from the kernel's layout; in and out of
+        # inference mode in either order (its scratch buffers are shared by every layer of the thread).
+        x = torch.randn(INT8_DENSE_MIN_ROWS, 128).bfloat16()
+        with torch.inference_mode():
+            served = layer(x)
+        torch.testing.assert_close(layer(x).float(), kernel_only(x).float(), rtol=0.02, atol=0.02)
+        assert torch.equal(layer(x), served)
     # New codes reach the kernel's copy.
     layer.set_codes(codes.flip(0).int(), torch.full((96, 4), 0.01), torch.zeros(96, 4))
     assert layer.int8_activations and torch.equal(layer.codes(), codes.flip(0))
