@@ -76,9 +76,10 @@ class EngineSettings(SettingsBase):
     cpu_int4_activations: Literal["bfloat16", "int8", "auto"] = Field(
         "auto",
         description="On the CPU, what layers kept in 4 bits multiply by. int8: activations quantized per group of "
-        "32 (as llama.cpp does) and integer dot products, in a kernel built at start with the C++ compiler; on AVX2 "
-        "half the time of torch's int4 kernel at one row. bfloat16: torch's int4 kernel, more precise. auto: int8 "
-        "where torch dispatches to AVX2, bfloat16 elsewhere (with AVX-512 torch's kernel is about as fast).",
+        "32 (as llama.cpp does) and integer dot products, in a kernel built at start with the C++ compiler: 0.43x "
+        "the time of torch's int4 kernel at one row on AVX2, 0.80x with AVX-512 VNNI, about half at eight rows. "
+        "bfloat16: torch's int4 kernel, more precise (its perplexity about 2.5 % lower). auto: int8 wherever torch "
+        "dispatches to AVX2 or AVX-512 and the kernel builds, bfloat16 elsewhere.",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of GPU memory the engine may use (weights, activations, KV cache)."

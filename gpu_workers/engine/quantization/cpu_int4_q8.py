@@ -91,16 +91,18 @@ def available() -> bool:
 
 
 def wanted(setting: str) -> bool:
-    """Whether ``cpu_int4_activations=setting`` puts the layers on this kernel here. "auto" does where torch
-    dispatches to AVX2: there the layers took 0.49x the time of torch's kernel at one row and 0.78-0.82x at 4-64
-    (docs/benchmarks.md). With AVX-512 torch's own kernel is vectorized too (0.90-1.01x), so "auto" keeps bfloat16
-    activations there, which also lose less precision."""
+    """Whether ``cpu_int4_activations=setting`` puts the layers on this kernel here. "auto" does wherever the kernel
+    runs (torch dispatching to AVX2 or AVX-512, the kernel built): the 120 products of a SmolLM2 step took 0.43x the
+    time of torch's kernel at one row and 0.46x at eight on AVX2, 0.80x and 0.54x with AVX-512 VNNI; a one-thread
+    decode step of the served default 1.3x faster at batch 1 and 1.6x at batch 8 with AVX-512 (docs/benchmarks.md).
+    The price is llama.cpp's: 8-bit activations move a few near-ties (docs/quality.md); "bfloat16" keeps torch's
+    kernel and the more precise products."""
     if setting not in ACTIVATIONS:
         raise ValueError(f"unknown cpu_int4_activations {setting!r}; use one of {ACTIVATIONS}")
     if setting == "int8":
         return True
     if setting == "auto":
-        return torch.backends.cpu.get_cpu_capability() == "AVX2" and available()
+        return available()
     return False
 
 

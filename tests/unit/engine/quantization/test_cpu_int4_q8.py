@@ -166,13 +166,15 @@ def test_settings_are_checked_before_anything_loads(tmp_path: Path) -> None:
 
 
 @needs_kernel
-def test_auto_takes_the_kernel_where_torch_dispatches_to_avx2() -> None:
-    """ "auto" follows the ISA torch dispatches to (a fresh interpreter: ATen reads ATEN_CPU_CAPABILITY once)."""
+@pytest.mark.parametrize(("capability", "expected"), [("avx2", ["True", "AVX2"]), ("default", ["False", "scalar"])])
+def test_auto_takes_the_kernel_wherever_torch_dispatches_to_vectors(capability: str, expected: list[str]) -> None:
+    """ "auto" follows the ISA torch dispatches to (a fresh interpreter: ATen reads ATEN_CPU_CAPABILITY once): the
+    kernel from AVX2 on, torch's own kernel without vector instructions (the scalar loop is only a reference)."""
     code = "from gpu_workers.engine.quantization import cpu_int4_q8 as q; print(q.wanted('auto'), q.isa_name())"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "ATEN_CPU_CAPABILITY": capability}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=180, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "AVX2"]
-    on_this_cpu = torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert cpu_int4_q8.wanted("auto") is on_this_cpu
+    assert done.stdout.split() == expected
+    vectors = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    assert cpu_int4_q8.wanted("auto") is vectors
