@@ -8,12 +8,21 @@ them without Python; the projections' kernels (torch's int4 / int8 / dense matmu
 
 What makes one graph possible is attention: the torch backend plans each step on the host, which would break the
 graph at every layer, so a compiled step's metadata says ``compiled_decode`` and the backend attends in tensor
-operations alone (``attention/gathered_decode.py``). Only pure decode steps go through the graph; prefill chunks,
-mixed steps and anything this module refuses (``unsupported``) run eagerly, as before.
+operations alone (``attention/gathered_decode.py``). Decode steps go through the graph, and so do short
+prompt-taking steps (prefill chunks, mixed steps; ``takes``), every token a row over its own context as the
+deterministic mode runs them (below): the 40-odd small operations a layer cost such a step as much as its products
+(a chat prompt's prefill 4-9 ms faster on two cores, docs/benchmarks.md). Longer ones, and anything this module
+refuses (``unsupported``), run eagerly.
 
-Shapes: a step of one row is compiled on its own (Inductor specializes size 1), steps of 2 to ``MAX_ROWS`` rows
-share one graph with the row count and the block-table width dynamic, so a server compiles twice, at start
-(``warm_up``), and Inductor's on-disk cache makes a restart cheap.
+Shapes: a decode step of one row is compiled on its own (Inductor specializes size 1, and it attends with
+``gathered_decode``); every other step the graph takes runs as token rows through one graph of 2 to ``MAX_ROWS`` rows,
+the row count and the block-table width dynamic, whose attention also reads the keys the step itself computes
+(``attention/gathered_invariant.py``; a lone prompt token gets a throwaway companion row). Decode batches gain by it
+too: at 1,000 tokens of context a batch of 8 stepped in 79-84 ms against 104-106 through ``gathered_decode``. So a
+server compiles twice, at start (``warm_up``), and Inductor's on-disk cache makes a restart cheap. Inductor writes the
+thread count into its kernels: both graphs are built for the engine's own count, the decode steps'; prompt-taking
+steps on more threads (``cpu_prefill_threads``) get them in the projections' kernels, which read torch's count when
+they run.
 
 Under the deterministic mode (``invariant``) every step runs through the graph, prompt tokens as rows of their own
 (``invariant_rows.py``), attended alone over their own contexts (``attention/gathered_invariant.py``), so a token's
@@ -48,6 +57,11 @@ logger = logging.getLogger(__name__)
 # The largest decode batch run through the graph; larger ones run eagerly (where the projections' kernels change
 # with the row count: quantization/cpu_linear.py's DENSE_MIN_ROWS).
 MAX_ROWS = 64
+# Prompt-taking steps the graph takes: at most this many tokens, over contexts at most this long. Each row gathers its
+# whole context, so the rows' attention reads tokens x context keys where the eager path's flash attention reads the
+# context once: past these, eager is cheaper.
+ROWS_MAX_TOKENS = MAX_ROWS
+ROWS_MAX_CONTEXT = 256
 # The deterministic mode's longest block table: its attention sums a context block by block, and the compiler cuts a
 # float sum longer than 4096 its own way (gathered_invariant.py). 4096 blocks of 16: 65,536 tokens.
 MAX_INVARIANT_BLOCKS = 4096
@@ -156,20 +170,34 @@ class CompiledCpuDecode:
             options["emulate_precision_casts"] = True
         self._step = torch.compile(_own_code(step), fullgraph=True, dynamic=False, options=options)
 
-    @staticmethod
-    def fits(rows: int) -> bool:
-        return 1 <= rows <= MAX_ROWS
+    def takes(self, prepared: DecodeBatch, decode_only: bool) -> bool:
+        """Whether a prepared step runs through the graphs: every step in the deterministic mode; otherwise decode
+        steps of up to ``MAX_ROWS`` rows, and prompt-taking steps within ``ROWS_MAX_TOKENS`` and
+        ``ROWS_MAX_CONTEXT``."""
+        tokens = prepared.input_ids.shape[0]
+        if self.invariant:
+            return True
+        if decode_only:
+            return 1 <= tokens <= MAX_ROWS
+        return tokens <= ROWS_MAX_TOKENS and prepared.meta.max_seq_len <= ROWS_MAX_CONTEXT
+
+    def forward(self, prepared: DecodeBatch, decode_only: bool) -> torch.Tensor:
+        """Hidden states of a step ``takes`` accepted: a lone decode row through its own graph, the rest as rows."""
+        if decode_only and prepared.input_ids.shape[0] == 1 and not self.invariant:
+            return self.run(prepared)
+        return self.run_step(prepared.input_ids, prepared.positions, prepared.meta)
 
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The deterministic mode: hidden states of any step (prefill, mixed or decode), every token a row."""
+        """Hidden states of any step (prefill, mixed or decode), every token a row."""
         hidden = [self.run(rows) for rows in token_rows(input_ids, positions, meta, MAX_ROWS)]
         return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def run(self, prepared: DecodeBatch) -> torch.Tensor:
-        """Hidden states of a prepared pure-decode batch (its metadata is marked for the compiled path); the
-        step's new K/V are in the cache when it returns."""
+        """Hidden states of a prepared decode batch or batch of token rows (with ``fresh_from``; its metadata is
+        marked for the compiled path); the step's new K/V are in the cache when it returns."""
         rows = prepared.input_ids.shape[0]
-        if self.invariant and rows == 1:
+        as_rows = prepared.meta.fresh_from is not None  # token rows (the rows' graph), not a decode batch
+        if as_rows and rows == 1:
             prepared = with_companion(prepared.input_ids, prepared.positions, prepared.meta)
         meta = prepared.meta
         tables = meta.block_tables
@@ -180,7 +208,7 @@ class CompiledCpuDecode:
         meta.block_tables = tables
         meta.compiled_decode = True
         meta.new_kv = []
-        _mark(tables, 1, 2, MAX_INVARIANT_BLOCKS if self.invariant else None)
+        _mark(tables, 1, 2, MAX_INVARIANT_BLOCKS if as_rows else None)
         if prepared.input_ids.shape[0] > 1:
             marked = [prepared.input_ids, prepared.positions, meta.slot_mapping, meta.seq_lens, tables]
             for tensor in marked if meta.fresh_from is None else [*marked, meta.fresh_from]:
@@ -193,21 +221,28 @@ class CompiledCpuDecode:
         return hidden[:rows]
 
     def warm_up(self, target: DecodeTarget) -> None:
-        """Compile the one-row and the many-row graphs now, with steps over block 0 (free at start: a sequence
-        writes its slots before it reads them), so no request waits for the compiler."""
+        """Compile the graphs now (the one-row decode graph and the rows graph; the deterministic mode's rows graph
+        alone), with steps over block 0 (free at start: a sequence writes its slots before it reads them), so no
+        request waits for the compiler."""
         started = time.perf_counter()
         bs = target.block_size
-        for rows in (2,) if self.invariant else (1, 2):
+        # (rows, as token rows): as rows, every row's key is fresh from its own position.
+        variants = [(2, True)] if self.invariant else [(1, False), (2, True)]
+        for rows, as_rows in variants:
             positions = [bs + 1] * rows
             prepared = target.build(
                 [0] * rows, positions, list(range(rows)), list(range(rows + 1)), [p + 1 for p in positions],
                 [[0, 0]] * rows, list(range(rows)), [], 1,
             )  # fmt: skip
-            if self.invariant:
+            if as_rows:
                 prepared.meta.fresh_from = prepared.positions.clone()
             self.run(prepared)
         seconds = time.perf_counter() - started
-        shapes = f"every step as rows, 2-{MAX_ROWS} a call" if self.invariant else f"1 and 2-{MAX_ROWS} rows"
+        shapes = (
+            f"every step as rows, 2-{MAX_ROWS} a call"
+            if self.invariant
+            else f"a lone decode row; 2-{MAX_ROWS} decode rows, or prompt steps up to {ROWS_MAX_TOKENS} tokens, as rows"
+        )
         logger.info("decode steps compiled for the CPU in %.1f s (%s)", seconds, shapes)
 
 

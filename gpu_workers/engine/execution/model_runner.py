@@ -284,10 +284,8 @@ class ModelRunner(StepInputs):
         step_lora = lora.context.active(lora.batch_for(prepared.runs)) if lora is not None else nullcontext()
         compiled = self.compiled_decode
         with torch.inference_mode(), step_lora:
-            if compiled is not None and compiled.invariant:
-                hidden = compiled.run_step(prepared.input_ids, prepared.positions, prepared.meta)
-            elif compiled is not None and decode_only and not calibrate and compiled.fits(len(batch.seqs)):
-                hidden = compiled.run(prepared)
+            if compiled is not None and not calibrate and compiled.takes(prepared, decode_only):
+                hidden = compiled.forward(prepared, decode_only)
             else:
                 hidden = self.model(prepared.input_ids, prepared.positions, prepared.meta)
             if calibrate and self.kv_scales is not None:

@@ -4,6 +4,7 @@ one row and many, prompts across block boundaries; what it refuses, by name; eag
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,50 @@ def test_in_the_deterministic_mode_every_step_is_compiled_and_gives_transformers
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in cases]
     assert [out.token_ids for out in llm.generate([p for p, _ in cases], params)] == expected
     assert max(steps) > cpu_decode_compile.MAX_ROWS, "a step longer than the graph's rows runs in pieces"
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_short_prompt_steps_run_as_token_rows_and_give_transformers_tokens(
+    make_llm: Callable[..., LLM], model_dir: Callable[[str], Path], hf_reference: HFReference
+) -> None:
+    """Prefill chunks and mixed steps of up to ``ROWS_MAX_TOKENS`` tokens over contexts up to ``ROWS_MAX_CONTEXT``
+    go through the graph, every token a row (prefix hits, chunks of 16, decode rows beside them, a lone token); a
+    longer context's chunks stay eager. Greedy tokens equal transformers' either way."""
+    path = model_dir("llama3_tied")
+    llm = make_llm(path, dtype="float32", compile_cpu_decode=True, max_num_batched_tokens=16, num_kv_blocks=96)
+    runner = llm.engine.runner
+    compiled = runner.compiled_decode
+    assert compiled is not None and not compiled.invariant
+    as_rows: list[tuple[int, int]] = []
+    run_step = compiled.run_step
+
+    def counting(input_ids: Any, positions: Any, meta: Any) -> Any:
+        as_rows.append((int(input_ids.shape[0]), int(meta.max_seq_len)))
+        return run_step(input_ids, positions, meta)
+
+    compiled.run_step = counting  # type: ignore[method-assign]
+    eager: list[int] = []
+    model = runner.model
+
+    def eager_forward(input_ids: Any, positions: Any, meta: Any) -> Any:
+        eager.append(int(meta.max_seq_len))
+        return model(input_ids, positions, meta)
+
+    runner.model = eager_forward  # the graphs hold the model itself: only eager steps call this
+    runner.model.compute_logits = model.compute_logits  # type: ignore[attr-defined]
+    rng = random.Random(3)
+    system = [rng.randrange(3, 512) for _ in range(40)]
+    cases = [(system + [rng.randrange(3, 512) for _ in range(n)], m) for n, m in ((5, 12), (23, 7), (1, 20), (60, 3))]
+    cases.append(([rng.randrange(3, 512) for _ in range(300)], 4))  # past ROWS_MAX_CONTEXT from its 17th chunk
+    expected = [hf_reference.greedy(path, prompt, n) for prompt, n in cases]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in cases]
+    assert [out.token_ids for out in llm.generate([p for p, _ in cases], params)] == expected
+    again = llm.generate([cases[2][0]], params[2])  # its 40 + 1 tokens: 32 from the cache, 9 as rows
+    assert again[0].token_ids == expected[2]
+    assert as_rows and max(tokens for tokens, _ in as_rows) <= 16
+    assert max(context for _, context in as_rows) <= cpu_decode_compile.ROWS_MAX_CONTEXT
+    assert eager and min(eager) > cpu_decode_compile.ROWS_MAX_CONTEXT, "only the long context's chunks run eagerly"
 
 
 @needs_compiler
