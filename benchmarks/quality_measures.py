@@ -192,8 +192,8 @@ ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
     "gguf kept: Q4_1 blocks int4, Q8_0 LM head int8": {"quantization": "gguf"},
     "gguf kept, fp32 model (bf16 kernel inputs)": {"dtype": "float32", "quantization": "gguf"},
     "cpu-int4: Q4_1 blocks int4, LM head bf16": {"quantization": "cpu-int4"},
-    "cpu-int4, W8A8 LM head (as `up` serves on the CPU)": {"quantization": "cpu-int4", "lm_head_quantization": "w8a8"},
-    "cpu-int4 on int8 activations, W8A8 LM head (as `up` serves on AVX2)": {
+    "cpu-int4, W8A8 LM head, bfloat16 activations": {"quantization": "cpu-int4", "lm_head_quantization": "w8a8"},
+    "cpu-int4 on int8 activations, W8A8 LM head (as `up` serves on the CPU)": {
         "quantization": "cpu-int4",
         "lm_head_quantization": "w8a8",
         "cpu_int4_activations": "int8",

@@ -92,9 +92,9 @@ def test_int8_at_least_as_good_as_transformers(gguf: Path, reference: qm.Referen
 
 # Measured (docs/quality.md): gguf 0.9734 / -0.13%, cpu-int4 0.9652 / -0.23%, cpu-int8 0.9468 / -0.14%; the
 # dequantized model in bf16 scores 0.9693 / -0.46%: keeping the Q4_1 blocks costs no more than bf16 itself.
-# The W8A8 LM head over cpu-int4 (`up`'s CPU default): 0.955 / -0.68% (its activations' rounding flips a few
-# near-ties; the perplexity stays). With the 4-bit layers on int8 activations too (`up` on AVX2; llama.cpp's own
-# arithmetic): 0.914 / +2.0% here, 0.937 / +2.6% with every kernel capped at AVX2.
+# The W8A8 LM head over cpu-int4: 0.955 / -0.68% (its activations' rounding flips a few near-ties; the perplexity
+# stays). With the 4-bit layers on int8 activations too (`up`'s CPU default; llama.cpp's own arithmetic): 0.914 /
+# +1.6% here; the kernel's first form gave 0.937 / +2.6% with every kernel capped at AVX2.
 @pytest.mark.parametrize(
     ("quantization", "lm_head", "activations", "min_agreement", "max_perplexity_change"),
     [
