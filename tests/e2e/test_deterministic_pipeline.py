@@ -1,5 +1,5 @@
 """The deterministic mode through the real pipeline, as ``up`` serves on the CPU (bfloat16 with the weights kept
-4-bit, ``cpu-int4``, the W8A8 LM head, steps compiled), two workers:
+4-bit, ``cpu-int4``, on int8 activations where that kernel runs, the W8A8 LM head, steps compiled), two workers:
 
 - ``kill -9`` of the worker generating a greedy and a seeded sampled request: the next owner re-runs prompt +
   delivered tokens, and both requests end with exactly the tokens of a clean run (the mode prefills the delivered
@@ -30,7 +30,12 @@ __all__ = ["tiny_model_dir"]  # the paced model, shared with test_recovery
 
 MAX_TOKENS = 200
 # ``up``'s default on a CPU with bfloat16 instructions (cli/stack/launcher.py), with the mode on.
-PRECISION = {"dtype": "bfloat16", "quantization": "cpu-int4", "lm_head_quantization": "w8a8"}
+PRECISION = {
+    "dtype": "bfloat16",
+    "quantization": "cpu-int4",
+    "lm_head_quantization": "w8a8",
+    "cpu_int4_activations": "auto",  # the workers' default; the engine's own is bfloat16
+}
 SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 7}
 CROWD_PROMPTS = [f"Item {i}: the {word} of the river" for i, word in enumerate("abcdefghijkl")]
 CROWD_TOKENS = 24
@@ -44,6 +49,7 @@ def pipeline_env() -> dict[str, str]:
         "SLUICEGATE_DTYPE": PRECISION["dtype"],
         "SLUICEGATE_QUANTIZATION": PRECISION["quantization"],
         "SLUICEGATE_LM_HEAD_QUANTIZATION": PRECISION["lm_head_quantization"],
+        "SLUICEGATE_CPU_INT4_ACTIVATIONS": PRECISION["cpu_int4_activations"],
         "SLUICEGATE_COMPILE_CPU_DECODE": "true",
     }
 
