@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_int4_q8.cpp")
 GROUP = 32
-K_MULTIPLE = GROUP
 ROW_BLOCK = 8  # output rows interleaved and computed together (N a multiple of it: every shipped model's is)
 ISA_SCALAR, ISA_AVX2, ISA_VNNI = 0, 1, 2
 ACTIVATIONS = ("bfloat16", "int8", "auto")
@@ -121,8 +120,8 @@ def pack(
     group, four runs of 32 bytes, run ``c`` holding for each row in turn its codes ``4c..4c+3`` in the low nibbles
     and ``16+4c..16+4c+3`` in the high ones; the block's eight scales and eight zeros per group."""
     n, k = codes.shape
-    if k % K_MULTIPLE or n % ROW_BLOCK:
-        raise ValueError(f"int4 x int8 kernel: [N, K] multiples of [{ROW_BLOCK}, {K_MULTIPLE}], got {[n, k]}")
+    if k % GROUP or n % ROW_BLOCK:
+        raise ValueError(f"int4 x int8 kernel: [N, K] multiples of [{ROW_BLOCK}, {GROUP}], got {[n, k]}")
     blocks, groups = n // ROW_BLOCK, k // GROUP
     # [block, row, group, half, run, byte]: the code at K = 32 group + 16 half + 4 run + byte.
     split = codes.to(torch.uint8).reshape(blocks, ROW_BLOCK, groups, 2, 4, 4)

@@ -165,8 +165,9 @@ class CpuInt4Linear(nn.Module):
         shape the kernel does not take, no kernel built here."""
         if self.q4 is not None:
             return True
-        n, k = self.out_features, self.in_features
-        if self.group_size != cpu_int4_q8.GROUP or k % cpu_int4_q8.K_MULTIPLE or n % cpu_int4_q8.ROW_BLOCK:
+        n = self.out_features
+        # K is a multiple of the group size already (int4_shape_problem).
+        if self.group_size != cpu_int4_q8.GROUP or n % cpu_int4_q8.ROW_BLOCK:
             return False
         if not cpu_int4_q8.available() or pack_layout() is None:
             return False
